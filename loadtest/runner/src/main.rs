@@ -1,0 +1,2 @@
+//! bulwark-loadtest: scenarios, demo and sandbox.
+fn main() {}

@@ -1,0 +1,1 @@
+//! bulwark-sim: a simulated kube-apiserver fleet.

@@ -1,0 +1,2 @@
+//! The `bulwark-sim` binary.
+fn main() {}

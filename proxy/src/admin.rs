@@ -1,0 +1,1 @@
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/*` (DESIGN.md step 10).

@@ -1,0 +1,2 @@
+//! The `bulwark` binary.
+fn main() {}

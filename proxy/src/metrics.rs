@@ -1,0 +1,165 @@
+//! Bulwark's Prometheus metrics: registered once, passed to every stage, never global.
+//!
+//! Names and labels are the contract of DESIGN.md's metrics table; label values are bounded
+//! (resources known or `other`, replicas from config, reasons from [`Reason`]).
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+use crate::status::Reason;
+
+/// Who produced a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServedBy {
+    /// Bulwark's cache answered.
+    Cache,
+    /// An apiserver replica answered.
+    Upstream,
+    /// Bulwark answered by itself (a rejection or an error).
+    Bulwark,
+}
+
+impl ServedBy {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServedBy::Cache => "cache",
+            ServedBy::Upstream => "upstream",
+            ServedBy::Bulwark => "bulwark",
+        }
+    }
+}
+
+/// Every metric Bulwark exports, registered in one registry.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// `bulwark_requests_total{verb, resource, code, served_by}`.
+    pub requests_total: IntCounterVec,
+    /// `bulwark_request_duration_seconds{verb, served_by}`.
+    pub request_duration_seconds: HistogramVec,
+    /// `bulwark_rejected_requests_total{rule, level, reason}`.
+    pub rejected_requests_total: IntCounterVec,
+    /// `bulwark_upstream_responses_total{replica, code_class}`.
+    pub upstream_responses_total: IntCounterVec,
+    /// `bulwark_upstream_healthy{replica}`: 1 when the replica takes traffic.
+    pub upstream_healthy: IntGaugeVec,
+    /// `bulwark_upstream_in_flight{replica}`: requests waiting for their response head.
+    pub upstream_in_flight: IntGaugeVec,
+    /// `bulwark_upstream_watches{replica}`: open watch streams.
+    pub upstream_watches: IntGaugeVec,
+    /// `bulwark_authz_reviews_total{kind, result}`.
+    pub authz_reviews_total: IntCounterVec,
+}
+
+impl Metrics {
+    /// Creates and registers every metric in a fresh registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
+                .expect("valid metric definition");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("metric registered once");
+            c
+        };
+        let requests_total = counter(
+            "requests_total",
+            "Requests answered, by verb, resource, status code and who served them.",
+            &["verb", "resource", "code", "served_by"],
+        );
+        let rejected_requests_total = counter(
+            "rejected_requests_total",
+            "Requests Bulwark refused, by rule, priority level and reason.",
+            &["rule", "level", "reason"],
+        );
+        let upstream_responses_total = counter(
+            "upstream_responses_total",
+            "Responses from each apiserver replica, by status class (2xx..5xx, or error).",
+            &["replica", "code_class"],
+        );
+        let authz_reviews_total = counter(
+            "authz_reviews_total",
+            "TokenReviews and SubjectAccessReviews, by kind and result.",
+            &["kind", "result"],
+        );
+        let gauge = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
+                .expect("valid metric definition");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("metric registered once");
+            g
+        };
+        let upstream_healthy = gauge(
+            "upstream_healthy",
+            "1 when the apiserver replica takes traffic, 0 while it is ejected.",
+            &["replica"],
+        );
+        let upstream_in_flight = gauge(
+            "upstream_in_flight",
+            "Requests sent to the replica that wait for their response head.",
+            &["replica"],
+        );
+        let upstream_watches = gauge(
+            "upstream_watches",
+            "Watch streams open to the replica.",
+            &["replica"],
+        );
+        let request_duration_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "bulwark_request_duration_seconds",
+                "Time from request head to response head, by verb and who served it.",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0,
+            ]),
+            &["verb", "served_by"],
+        )
+        .expect("valid metric definition");
+        registry
+            .register(Box::new(request_duration_seconds.clone()))
+            .expect("metric registered once");
+        Self {
+            registry,
+            requests_total,
+            request_duration_seconds,
+            rejected_requests_total,
+            upstream_responses_total,
+            upstream_healthy,
+            upstream_in_flight,
+            upstream_watches,
+            authz_reviews_total,
+        }
+    }
+
+    /// Counts a request Bulwark refused.
+    pub fn reject(&self, rule: &str, level: &str, reason: Reason) {
+        self.rejected_requests_total
+            .with_label_values(&[rule, level, reason.as_str()])
+            .inc();
+    }
+
+    /// The registry, for components that register metrics of their own.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding of gathered metrics");
+        String::from_utf8(out).expect("Prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,241 @@
+//! The one place that turns a refusal or failure into an HTTP status with a Kubernetes
+//! `Status` body, a reason label and the `X-Bulwark-*` headers.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode};
+use serde_json::json;
+
+/// Why Bulwark answered by itself: one enum for the metric label, the `X-Bulwark-Reason`
+/// header, the `Status` message and the logs (DESIGN.md Contracts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The flow's token bucket is empty.
+    RateLimited,
+    /// The flow's fair queue is full.
+    QueueFull,
+    /// The request waited in its queue longer than the level allows.
+    QueueTimeout,
+    /// The replica's in-flight LIST byte budget stayed full.
+    ByteBudget,
+    /// The flow has as many open watches as its rule allows.
+    WatchLimit,
+    /// No usable credentials.
+    Unauthenticated,
+    /// The identity may not do this.
+    Forbidden,
+    /// The request is malformed.
+    BadRequest,
+    /// Every apiserver replica is unreachable.
+    NoHealthyUpstream,
+    /// The apiserver did not answer in time.
+    UpstreamTimeout,
+    /// The apiserver connection failed.
+    UpstreamError,
+}
+
+impl Reason {
+    /// Every reason, for documentation and tests.
+    pub const ALL: [Reason; 11] = [
+        Reason::RateLimited,
+        Reason::QueueFull,
+        Reason::QueueTimeout,
+        Reason::ByteBudget,
+        Reason::WatchLimit,
+        Reason::Unauthenticated,
+        Reason::Forbidden,
+        Reason::BadRequest,
+        Reason::NoHealthyUpstream,
+        Reason::UpstreamTimeout,
+        Reason::UpstreamError,
+    ];
+
+    /// The label and header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::RateLimited => "rate_limited",
+            Reason::QueueFull => "queue_full",
+            Reason::QueueTimeout => "queue_timeout",
+            Reason::ByteBudget => "byte_budget",
+            Reason::WatchLimit => "watch_limit",
+            Reason::Unauthenticated => "unauthenticated",
+            Reason::Forbidden => "forbidden",
+            Reason::BadRequest => "bad_request",
+            Reason::NoHealthyUpstream => "no_healthy_upstream",
+            Reason::UpstreamTimeout => "upstream_timeout",
+            Reason::UpstreamError => "upstream_error",
+        }
+    }
+
+    /// The HTTP status this reason is answered with.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Reason::RateLimited
+            | Reason::QueueFull
+            | Reason::QueueTimeout
+            | Reason::ByteBudget
+            | Reason::WatchLimit => StatusCode::TOO_MANY_REQUESTS,
+            Reason::Unauthenticated => StatusCode::UNAUTHORIZED,
+            Reason::Forbidden => StatusCode::FORBIDDEN,
+            Reason::BadRequest => StatusCode::BAD_REQUEST,
+            Reason::NoHealthyUpstream => StatusCode::SERVICE_UNAVAILABLE,
+            Reason::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            Reason::UpstreamError => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The Kubernetes `Status.reason` for this refusal.
+    fn k8s_reason(self) -> &'static str {
+        match self.status() {
+            StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
+            StatusCode::UNAUTHORIZED => "Unauthorized",
+            StatusCode::FORBIDDEN => "Forbidden",
+            StatusCode::BAD_REQUEST => "BadRequest",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+            StatusCode::GATEWAY_TIMEOUT => "Timeout",
+            _ => "InternalError",
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A response Bulwark gives by itself: everything needed to write the status, headers and
+/// `Status` body.
+#[derive(Debug, Clone)]
+pub struct Refusal {
+    /// Why.
+    pub reason: Reason,
+    /// Human-readable detail for the `Status` message.
+    pub message: String,
+    /// The rule that matched, when rules ran.
+    pub rule: Option<String>,
+    /// The priority level, when rules ran.
+    pub level: Option<String>,
+    /// When the client should try again.
+    pub retry_after: Option<Duration>,
+}
+
+impl Refusal {
+    /// A refusal with a reason and a message and nothing else.
+    pub fn new(reason: Reason, message: impl Into<String>) -> Self {
+        Self {
+            reason,
+            message: message.into(),
+            rule: None,
+            level: None,
+            retry_after: None,
+        }
+    }
+
+    /// Adds a `Retry-After`.
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// The `Status` JSON body, as the apiserver writes it.
+    pub fn body(&self) -> Bytes {
+        let status = self.reason.status();
+        let mut message = self.message.clone();
+        if let (Some(rule), Some(level)) = (&self.rule, &self.level) {
+            message = format!(
+                "{message} (bulwark rule {rule}, level {level}, reason {})",
+                self.reason
+            );
+        } else {
+            message = format!("{message} (bulwark reason {})", self.reason);
+        }
+        let mut body = json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": self.reason.k8s_reason(),
+            "code": status.as_u16(),
+        });
+        if let Some(after) = self.retry_after {
+            body["details"] = json!({
+                "causes": [{"message": message}],
+                "retryAfterSeconds": retry_after_secs(after),
+            });
+        }
+        let mut bytes = serde_json::to_vec(&body).expect("a Status serializes");
+        bytes.push(b'\n');
+        Bytes::from(bytes)
+    }
+
+    /// The full response.
+    pub fn into_response(self) -> http::Response<crate::Body> {
+        let mut response = http::Response::new(crate::full(self.body()));
+        *response.status_mut() = self.reason.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(
+            "x-bulwark-reason",
+            HeaderValue::from_static(self.reason.as_str()),
+        );
+        if let Some(after) = self.retry_after {
+            headers.insert(
+                http::header::RETRY_AFTER,
+                HeaderValue::from(retry_after_secs(after)),
+            );
+        }
+        for (name, value) in [
+            ("x-bulwark-rule", &self.rule),
+            ("x-bulwark-level", &self.level),
+        ] {
+            if let Some(value) = value.as_deref().and_then(|v| HeaderValue::from_str(v).ok()) {
+                headers.insert(name, value);
+            }
+        }
+        response
+    }
+}
+
+/// Whole seconds for `Retry-After`, at least 1.
+fn retry_after_secs(after: Duration) -> u64 {
+    after.as_secs_f64().ceil().max(1.0) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_429_carries_retry_after_reason_and_a_kubernetes_status() {
+        let mut refusal = Refusal::new(Reason::QueueFull, "too many requests queued")
+            .retry_after(Duration::from_millis(1500));
+        refusal.rule = Some("secret-operators".into());
+        refusal.level = Some("list-heavy".into());
+        let body = refusal.body();
+        let response = refusal.into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()["retry-after"], "2");
+        assert_eq!(response.headers()["x-bulwark-reason"], "queue_full");
+        assert_eq!(response.headers()["x-bulwark-rule"], "secret-operators");
+        let status: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(status["kind"], "Status");
+        assert_eq!(status["reason"], "TooManyRequests");
+        assert_eq!(status["code"], 429);
+        assert_eq!(status["details"]["retryAfterSeconds"], 2);
+        let message = status["message"].as_str().unwrap();
+        assert!(message.contains("secret-operators") && message.contains("list-heavy"));
+        assert!(message.contains("queue_full"));
+    }
+
+    #[test]
+    fn every_reason_has_a_distinct_label() {
+        let labels: std::collections::HashSet<_> = Reason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(labels.len(), Reason::ALL.len());
+    }
+}

@@ -1,0 +1,1 @@
+//! The apiserver replicas: connection pool, per-request pick, health, retries (step 8).

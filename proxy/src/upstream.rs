@@ -719,10 +719,10 @@ async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError>
     if body.is_end_stream() {
         return Ok(Bytes::new());
     }
-    match Limited::new(body, MAX_REQUEST_BODY).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(UpstreamError::BodyTooLarge),
-        Err(e) => Err(UpstreamError::RequestBody(chain(&*e))),
+    match crate::read_to_limit(body, MAX_REQUEST_BODY).await {
+        Ok(bytes) => Ok(bytes),
+        Err(crate::ReadError::TooLarge(_)) => Err(UpstreamError::BodyTooLarge),
+        Err(crate::ReadError::Failed(e)) => Err(UpstreamError::RequestBody(chain(&*e))),
     }
 }
 

@@ -1044,3 +1044,70 @@ fn is_hostname_label(text: &str) -> bool {
 fn is_object_name(text: &str) -> bool {
     !text.is_empty() && text != "." && text != ".." && !text.contains(['/', '%'])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_read_like_kubernetes_ones() {
+        let q = |s: &str| s.parse::<Quantity>().map(|q| q.0);
+        assert_eq!(q("512Mi"), Ok(512 << 20));
+        assert_eq!(q("8Gi"), Ok(8 << 30));
+        assert_eq!(q("2G"), Ok(2_000_000_000));
+        assert_eq!(q("1000"), Ok(1000));
+        assert!(q("1.5Gi").is_err());
+        assert!(q("Gi").is_err());
+        assert!(q("8GB").unwrap_err().contains("unknown unit"));
+        assert!(q("99999999999Ti").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn replica_addresses_need_a_host_and_a_port() {
+        let ok = |s: &str| s.parse::<ReplicaAddr>().map(|a| a.to_string());
+        assert_eq!(ok("apiserver-1:6443").as_deref(), Ok("apiserver-1:6443"));
+        assert_eq!(
+            ok("K8S.example.com:443").as_deref(),
+            Ok("k8s.example.com:443")
+        );
+        assert_eq!(ok("192.168.1.10:6443").as_deref(), Ok("192.168.1.10:6443"));
+        assert_eq!(
+            ok("[2001:db8::1]:6443").as_deref(),
+            Ok("[2001:db8::1]:6443")
+        );
+        for bad in [
+            "apiserver-1",
+            ":6443",
+            "-a:6443",
+            "a..b:6443",
+            "a:06443",
+            "a:65536",
+            "[2001:db8::1]",
+            "2001:db8::1:6443",
+            "a b:6443",
+        ] {
+            assert!(bad.parse::<ReplicaAddr>().is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn group_resources_are_a_label_and_an_optional_subdomain() {
+        let gr = |s: &str| GroupResource::parse(s).map(|g| (g.group, g.resource));
+        assert_eq!(gr("secrets"), Some(("".into(), "secrets".into())));
+        assert_eq!(
+            gr("leases.coordination.k8s.io"),
+            Some(("coordination.k8s.io".into(), "leases".into()))
+        );
+        for bad in [
+            "",
+            "Secrets",
+            "secrets.",
+            ".secrets",
+            "pods/status",
+            "a..b",
+            "-x",
+        ] {
+            assert_eq!(gr(bad), None, "{bad:?} accepted");
+        }
+    }
+}

@@ -868,3 +868,29 @@ async fn new_connections_after_goaway_are_not_accepted() -> Result<()> {
     );
     Ok(())
 }
+
+#[tokio::test]
+async fn http2_streams_beyond_the_limit_wait_for_a_free_one() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let limits = ListenLimits {
+        max_concurrent_streams: 1,
+        ..limits()
+    };
+    let server = Server::start(&listen_config(&mount, false, limits), false).await?;
+    let (mut sender, _conn) = h2(server.addr, client_tls(&ca, &[b"h2"], None)?).await?;
+
+    let mut quiet = sender.send_request(get("/quiet")).await?.into_body();
+    assert_eq!(next_data(&mut quiet).await?, "first\n");
+    // The server allows one stream: the client holds the second request back meanwhile.
+    let mut second = tokio::spawn(sender.send_request(get("/")));
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut second).await;
+    assert!(early.is_err(), "a second stream ran beside the first");
+    assert_eq!(server.seen.lock().map(|s| s.len()).unwrap_or(0), 1);
+
+    // Once the first stream is gone, the second goes through.
+    drop(quiet);
+    let response = within("second request", second).await???;
+    assert_eq!(response.status(), StatusCode::OK);
+    Ok(())
+}

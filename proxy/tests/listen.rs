@@ -894,3 +894,62 @@ async fn http2_streams_beyond_the_limit_wait_for_a_free_one() -> Result<()> {
     assert_eq!(response.status(), StatusCode::OK);
     Ok(())
 }
+
+#[tokio::test]
+async fn an_http2_client_that_ignores_keepalive_pings_is_dropped() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    // Only the pings can end this connection: the other limits are far away.
+    let limits = ListenLimits {
+        keepalive_interval: Duration::from_millis(200),
+        keepalive_timeout: Duration::from_millis(200),
+        header_read_timeout: Duration::from_secs(60),
+        idle_timeout: Duration::from_secs(60),
+        ..limits()
+    };
+    let server = Server::start(&listen_config(&mount, false, limits), false).await?;
+
+    // A hand-made HTTP/2 client: preface and an empty SETTINGS frame, then it reads
+    // whatever comes (so TCP never stalls) and answers nothing, PINGs included.
+    let mut tls = tls_connect(server.addr, client_tls(&ca, &[b"h2"], None)?).await?;
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await?;
+    tls.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await?;
+    tls.flush().await?;
+    let mut sink = Vec::new();
+    // An error (dropped without a TLS close_notify) is as closed as a clean EOF.
+    let _ = within("silent client dropped", tls.read_to_end(&mut sink)).await?;
+    // The server spoke (SETTINGS, then at least one PING) before giving up.
+    assert!(sink.len() > 9, "server sent {} bytes", sink.len());
+    Ok(())
+}
+
+#[tokio::test]
+async fn tls12_and_tls13_clients_are_both_served() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, Some(&ca))?;
+    let server = Server::start(&listen_config(&mount, true, limits()), false).await?;
+    let alice = ca.client("alice")?;
+    for version in [&rustls::version::TLS12, &rustls::version::TLS13] {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca.der.clone())?;
+        let (chain, key) = alice.identity();
+        let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&[version])?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let tls = tls_connect(server.addr, Arc::new(config.clone())).await?;
+        assert_eq!(tls.get_ref().1.protocol_version(), Some(version.version));
+        let (status, _) = fetch(server.addr, Arc::new(config)).await?;
+        assert_eq!(status, StatusCode::OK);
+        let chain = server
+            .last_seen()
+            .and_then(|i| i.client_chain)
+            .context("chain")?;
+        assert_eq!(chain[0], alice.der, "{:?}", version.version);
+    }
+    Ok(())
+}

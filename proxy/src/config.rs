@@ -68,7 +68,10 @@ pub struct Listen {
 pub struct ListenLimits {
     /// Largest request head (request line and headers) in bytes; larger gets 431 or a reset.
     pub max_header_bytes: usize,
-    /// Time allowed for a request head to arrive in full.
+    /// Time allowed for a request head to arrive in full. For HTTP/1.1 it also bounds the
+    /// wait for the next request on a kept-alive connection (hyper starts it whenever it
+    /// begins reading a head), and a new connection of either protocol must send its first
+    /// request within it.
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
     /// Time allowed for the TLS handshake.
@@ -80,7 +83,7 @@ pub struct ListenLimits {
     /// keeps its connection.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
-    /// Interval of HTTP/2 keepalive pings to clients.
+    /// Interval of HTTP/2 keepalive pings to clients; `0s` sends none.
     #[serde(with = "humantime_serde")]
     pub keepalive_interval: Duration,
     /// A client that does not answer a keepalive ping within this time is dropped.

@@ -719,11 +719,20 @@ async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError>
     if body.is_end_stream() {
         return Ok(Bytes::new());
     }
-    match Limited::new(body, MAX_REQUEST_BODY).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(UpstreamError::BodyTooLarge),
-        Err(e) => Err(UpstreamError::RequestBody(chain(&*e))),
+    // Collected by hand rather than with `Limited`, whose boxed error type makes the
+    // future of `send` lose `Send` in generic callers.
+    let mut body = body;
+    let mut collected = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| UpstreamError::RequestBody(chain(&*e)))?;
+        if let Ok(data) = frame.into_data() {
+            if collected.len() + data.len() > MAX_REQUEST_BODY {
+                return Err(UpstreamError::BodyTooLarge);
+            }
+            collected.extend_from_slice(&data);
+        }
     }
+    Ok(collected.freeze())
 }
 
 /// The request for one attempt on a replica: HTTP/2 with the replica as `:authority`, or

@@ -1,0 +1,7 @@
+//! End-to-end tests: real TLS and HTTP/2 clients → Bulwark → the simulated apiserver fleet.
+
+mod balance;
+mod harness;
+mod identity;
+mod kube_client;
+mod streaming;

@@ -15,7 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{Query, RequestInfo, param, status_response, text};
@@ -35,11 +36,20 @@ fn pod_exists(rep: &ReplicaInner, ri: &RequestInfo) -> Result<(), ApiError> {
 }
 
 /// `pods/NAME/exec`: upgrades and echoes stdin to stdout until the client closes.
-pub async fn exec(rep: &Arc<ReplicaInner>, ri: &RequestInfo, mut req: Request<Incoming>, cancel: CancellationToken) -> Response<SimBody> {
+pub async fn exec(
+    rep: &Arc<ReplicaInner>,
+    ri: &RequestInfo,
+    mut req: Request<Incoming>,
+    cancel: CancellationToken,
+) -> Response<SimBody> {
     if let Err(e) = pod_exists(rep, ri) {
         return status_response(&e);
     }
-    let upgrade = req.headers().get(header::UPGRADE).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let upgrade = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let Some(upgrade) = upgrade else {
         return status_response(&status::bad_request("Upgrade request required".into()));
     };
@@ -60,7 +70,10 @@ pub async fn exec(rep: &Arc<ReplicaInner>, ri: &RequestInfo, mut req: Request<In
             .filter_map(|v| v.to_str().ok())
             .flat_map(|s| s.split(',').map(|p| p.trim().to_string()))
             .collect();
-        protocol = WS_PROTOCOLS.iter().find(|p| offered.iter().any(|o| o == *p)).copied();
+        protocol = WS_PROTOCOLS
+            .iter()
+            .find(|p| offered.iter().any(|o| o == *p))
+            .copied();
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
             h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
@@ -136,7 +149,12 @@ async fn ws_echo(io: TokioIo<hyper::upgrade::Upgraded>, protocol: Option<&str>) 
     let mut status = vec![3u8];
     status.extend_from_slice(br#"{"metadata":{},"status":"Success"}"#);
     let _ = ws.send(Message::Binary(status.into())).await;
-    let _ = ws.close(None).await;
+    let _ = ws
+        .close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "".into(),
+        }))
+        .await;
 }
 
 /// `pods/NAME/log`: a few lines, or with `follow=true` a line every 100 ms until the client
@@ -149,7 +167,12 @@ pub async fn logs(rep: &Arc<ReplicaInner>, ri: &RequestInfo, q: &Query) -> Respo
     let follow = param(q, "follow") == Some("true");
     let pod = ri.name.clone();
     if !follow {
-        return text(200, &(0..3).map(|i| format!("{pod} log line {i}\n")).collect::<String>());
+        return text(
+            200,
+            &(0..3)
+                .map(|i| format!("{pod} log line {i}\n"))
+                .collect::<String>(),
+        );
     }
     let s = futures::stream::unfold(0u64, move |i| {
         let pod = pod.clone();
@@ -161,6 +184,7 @@ pub async fn logs(rep: &Arc<ReplicaInner>, ri: &RequestInfo, q: &Query) -> Respo
         }
     });
     let mut r = Response::new(SimBody::stream(s));
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
     r
 }

@@ -63,10 +63,12 @@ pub fn json_response(code: u16, body: SimBody) -> Response<SimBody> {
 }
 
 fn value_response(code: u16, v: &Value) -> Response<SimBody> {
-    json_response(
-        code,
-        SimBody::full(serde_json::to_vec(v).unwrap_or_default()),
-    )
+    json_response(code, SimBody::full(status::to_ordered_bytes(v)))
+}
+
+/// A single stored object, with the newline the apiserver's encoder ends every body with.
+fn object_response(code: u16, obj: Bytes) -> Response<SimBody> {
+    json_response(code, SimBody::chunks(vec![obj, Bytes::from_static(b"\n")]))
 }
 
 /// A `Status` error response.
@@ -491,7 +493,7 @@ fn get(
         .store
         .get_obj(&def.key(), &ri.namespace, &ri.name)
         .ok_or_else(|| status::not_found(def.resource, def.group, &ri.name))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 fn parse_rv(s: &str) -> Result<u64, ApiError> {
@@ -868,7 +870,7 @@ async fn create(
         .store
         .create_obj(def, &ri.namespace, v)
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(201, SimBody::full(o.with_kind(def))))
+    Ok(object_response(201, o.with_kind(def)))
 }
 
 async fn update(
@@ -886,7 +888,7 @@ async fn update(
         .store
         .update_obj(def, &ri.namespace, Some(&ri.name), v)
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 async fn patch(
@@ -909,7 +911,7 @@ async fn patch(
         .store
         .patch_obj(def, &ri.namespace, &ri.name, kind, &p)
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 async fn delete(
@@ -933,7 +935,7 @@ async fn delete(
         .store
         .delete_obj(def, &ri.namespace, &ri.name, want.as_deref())
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 async fn delete_collection(

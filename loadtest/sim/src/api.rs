@@ -272,12 +272,13 @@ pub async fn handle(
     let path = req.uri().path().to_string();
     let q = parse_query(req.uri().query());
     let method = req.method().clone();
+    let ri = request_info(&method, &path, &q);
     let user = match auth::authenticate(&sh.auth, peer, req.headers()) {
         Ok(u) => u,
         Err(e) => {
             record(rep, &method, req.uri(), req.headers(), None, None);
             sh.metrics
-                .observe(rep.index, &method, "", "unauthenticated", e.code);
+                .observe(rep.index, &ri.verb, &ri.resource, "", e.code);
             return status_response(&e);
         }
     };
@@ -285,15 +286,16 @@ pub async fn handle(
         Ok(x) => x,
         Err(e) => {
             record(rep, &method, req.uri(), req.headers(), Some(&user), None);
+            sh.metrics
+                .observe(rep.index, &ri.verb, &ri.resource, &user.user, e.code);
             return status_response(&e);
         }
     };
     record(rep, &method, req.uri(), req.headers(), Some(&user), by);
-    let ri = request_info(&method, &path, &q);
     let resp = serve(rep, &user, &ri, &path, &q, req, cancel).await;
     sh.metrics.observe(
         rep.index,
-        &method,
+        &ri.verb,
         &ri.resource,
         &user.user,
         resp.status().as_u16(),

@@ -104,6 +104,7 @@ pub struct Fleet {
     shared: Arc<server::Shared>,
     replicas: Vec<Replica>,
     l4: Mutex<Option<SocketAddr>>,
+    l4_stop: tokio_util::sync::CancellationToken,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -132,6 +133,7 @@ impl Fleet {
             shared,
             replicas,
             l4: Mutex::new(None),
+            l4_stop: Default::default(),
         })
     }
 
@@ -201,7 +203,7 @@ impl Fleet {
         if let Some(a) = *self.l4.lock().unwrap_or_else(|p| p.into_inner()) {
             return Ok(a);
         }
-        let addr = l4::start(self.replicas.clone()).await?;
+        let addr = l4::start(self.replicas.clone(), self.l4_stop.clone()).await?;
         *self.l4.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr);
         Ok(addr)
     }
@@ -209,6 +211,7 @@ impl Fleet {
 
 impl Drop for Fleet {
     fn drop(&mut self) {
+        self.l4_stop.cancel();
         for r in &self.replicas {
             r.shutdown_now();
         }

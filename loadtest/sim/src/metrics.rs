@@ -3,7 +3,6 @@
 
 use std::fmt::Write;
 
-use http::Method;
 use prometheus::{Encoder, IntCounterVec, Opts, Registry, TextEncoder};
 
 use crate::server::{Replica, ReplicaInner};
@@ -47,9 +46,12 @@ impl SimMetrics {
         }
     }
 
-    /// Counts one request.
-    pub fn observe(&self, replica: usize, method: &Method, resource: &str, user: &str, code: u16) {
-        let user = {
+    /// Counts one request (`verb` as the apiserver names it; `user` empty when
+    /// unauthenticated).
+    pub fn observe(&self, replica: usize, verb: &str, resource: &str, user: &str, code: u16) {
+        let user = if user.is_empty() {
+            "none"
+        } else {
             let mut u = self.users.lock().unwrap_or_else(|p| p.into_inner());
             if u.contains(user) || u.len() < MAX_USERS {
                 u.insert(user.to_string());
@@ -69,7 +71,7 @@ impl SimMetrics {
         self.requests
             .with_label_values(&[
                 &replica.to_string(),
-                method.as_str(),
+                verb,
                 resource,
                 user,
                 &code.to_string(),

@@ -228,8 +228,8 @@ async fn stop_inner(inner: &Arc<ReplicaInner>) {
         // The accept task owns the listener; waiting for it guarantees the port is free.
         let _ = r.accept.await;
     }
-    inner.counters.in_flight.store(0, Ordering::Relaxed);
-    inner.heap.reset();
+    // In-flight counts and heap charges are released as the cancelled connections drop
+    // their response bodies.
 }
 
 async fn start_inner(inner: &Arc<ReplicaInner>) {

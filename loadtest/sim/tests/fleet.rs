@@ -352,6 +352,11 @@ async fn fault_hooks_take_effect_immediately() {
         .find_map(|e| e.downcast_ref::<h2::Error>())
         .and_then(h2::Error::reason);
     assert_eq!(reason, Some(h2::Reason::REFUSED_STREAM), "{err:#}");
+    let h1 = admin_tls(fleet.pki(), &[b"http/1.1"]);
+    assert!(
+        client::get(a0, &h1, "/api/v1/secrets").await.is_err(),
+        "HTTP/1.1: connection closed"
+    );
     r0.set_refuse_streams(false);
 
     r0.set_reset_mid_body(Some(100));
@@ -499,7 +504,7 @@ async fn metrics_count_requests_by_user() {
         .await
         .unwrap();
     let text = String::from_utf8_lossy(&m.body);
-    assert!(text.contains("bulwark_sim_requests_total{code=\"200\",replica=\"0\",resource=\"secrets\",user=\"admin\",verb=\"GET\"} 1"), "{text}");
+    assert!(text.contains("bulwark_sim_requests_total{code=\"200\",replica=\"0\",resource=\"secrets\",user=\"admin\",verb=\"list\"} 1"), "{text}");
     assert!(
         fleet
             .metrics_text()

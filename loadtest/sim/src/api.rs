@@ -24,6 +24,7 @@ use crate::select::{FieldSelector, LabelSelector};
 use crate::server::ReplicaInner;
 use crate::status::{self, ApiError};
 use crate::store::{Obj, PatchKind, StoreError, WatchFrom};
+use crate::table::{self, As};
 use crate::watch::{self, WatchFilter, WatchOptions};
 use crate::{SeenRequest, push_seen};
 
@@ -433,14 +434,20 @@ async fn serve(
         _ => return status_response(&status::path_not_found()),
     }
     let _in_flight = (ri.verb != "watch").then(|| rep.counters.enter(Gauge::InFlight));
+    let repr = table::negotiate(
+        req.headers()
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok()),
+    );
     let accept_gzip = req
         .headers()
         .get_all(header::ACCEPT_ENCODING)
         .iter()
         .any(|v| v.to_str().is_ok_and(|s| s.contains("gzip")));
     let r = match ri.verb.as_str() {
-        "get" => get(rep, def, ri),
-        "list" => list(rep, def, ri, q, accept_gzip).await,
+        "get" | "list" if repr.is_none() => Err(not_acceptable()),
+        "get" => get(rep, def, ri, repr.unwrap_or(As::Plain)),
+        "list" => list(rep, def, ri, q, accept_gzip, repr.unwrap_or(As::Plain)).await,
         "watch" => return watch(rep, def, ri, q, fields).await,
         "create" => create(rep, def, ri, req).await,
         "update" => update(rep, def, ri, req).await,
@@ -489,13 +496,27 @@ fn get(
     rep: &ReplicaInner,
     def: &'static ResourceDef,
     ri: &RequestInfo,
+    repr: As,
 ) -> Result<Response<SimBody>, ApiError> {
     let o = rep
         .shared
         .store
         .get_obj(&def.key(), &ri.namespace, &ri.name)
         .ok_or_else(|| status::not_found(def.resource, def.group, &ri.name))?;
-    Ok(object_response(200, o.with_kind(def)))
+    Ok(match repr {
+        As::Plain => object_response(200, o.with_kind(def)),
+        As::Table => value_response(200, &table::table(def, None, json!({}), &[&o])),
+        As::Metadata => value_response(200, &table::metadata_object(&o)),
+    })
+}
+
+fn not_acceptable() -> ApiError {
+    ApiError::new(
+        406,
+        "NotAcceptable",
+        "only the following media types are accepted: application/json, application/yaml, application/vnd.kubernetes.protobuf".into(),
+        None,
+    )
 }
 
 fn parse_rv(s: &str) -> Result<u64, ApiError> {
@@ -556,6 +577,7 @@ async fn list(
     ri: &RequestInfo,
     q: &Query,
     gzip: bool,
+    repr: As,
 ) -> Result<Response<SimBody>, ApiError> {
     let sh = &rep.shared;
     let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
@@ -685,6 +707,14 @@ async fn list(
         chunks.push(o.body.clone());
     }
     chunks.push(Bytes::from_static(b"]}\n"));
+    if repr != As::Plain {
+        let list_meta: Value = serde_json::from_str(&meta).unwrap_or(json!({}));
+        let v = match repr {
+            As::Table => table::table(def, None, list_meta, &chosen),
+            _ => table::metadata_list(list_meta, &chosen),
+        };
+        chunks = vec![Bytes::from(status::to_ordered_bytes(&v))];
+    }
     let response_len: usize = chunks.iter().map(Bytes::len).sum();
     // Memory model: a LIST from etcd reads its whole scope; one from the cache copies its
     // response. Either costs 5x while it is served.

@@ -18,6 +18,7 @@ pub mod select;
 pub mod server;
 pub mod status;
 pub mod store;
+pub mod table;
 pub mod watch;
 
 use std::collections::{BTreeMap, VecDeque};

@@ -403,3 +403,46 @@ async fn status_errors_have_the_fixtures_shape() {
         "{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"metadata\":{},\"status\":\"Failure\",\"message\":\"secrets \\\"nope\\\" not found\",\"reason\":\"NotFound\",\"details\":{\"name\":\"nope\",\"kind\":\"secrets\"},\"code\":404}\n"
     );
 }
+
+#[tokio::test]
+async fn tables_and_metadata_lists_are_served_for_kubectl_and_metadata_informers() {
+    let fleet = Fleet::start(SimConfig {
+        seed: vec!["secrets=3x256B@a".parse().unwrap()],
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let admin = fleet
+        .pki()
+        .client_ca
+        .client_cert("admin", &["system:masters"]);
+    let tls = client::tls_config(fleet.pki(), Some(&admin), &[b"h2"]).unwrap();
+    let get_accept = |accept: &'static str| {
+        let tls = tls.clone();
+        let addr = fleet.addrs()[0];
+        async move {
+            let req = http::Request::get("https://localhost/api/v1/namespaces/a/secrets")
+                .header("accept", accept)
+                .body(bytes::Bytes::new())
+                .unwrap();
+            client::request(addr, &tls, req).await.unwrap().json()
+        }
+    };
+    let t = get_accept("application/json;as=Table;v=v1;g=meta.k8s.io,application/json").await;
+    assert_eq!(t["kind"], "Table");
+    let cols: Vec<&str> = t["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(cols, ["Name", "Type", "Data", "Age"]);
+    assert_eq!(t["rows"][0]["cells"][0], "secret-0");
+    assert_eq!(t["rows"][0]["object"]["kind"], "PartialObjectMetadata");
+    let m = get_accept("application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1").await;
+    assert_eq!(m["kind"], "PartialObjectMetadataList");
+    assert_eq!(m["items"].as_array().unwrap().len(), 3);
+    assert!(m["items"][0].get("data").is_none());
+    let n = get_accept("application/vnd.kubernetes.protobuf").await;
+    assert_eq!(n["code"], 406);
+}

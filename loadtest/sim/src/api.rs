@@ -355,6 +355,19 @@ async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiErro
     }
 }
 
+/// Decodes a JSON or (for the few kinds kubectl sends that way) protobuf body.
+fn parse_body(h: &HeaderMap, b: &Bytes) -> Result<Value, ApiError> {
+    if content_type(h) == crate::proto::PROTOBUF {
+        return crate::proto::decode(b).map_err(|e| match e {
+            crate::proto::ProtoError::Unsupported(_) => {
+                status::unsupported_media_type(crate::proto::PROTOBUF)
+            }
+            e => status::bad_request(e.to_string()),
+        });
+    }
+    parse_json(b)
+}
+
 fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
     serde_json::from_slice(b)
         .map_err(|e| status::bad_request(format!("the object provided is unrecognized: {e}")))
@@ -412,11 +425,31 @@ async fn serve(
     let Some(def) = discovery::find(&ri.group, &ri.version, &ri.resource) else {
         return status_response(&status::path_not_found());
     };
-    if def.namespaced == ri.namespace.is_empty()
-        && !(def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch"))
-    {
+    // A namespaced resource needs a namespace except to list/watch across all of them; a
+    // cluster-scoped one must have none (`/api/v1/namespaces/NAME` carries the name as its
+    // namespace, as the apiserver's request info does).
+    let all_namespaces =
+        def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch");
+    let scope_ok = if def.namespaced {
+        !ri.namespace.is_empty() || all_namespaces
+    } else {
+        ri.namespace.is_empty() || (def.resource == "namespaces" && ri.namespace == ri.name)
+    };
+    if !scope_ok {
         return status_response(&status::path_not_found());
     }
+    // Authorization saw the request info as the apiserver derives it; storage keys
+    // cluster-scoped objects without a namespace.
+    let scoped;
+    let ri = if def.namespaced {
+        ri
+    } else {
+        scoped = RequestInfo {
+            namespace: String::new(),
+            ..ri.clone()
+        };
+        &scoped
+    };
     match (def.resource, ri.subresource.as_str(), ri.verb.as_str()) {
         ("tokenreviews", "", "create") => return review(rep, user, req, token_review).await,
         ("subjectaccessreviews", "", "create") => {
@@ -877,7 +910,7 @@ fn check_namespace(def: &ResourceDef, ri: &RequestInfo, v: &Value) -> Result<(),
 
 fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
     let ct = content_type(h);
-    if ct.is_empty() || ct == "application/json" || ct == "*/*" {
+    if ct.is_empty() || ct == "application/json" || ct == "*/*" || ct == crate::proto::PROTOBUF {
         Ok(())
     } else {
         Err(status::unsupported_media_type(&ct))
@@ -895,7 +928,7 @@ async fn create(
     }
     let (h, b) = read_body(req).await?;
     need_json(&h)?;
-    let v = parse_json(&b)?;
+    let v = parse_body(&h, &b)?;
     check_namespace(def, ri, &v)?;
     let o = rep
         .shared
@@ -913,7 +946,7 @@ async fn update(
 ) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     need_json(&h)?;
-    let v = parse_json(&b)?;
+    let v = parse_body(&h, &b)?;
     check_namespace(def, ri, &v)?;
     let o = rep
         .shared
@@ -952,8 +985,10 @@ async fn delete(
     ri: &RequestInfo,
     req: Request<Incoming>,
 ) -> Result<Response<SimBody>, ApiError> {
-    let (_, b) = read_body(req).await?;
-    let want = if b.is_empty() {
+    let (h, b) = read_body(req).await?;
+    // DeleteOptions in protobuf carry nothing the simulator acts on but preconditions,
+    // which kubectl does not send that way.
+    let want = if b.is_empty() || content_type(&h) == crate::proto::PROTOBUF {
         None
     } else {
         let opts = parse_json(&b)?;
@@ -1021,7 +1056,7 @@ async fn review(
     let r = async {
         let (h, b) = read_body(req).await?;
         need_json(&h)?;
-        let v = parse_json(&b)?;
+        let v = parse_body(&h, &b)?;
         f(rep, user, v)
     }
     .await;

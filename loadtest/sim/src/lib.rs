@@ -14,6 +14,7 @@ pub mod l4;
 pub mod metrics;
 pub mod pki;
 pub mod policy;
+pub mod proto;
 pub mod select;
 pub mod server;
 pub mod status;

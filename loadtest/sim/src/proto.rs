@@ -23,7 +23,6 @@ pub enum ProtoError {
 #[derive(Clone, Copy)]
 enum F {
     Str,
-    Bytes,
     Int,
     Bool,
     MapStr,
@@ -181,12 +180,6 @@ fn message(b: &[u8], schema: &'static [Field]) -> Result<Map<String, Value>, Pro
         match (kind, w) {
             (F::Str, 2) => {
                 out.insert(name.into(), str_of(r.bytes()?));
-            }
-            (F::Bytes, 2) => {
-                out.insert(
-                    name.into(),
-                    json!(base64::engine::general_purpose::STANDARD.encode(r.bytes()?)),
-                );
             }
             (F::Int, 0) => {
                 out.insert(name.into(), json!(r.varint()? as i64));

@@ -1079,13 +1079,12 @@ impl Store {
 /// The apiserver's defaulting for the fields clients commonly leave out.
 fn apply_defaults(def: &ResourceDef, v: &mut Map<String, Value>) {
     match def.kind {
-        "Secret" => {
+        "Secret"
             if v.get("type")
                 .and_then(Value::as_str)
-                .is_none_or(str::is_empty)
-            {
-                v.insert("type".into(), json!("Opaque"));
-            }
+                .is_none_or(str::is_empty) =>
+        {
+            v.insert("type".into(), json!("Opaque"));
         }
         "Namespace" => {
             let name = meta_str(v, "name").unwrap_or_default().to_string();

@@ -20,6 +20,7 @@ use crate::discovery::{self, ResourceDef};
 use crate::faults::Gauge;
 use crate::heap::LIST_AMPLIFICATION;
 use crate::policy::{Attributes, forbidden_message};
+use crate::reviews;
 use crate::select::{FieldSelector, LabelSelector};
 use crate::server::ReplicaInner;
 use crate::status::{self, ApiError};
@@ -63,7 +64,7 @@ pub fn json_response(code: u16, body: SimBody) -> Response<SimBody> {
     r
 }
 
-fn value_response(code: u16, v: &Value) -> Response<SimBody> {
+pub(crate) fn value_response(code: u16, v: &Value) -> Response<SimBody> {
     json_response(code, SimBody::full(status::to_ordered_bytes(v)))
 }
 
@@ -341,7 +342,7 @@ fn record(
     );
 }
 
-async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiError> {
+pub(crate) async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiError> {
     let (parts, body) = req.into_parts();
     let limited = http_body_util::Limited::new(body, MAX_BODY);
     match limited.collect().await {
@@ -356,7 +357,7 @@ async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiErro
 }
 
 /// Decodes a JSON or (for the few kinds kubectl sends that way) protobuf body.
-fn parse_body(h: &HeaderMap, b: &Bytes) -> Result<Value, ApiError> {
+pub(crate) fn parse_body(h: &HeaderMap, b: &Bytes) -> Result<Value, ApiError> {
     if content_type(h) == crate::proto::PROTOBUF {
         return crate::proto::decode(b).map_err(|e| match e {
             crate::proto::ProtoError::Unsupported(_) => {
@@ -368,7 +369,7 @@ fn parse_body(h: &HeaderMap, b: &Bytes) -> Result<Value, ApiError> {
     parse_json(b)
 }
 
-fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
+pub(crate) fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
     serde_json::from_slice(b)
         .map_err(|e| status::bad_request(format!("the object provided is unrecognized: {e}")))
 }
@@ -451,15 +452,17 @@ async fn serve(
         &scoped
     };
     match (def.resource, ri.subresource.as_str(), ri.verb.as_str()) {
-        ("tokenreviews", "", "create") => return review(rep, user, req, token_review).await,
+        ("tokenreviews", "", "create") => {
+            return reviews::review(rep, user, req, reviews::token_review).await;
+        }
         ("subjectaccessreviews", "", "create") => {
-            return review(rep, user, req, subject_access_review).await;
+            return reviews::review(rep, user, req, reviews::subject_access_review).await;
         }
         ("selfsubjectaccessreviews", "", "create") => {
-            return review(rep, user, req, self_subject_access_review).await;
+            return reviews::review(rep, user, req, reviews::self_subject_access_review).await;
         }
         ("selfsubjectreviews", "", "create") => {
-            return review(rep, user, req, self_subject_review).await;
+            return reviews::review(rep, user, req, reviews::self_subject_review).await;
         }
         ("pods", "exec", _) => return crate::exec::exec(rep, ri, req, cancel).await,
         ("pods", "log", "get") => return crate::exec::logs(rep, ri, q).await,
@@ -908,7 +911,7 @@ fn check_namespace(def: &ResourceDef, ri: &RequestInfo, v: &Value) -> Result<(),
     }
 }
 
-fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
     let ct = content_type(h);
     if ct.is_empty() || ct == "application/json" || ct == "*/*" || ct == crate::proto::PROTOBUF {
         Ok(())
@@ -1043,188 +1046,6 @@ async fn delete_collection(
     }
     chunks.push(Bytes::from_static(b"]}\n"));
     Ok(json_response(200, SimBody::chunks(chunks)))
-}
-
-type ReviewFn = fn(&ReplicaInner, &UserInfo, Value) -> Result<Value, ApiError>;
-
-async fn review(
-    rep: &ReplicaInner,
-    user: &UserInfo,
-    req: Request<Incoming>,
-    f: ReviewFn,
-) -> Response<SimBody> {
-    let r = async {
-        let (h, b) = read_body(req).await?;
-        need_json(&h)?;
-        let v = parse_body(&h, &b)?;
-        f(rep, user, v)
-    }
-    .await;
-    match r {
-        Ok(v) => value_response(201, &v),
-        Err(e) => status_response(&e),
-    }
-}
-
-fn review_shell(kind: &str, api_version: &str, spec: Value) -> Value {
-    json!({"kind": kind, "apiVersion": api_version, "metadata": {"creationTimestamp": null}, "spec": spec})
-}
-
-fn user_json(u: &UserInfo) -> Value {
-    let mut v = json!({"username": u.user});
-    if !u.uid.is_empty() {
-        v["uid"] = json!(u.uid);
-    }
-    if !u.groups.is_empty() {
-        v["groups"] = json!(u.groups);
-    }
-    if !u.extra.is_empty() {
-        v["extra"] = json!(u.extra);
-    }
-    v
-}
-
-fn token_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
-    let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let token = spec
-        .get("token")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    let mut out = review_shell("TokenReview", "authentication.k8s.io/v1", spec.clone());
-    match rep
-        .shared
-        .auth
-        .tokens
-        .iter()
-        .find(|t| !token.is_empty() && t.token == token)
-    {
-        Some(t) => {
-            let mut groups = t.groups.clone();
-            if !groups.iter().any(|g| g == "system:authenticated") {
-                groups.push("system:authenticated".into());
-            }
-            let u = UserInfo {
-                user: t.user.clone(),
-                uid: t.uid.clone(),
-                groups,
-                extra: Default::default(),
-            };
-            let audiences = spec
-                .get("audiences")
-                .cloned()
-                .unwrap_or(json!(["https://kubernetes.default.svc.cluster.local"]));
-            out["status"] =
-                json!({"authenticated": true, "user": user_json(&u), "audiences": audiences});
-        }
-        None => out["status"] = json!({"user": {}}),
-    }
-    Ok(out)
-}
-
-fn sar_attributes(user: &str, groups: Vec<String>, spec: &Value) -> Result<Attributes, ApiError> {
-    let s = |v: Option<&Value>, k: &str| {
-        v.and_then(|x| x.get(k))
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string()
-    };
-    if let Some(ra) = spec.get("resourceAttributes") {
-        Ok(Attributes {
-            user: user.to_string(),
-            groups,
-            verb: s(Some(ra), "verb"),
-            resource_request: true,
-            group: s(Some(ra), "group"),
-            resource: s(Some(ra), "resource"),
-            subresource: s(Some(ra), "subresource"),
-            namespace: s(Some(ra), "namespace"),
-            name: s(Some(ra), "name"),
-            path: String::new(),
-        })
-    } else if let Some(nr) = spec.get("nonResourceAttributes") {
-        Ok(Attributes {
-            user: user.to_string(),
-            groups,
-            verb: s(Some(nr), "verb"),
-            path: s(Some(nr), "path"),
-            ..Default::default()
-        })
-    } else {
-        Err(invalid_review(
-            "spec.resourceAttributes",
-            "exactly one of nonResourceAttributes or resourceAttributes must be specified",
-        ))
-    }
-}
-
-fn invalid_review(field: &str, detail: &str) -> ApiError {
-    ApiError::new(
-        422,
-        "Invalid",
-        format!(
-            "SubjectAccessReview.authorization.k8s.io \"\" is invalid: {field}: Invalid value: \"null\": {detail}"
-        ),
-        Some(
-            json!({"group": "authorization.k8s.io", "kind": "SubjectAccessReview", "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": field}]}),
-        ),
-    )
-}
-
-fn decide(rep: &ReplicaInner, a: &Attributes) -> Value {
-    if rep.shared.policy.allows(a) {
-        json!({"allowed": true, "reason": "allowed by bulwark-sim policy"})
-    } else {
-        json!({"allowed": false})
-    }
-}
-
-fn subject_access_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
-    let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let user = spec
-        .get("user")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
-    let groups: Vec<String> = spec
-        .get("groups")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
-    if user.is_empty() && groups.is_empty() {
-        return Err(invalid_review(
-            "spec.user",
-            "at least one of user or group must be specified",
-        ));
-    }
-    let a = sar_attributes(&user, groups, &spec)?;
-    let mut out = review_shell("SubjectAccessReview", "authorization.k8s.io/v1", spec);
-    out["status"] = decide(rep, &a);
-    Ok(out)
-}
-
-fn self_subject_access_review(
-    rep: &ReplicaInner,
-    u: &UserInfo,
-    v: Value,
-) -> Result<Value, ApiError> {
-    let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let a = sar_attributes(&u.user, u.groups.clone(), &spec)?;
-    let mut out = review_shell("SelfSubjectAccessReview", "authorization.k8s.io/v1", spec);
-    out["status"] = decide(rep, &a);
-    Ok(out)
-}
-
-fn self_subject_review(_: &ReplicaInner, u: &UserInfo, _: Value) -> Result<Value, ApiError> {
-    Ok(json!({
-        "kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
-        "metadata": {"creationTimestamp": null},
-        "status": {"userInfo": user_json(u)}
-    }))
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod pki;
 pub mod policy;
 pub mod proto;
+pub mod reviews;
 pub mod select;
 pub mod server;
 pub mod status;

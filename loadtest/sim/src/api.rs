@@ -855,7 +855,10 @@ async fn watch(
     {
         return status_response(&status::rv_too_large());
     }
-    let timeout = match param(q, "timeoutSeconds").and_then(|t| t.parse::<u64>().ok()) {
+    let timeout = match param(q, "timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .filter(|t| *t > 0)
+    {
         Some(t) => Duration::from_secs(t),
         // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread re-watches.
         None => Duration::from_secs(1800 + rand::random_range(0..1800)),

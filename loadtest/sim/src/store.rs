@@ -139,6 +139,9 @@ pub struct Event {
     pub obj: Arc<Obj>,
     /// The object before the change, so a selector watch can tell an object that left it.
     pub prev: Option<Arc<Obj>>,
+    /// The encoded watch line of this event as it happened, built once and shared by every
+    /// watcher that sends it unchanged.
+    pub line: std::sync::OnceLock<Bytes>,
 }
 
 /// Where a watch starts.
@@ -653,6 +656,7 @@ impl Store {
             resource: resource.to_string(),
             obj,
             prev,
+            line: std::sync::OnceLock::new(),
         });
         g.ring.push_back(ev.clone());
         while g.ring.len() > g.ring_cap {

@@ -126,8 +126,17 @@ impl W {
             EventType::Deleted if before => Some(EventType::Deleted),
             _ => None,
         };
-        if let Some(k) = kind {
-            event_line(out, self.def, k.as_str(), &ev.obj);
+        match kind {
+            Some(k) if k == ev.kind => {
+                let line = ev.line.get_or_init(|| {
+                    let mut b = BytesMut::new();
+                    event_line(&mut b, self.def, k.as_str(), &ev.obj);
+                    b.freeze()
+                });
+                out.extend_from_slice(line);
+            }
+            Some(k) => event_line(out, self.def, k.as_str(), &ev.obj),
+            None => {}
         }
     }
 

@@ -89,6 +89,9 @@ pub struct ReplicaStats {
     pub last_headers_seen: Vec<(String, String)>,
 }
 
+/// The user and headers of the last request.
+pub(crate) type LastRequest = (Option<String>, Vec<(String, String)>);
+
 /// Live counters of one replica.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -99,7 +102,7 @@ pub struct Counters {
     pub(crate) peak_watches: AtomicU64,
     pub(crate) ooms: AtomicU64,
     pub(crate) by_user: Mutex<HashMap<String, u64>>,
-    pub(crate) last: Mutex<(Option<String>, Vec<(String, String)>)>,
+    pub(crate) last: Mutex<LastRequest>,
 }
 
 /// Which gauge a [`GaugeGuard`] holds.

@@ -102,11 +102,6 @@ impl Heap {
             bytes,
         })
     }
-
-    /// Forgets all transient charges (the process restarted).
-    pub fn reset(&self) {
-        self.transient.store(0, Ordering::Release);
-    }
 }
 
 #[cfg(test)]

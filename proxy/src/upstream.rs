@@ -749,20 +749,11 @@ async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError>
     if body.is_end_stream() {
         return Ok(Bytes::new());
     }
-    // Collected by hand rather than with `Limited`, whose boxed error type makes the
-    // future of `send` lose `Send` in generic callers.
-    let mut body = body;
-    let mut collected = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::RequestBody(chain(&*e)))?;
-        if let Ok(data) = frame.into_data() {
-            if collected.len() + data.len() > MAX_REQUEST_BODY {
-                return Err(UpstreamError::BodyTooLarge);
-            }
-            collected.extend_from_slice(&data);
-        }
+    match crate::read_to_limit(body, MAX_REQUEST_BODY).await {
+        Ok(bytes) => Ok(bytes),
+        Err(crate::ReadError::TooLarge(_)) => Err(UpstreamError::BodyTooLarge),
+        Err(crate::ReadError::Failed(e)) => Err(UpstreamError::RequestBody(chain(&*e))),
     }
-    Ok(collected.freeze())
 }
 
 /// Removes the HTTP/1.1 connection-level headers an HTTP/2 request must not carry (hyper

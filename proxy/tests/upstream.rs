@@ -287,6 +287,36 @@ async fn a_write_racing_a_stop_is_answered_or_failed_never_applied_twice() -> Re
 }
 
 #[tokio::test]
+async fn a_write_applied_but_unanswered_is_not_sent_again() -> Result<()> {
+    let s = setup(2, vec![], "").await?;
+    // Every replica applies the write, then resets the stream: the answer may be lost.
+    for replica in s.fleet.replicas() {
+        replica.set_reset_mid_body(Some(0));
+    }
+    let before = s.fleet.applied_writes();
+    let mut interrupted = 0;
+    for i in 0..10 {
+        match s
+            .upstream
+            .send(create_configmap(&format!("lost-{i}")), write())
+            .await
+        {
+            // The head made it before the reset; the body then fails.
+            Ok(r) => assert_eq!(r.status(), StatusCode::CREATED),
+            Err(UpstreamError::Interrupted(_)) => interrupted += 1,
+            Err(other) => panic!("unexpected error {other:?}"),
+        }
+    }
+    assert!(interrupted > 0, "some answers were lost");
+    assert_eq!(
+        s.fleet.applied_writes() - before,
+        10,
+        "each write applied once"
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn refused_streams_are_retried_even_for_writes_without_ejecting() -> Result<()> {
     let s = setup(2, vec![], "").await?;
     s.fleet.replica(0).set_refuse_streams(true);
@@ -399,32 +429,47 @@ async fn another_connection_opens_when_the_streams_of_one_are_taken() -> Result<
 }
 
 #[tokio::test]
-async fn a_slow_reading_large_list_does_not_stall_another_stream() -> Result<()> {
-    // About 16 MiB: far more than one stream's window.
+async fn slow_reading_large_lists_do_not_stall_other_streams() -> Result<()> {
+    // About 16 MiB each: far more than one stream's window.
     let s = setup(
         1,
         vec![seed("secrets", 1600, 10 * 1024)],
-        "stallTimeout: 30s",
+        "stallTimeout: 60s",
     )
     .await?;
-    let big = s
-        .upstream
-        .send(get("/api/v1/namespaces/ns-0/secrets"), read())
-        .await?;
-    assert_eq!(big.status(), StatusCode::OK);
-    // Nobody reads the big body yet; other requests on the same connection still flow.
-    for _ in 0..20 {
-        let r = s
+    let mut unread = Vec::new();
+    for _ in 0..4 {
+        let big = s
             .upstream
-            .send(get("/api/v1/namespaces/ns-0/secrets/secret-1"), read())
+            .send(get("/api/v1/namespaces/ns-0/secrets"), read())
             .await?;
-        assert_eq!(r.status(), StatusCode::OK);
-        drain(r).await?;
+        assert_eq!(big.status(), StatusCode::OK);
+        unread.push(big);
+    }
+    // Nobody reads the big bodies; give the replica time to fill every window it may fill
+    // (a wait for the bad case to build up, not a speed assertion).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Other requests on the same connection still flow. The bound only turns a stalled
+    // connection into a failure instead of a hang.
+    for _ in 0..20 {
+        let small = async {
+            let r = s
+                .upstream
+                .send(get("/api/v1/namespaces/ns-0/secrets/secret-1"), read())
+                .await?;
+            assert_eq!(r.status(), StatusCode::OK);
+            drain(r).await
+        };
+        tokio::time::timeout(Duration::from_secs(10), small)
+            .await
+            .context("a small request stalled behind the unread LISTs")??;
     }
     assert_eq!(s.upstream.snapshot()[0].connections, 1);
-    let body = drain(big).await?;
-    let list: serde_json::Value = serde_json::from_slice(&body)?;
-    assert_eq!(list["items"].as_array().map(Vec::len), Some(1600));
+    for big in unread {
+        let body = drain(big).await?;
+        let list: serde_json::Value = serde_json::from_slice(&body)?;
+        assert_eq!(list["items"].as_array().map(Vec::len), Some(1600));
+    }
     Ok(())
 }
 

@@ -19,7 +19,11 @@ pub struct HeapModel {
 
 impl Default for HeapModel {
     fn default() -> Self {
-        HeapModel { base_bytes: 64 << 20, limit_bytes: None, restart: Duration::from_secs(2) }
+        HeapModel {
+            base_bytes: 64 << 20,
+            limit_bytes: None,
+            restart: Duration::from_secs(2),
+        }
     }
 }
 
@@ -69,11 +73,17 @@ impl Heap {
 
     /// Records the current heap in the peak (for changes in live bytes).
     pub fn observe(&self, model: &HeapModel, live: u64) {
-        self.peak.fetch_max(self.current(model, live), Ordering::AcqRel);
+        self.peak
+            .fetch_max(self.current(model, live), Ordering::AcqRel);
     }
 
     /// Charges `bytes` of transient heap, or reports an OOM (nothing is charged then).
-    pub fn charge(self: &Arc<Self>, model: &HeapModel, live: u64, bytes: u64) -> Result<HeapGuard, Oom> {
+    pub fn charge(
+        self: &Arc<Self>,
+        model: &HeapModel,
+        live: u64,
+        bytes: u64,
+    ) -> Result<HeapGuard, Oom> {
         let before = self.transient.fetch_add(bytes, Ordering::AcqRel);
         let now = model.base_bytes + live + before + bytes;
         if let Some(limit) = model.limit_bytes
@@ -81,10 +91,16 @@ impl Heap {
         {
             self.transient.fetch_sub(bytes, Ordering::AcqRel);
             self.peak.fetch_max(now.min(limit), Ordering::AcqRel);
-            return Err(Oom { would_be: now, limit });
+            return Err(Oom {
+                would_be: now,
+                limit,
+            });
         }
         self.peak.fetch_max(now, Ordering::AcqRel);
-        Ok(HeapGuard { heap: self.clone(), bytes })
+        Ok(HeapGuard {
+            heap: self.clone(),
+            bytes,
+        })
     }
 
     /// Forgets all transient charges (the process restarted).
@@ -99,7 +115,11 @@ mod tests {
 
     #[test]
     fn charges_are_held_until_dropped_and_limit_is_enforced() {
-        let m = HeapModel { base_bytes: 100, limit_bytes: Some(1000), restart: Duration::ZERO };
+        let m = HeapModel {
+            base_bytes: 100,
+            limit_bytes: Some(1000),
+            restart: Duration::ZERO,
+        };
         let h = Arc::new(Heap::default());
         let g = h.charge(&m, 50, 500).unwrap();
         assert_eq!(h.current(&m, 50), 650);

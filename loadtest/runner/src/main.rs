@@ -1,2 +1,6 @@
 //! bulwark-loadtest: scenarios, demo and sandbox.
+
+mod client;
+mod report;
+
 fn main() {}

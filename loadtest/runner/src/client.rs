@@ -55,15 +55,15 @@ pub struct Target {
 /// One client identity: a client certificate with CN = user and O = its class.
 #[derive(Clone, Debug)]
 pub struct Identity {
-    /// The user name (certificate CN).
-    pub user: String,
     /// Certificate chain, PEM.
     pub cert_pem: String,
     /// Private key, PEM.
     pub key_pem: String,
 }
 
-/// A connected (or reconnecting) HTTP/2 client for one identity.
+/// A connected (or reconnecting) HTTP/2 client for one identity. Clones share the
+/// connection, so one identity can hold several streams (an informer and its watches).
+#[derive(Clone)]
 pub struct Client {
     target: Target,
     tls: TlsConnector,
@@ -98,7 +98,12 @@ pub enum Read {
     Count,
     /// Keep the body (small answers the scenario needs, e.g. a write's resourceVersion).
     Keep,
+    /// Count the bytes but keep the first [`HEAD_BYTES`] (a list's `metadata`).
+    Head,
 }
+
+/// How much of a body [`Read::Head`] keeps.
+pub const HEAD_BYTES: usize = 4096;
 
 /// client-go's wait when a 429 carries no usable `Retry-After`.
 const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -233,9 +238,13 @@ impl Client {
                 let frame = frame.map_err(|e| format!("body: {e}"))?;
                 if let Some(data) = frame.data_ref() {
                     bytes += data.len() as u64;
-                    if read == Read::Keep || !status.is_success() {
-                        kept.extend_from_slice(data);
-                    }
+                    let room = match read {
+                        _ if !status.is_success() => usize::MAX,
+                        Read::Keep => usize::MAX,
+                        Read::Head => HEAD_BYTES.saturating_sub(kept.len()),
+                        Read::Count => 0,
+                    };
+                    kept.extend_from_slice(&data[..data.len().min(room)]);
                 }
             }
             if !status.is_success() {
@@ -245,7 +254,7 @@ impl Client {
             Ok(Outcome::Ok {
                 bytes,
                 latency: started.elapsed(),
-                body: (read == Read::Keep).then(|| kept.freeze()),
+                body: (read != Read::Count).then(|| kept.freeze()),
             })
         };
         match tokio::time::timeout(timeout, exchange).await {
@@ -329,6 +338,8 @@ pub struct Live {
     pub rejected: AtomicU64,
     /// Other failures.
     pub errors: AtomicU64,
+    /// Body bytes of 2xx answers.
+    pub bytes: AtomicU64,
 }
 
 /// One identity's own counts; merged into its class when the identity stops.
@@ -338,6 +349,7 @@ pub struct Tally {
     ok: u64,
     rejected: u64,
     errors: u64,
+    last_error: Option<String>,
     live: Arc<Live>,
 }
 
@@ -349,9 +361,10 @@ impl Tally {
         self.requests += 1;
         self.live.requests.fetch_add(1, Ordering::Relaxed);
         match outcome {
-            Outcome::Ok { latency, .. } => {
+            Outcome::Ok { latency, bytes, .. } => {
                 self.ok += 1;
                 self.live.ok.fetch_add(1, Ordering::Relaxed);
+                self.live.bytes.fetch_add(*bytes, Ordering::Relaxed);
                 let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
                 self.hist.saturating_record(micros.max(1));
                 Duration::ZERO
@@ -361,17 +374,27 @@ impl Tally {
                 self.live.rejected.fetch_add(1, Ordering::Relaxed);
                 *retry_after
             }
-            Outcome::Error(_) => {
+            Outcome::Error(message) => {
                 self.errors += 1;
+                if self.last_error.is_none() {
+                    self.last_error = Some(message.clone());
+                }
                 self.live.errors.fetch_add(1, Ordering::Relaxed);
                 Duration::from_millis(100)
             }
         }
     }
 
-    /// Successful requests so far.
-    pub fn ok(&self) -> u64 {
-        self.ok
+    /// Adds another tally of the same identity (from a parallel loop) to this one.
+    pub fn merge(&mut self, other: Tally) {
+        let _ = self.hist.add(&other.hist);
+        self.requests += other.requests;
+        self.ok += other.ok;
+        self.rejected += other.rejected;
+        self.errors += other.errors;
+        if self.last_error.is_none() {
+            self.last_error = other.last_error;
+        }
     }
 }
 
@@ -382,7 +405,8 @@ pub struct ClassStats {
     tallies: Mutex<Vec<Tally>>,
 }
 
-fn new_histogram() -> Histogram<u64> {
+/// An empty latency histogram in microseconds.
+pub fn new_histogram() -> Histogram<u64> {
     // 1 µs to 1 h at 3 significant digits; these bounds are valid, so this cannot fail.
     Histogram::new_with_bounds(1, 3_600_000_000, 3)
         .unwrap_or_else(|_| Histogram::new(3).expect("3 significant digits is valid"))
@@ -405,6 +429,7 @@ impl ClassStats {
             ok: 0,
             rejected: 0,
             errors: 0,
+            last_error: None,
             live: self.live.clone(),
         }
     }
@@ -414,6 +439,12 @@ impl ClassStats {
         if let Ok(mut tallies) = self.tallies.lock() {
             tallies.push(tally);
         }
+    }
+
+    /// One of the errors the class saw, to show what went wrong.
+    pub fn sample_error(&self) -> Option<String> {
+        let tallies = self.tallies.lock().ok()?;
+        tallies.iter().find_map(|t| t.last_error.clone())
     }
 
     /// The class's figures over a run of `elapsed`.

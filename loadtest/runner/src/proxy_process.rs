@@ -131,7 +131,10 @@ impl ProxyProcess {
             .arg(SUBCOMMAND)
             .arg("--config")
             .arg(&config)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
             .stderr(log_file)
@@ -157,7 +160,10 @@ impl ProxyProcess {
                     self.log_tail()
                 );
             }
-            if admin_get(self.admin, "/readyz").await.is_ok_and(|code| code == 200) {
+            if admin_get(self.admin, "/readyz")
+                .await
+                .is_ok_and(|code| code == 200)
+            {
                 return Ok(());
             }
             if tokio::time::Instant::now() > deadline {
@@ -177,41 +183,52 @@ impl ProxyProcess {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
-    /// The process's peak RSS and CPU time so far, from `/proc`.
-    pub fn cost(&self) -> anyhow::Result<ProxyCost> {
-        let pid = self.child.id().context("Bulwark has exited")?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-        Ok(ProxyCost {
-            peak_rss_bytes: vm_hwm(&status).context("no VmHWM in /proc status")?,
-            cpu_seconds: cpu_seconds(&stat, rustix::param::clock_ticks_per_second())
-                .context("unreadable /proc stat")?,
-        })
-    }
-
     /// Measures the process, then stops it with SIGTERM (its drain is configured short) and
     /// waits for it to exit.
     pub async fn stop(mut self) -> anyhow::Result<ProxyCost> {
-        let cost = self.cost()?;
-        if let Some(pid) = self.child.id().and_then(|id| i32::try_from(id).ok())
-            && let Some(pid) = rustix::process::Pid::from_raw(pid)
-        {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        match tokio::time::timeout(Duration::from_secs(15), self.child.wait()).await {
-            Ok(status) => {
-                let status = status?;
-                if !status.success() {
-                    eprintln!("note: Bulwark exited with {status}; log:\n{}", self.log_tail());
-                }
-            }
-            Err(_) => {
-                eprintln!("note: Bulwark did not exit 15 s after SIGTERM; killing it");
-                self.child.kill().await?;
-            }
-        }
-        Ok(cost)
+        let tail = self.log_tail();
+        stop_child(&mut self.child, "Bulwark", &tail).await
     }
+}
+
+/// A child process's peak RSS and CPU time so far, from `/proc`.
+pub fn cost_of(child: &Child) -> anyhow::Result<ProxyCost> {
+    let pid = child.id().context("the proxy process has exited")?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    Ok(ProxyCost {
+        peak_rss_bytes: vm_hwm(&status).context("no VmHWM in /proc status")?,
+        cpu_seconds: cpu_seconds(&stat, rustix::param::clock_ticks_per_second())
+            .context("unreadable /proc stat")?,
+    })
+}
+
+/// Measures a proxy process, sends it SIGTERM, waits up to 15 s for it to exit (then kills
+/// it), and returns what it cost.
+pub async fn stop_child(
+    child: &mut Child,
+    what: &str,
+    log_tail: &str,
+) -> anyhow::Result<ProxyCost> {
+    let cost = cost_of(child)?;
+    if let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok())
+        && let Some(pid) = rustix::process::Pid::from_raw(pid)
+    {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    match tokio::time::timeout(Duration::from_secs(15), child.wait()).await {
+        Ok(status) => {
+            let status = status?;
+            if !status.success() && status.code().is_some() {
+                eprintln!("note: {what} exited with {status}; log:\n{log_tail}");
+            }
+        }
+        Err(_) => {
+            eprintln!("note: {what} did not exit 15 s after SIGTERM; killing it");
+            child.kill().await?;
+        }
+    }
+    Ok(cost)
 }
 
 /// `VmHWM` (peak resident set) in bytes from `/proc/PID/status`.

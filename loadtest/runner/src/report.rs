@@ -138,7 +138,7 @@ pub fn table(report: &Report) -> String {
     let names: Vec<&String> = report.runs.iter().map(|(n, _)| n).collect();
     let runs: Vec<&Run> = report.runs.iter().map(|(_, r)| r).collect();
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
-    let mut section = |rows: &mut Vec<(String, Vec<String>)>, title: &str| {
+    let section = |rows: &mut Vec<(String, Vec<String>)>, title: &str| {
         rows.push((title.to_string(), vec![String::new(); runs.len()]));
     };
     let row = |label: &str, f: &dyn Fn(&Run) -> String| -> (String, Vec<String>) {

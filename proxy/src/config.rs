@@ -88,6 +88,10 @@ pub struct ListenLimits {
     pub keepalive_timeout: Duration,
     /// Largest request body in bytes (the apiserver's own limit is 3 MiB).
     pub max_body_bytes: usize,
+    /// How often the certificate, key and client CA files are re-read to catch a change
+    /// that file-system notifications missed (notifications usually see it at once).
+    #[serde(with = "humantime_serde")]
+    pub file_check_interval: Duration,
 }
 
 impl Default for ListenLimits {
@@ -101,6 +105,7 @@ impl Default for ListenLimits {
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
             max_body_bytes: 3 * 1024 * 1024,
+            file_check_interval: Duration::from_secs(30),
         }
     }
 }

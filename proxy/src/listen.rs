@@ -1,1 +1,297 @@
 //! The client-facing TLS listener: handshake, limits, reload, drain (DESIGN.md steps 1 and 9).
+//!
+//! [`Listener::bind`] reads the certificate files and binds the socket, [`Listener::serve`]
+//! accepts connections and drives each through TLS and HTTP/1.1 or HTTP/2 into the caller's
+//! tower service with a [`ConnInfo`] in every request's extensions, and
+//! [`Listener::spawn_reload`] swaps in new certificate files for new handshakes. The caller's
+//! SIGTERM handler moves a [`DrainPhase`] watch from `Serving` to `GoAway` to `Close`.
+
+mod conn;
+mod reload;
+mod tls;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use rustls::pki_types::CertificateDer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::Body;
+use crate::config;
+
+pub use conn::Connections;
+
+/// What the request path learns from the connection; inserted into every request's extensions.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    /// The client's address.
+    pub peer: SocketAddr,
+    /// The client certificate chain (leaf first), present only when the client sent one and it
+    /// verified against the configured client CA.
+    pub client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// Whether this request came over HTTP/2.
+    pub http2: bool,
+}
+
+/// Drain phases driven by the SIGTERM handler, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum DrainPhase {
+    /// Accept and serve as usual.
+    Serving,
+    /// Stop accepting; every connection is shut down gracefully (GOAWAY for HTTP/2,
+    /// `Connection: close` for HTTP/1.1) and in-flight requests and streams finish.
+    GoAway,
+    /// Drop every remaining connection, open watches included.
+    Close,
+}
+
+/// Why the listener could not start or a certificate reload was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenError {
+    /// A certificate, key or CA file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file is not valid PEM.
+    #[error("{path}: bad PEM: {message}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What the PEM parser said.
+        message: String,
+    },
+    /// The certificate file holds no certificate.
+    #[error("{path}: no PEM certificate in the file")]
+    NoCertificate {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The key file holds no private key.
+    #[error("{path}: no PEM private key (PKCS#8, PKCS#1 or SEC1) in the file")]
+    NoKey {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The key is of a type or form the ring provider cannot use.
+    #[error("{path}: unusable private key: {source}")]
+    BadKey {
+        /// The file.
+        path: PathBuf,
+        /// What rustls said.
+        source: rustls::Error,
+    },
+    /// The leaf certificate cannot be parsed.
+    #[error("{path}: unusable certificate: {source}")]
+    BadCertificate {
+        /// The file.
+        path: PathBuf,
+        /// What rustls said.
+        source: rustls::Error,
+    },
+    /// The private key is not the key of the leaf certificate.
+    #[error("{key} does not hold the private key of the certificate in {cert}")]
+    KeyMismatch {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+    },
+    /// The client CA file cannot be used to verify client certificates.
+    #[error("{path}: unusable client CA: {message}")]
+    ClientCa {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// rustls refused the configuration for another reason.
+    #[error("TLS configuration: {0}")]
+    Tls(rustls::Error),
+    /// The address could not be bound.
+    #[error("cannot listen on {address}: {source}")]
+    Bind {
+        /// The configured address.
+        address: SocketAddr,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The listening socket itself failed (not a single connection).
+    #[error("accepting connections failed: {0}")]
+    Accept(std::io::Error),
+}
+
+/// A bound client listener with its TLS configuration loaded; [`Listener::serve`] runs it.
+pub struct Listener {
+    tcp: TcpListener,
+    local_addr: SocketAddr,
+    tls: Arc<tls::TlsState>,
+    settings: Arc<conn::Settings>,
+    file_check_interval: Duration,
+    connections: Connections,
+}
+
+impl Listener {
+    /// Loads the certificate, key and client CA now (a bad file is an error naming it) and
+    /// binds the address.
+    pub async fn bind(cfg: &config::Listen) -> Result<Listener, ListenError> {
+        // Three small files, read once at startup: not worth a blocking-pool hop.
+        let tls = tls::TlsState::load(tls::TlsFiles::from_config(cfg))?;
+        let tcp = TcpListener::bind(cfg.address)
+            .await
+            .map_err(|source| ListenError::Bind {
+                address: cfg.address,
+                source,
+            })?;
+        let local_addr = tcp.local_addr().map_err(|source| ListenError::Bind {
+            address: cfg.address,
+            source,
+        })?;
+        Ok(Listener {
+            tcp,
+            local_addr,
+            tls: Arc::new(tls),
+            settings: Arc::new(conn::Settings::new(&cfg.limits, cfg.goaway_chance)),
+            file_check_interval: cfg.limits.file_check_interval,
+            connections: Connections::default(),
+        })
+    }
+
+    /// The bound address (useful when the configured port was 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Watches the cert, key and client CA files (notifications on their folders, so that
+    /// Kubernetes' `..data` symlink swaps are seen, plus a re-read every
+    /// `limits.fileCheckInterval`). New handshakes use new files; open connections keep
+    /// theirs; a change that does not load keeps the old configuration and logs why. Runs
+    /// until the handle is aborted.
+    pub fn spawn_reload(&self) -> JoinHandle<()> {
+        tokio::spawn(reload::run(self.tls.clone(), self.file_check_interval))
+    }
+
+    /// Re-reads the files now (blocking file I/O): `Ok(true)` if a new configuration was
+    /// swapped in, `Ok(false)` if nothing changed since the last attempt, an error (naming
+    /// the file) if the new files are unusable, in which case the old configuration stays.
+    pub fn reload(&self) -> Result<bool, ListenError> {
+        self.tls.check()
+    }
+
+    /// A handle on the number of open client connections, for metrics.
+    pub fn connections(&self) -> Connections {
+        self.connections.clone()
+    }
+
+    /// Accepts and serves connections until the drain reaches [`DrainPhase::GoAway`], then
+    /// stops accepting (the socket is closed) and returns once every connection has ended,
+    /// gracefully or at [`DrainPhase::Close`]. If the drain sender is dropped the listener
+    /// keeps serving. Errors of single connections are logged, never returned.
+    pub async fn serve<S>(
+        self,
+        service: S,
+        mut drain: watch::Receiver<DrainPhase>,
+    ) -> Result<(), ListenError>
+    where
+        S: tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+            + Clone
+            + Send
+            + 'static,
+        S::Future: Send,
+    {
+        let Listener {
+            tcp,
+            tls,
+            settings,
+            connections,
+            ..
+        } = self;
+        let mut tasks = JoinSet::new();
+        let mut drain_open = true;
+        let mut result = Ok(());
+        while *drain.borrow_and_update() == DrainPhase::Serving {
+            tokio::select! {
+                accepted = tcp.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        // Small writes (HTTP/2 frames, watch events) must not wait for Nagle.
+                        if let Err(error) = stream.set_nodelay(true) {
+                            tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
+                        }
+                        let guard = connections.track();
+                        let serve = conn::serve(
+                            stream,
+                            peer,
+                            tls.clone(),
+                            settings.clone(),
+                            service.clone(),
+                            drain.clone(),
+                        );
+                        tasks.spawn(async move {
+                            serve.await;
+                            drop(guard);
+                        });
+                    }
+                    Err(error) => match accept_error(&error) {
+                        AcceptError::Transient => {}
+                        AcceptError::Exhausted => {
+                            tracing::warn!(%error, "cannot accept connections; retrying shortly");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        AcceptError::Fatal => {
+                            result = Err(ListenError::Accept(error));
+                            break;
+                        }
+                    },
+                },
+                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                    if let Err(error) = joined {
+                        tracing::error!(%error, "a client connection task failed");
+                    }
+                }
+                changed = drain.changed(), if drain_open => {
+                    if changed.is_err() {
+                        drain_open = false;
+                    }
+                }
+            }
+        }
+        // Closing the socket now makes new connections fail fast so that clients and load
+        // balancers pick another replica.
+        drop(tcp);
+        tracing::info!(open = tasks.len(), "stopped accepting client connections");
+        while let Some(joined) = tasks.join_next().await {
+            if let Err(error) = joined {
+                tracing::error!(%error, "a client connection task failed");
+            }
+        }
+        result
+    }
+}
+
+/// How the accept loop reacts to an error from `accept`.
+enum AcceptError {
+    /// One connection went wrong before it was accepted; carry on.
+    Transient,
+    /// Out of file descriptors or memory; wait a little so as not to spin.
+    Exhausted,
+    /// The listening socket itself is broken.
+    Fatal,
+}
+
+fn accept_error(error: &std::io::Error) -> AcceptError {
+    match error.raw_os_error() {
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptError::Exhausted,
+        Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP) => AcceptError::Fatal,
+        _ => AcceptError::Transient,
+    }
+}

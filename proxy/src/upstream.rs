@@ -1,1 +1,875 @@
 //! The apiserver replicas: connection pool, per-request pick, health, retries (step 8).
+//!
+//! [`Upstream::send`] takes a request whose identity headers are already rewritten, picks a
+//! replica ([`pick`]), takes a stream slot on a pooled HTTP/2 connection for the request's
+//! credential ([`pool`]), and returns the response head with a streaming body ([`body`]).
+//! Failures that provably never reached an apiserver are retried for every request; a read
+//! is also retried when it may have arrived; a write that may have arrived never is.
+//! Upgrades (exec, attach, port-forward) get their own HTTP/1.1 connection and are spliced.
+
+mod body;
+mod pick;
+mod pool;
+mod tls;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body as _;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
+use hyper_util::rt::TokioIo;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::Body;
+use crate::config;
+use crate::metrics::Metrics;
+use crate::status::Reason;
+
+use body::OnFailure;
+use pick::{Balancer, Cause, Load, PendingGuard, WatchGuard};
+use pool::{Lease, Pool, ReqBody};
+
+pub use tls::UpstreamTls;
+
+/// Largest request body forwarded: the apiserver's own limit. Bodies are buffered so that
+/// a retry can send them again.
+pub const MAX_REQUEST_BODY: usize = 3 * 1024 * 1024;
+
+/// Which upstream credential a request travels with; each has its own connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Credential {
+    /// The front-proxy client certificate: users' requests with `X-Remote-*` headers.
+    FrontProxy,
+    /// Bulwark's own identity (client certificate, or TLS plus its bearer token): reviews,
+    /// informers, impersonation and `/readyz` probes.
+    Own,
+    /// TLS without a client certificate: the anonymous allowlist and passthrough-mode
+    /// tokens, on connections of their own because an anonymous request on a shared
+    /// HTTP/2 connection can make the apiserver tear that connection down.
+    Anonymous,
+}
+
+/// When a failed request may be sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryPolicy {
+    /// Retried on another replica while no response byte has reached the client.
+    Read,
+    /// Retried only when it provably never reached an apiserver.
+    Write,
+}
+
+/// What the pool needs to know about a request.
+#[derive(Debug, Clone, Copy)]
+pub struct Route {
+    /// The credential it travels with.
+    pub credential: Credential,
+    /// When it may be retried.
+    pub retry: RetryPolicy,
+    /// Watch, `follow`, upgrade: no request timeout.
+    pub long_running: bool,
+    /// Balanced by watch count and counted in `upstream_watches`; a failure mid-stream
+    /// ends the body cleanly (clients watch again).
+    pub watch: bool,
+    /// Time allowed until the response head; ignored for long-running requests.
+    pub timeout: Option<Duration>,
+}
+
+/// A replica's state, for `/debug` and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaView {
+    /// The address as configured.
+    pub name: String,
+    /// In rotation.
+    pub healthy: bool,
+    /// Requests waiting for their response head.
+    pub pending: u64,
+    /// Open watch streams.
+    pub watches: u64,
+    /// In-flight LIST bytes as reported by admission.
+    pub in_flight_bytes: u64,
+    /// Open pooled HTTP/2 connections, all credentials together.
+    pub connections: usize,
+}
+
+/// Response extension naming the replica that answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpstreamReplica(pub Arc<str>);
+
+/// Why a request could not be forwarded.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum UpstreamError {
+    /// No replica took the request: every attempt failed before reaching an apiserver.
+    #[error("no apiserver replica could take the request")]
+    NoHealthyReplica {
+        /// When the client should try again.
+        retry_after: Duration,
+    },
+    /// No response head within the route's timeout.
+    #[error("the apiserver did not answer in time")]
+    Timeout,
+    /// TCP connect to a replica failed.
+    #[error("cannot connect to apiserver {0}")]
+    Connect(String),
+    /// TLS handshake with a replica failed.
+    #[error("TLS with apiserver {0}")]
+    Tls(String),
+    /// The HTTP/2 or HTTP/1.1 exchange with a replica failed.
+    #[error("apiserver {0}")]
+    Protocol(String),
+    /// The connection failed after the request may have reached the apiserver; it is a
+    /// write, so it was not sent again.
+    #[error("the request may have reached apiserver {0} but no answer came; not retried")]
+    Interrupted(String),
+    /// The request body is larger than [`MAX_REQUEST_BODY`].
+    #[error("the request body is larger than {MAX_REQUEST_BODY} bytes")]
+    BodyTooLarge,
+    /// The client's request body could not be read.
+    #[error("reading the request body: {0}")]
+    RequestBody(String),
+    /// An upgrade was asked for on a connection that cannot upgrade (HTTP/2).
+    #[error("the request asks for an upgrade its connection cannot make")]
+    NotUpgradable,
+    /// The route names a credential that is not configured.
+    #[error("no {0:?} credential is configured")]
+    MissingCredential(Credential),
+    /// The configuration cannot be used.
+    #[error("upstream configuration: {0}")]
+    Config(String),
+}
+
+impl UpstreamError {
+    /// The status the client gets.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            UpstreamError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => self.reason().status(),
+        }
+    }
+
+    /// The reason label for metrics, `X-Bulwark-Reason` and logs.
+    pub fn reason(&self) -> Reason {
+        match self {
+            UpstreamError::NoHealthyReplica { .. } => Reason::NoHealthyUpstream,
+            UpstreamError::Timeout => Reason::UpstreamTimeout,
+            UpstreamError::BodyTooLarge
+            | UpstreamError::RequestBody(_)
+            | UpstreamError::NotUpgradable => Reason::BadRequest,
+            UpstreamError::Connect(_)
+            | UpstreamError::Tls(_)
+            | UpstreamError::Protocol(_)
+            | UpstreamError::Interrupted(_)
+            | UpstreamError::MissingCredential(_)
+            | UpstreamError::Config(_) => Reason::UpstreamError,
+        }
+    }
+}
+
+/// The apiserver replicas and the connections to them. Cheap to clone.
+#[derive(Clone)]
+pub struct Upstream {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    balancer: Balancer,
+    pool: Pool,
+    tls: UpstreamTls,
+    metrics: Metrics,
+    stall_timeout: Duration,
+    probe_interval: Duration,
+    byte_budget: u64,
+    probes: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for probe in self.probes.get_mut().unwrap_or_else(|p| p.into_inner()) {
+            probe.abort();
+        }
+    }
+}
+
+/// How an attempt failed, and so whether the request may go again.
+enum Failure {
+    /// Provably never reached an apiserver: any request may be retried.
+    NotSent {
+        error: UpstreamError,
+        eject: Option<Cause>,
+    },
+    /// May have reached the apiserver: only reads are retried.
+    MaybeSent {
+        error: UpstreamError,
+        eject: Option<Cause>,
+    },
+    /// Retrying cannot help.
+    Fatal(UpstreamError),
+}
+
+/// The parts of a request that every attempt sends again.
+struct Template {
+    method: Method,
+    path_and_query: http::uri::PathAndQuery,
+    headers: HeaderMap,
+    body: Bytes,
+    upgrade: bool,
+}
+
+impl Upstream {
+    /// The pool for the configured replicas. Opens no connection yet.
+    pub fn new(
+        cfg: &config::Upstream,
+        tls: UpstreamTls,
+        metrics: Metrics,
+    ) -> Result<Self, UpstreamError> {
+        let byte_budget = cfg.replica_heap_headroom.0 / 5 / u64::from(cfg.bulwark_replicas.max(1));
+        let balancer = Balancer::new(
+            &cfg.replicas,
+            cfg.eject_base,
+            cfg.eject_max,
+            byte_budget,
+            &metrics,
+        )?;
+        let pool = Pool::new(
+            balancer.replicas(),
+            cfg.server_name.as_deref(),
+            tls.clone(),
+            cfg.timeouts.connect,
+            cfg.streams_per_connection,
+        )?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                balancer,
+                pool,
+                tls,
+                metrics,
+                stall_timeout: cfg.stall_timeout,
+                probe_interval: cfg.probe_interval,
+                byte_budget,
+                probes: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// Starts probing each replica's `/readyz` every `probe_interval` with the Own
+    /// credential: a failure takes it out of rotation, a success brings it back. Calling
+    /// it again does nothing; the probes stop when the last clone of `self` is dropped.
+    pub fn spawn_probes(&self) {
+        let mut probes = self.inner.probes.lock().unwrap_or_else(|p| p.into_inner());
+        if !probes.is_empty() {
+            return;
+        }
+        for index in 0..self.inner.balancer.replicas().len() {
+            let weak = Arc::downgrade(&self.inner);
+            let interval = self.inner.probe_interval.max(Duration::from_millis(10));
+            probes.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(interval);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    let Some(inner) = weak.upgrade() else { break };
+                    inner.probe(index).await;
+                }
+            }));
+        }
+    }
+
+    /// Forwards a request (origin-form URI, identity headers already rewritten) to a
+    /// replica and returns its response head with a streaming body. Sets scheme,
+    /// authority and `Host` for the replica; the path bytes go unchanged.
+    pub async fn send(
+        &self,
+        req: Request<Body>,
+        route: Route,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let work = self.inner.send(req, route);
+        match route.timeout.filter(|_| !route.long_running) {
+            Some(limit) => tokio::time::timeout(limit, work)
+                .await
+                .map_err(|_| UpstreamError::Timeout)?,
+            None => work.await,
+        }
+    }
+
+    /// Replicas in rotation.
+    pub fn healthy_replicas(&self) -> usize {
+        self.inner.balancer.healthy(Instant::now())
+    }
+
+    /// Replicas configured.
+    pub fn replicas(&self) -> usize {
+        self.inner.balancer.replicas().len()
+    }
+
+    /// Every replica's state.
+    pub fn snapshot(&self) -> Vec<ReplicaView> {
+        let inner = &self.inner;
+        inner
+            .balancer
+            .snapshot(Instant::now(), |i| inner.pool.connections(i))
+    }
+
+    /// One replica's in-flight LIST byte budget: heap headroom ÷ 5 ÷ Bulwark replicas.
+    pub fn byte_budget(&self) -> u64 {
+        self.inner.byte_budget
+    }
+
+    /// Counts LIST bytes admitted to a replica (weighs in the pick). False when no replica
+    /// has that name.
+    pub fn add_in_flight_bytes(&self, replica: &str, bytes: u64) -> bool {
+        self.find(replica).map(|r| r.add_bytes(bytes)).is_some()
+    }
+
+    /// Releases LIST bytes counted by [`Upstream::add_in_flight_bytes`] (saturating at
+    /// zero). False when no replica has that name.
+    pub fn remove_in_flight_bytes(&self, replica: &str, bytes: u64) -> bool {
+        self.find(replica).map(|r| r.remove_bytes(bytes)).is_some()
+    }
+
+    fn find(&self, name: &str) -> Option<&Arc<pick::Replica>> {
+        self.inner
+            .balancer
+            .replicas()
+            .iter()
+            .find(|r| &*r.name == name)
+    }
+}
+
+impl Inner {
+    async fn send(
+        &self,
+        mut req: Request<Body>,
+        route: Route,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let upgrade = wants_upgrade(req.headers());
+        let mut downstream_upgrade = if upgrade {
+            Some(
+                req.extensions_mut()
+                    .remove::<OnUpgrade>()
+                    .ok_or(UpstreamError::NotUpgradable)?,
+            )
+        } else {
+            None
+        };
+        let (parts, body) = req.into_parts();
+        let body = buffer(body, &parts.headers).await?;
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        let template = Template {
+            method: parts.method,
+            path_and_query,
+            headers: parts.headers,
+            body,
+            upgrade,
+        };
+        let load = if route.watch {
+            Load::Watches
+        } else {
+            Load::Requests
+        };
+        let replicas = self.balancer.replicas().len();
+        let mut tried = Vec::with_capacity(replicas + 1);
+        let mut only_not_sent = true;
+        let mut last_error = None;
+        for _ in 0..=replicas {
+            let Some(index) = self.pick(load, &tried) else {
+                break;
+            };
+            tried.push(index);
+            match self.attempt(index, route.credential, &template).await {
+                Ok((response, lease)) => {
+                    return Ok(self.respond(
+                        index,
+                        response,
+                        lease,
+                        route,
+                        &mut downstream_upgrade,
+                    ));
+                }
+                Err(failure) => {
+                    let name = self.balancer.replica(index).name.clone();
+                    self.metrics
+                        .upstream_responses_total
+                        .with_label_values(&[&*name, "error"])
+                        .inc();
+                    match failure {
+                        Failure::Fatal(error) => return Err(error),
+                        Failure::NotSent { error, eject } => {
+                            tracing::debug!(replica = %name, %error, "not sent; retrying");
+                            self.eject(index, eject);
+                            last_error = Some(error);
+                        }
+                        Failure::MaybeSent { error, eject } => {
+                            self.eject(index, eject);
+                            only_not_sent = false;
+                            if route.retry == RetryPolicy::Write || template.upgrade {
+                                tracing::warn!(replica = %name, %error, "write may have arrived; not retried");
+                                return Err(UpstreamError::Interrupted(error.to_string()));
+                            }
+                            tracing::debug!(replica = %name, %error, "read failed; retrying");
+                            last_error = Some(error);
+                        }
+                    }
+                }
+            }
+        }
+        let no_replica = UpstreamError::NoHealthyReplica {
+            retry_after: self.balancer.retry_after(Instant::now()),
+        };
+        Err(match last_error {
+            Some(_) if only_not_sent => no_replica,
+            Some(error) => error,
+            None => no_replica,
+        })
+    }
+
+    fn pick(&self, load: Load, tried: &[usize]) -> Option<usize> {
+        // The thread-local RNG is not Send; keep it inside this synchronous call.
+        self.balancer
+            .pick(load, tried, Instant::now(), &mut rand::rng())
+    }
+
+    fn eject(&self, index: usize, cause: Option<Cause>) {
+        if let Some(cause) = cause {
+            self.balancer.eject(index, cause, Instant::now());
+        }
+    }
+
+    /// One try on one replica, until the response head.
+    async fn attempt(
+        &self,
+        index: usize,
+        credential: Credential,
+        template: &Template,
+    ) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
+        let replica = self.balancer.replica(index).clone();
+        let _pending = PendingGuard::new(replica.clone());
+        let bearer = match credential {
+            Credential::Own => self.tls.own_bearer().map_err(Failure::Fatal)?,
+            _ => None,
+        };
+        let request = build_request(template, &replica.name, bearer).map_err(Failure::Fatal)?;
+        if template.upgrade {
+            let mut sender = self
+                .pool
+                .connect_http1(&replica, index, credential)
+                .await
+                .map_err(connect_failure)?;
+            if let Err(e) = sender.ready().await {
+                return Err(Failure::NotSent {
+                    error: UpstreamError::Protocol(format!("{}: {e}", replica.name)),
+                    eject: Some(Cause::Reset),
+                });
+            }
+            return match sender.send_request(request).await {
+                Ok(response) => Ok((response, None)),
+                Err(e) => Err(classify(&replica.name, &e)),
+            };
+        }
+        let (lease, mut sender) = self
+            .pool
+            .acquire(&replica, index, credential)
+            .await
+            .map_err(connect_failure)?;
+        match sender.try_send_request(request).await {
+            Ok(response) => Ok((response, Some(lease))),
+            // hyper hands the request back when it never started writing it: the
+            // connection closed between the pick and the send.
+            Err(e) if e.message().is_some() => Err(Failure::NotSent {
+                error: UpstreamError::Protocol(format!("{}: {}", replica.name, e.error())),
+                eject: None,
+            }),
+            Err(e) => Err(classify(&replica.name, &e.into_error())),
+        }
+    }
+
+    /// Turns a response head into the client's response: counts it, lowers the weight on
+    /// 429, splices an upgrade, streams the body.
+    fn respond(
+        &self,
+        index: usize,
+        mut response: Response<Incoming>,
+        lease: Option<Lease>,
+        route: Route,
+        downstream_upgrade: &mut Option<OnUpgrade>,
+    ) -> Response<Body> {
+        let now = Instant::now();
+        let replica = self.balancer.replica(index).clone();
+        let status = response.status();
+        self.metrics
+            .upstream_responses_total
+            .with_label_values(&[&*replica.name, code_class(status)])
+            .inc();
+        self.balancer.succeeded(index, now);
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            let retry_after = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(Duration::from_secs)
+                .filter(|d| !d.is_zero())
+                .unwrap_or(pick::THROTTLE_DEFAULT);
+            self.balancer.throttle(index, retry_after, now);
+        }
+        if status == StatusCode::SWITCHING_PROTOCOLS
+            && let Some(downstream) = downstream_upgrade.take()
+        {
+            let upstream = hyper::upgrade::on(&mut response);
+            let name = replica.name.clone();
+            tokio::spawn(async move {
+                match tokio::try_join!(downstream, upstream) {
+                    Ok((down, up)) => {
+                        let (mut down, mut up) = (TokioIo::new(down), TokioIo::new(up));
+                        match tokio::io::copy_bidirectional(&mut down, &mut up).await {
+                            Ok((sent, received)) => {
+                                tracing::debug!(replica = %name, sent, received, "upgrade closed")
+                            }
+                            Err(e) => tracing::debug!(replica = %name, error = %e, "upgrade ended"),
+                        }
+                    }
+                    Err(e) => tracing::debug!(replica = %name, error = %e, "upgrade failed"),
+                }
+            });
+            let (parts, _) = response.into_parts();
+            let mut response = Response::from_parts(parts, crate::empty());
+            response
+                .extensions_mut()
+                .insert(UpstreamReplica(replica.name.clone()));
+            return response;
+        }
+        let watch = route.watch.then(|| WatchGuard::new(replica.clone()));
+        let on_failure = if route.watch {
+            OnFailure::End
+        } else {
+            OnFailure::Error
+        };
+        let (parts, incoming) = response.into_parts();
+        let body = body::stream(
+            incoming,
+            on_failure,
+            self.stall_timeout,
+            replica.name.clone(),
+            (lease, watch),
+        );
+        let mut response = Response::from_parts(parts, body);
+        response
+            .extensions_mut()
+            .insert(UpstreamReplica(replica.name.clone()));
+        response
+    }
+
+    /// One `/readyz` probe with the Own credential.
+    async fn probe(&self, index: usize) {
+        let template = Template {
+            method: Method::GET,
+            path_and_query: http::uri::PathAndQuery::from_static("/readyz"),
+            headers: HeaderMap::new(),
+            body: Bytes::new(),
+            upgrade: false,
+        };
+        let limit = self.probe_interval.max(Duration::from_secs(1));
+        let now = || Instant::now();
+        let name = &self.balancer.replica(index).name;
+        let outcome = tokio::time::timeout(limit, async {
+            let (response, lease) = self
+                .attempt(index, Credential::Own, &template)
+                .await
+                .map_err(|f| match f {
+                    Failure::NotSent { error, .. }
+                    | Failure::MaybeSent { error, .. }
+                    | Failure::Fatal(error) => error.to_string(),
+                })?;
+            let status = response.status();
+            // Read the short answer to the end so the stream closes cleanly.
+            let _ = Limited::new(response.into_body(), 64 * 1024)
+                .collect()
+                .await;
+            drop(lease);
+            if status == StatusCode::OK {
+                Ok(())
+            } else {
+                Err(format!("/readyz answered {status}"))
+            }
+        })
+        .await
+        .unwrap_or_else(|_| Err(format!("/readyz did not answer within {limit:?}")));
+        match outcome {
+            Ok(()) => self.balancer.probe_ok(index, now()),
+            Err(why) => {
+                tracing::warn!(replica = %name, %why, "readiness probe failed");
+                self.balancer.eject(index, Cause::Probe, now());
+            }
+        }
+    }
+}
+
+/// A connect-stage failure: the request never left Bulwark. Configuration problems cannot
+/// be fixed by trying elsewhere.
+fn connect_failure(error: UpstreamError) -> Failure {
+    match error {
+        UpstreamError::MissingCredential(_) | UpstreamError::Config(_) => Failure::Fatal(error),
+        error => Failure::NotSent {
+            error,
+            eject: Some(Cause::Connect),
+        },
+    }
+}
+
+/// Sorts a failed exchange into "never reached the apiserver" or "may have".
+fn classify(replica: &str, error: &hyper::Error) -> Failure {
+    let message = || UpstreamError::Protocol(format!("{replica}: {}", chain(error)));
+    if let Some(h2) = find_source::<h2::Error>(error) {
+        // The apiserver refused the stream before processing it.
+        if h2.is_reset() && h2.is_remote() && h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
+            return Failure::NotSent {
+                error: message(),
+                eject: None,
+            };
+        }
+        // A graceful GOAWAY fails only streams above its last-stream-id, which the
+        // apiserver promises it never processed; streams below it finish normally.
+        if h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR) {
+            return Failure::NotSent {
+                error: message(),
+                eject: None,
+            };
+        }
+        return Failure::MaybeSent {
+            error: message(),
+            eject: Some(Cause::Reset),
+        };
+    }
+    if error.is_parse() || error.is_user() {
+        // The replica is reachable; this exchange was malformed.
+        return Failure::MaybeSent {
+            error: message(),
+            eject: None,
+        };
+    }
+    Failure::MaybeSent {
+        error: message(),
+        eject: Some(Cause::Reset),
+    }
+}
+
+fn find_source<'a, E: std::error::Error + 'static>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a E> {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if let Some(found) = e.downcast_ref::<E>() {
+            return Some(found);
+        }
+        current = e.source();
+    }
+    None
+}
+
+/// An error and its causes on one line.
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
+}
+
+/// The label of `upstream_responses_total` for a status.
+fn code_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// True when the request asks for an HTTP/1.1 upgrade (`Connection: upgrade`).
+fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// Reads the request body whole, up to [`MAX_REQUEST_BODY`].
+async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > MAX_REQUEST_BODY as u64) {
+        return Err(UpstreamError::BodyTooLarge);
+    }
+    if body.is_end_stream() {
+        return Ok(Bytes::new());
+    }
+    match Limited::new(body, MAX_REQUEST_BODY).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(UpstreamError::BodyTooLarge),
+        Err(e) => Err(UpstreamError::RequestBody(chain(&*e))),
+    }
+}
+
+/// The request for one attempt on a replica: HTTP/2 with the replica as `:authority`, or
+/// HTTP/1.1 in origin form with `Host` for an upgrade.
+fn build_request(
+    template: &Template,
+    authority: &str,
+    bearer: Option<HeaderValue>,
+) -> Result<Request<ReqBody>, UpstreamError> {
+    let mut headers = template.headers.clone();
+    let (uri, version) = if template.upgrade {
+        let host = HeaderValue::from_str(authority)
+            .map_err(|_| UpstreamError::Config(format!("{authority:?} cannot be a Host header")))?;
+        headers.insert(header::HOST, host);
+        (Uri::from(template.path_and_query.clone()), Version::HTTP_11)
+    } else {
+        // HTTP/2 carries the host as :authority; a Host header beside it must not differ.
+        headers.remove(header::HOST);
+        let uri = Uri::builder()
+            .scheme("https")
+            .authority(authority)
+            .path_and_query(template.path_and_query.clone())
+            .build()
+            .map_err(|e| UpstreamError::Config(format!("{authority:?} as authority: {e}")))?;
+        (uri, Version::HTTP_2)
+    };
+    if let Some(bearer) = bearer
+        && !headers.contains_key(header::AUTHORIZATION)
+    {
+        headers.insert(header::AUTHORIZATION, bearer);
+    }
+    let mut request = Request::new(Full::new(template.body.clone()));
+    *request.method_mut() = template.method.clone();
+    *request.uri_mut() = uri;
+    *request.version_mut() = version;
+    *request.headers_mut() = headers;
+    Ok(request)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(upgrade: bool) -> Template {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("bulwark.example"));
+        headers.insert("x-remote-user", HeaderValue::from_static("alice"));
+        Template {
+            method: Method::GET,
+            path_and_query: "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
+                .parse()
+                .unwrap(),
+            headers,
+            body: Bytes::new(),
+            upgrade,
+        }
+    }
+
+    #[test]
+    fn an_http2_request_names_the_replica_as_authority_and_keeps_the_path_bytes() {
+        let req = build_request(&template(false), "10.0.0.1:6443", None).unwrap();
+        assert_eq!(
+            req.uri().to_string(),
+            "https://10.0.0.1:6443/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
+        );
+        assert_eq!(req.version(), Version::HTTP_2);
+        assert!(req.headers().get(header::HOST).is_none());
+        assert_eq!(req.headers()["x-remote-user"], "alice");
+    }
+
+    #[test]
+    fn an_upgrade_goes_in_origin_form_with_the_replica_as_host() {
+        let req = build_request(&template(true), "10.0.0.1:6443", None).unwrap();
+        assert_eq!(
+            req.uri().to_string(),
+            "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
+        );
+        assert_eq!(req.version(), Version::HTTP_11);
+        assert_eq!(req.headers()[header::HOST], "10.0.0.1:6443");
+    }
+
+    #[test]
+    fn the_own_token_is_added_only_when_no_authorization_is_present() {
+        let bearer = HeaderValue::from_static("Bearer own");
+        let req = build_request(&template(false), "a:1", Some(bearer.clone())).unwrap();
+        assert_eq!(req.headers()[header::AUTHORIZATION], "Bearer own");
+        let mut t = template(false);
+        t.headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer user"),
+        );
+        let req = build_request(&t, "a:1", Some(bearer)).unwrap();
+        assert_eq!(req.headers()[header::AUTHORIZATION], "Bearer user");
+    }
+
+    #[test]
+    fn upgrade_is_recognised_among_connection_tokens() {
+        let mut headers = HeaderMap::new();
+        assert!(!wants_upgrade(&headers));
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, Upgrade"),
+        );
+        assert!(wants_upgrade(&headers));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        assert!(!wants_upgrade(&headers));
+    }
+
+    #[tokio::test]
+    async fn bodies_over_three_mebibytes_are_refused() {
+        let big = vec![b'x'; MAX_REQUEST_BODY + 1];
+        let err = buffer(crate::full(big), &HeaderMap::new())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, UpstreamError::BodyTooLarge));
+        assert_eq!(err.status(), StatusCode::PAYLOAD_TOO_LARGE);
+
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("4000000"));
+        let err = buffer(crate::empty(), &headers).await.unwrap_err();
+        assert!(matches!(err, UpstreamError::BodyTooLarge));
+
+        let exact = vec![b'x'; MAX_REQUEST_BODY];
+        let ok = buffer(crate::full(exact), &HeaderMap::new()).await.unwrap();
+        assert_eq!(ok.len(), MAX_REQUEST_BODY);
+    }
+
+    #[test]
+    fn errors_map_to_the_statuses_the_client_sees() {
+        let no = UpstreamError::NoHealthyReplica {
+            retry_after: Duration::from_secs(2),
+        };
+        assert_eq!(no.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(no.reason(), Reason::NoHealthyUpstream);
+        assert_eq!(UpstreamError::Timeout.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(
+            UpstreamError::Interrupted("r".into()).status(),
+            StatusCode::BAD_GATEWAY
+        );
+    }
+
+    #[test]
+    fn code_classes_cover_every_status() {
+        assert_eq!(code_class(StatusCode::OK), "2xx");
+        assert_eq!(code_class(StatusCode::TOO_MANY_REQUESTS), "4xx");
+        assert_eq!(code_class(StatusCode::SERVICE_UNAVAILABLE), "5xx");
+        assert_eq!(code_class(StatusCode::SWITCHING_PROTOCOLS), "1xx");
+    }
+}

@@ -1,0 +1,407 @@
+//! One client connection: TLS handshake, HTTP/1.1 or HTTP/2, open-request counting for the
+//! idle timeout, the GOAWAY chance, and the drain phases.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, Version};
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use rustls::pki_types::CertificateDer;
+use tokio::net::TcpStream;
+use tokio::sync::{Notify, watch};
+use tokio_rustls::TlsAcceptor;
+use tower::ServiceExt;
+
+use super::tls::TlsState;
+use super::{ConnInfo, DrainPhase};
+use crate::config::ListenLimits;
+use crate::{Body, BoxError};
+
+/// hyper refuses an HTTP/1 read buffer smaller than this.
+const MIN_H1_BUFFER: usize = 8192;
+
+/// Everything a connection needs that is the same for all connections.
+pub(super) struct Settings {
+    builder: auto::Builder<TokioExecutor>,
+    handshake_timeout: Duration,
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
+    goaway_chance: f64,
+}
+
+impl Settings {
+    pub(super) fn new(limits: &ListenLimits, goaway_chance: f64) -> Self {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            // Without a timer hyper silently ignores the header read timeout.
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            // The request head must fit the read buffer, so this caps it: larger gets 431.
+            .max_buf_size(limits.max_header_bytes.max(MIN_H1_BUFFER));
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            // h2 answers a larger header block with 431 and refuses the stream.
+            .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+            .max_concurrent_streams(limits.max_concurrent_streams)
+            .keep_alive_interval(Some(limits.keepalive_interval).filter(|d| !d.is_zero()))
+            .keep_alive_timeout(limits.keepalive_timeout);
+        Self {
+            builder,
+            handshake_timeout: limits.handshake_timeout,
+            header_read_timeout: limits.header_read_timeout,
+            idle_timeout: limits.idle_timeout,
+            goaway_chance: goaway_chance.clamp(0.0, 1.0),
+        }
+    }
+}
+
+/// Serves one accepted TCP connection until it closes, is idle, or the drain closes it.
+pub(super) async fn serve<S>(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    tls: Arc<TlsState>,
+    settings: Arc<Settings>,
+    service: S,
+    mut drain: watch::Receiver<DrainPhase>,
+) where
+    S: tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    // Each handshake takes the configuration current at accept, so a reload affects new
+    // connections only.
+    let acceptor = TlsAcceptor::from(tls.current());
+    let handshake = tokio::time::timeout(settings.handshake_timeout, acceptor.accept(tcp));
+    let stream = tokio::select! {
+        done = handshake => match done {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(error)) => {
+                tracing::debug!(%peer, %error, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        },
+        () = phase_reached(&mut drain, DrainPhase::Close) => return,
+    };
+    let client_chain = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .map(|chain| Arc::new(chain.iter().map(|c| c.clone().into_owned()).collect()));
+
+    let (open_tx, mut open_rx) = watch::channel(Activity::default());
+    let goaway = Arc::new(Notify::new());
+    let tracked = Tracked {
+        inner: service,
+        peer,
+        client_chain,
+        activity: Arc::new(open_tx),
+        goaway: goaway.clone(),
+        goaway_chance: settings.goaway_chance,
+    };
+    let conn = settings
+        .builder
+        .serve_connection_with_upgrades(TokioIo::new(stream), tracked);
+    tokio::pin!(conn);
+
+    let mut shutting_down = false;
+    let mut drain_open = true;
+    if *drain.borrow_and_update() >= DrainPhase::GoAway {
+        conn.as_mut().graceful_shutdown();
+        shutting_down = true;
+    }
+    loop {
+        tokio::select! {
+            done = conn.as_mut() => {
+                if let Err(error) = done {
+                    tracing::debug!(%peer, %error, "client connection ended with an error");
+                }
+                return;
+            }
+            () = idle(&mut open_rx, settings.header_read_timeout, settings.idle_timeout) => {
+                if shutting_down {
+                    // Told to go away a whole idle period ago and still here with nothing
+                    // open: the client is not cooperating.
+                    tracing::debug!(%peer, "closing a connection that ignored its shutdown");
+                    return;
+                }
+                tracing::debug!(%peer, "closing an idle connection");
+                conn.as_mut().graceful_shutdown();
+                shutting_down = true;
+            }
+            () = goaway.notified(), if !shutting_down => {
+                tracing::debug!(%peer, "GOAWAY chance: asking the client to reconnect");
+                conn.as_mut().graceful_shutdown();
+                shutting_down = true;
+            }
+            changed = drain.changed(), if drain_open => {
+                if changed.is_err() {
+                    // Nobody can drain any more; keep serving.
+                    drain_open = false;
+                    continue;
+                }
+                match *drain.borrow_and_update() {
+                    DrainPhase::Serving => {}
+                    DrainPhase::GoAway => if !shutting_down {
+                        conn.as_mut().graceful_shutdown();
+                        shutting_down = true;
+                    },
+                    DrainPhase::Close => return,
+                }
+            }
+        }
+    }
+}
+
+/// Resolves once the drain reaches `phase`; never, if the drain sender is gone first.
+pub(super) async fn phase_reached(drain: &mut watch::Receiver<DrainPhase>, phase: DrainPhase) {
+    if drain.wait_for(|current| *current >= phase).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// What the idle timer needs to know about a connection's requests.
+#[derive(Debug, Default, Clone, Copy)]
+struct Activity {
+    /// Requests whose response has not ended yet (a watch counts until its stream ends).
+    open: usize,
+    /// Whether any request has arrived yet.
+    started: bool,
+}
+
+/// Resolves when the connection has had no open request for the idle limit. Before its first
+/// request a connection gets only the header read timeout: a client that completes TLS and
+/// then sends nothing (or trickles an HTTP/2 HEADERS frame) does not hold a slot for the
+/// whole idle timeout.
+async fn idle(activity: &mut watch::Receiver<Activity>, first: Duration, limit: Duration) {
+    loop {
+        let now = *activity.borrow_and_update();
+        let changed = if now.open > 0 {
+            activity.changed().await
+        } else {
+            let limit = if now.started { limit } else { first.min(limit) };
+            match tokio::time::timeout(limit, activity.changed()).await {
+                Ok(changed) => changed,
+                Err(_) => return,
+            }
+        };
+        if changed.is_err() {
+            // The service (and with it the sender) is gone: the connection is ending anyway.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Counts one open request from its arrival until its response body ends or is dropped.
+struct OpenGuard(Arc<watch::Sender<Activity>>);
+
+impl OpenGuard {
+    fn new(activity: Arc<watch::Sender<Activity>>) -> Self {
+        activity.send_modify(|a| {
+            a.open += 1;
+            a.started = true;
+        });
+        Self(activity)
+    }
+}
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.send_modify(|a| a.open = a.open.saturating_sub(1));
+    }
+}
+
+/// The service hyper drives: inserts [`ConnInfo`], counts open requests, rolls the GOAWAY
+/// chance, and hands the request to the caller's tower service.
+#[derive(Clone)]
+struct Tracked<S> {
+    inner: S,
+    peer: SocketAddr,
+    client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
+    activity: Arc<watch::Sender<Activity>>,
+    goaway: Arc<Notify>,
+    goaway_chance: f64,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S> hyper::service::Service<Request<Incoming>> for Tracked<S>
+where
+    S: tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    type Response = Response<TrackedBody>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        let guard = OpenGuard::new(self.activity.clone());
+        let http2 = req.version() == Version::HTTP_2;
+        req.extensions_mut().insert(ConnInfo {
+            peer: self.peer,
+            client_chain: self.client_chain.clone(),
+            http2,
+        });
+        let goaway =
+            (http2 && self.goaway_chance > 0.0 && rand::random::<f64>() < self.goaway_chance)
+                .then(|| self.goaway.clone());
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let response = inner.oneshot(req).await?;
+            // After the response head: GOAWAY lets this stream (and any other in flight)
+            // finish while new requests go to a new connection.
+            if let Some(goaway) = goaway {
+                goaway.notify_one();
+            }
+            Ok(response.map(|inner| TrackedBody {
+                inner,
+                guard: Some(guard),
+            }))
+        })
+    }
+}
+
+/// A response body that keeps its request counted as open until it ends or is dropped.
+pub(super) struct TrackedBody {
+    inner: Body,
+    guard: Option<OpenGuard>,
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let frame = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        if !matches!(frame, Some(Ok(_))) {
+            this.guard = None;
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Counts open client connections (including those still in their TLS handshake).
+#[derive(Debug, Clone, Default)]
+pub struct Connections(Arc<AtomicUsize>);
+
+impl Connections {
+    /// Client connections open right now.
+    pub fn open(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Counts one connection until the returned guard is dropped.
+    pub(super) fn track(&self) -> ConnectionGuard {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        ConnectionGuard(self.0.clone())
+    }
+}
+
+/// Holds one count of [`Connections`].
+pub(super) struct ConnectionGuard(Arc<AtomicUsize>);
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn idle_counts_only_time_with_nothing_open() {
+        let (tx, mut rx) = watch::channel(Activity::default());
+        let tx = Arc::new(tx);
+        let first = Duration::from_secs(1);
+        let limit = Duration::from_secs(10);
+        let start = tokio::time::Instant::now();
+
+        // Before any request: the short first limit.
+        idle(&mut rx, first, limit).await;
+        assert_eq!(start.elapsed(), first);
+
+        // A request open for a long time (a quiet watch) is never idle.
+        let guard = OpenGuard::new(tx.clone());
+        let waited = tokio::time::timeout(Duration::from_secs(3600), idle(&mut rx, first, limit));
+        assert!(waited.await.is_err(), "an open request is not idle");
+
+        // Once it ends, the full idle limit runs from that moment.
+        let ended = tokio::time::Instant::now();
+        drop(guard);
+        idle(&mut rx, first, limit).await;
+        assert_eq!(ended.elapsed(), limit);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn activity_restarts_the_idle_clock() {
+        let (tx, mut rx) = watch::channel(Activity::default());
+        let tx = Arc::new(tx);
+        let limit = Duration::from_secs(10);
+        drop(OpenGuard::new(tx.clone()));
+        let start = tokio::time::Instant::now();
+        let tx2 = tx.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            drop(OpenGuard::new(tx2));
+        });
+        idle(&mut rx, limit, limit).await;
+        assert_eq!(start.elapsed(), Duration::from_secs(16));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_body_releases_its_request_when_it_ends_or_is_dropped() {
+        use http_body_util::BodyExt;
+        let (tx, rx) = watch::channel(Activity::default());
+        let tx = Arc::new(tx);
+
+        let mut body = TrackedBody {
+            inner: crate::full("done"),
+            guard: Some(OpenGuard::new(tx.clone())),
+        };
+        assert_eq!(rx.borrow().open, 1);
+        while body.frame().await.is_some() {}
+        assert_eq!(rx.borrow().open, 0, "released at the end, before the drop");
+
+        let body = TrackedBody {
+            inner: crate::full("never read"),
+            guard: Some(OpenGuard::new(tx.clone())),
+        };
+        assert_eq!(rx.borrow().open, 1);
+        drop(body);
+        assert_eq!(rx.borrow().open, 0);
+    }
+}

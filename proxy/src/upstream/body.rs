@@ -1,0 +1,311 @@
+//! Response bodies from the apiservers: streamed to the client through a small bounded
+//! channel, reset upstream when the client stalls, and ended the right way when the
+//! upstream stream fails (cleanly for a watch, with an error for anything else).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::BodyExt;
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::SendTimeoutError;
+
+use crate::{Body, BoxError};
+
+/// Frames buffered between the upstream stream and the client. Small, so that a stalled
+/// client is noticed quickly and holds little memory beyond its HTTP/2 stream window.
+const CHANNEL_FRAMES: usize = 8;
+
+/// What the pump hands the client side.
+enum Item {
+    Frame(Frame<Bytes>),
+    /// The upstream stream ended (or, for a watch, failed): end the body cleanly.
+    End,
+    /// The upstream stream failed: the client must see a reset, not a truncated success.
+    Error(BoxError),
+}
+
+/// How a failure of the upstream body is shown to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OnFailure {
+    /// End the body cleanly: watch clients simply watch again from their last version.
+    End,
+    /// End the body with an error so the client sees a reset.
+    Error,
+}
+
+/// Streams `upstream` to the returned body through a task that gives up (dropping, and so
+/// resetting, the upstream stream) when the client has not taken a frame for
+/// `stall_timeout`. `keep` (connection lease, watch count, …) is held until the upstream
+/// stream is done.
+pub(crate) fn stream<B, K>(
+    upstream: B,
+    on_failure: OnFailure,
+    stall_timeout: Duration,
+    replica: std::sync::Arc<str>,
+    keep: K,
+) -> Body
+where
+    B: HttpBody<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError> + Send,
+    K: Send + 'static,
+{
+    if upstream.is_end_stream() {
+        drop(keep);
+        return crate::empty();
+    }
+    let size_hint = upstream.size_hint();
+    let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
+    tokio::spawn(pump(upstream, tx, on_failure, stall_timeout, replica, keep));
+    Pumped {
+        rx,
+        size_hint,
+        done: false,
+    }
+    .boxed_unsync()
+}
+
+async fn pump<B, K>(
+    mut upstream: B,
+    tx: mpsc::Sender<Item>,
+    on_failure: OnFailure,
+    stall_timeout: Duration,
+    replica: std::sync::Arc<str>,
+    keep: K,
+) where
+    B: HttpBody<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError> + Send,
+{
+    loop {
+        // While waiting for upstream data, also notice a client that went away, so the
+        // upstream stream (a quiet watch, say) is reset at once rather than at its next
+        // event.
+        let frame = tokio::select! {
+            frame = upstream.frame() => frame,
+            () = tx.closed() => break,
+        };
+        let item = match frame {
+            Some(Ok(frame)) => Item::Frame(frame),
+            None => Item::End,
+            Some(Err(e)) => {
+                let e: BoxError = e.into();
+                tracing::debug!(%replica, error = %e, "upstream response body failed");
+                match on_failure {
+                    OnFailure::End => Item::End,
+                    OnFailure::Error => Item::Error(e),
+                }
+            }
+        };
+        let last = !matches!(item, Item::Frame(_));
+        match tx.send_timeout(item, stall_timeout).await {
+            Ok(()) if last => break,
+            Ok(()) => {}
+            Err(SendTimeoutError::Timeout(_)) => {
+                tracing::info!(
+                    %replica,
+                    ?stall_timeout,
+                    "client stopped reading; resetting the upstream stream"
+                );
+                break;
+            }
+            Err(SendTimeoutError::Closed(_)) => break,
+        }
+    }
+    // Dropping the upstream body before it ended resets its stream (CANCEL), which frees
+    // the apiserver's memory for it; then the lease and counters go.
+    drop(upstream);
+    drop(keep);
+}
+
+/// The client side of the pump.
+struct Pumped {
+    rx: mpsc::Receiver<Item>,
+    size_hint: SizeHint,
+    done: bool,
+}
+
+impl HttpBody for Pumped {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        match self.rx.poll_recv(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Item::Frame(frame))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(Some(Item::End)) => {
+                self.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Item::Error(e))) => {
+                self.done = true;
+                Poll::Ready(Some(Err(e)))
+            }
+            // The pump gave up (the client stalled) or died without saying how the stream
+            // ended: never pass that off as a complete response.
+            Poll::Ready(None) => {
+                self.done = true;
+                Poll::Ready(Some(Err("upstream response stream was abandoned".into())))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.size_hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::StreamBody;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    type Upstream = (
+        mpsc::Sender<Result<Frame<Bytes>, BoxError>>,
+        Box<dyn FnOnce() -> Body>,
+    );
+
+    /// An upstream body fed by the test, and a way to stream it.
+    fn upstream(on_failure: OnFailure, stall: Duration, dropped: Arc<AtomicBool>) -> Upstream {
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let make = move || {
+            let frames = futures::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|frame| (frame, rx))
+            });
+            let body = StreamBody::new(Box::pin(frames));
+            stream(body, on_failure, stall, "r0".into(), Flag(dropped))
+        };
+        (tx, Box::new(make))
+    }
+
+    /// Sets its flag when dropped: shows when the pump lets go of what it keeps.
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn data(s: &'static str) -> Result<Frame<Bytes>, BoxError> {
+        Ok(Frame::data(Bytes::from_static(s.as_bytes())))
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_complete_response_arrives_whole_and_releases_its_lease() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(OnFailure::Error, Duration::from_secs(60), dropped.clone());
+        let body = make();
+        tx.send(data("hello ")).await.unwrap();
+        tx.send(data("world")).await.unwrap();
+        drop(tx);
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, "hello world");
+        tokio::task::yield_now().await;
+        assert!(dropped.load(Ordering::SeqCst));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_failure_mid_body_is_an_error_for_a_list() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(OnFailure::Error, Duration::from_secs(60), dropped);
+        let body = make();
+        tx.send(data("{\"items\":[")).await.unwrap();
+        tx.send(Err("stream reset".into())).await.unwrap();
+        assert!(body.collect().await.is_err());
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_failure_mid_body_ends_a_watch_cleanly() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(OnFailure::End, Duration::from_secs(60), dropped);
+        let body = make();
+        tx.send(data("{\"type\":\"ADDED\"}\n")).await.unwrap();
+        tx.send(Err("stream reset".into())).await.unwrap();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, "{\"type\":\"ADDED\"}\n");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_stalled_client_gets_its_upstream_stream_reset() {
+        let stall = Duration::from_secs(30);
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(OnFailure::Error, stall, dropped.clone());
+        let mut body = make();
+        // The client reads nothing; upstream keeps sending until the channel is full.
+        let mut sent = 0;
+        while tokio::time::timeout(Duration::from_millis(1), tx.send(data("x")))
+            .await
+            .is_ok()
+        {
+            sent += 1;
+        }
+        assert!(sent >= CHANNEL_FRAMES, "sent {sent}");
+        assert!(!dropped.load(Ordering::SeqCst));
+        tokio::time::sleep(stall).await;
+        tokio::task::yield_now().await;
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "pump let go of the upstream"
+        );
+        assert!(tx.is_closed(), "upstream stream dropped");
+        // What was buffered still arrives, then an error: never a clean end.
+        let mut frames = 0;
+        let outcome = loop {
+            match body.frame().await {
+                Some(Ok(_)) => frames += 1,
+                Some(Err(_)) => break "error",
+                None => break "clean end",
+            }
+        };
+        assert!(frames > 0);
+        assert_eq!(outcome, "error");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_slow_but_reading_client_is_not_cut() {
+        let stall = Duration::from_secs(30);
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(OnFailure::Error, stall, dropped);
+        let mut body = make();
+        let producer = tokio::spawn(async move {
+            for _ in 0..40 {
+                tx.send(data("x")).await.unwrap();
+            }
+        });
+        let mut got = 0;
+        while let Some(frame) = body.frame().await {
+            frame.unwrap();
+            got += 1;
+            // Slower than the producer, but well inside the stall timeout per frame.
+            tokio::time::sleep(Duration::from_secs(20)).await;
+        }
+        assert_eq!(got, 40);
+        producer.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_client_that_goes_away_releases_a_quiet_upstream_stream() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(OnFailure::End, Duration::from_secs(60), dropped.clone());
+        let body = make();
+        tx.send(data("event\n")).await.unwrap();
+        tokio::task::yield_now().await;
+        drop(body);
+        tokio::task::yield_now().await;
+        assert!(dropped.load(Ordering::SeqCst));
+        assert!(tx.is_closed());
+    }
+}

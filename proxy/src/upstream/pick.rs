@@ -1,0 +1,678 @@
+//! Which replica a request goes to: power of two choices on load, ejection with backoff, and
+//! the rules that keep a degraded fleet serving (never the last replica, all when most are out).
+//!
+//! Pure bookkeeping over atomics and one mutex: no I/O, so every rule is tested in memory
+//! under paused tokio time.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use prometheus::IntGauge;
+use rand::Rng;
+use tokio::time::Instant;
+
+use super::{ReplicaView, UpstreamError};
+use crate::metrics::Metrics;
+
+/// How much a replica that answered 429 counts against itself while throttled: its load is
+/// multiplied by this, so it gets a share of traffic again only once the others are busier.
+const THROTTLE_FACTOR: f64 = 4.0;
+
+/// How long a 429 lowers a replica's weight when it gave no usable `Retry-After`.
+pub(crate) const THROTTLE_DEFAULT: Duration = Duration::from_secs(10);
+
+/// Longest a `Retry-After` from a replica keeps its weight lowered.
+pub(crate) const THROTTLE_MAX: Duration = Duration::from_secs(60);
+
+/// Which count balances a request: ordinary requests by pending requests and in-flight LIST
+/// bytes, watches by open watches (a watch is cheap per second but lives for minutes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Load {
+    /// Pending requests plus in-flight LIST bytes.
+    Requests,
+    /// Open watch streams.
+    Watches,
+}
+
+/// Why a replica is taken out of rotation. 5xx answers are never a cause: a failing
+/// admission webhook makes every replica answer 5xx.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cause {
+    /// TCP connect or TLS handshake failed.
+    Connect,
+    /// A stream or connection was reset (other than `REFUSED_STREAM`).
+    Reset,
+    /// `/readyz` failed; the replica stays out until a probe succeeds.
+    Probe,
+}
+
+/// One apiserver replica and its live counters.
+pub(crate) struct Replica {
+    /// The address as configured, also the metric label.
+    pub(crate) name: Arc<str>,
+    /// Host part of the address (no brackets for IPv6).
+    pub(crate) host: String,
+    /// Port part of the address.
+    pub(crate) port: u16,
+    pending: AtomicU64,
+    watches: AtomicU64,
+    in_flight_bytes: AtomicU64,
+    in_flight_gauge: IntGauge,
+    watches_gauge: IntGauge,
+    healthy_gauge: IntGauge,
+}
+
+impl Replica {
+    /// Parses `host:port` (or `[v6]:port`); without a port, 443.
+    fn parse(name: &str, metrics: &Metrics) -> Result<Self, UpstreamError> {
+        let bad = |why: &str| UpstreamError::Config(format!("upstream replica {name:?}: {why}"));
+        let (host, port) = if let Some(rest) = name.strip_prefix('[') {
+            let (host, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
+            match after.strip_prefix(':') {
+                Some(port) => (host, Some(port)),
+                None if after.is_empty() => (host, None),
+                None => return Err(bad("unexpected text after ']'")),
+            }
+        } else {
+            match name.rsplit_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (name, None),
+            }
+        };
+        if host.is_empty() {
+            return Err(bad("empty host"));
+        }
+        let port = match port {
+            Some(port) => port.parse().map_err(|_| bad("port is not a number"))?,
+            None => 443,
+        };
+        let label = [name];
+        Ok(Self {
+            name: name.into(),
+            host: host.to_owned(),
+            port,
+            pending: AtomicU64::new(0),
+            watches: AtomicU64::new(0),
+            in_flight_bytes: AtomicU64::new(0),
+            in_flight_gauge: metrics.upstream_in_flight.with_label_values(&label),
+            watches_gauge: metrics.upstream_watches.with_label_values(&label),
+            healthy_gauge: metrics.upstream_healthy.with_label_values(&label),
+        })
+    }
+
+    /// Requests sent and waiting for their response head.
+    pub(crate) fn pending(&self) -> u64 {
+        self.pending.load(Ordering::Relaxed)
+    }
+
+    /// Open watch streams.
+    pub(crate) fn watches(&self) -> u64 {
+        self.watches.load(Ordering::Relaxed)
+    }
+
+    /// In-flight LIST bytes as reported by admission.
+    pub(crate) fn in_flight_bytes(&self) -> u64 {
+        self.in_flight_bytes.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add_bytes(&self, bytes: u64) {
+        self.in_flight_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Removes bytes, saturating at zero so that a double release cannot wrap the counter.
+    pub(crate) fn remove_bytes(&self, bytes: u64) {
+        let _ = self
+            .in_flight_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(bytes))
+            });
+    }
+}
+
+/// Counts a request as pending on its replica until dropped (when its response head arrives
+/// or it fails).
+pub(crate) struct PendingGuard(Arc<Replica>);
+
+impl PendingGuard {
+    pub(crate) fn new(replica: Arc<Replica>) -> Self {
+        replica.pending.fetch_add(1, Ordering::Relaxed);
+        replica.in_flight_gauge.inc();
+        Self(replica)
+    }
+}
+
+impl Drop for PendingGuard {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::Relaxed);
+        self.0.in_flight_gauge.dec();
+    }
+}
+
+/// Counts an open watch stream on its replica until dropped.
+pub(crate) struct WatchGuard(Arc<Replica>);
+
+impl WatchGuard {
+    pub(crate) fn new(replica: Arc<Replica>) -> Self {
+        replica.watches.fetch_add(1, Ordering::Relaxed);
+        replica.watches_gauge.inc();
+        Self(replica)
+    }
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        self.0.watches.fetch_sub(1, Ordering::Relaxed);
+        self.0.watches_gauge.dec();
+    }
+}
+
+/// Health of one replica; all replicas' health sits under one lock because the ejection
+/// rules look at the whole fleet at once.
+#[derive(Debug, Default)]
+struct Health {
+    /// Out of rotation until then.
+    ejected_until: Option<Instant>,
+    /// Consecutive ejections since the last success: the exponent of the backoff.
+    ejections: u32,
+    /// The last `/readyz` failed; only a probe success clears this.
+    probe_failed: bool,
+    /// Answered 429 recently: counts heavier until then.
+    throttled_until: Option<Instant>,
+}
+
+impl Health {
+    fn out(&self, now: Instant) -> bool {
+        self.probe_failed || self.ejected_until.is_some_and(|until| now < until)
+    }
+}
+
+/// The replicas, their health, and the pick.
+pub(crate) struct Balancer {
+    replicas: Vec<Arc<Replica>>,
+    health: Mutex<Vec<Health>>,
+    eject_base: Duration,
+    eject_max: Duration,
+    /// In-flight LIST bytes that weigh as much as one pending request.
+    byte_unit: u64,
+}
+
+impl Balancer {
+    /// A balancer over the named replicas. `byte_budget` is one replica's in-flight LIST
+    /// byte budget; one hundredth of it weighs like one pending request in the pick.
+    pub(crate) fn new(
+        names: &[String],
+        eject_base: Duration,
+        eject_max: Duration,
+        byte_budget: u64,
+        metrics: &Metrics,
+    ) -> Result<Self, UpstreamError> {
+        if names.is_empty() {
+            return Err(UpstreamError::Config(
+                "at least one upstream replica is required".into(),
+            ));
+        }
+        let replicas = names
+            .iter()
+            .map(|name| Replica::parse(name, metrics).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        for replica in &replicas {
+            replica.healthy_gauge.set(1);
+            replica.in_flight_gauge.set(0);
+            replica.watches_gauge.set(0);
+        }
+        let health = replicas.iter().map(|_| Health::default()).collect();
+        Ok(Self {
+            replicas,
+            health: Mutex::new(health),
+            eject_base,
+            eject_max: eject_max.max(eject_base),
+            byte_unit: (byte_budget / 100).max(1),
+        })
+    }
+
+    pub(crate) fn replicas(&self) -> &[Arc<Replica>] {
+        &self.replicas
+    }
+
+    pub(crate) fn replica(&self, index: usize) -> &Arc<Replica> {
+        &self.replicas[index]
+    }
+
+    /// The health table with expired ejections cleared (and their gauges set back).
+    fn health(&self, now: Instant) -> MutexGuard<'_, Vec<Health>> {
+        // A panic elsewhere while holding the lock leaves plain data behind; keep serving.
+        let mut health = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        for (h, replica) in health.iter_mut().zip(&self.replicas) {
+            if h.ejected_until.is_some_and(|until| now >= until) {
+                h.ejected_until = None;
+                if !h.probe_failed {
+                    replica.healthy_gauge.set(1);
+                }
+            }
+        }
+        health
+    }
+
+    /// Replicas in rotation now.
+    pub(crate) fn healthy(&self, now: Instant) -> usize {
+        self.health(now).iter().filter(|h| !h.out(now)).count()
+    }
+
+    /// Picks a replica for a request: among replicas in rotation (all of them when more than
+    /// half are out), avoiding `exclude` (replicas this request already failed on) unless
+    /// nothing else is left, the less loaded of two chosen at random.
+    pub(crate) fn pick(
+        &self,
+        load: Load,
+        exclude: &[usize],
+        now: Instant,
+        rng: &mut impl Rng,
+    ) -> Option<usize> {
+        let health = self.health(now);
+        let out = health.iter().filter(|h| h.out(now)).count();
+        let in_rotation: Vec<usize> = if out * 2 > health.len() {
+            (0..health.len()).collect()
+        } else {
+            (0..health.len()).filter(|&i| !health[i].out(now)).collect()
+        };
+        let fresh: Vec<usize> = in_rotation
+            .iter()
+            .copied()
+            .filter(|i| !exclude.contains(i))
+            .collect();
+        let candidates = if fresh.is_empty() { in_rotation } else { fresh };
+        match candidates.len() {
+            0 => None,
+            1 => Some(candidates[0]),
+            n => {
+                let a = rng.random_range(0..n);
+                let mut b = rng.random_range(0..n - 1);
+                if b >= a {
+                    b += 1;
+                }
+                let (a, b) = (candidates[a], candidates[b]);
+                let score = |i: usize| {
+                    let throttled = health[i].throttled_until.is_some_and(|until| now < until);
+                    self.score(i, load, throttled)
+                };
+                Some(if score(b) < score(a) { b } else { a })
+            }
+        }
+    }
+
+    fn score(&self, index: usize, load: Load, throttled: bool) -> f64 {
+        let replica = &self.replicas[index];
+        let base = match load {
+            Load::Requests => {
+                replica.pending() as f64
+                    + 1.0
+                    + replica.in_flight_bytes() as f64 / self.byte_unit as f64
+            }
+            Load::Watches => replica.watches() as f64 + 1.0,
+        };
+        if throttled {
+            base * THROTTLE_FACTOR
+        } else {
+            base
+        }
+    }
+
+    /// Takes a replica out of rotation for a backoff that doubles with each consecutive
+    /// ejection, from `eject_base` up to `eject_max`. Refused (returns false) when it is
+    /// the last replica in rotation. A replica already out that failed again (it was used
+    /// because most of the fleet is out) has its backoff extended.
+    pub(crate) fn eject(&self, index: usize, cause: Cause, now: Instant) -> bool {
+        let mut health = self.health(now);
+        let in_rotation = health.iter().filter(|h| !h.out(now)).count();
+        let h = &mut health[index];
+        if !h.out(now) && in_rotation <= 1 {
+            tracing::warn!(
+                replica = %self.replicas[index].name,
+                ?cause,
+                "not ejecting the last replica in rotation"
+            );
+            return false;
+        }
+        let backoff = self
+            .eject_base
+            .saturating_mul(1u32 << h.ejections.min(20))
+            .min(self.eject_max);
+        h.ejected_until = Some(now + backoff);
+        h.ejections = h.ejections.saturating_add(1);
+        if cause == Cause::Probe {
+            h.probe_failed = true;
+        }
+        self.replicas[index].healthy_gauge.set(0);
+        tracing::warn!(
+            replica = %self.replicas[index].name,
+            ?cause,
+            ?backoff,
+            "replica ejected"
+        );
+        true
+    }
+
+    /// A request got a response head from the replica: its connection-level failures are
+    /// over, so the backoff starts from `eject_base` again. A failed probe still holds.
+    pub(crate) fn succeeded(&self, index: usize, now: Instant) {
+        let mut health = self.health(now);
+        let h = &mut health[index];
+        if !h.probe_failed && (h.ejections > 0 || h.ejected_until.is_some()) {
+            h.ejections = 0;
+            h.ejected_until = None;
+            self.replicas[index].healthy_gauge.set(1);
+        }
+    }
+
+    /// `/readyz` answered 200: the replica is back in rotation at once.
+    pub(crate) fn probe_ok(&self, index: usize, now: Instant) {
+        let mut health = self.health(now);
+        let h = &mut health[index];
+        if h.probe_failed || h.ejected_until.is_some() {
+            tracing::info!(replica = %self.replicas[index].name, "replica back in rotation");
+        }
+        h.probe_failed = false;
+        h.ejected_until = None;
+        h.ejections = 0;
+        self.replicas[index].healthy_gauge.set(1);
+    }
+
+    /// The replica answered 429: it counts heavier in the pick for `for_how_long`.
+    pub(crate) fn throttle(&self, index: usize, for_how_long: Duration, now: Instant) {
+        let mut health = self.health(now);
+        let until = now + for_how_long.min(THROTTLE_MAX);
+        let h = &mut health[index];
+        h.throttled_until = Some(h.throttled_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// When a client refused for lack of a replica should try again: when the first
+    /// ejection ends, at least a second.
+    pub(crate) fn retry_after(&self, now: Instant) -> Duration {
+        self.health(now)
+            .iter()
+            .filter_map(|h| h.ejected_until)
+            .map(|until| until.saturating_duration_since(now))
+            .min()
+            .unwrap_or(Duration::ZERO)
+            .clamp(
+                Duration::from_secs(1),
+                self.eject_max.max(Duration::from_secs(1)),
+            )
+    }
+
+    /// A view of every replica, for `/debug` and tests.
+    pub(crate) fn snapshot(
+        &self,
+        now: Instant,
+        connections: impl Fn(usize) -> usize,
+    ) -> Vec<ReplicaView> {
+        let health = self.health(now);
+        self.replicas
+            .iter()
+            .enumerate()
+            .map(|(i, r)| ReplicaView {
+                name: r.name.to_string(),
+                healthy: !health[i].out(now),
+                pending: r.pending(),
+                watches: r.watches(),
+                in_flight_bytes: r.in_flight_bytes(),
+                connections: connections(i),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    const BASE: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(60);
+
+    fn balancer(n: usize) -> (Balancer, Metrics) {
+        let metrics = Metrics::new();
+        let names: Vec<String> = (0..n).map(|i| format!("10.0.0.{i}:6443")).collect();
+        let b = Balancer::new(&names, BASE, MAX, 100 * 1024 * 1024, &metrics).unwrap();
+        (b, metrics)
+    }
+
+    /// How many of `rounds` picks land on each replica.
+    fn spread(b: &Balancer, load: Load, rounds: usize, rng: &mut StdRng) -> Vec<usize> {
+        let mut hits = vec![0; b.replicas().len()];
+        for _ in 0..rounds {
+            hits[b.pick(load, &[], Instant::now(), rng).unwrap()] += 1;
+        }
+        hits
+    }
+
+    #[test]
+    fn addresses_parse_with_ports_brackets_and_defaults() {
+        let m = Metrics::new();
+        let r = Replica::parse("[::1]:6443", &m).unwrap();
+        assert_eq!((r.host.as_str(), r.port), ("::1", 6443));
+        let r = Replica::parse("api.example", &m).unwrap();
+        assert_eq!((r.host.as_str(), r.port), ("api.example", 443));
+        assert!(Replica::parse("host:http", &m).is_err());
+        assert!(Replica::parse(":6443", &m).is_err());
+        assert!(Replica::parse("[::1", &m).is_err());
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_less_loaded_of_two_wins() {
+        let (b, _) = balancer(2);
+        let mut rng = StdRng::seed_from_u64(1);
+        let _busy: Vec<_> = (0..3)
+            .map(|_| PendingGuard::new(b.replica(0).clone()))
+            .collect();
+        assert_eq!(spread(&b, Load::Requests, 50, &mut rng), vec![0, 50]);
+        // A pending request stops counting once its response head arrives (guard dropped).
+        drop(_busy);
+        let hits = spread(&b, Load::Requests, 50, &mut rng);
+        assert!(hits[0] > 0 && hits[1] > 0, "{hits:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn in_flight_list_bytes_weigh_like_pending_requests() {
+        let (b, _) = balancer(2);
+        let mut rng = StdRng::seed_from_u64(2);
+        // A tenth of the budget weighs like ten pending requests.
+        b.replica(0).add_bytes(10 * 1024 * 1024);
+        let _five: Vec<_> = (0..5)
+            .map(|_| PendingGuard::new(b.replica(1).clone()))
+            .collect();
+        assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![0, 20]);
+        b.replica(0).remove_bytes(10 * 1024 * 1024);
+        b.replica(0).remove_bytes(1);
+        assert_eq!(
+            b.replica(0).in_flight_bytes(),
+            0,
+            "removal saturates at zero"
+        );
+        assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![20, 0]);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn watches_are_balanced_by_their_own_count() {
+        let (b, _) = balancer(2);
+        let mut rng = StdRng::seed_from_u64(3);
+        let _watches: Vec<_> = (0..4)
+            .map(|_| WatchGuard::new(b.replica(0).clone()))
+            .collect();
+        let _pending: Vec<_> = (0..4)
+            .map(|_| PendingGuard::new(b.replica(1).clone()))
+            .collect();
+        // Watches avoid the replica holding watches, requests the one holding requests.
+        assert_eq!(spread(&b, Load::Watches, 20, &mut rng), vec![0, 20]);
+        assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![20, 0]);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn power_of_two_choices_spreads_over_a_larger_fleet() {
+        let (b, _) = balancer(5);
+        let mut rng = StdRng::seed_from_u64(4);
+        // Requests that stay pending: the pick keeps the fleet level.
+        let mut held = Vec::new();
+        for _ in 0..50 {
+            let i = b
+                .pick(Load::Requests, &[], Instant::now(), &mut rng)
+                .unwrap();
+            held.push(PendingGuard::new(b.replica(i).clone()));
+        }
+        let counts: Vec<u64> = b.replicas().iter().map(|r| r.pending()).collect();
+        let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+        assert!(max - min <= 3, "{counts:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn an_ejected_replica_waits_out_a_doubling_backoff() {
+        let (b, metrics) = balancer(3);
+        let mut rng = StdRng::seed_from_u64(5);
+        let now = Instant::now();
+        assert!(b.eject(0, Cause::Connect, now));
+        assert_eq!(b.healthy(now), 2);
+        let gauge = metrics
+            .upstream_healthy
+            .with_label_values(&["10.0.0.0:6443"]);
+        assert_eq!(gauge.get(), 0);
+        assert_eq!(spread(&b, Load::Requests, 30, &mut rng)[0], 0);
+
+        tokio::time::advance(BASE).await;
+        assert_eq!(b.healthy(Instant::now()), 3, "tried again after eject_base");
+        assert_eq!(gauge.get(), 1);
+
+        // It fails again without a success in between: twice as long this time.
+        assert!(b.eject(0, Cause::Reset, Instant::now()));
+        tokio::time::advance(BASE).await;
+        assert_eq!(b.healthy(Instant::now()), 2);
+        tokio::time::advance(BASE).await;
+        assert_eq!(b.healthy(Instant::now()), 3);
+
+        // A success resets the backoff to eject_base.
+        b.succeeded(0, Instant::now());
+        assert!(b.eject(0, Cause::Connect, Instant::now()));
+        tokio::time::advance(BASE).await;
+        assert_eq!(b.healthy(Instant::now()), 3);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_backoff_stops_growing_at_eject_max() {
+        let (b, _) = balancer(3);
+        for _ in 0..12 {
+            assert!(b.eject(0, Cause::Connect, Instant::now()));
+        }
+        tokio::time::advance(MAX - Duration::from_millis(1)).await;
+        assert_eq!(b.healthy(Instant::now()), 2);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(b.healthy(Instant::now()), 3);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_last_replica_in_rotation_is_never_ejected() {
+        let (b, _) = balancer(2);
+        let now = Instant::now();
+        assert!(b.eject(0, Cause::Connect, now));
+        assert!(!b.eject(1, Cause::Connect, now));
+        assert!(!b.eject(1, Cause::Probe, now));
+        assert_eq!(b.healthy(now), 1);
+        let mut rng = StdRng::seed_from_u64(6);
+        assert_eq!(spread(&b, Load::Requests, 10, &mut rng), vec![0, 10]);
+
+        let (single, _) = balancer(1);
+        assert!(!single.eject(0, Cause::Reset, now));
+        assert_eq!(single.healthy(now), 1);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn all_replicas_are_used_when_more_than_half_are_out() {
+        let (b, _) = balancer(4);
+        let now = Instant::now();
+        let mut rng = StdRng::seed_from_u64(7);
+        assert!(b.eject(0, Cause::Connect, now));
+        assert!(b.eject(1, Cause::Probe, now));
+        // Half out: only the two in rotation are used.
+        let hits = spread(&b, Load::Requests, 40, &mut rng);
+        assert_eq!(&hits[..2], &[0, 0]);
+        // More than half out: every replica takes traffic again.
+        assert!(b.eject(2, Cause::Reset, now));
+        assert_eq!(b.healthy(now), 1);
+        let hits = spread(&b, Load::Requests, 200, &mut rng);
+        assert!(hits.iter().all(|&h| h > 0), "{hits:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_failed_probe_holds_until_a_probe_succeeds() {
+        let (b, _) = balancer(3);
+        assert!(b.eject(2, Cause::Probe, Instant::now()));
+        tokio::time::advance(MAX * 2).await;
+        assert_eq!(
+            b.healthy(Instant::now()),
+            2,
+            "backoff over, /readyz still failing"
+        );
+        b.succeeded(2, Instant::now());
+        assert_eq!(
+            b.healthy(Instant::now()),
+            2,
+            "a served request does not override /readyz"
+        );
+        b.probe_ok(2, Instant::now());
+        assert_eq!(b.healthy(Instant::now()), 3);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_probe_success_brings_a_replica_back_before_its_backoff_ends() {
+        let (b, _) = balancer(3);
+        for _ in 0..5 {
+            b.eject(1, Cause::Connect, Instant::now());
+        }
+        assert_eq!(b.healthy(Instant::now()), 2);
+        b.probe_ok(1, Instant::now());
+        assert_eq!(b.healthy(Instant::now()), 3);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_429_lowers_the_weight_for_a_while() {
+        let (b, _) = balancer(2);
+        let mut rng = StdRng::seed_from_u64(8);
+        b.throttle(0, THROTTLE_DEFAULT, Instant::now());
+        // Replica 1 is busier, but not four times as busy: the throttled one still loses.
+        let _one = PendingGuard::new(b.replica(1).clone());
+        assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![0, 20]);
+        // Much busier: the throttled one takes traffic rather than piling onto the other.
+        let _more: Vec<_> = (0..6)
+            .map(|_| PendingGuard::new(b.replica(1).clone()))
+            .collect();
+        assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![20, 0]);
+        drop(_more);
+        tokio::time::advance(THROTTLE_DEFAULT).await;
+        assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![20, 0]);
+        // It stays in rotation throughout: a 429 is not an ejection.
+        assert_eq!(b.healthy(Instant::now()), 2);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_retry_avoids_replicas_already_tried_unless_none_is_left() {
+        let (b, _) = balancer(3);
+        let mut rng = StdRng::seed_from_u64(9);
+        for _ in 0..20 {
+            let i = b.pick(Load::Requests, &[0, 1], Instant::now(), &mut rng);
+            assert_eq!(i, Some(2));
+        }
+        let i = b.pick(Load::Requests, &[0, 1, 2], Instant::now(), &mut rng);
+        assert!(i.is_some());
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn retry_after_is_when_the_first_ejection_ends() {
+        let (b, _) = balancer(3);
+        let now = Instant::now();
+        assert_eq!(b.retry_after(now), Duration::from_secs(1));
+        for _ in 0..4 {
+            b.eject(0, Cause::Connect, now);
+        }
+        assert_eq!(b.retry_after(now), Duration::from_secs(8));
+    }
+}

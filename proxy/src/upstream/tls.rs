@@ -1,0 +1,225 @@
+//! The client side of Bulwark's TLS to the apiservers: one rustls config per credential and
+//! protocol, built once from the configured PEM files (ring provider only).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use http::HeaderValue;
+use rustls::ClientConfig;
+use rustls::crypto::ring;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+use super::{Credential, UpstreamError};
+use crate::config;
+
+/// ALPN protocol id of HTTP/2.
+const ALPN_H2: &[u8] = b"h2";
+/// ALPN protocol id of HTTP/1.1, used only for upgrades (exec, attach, port-forward).
+const ALPN_HTTP1: &[u8] = b"http/1.1";
+
+/// The wire protocol a connection is opened for; each has its own ALPN offer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Alpn {
+    /// Pooled HTTP/2 connections.
+    H2,
+    /// One HTTP/1.1 connection per upgrade.
+    Http1,
+}
+
+/// The TLS settings of every upstream credential, built from `config::Upstream`.
+///
+/// Holds, for each credential Bulwark has, a rustls client config offering `h2` and one
+/// offering `http/1.1`, all trusting only the configured apiserver CA.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    front_proxy: Option<Configs>,
+    own: Configs,
+    anonymous: Configs,
+    own_token: Option<Arc<TokenFile>>,
+}
+
+/// The pair of client configs of one credential.
+#[derive(Clone)]
+struct Configs {
+    h2: Arc<ClientConfig>,
+    http1: Arc<ClientConfig>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("front_proxy", &self.front_proxy.is_some())
+            .field("own_token", &self.own_token.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamTls {
+    /// Reads the CA, the front-proxy certificate and key, and Bulwark's own certificate and
+    /// key (or notes its token file) as configured.
+    pub fn from_config(cfg: &config::Upstream) -> Result<Self, UpstreamError> {
+        let roots = read_roots(&cfg.ca)?;
+        let front_proxy = match &cfg.front_proxy {
+            Some(fp) => Some(Configs::new(
+                &roots,
+                Some(read_cert_key(&fp.cert, &fp.key)?),
+            )?),
+            None => None,
+        };
+        let own = match (&cfg.own.cert, &cfg.own.key) {
+            (Some(cert), Some(key)) => Configs::new(&roots, Some(read_cert_key(cert, key)?))?,
+            _ => Configs::new(&roots, None)?,
+        };
+        let anonymous = Configs::new(&roots, None)?;
+        let own_token = cfg
+            .own
+            .token_file
+            .as_ref()
+            .map(|path| Arc::new(TokenFile::new(path.clone())));
+        Ok(Self {
+            front_proxy,
+            own,
+            anonymous,
+            own_token,
+        })
+    }
+
+    /// The client config for a credential and protocol, or an error when that credential
+    /// was not configured.
+    pub(crate) fn client_config(
+        &self,
+        credential: Credential,
+        alpn: Alpn,
+    ) -> Result<Arc<ClientConfig>, UpstreamError> {
+        let configs = match credential {
+            Credential::FrontProxy => self
+                .front_proxy
+                .as_ref()
+                .ok_or(UpstreamError::MissingCredential(credential))?,
+            Credential::Own => &self.own,
+            Credential::Anonymous => &self.anonymous,
+        };
+        Ok(match alpn {
+            Alpn::H2 => configs.h2.clone(),
+            Alpn::Http1 => configs.http1.clone(),
+        })
+    }
+
+    /// The `Authorization` value of Bulwark's own identity when it is a token file rather
+    /// than a client certificate.
+    pub(crate) fn own_bearer(&self) -> Result<Option<HeaderValue>, UpstreamError> {
+        match &self.own_token {
+            Some(file) => file.bearer().map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Configs {
+    fn new(
+        roots: &rustls::RootCertStore,
+        client_auth: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    ) -> Result<Self, UpstreamError> {
+        let build = |alpn: &[u8]| -> Result<Arc<ClientConfig>, UpstreamError> {
+            let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| UpstreamError::Config(format!("TLS versions: {e}")))?
+                .with_root_certificates(roots.clone());
+            let mut config = match &client_auth {
+                Some((certs, key)) => builder
+                    .with_client_auth_cert(certs.clone(), key.clone_key())
+                    .map_err(|e| UpstreamError::Config(format!("client certificate: {e}")))?,
+                None => builder.with_no_client_auth(),
+            };
+            config.alpn_protocols = vec![alpn.to_vec()];
+            Ok(Arc::new(config))
+        };
+        Ok(Self {
+            h2: build(ALPN_H2)?,
+            http1: build(ALPN_HTTP1)?,
+        })
+    }
+}
+
+/// The CA bundle that must sign the apiservers' serving certificates.
+fn read_roots(path: &Path) -> Result<rustls::RootCertStore, UpstreamError> {
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| UpstreamError::Config(format!("{}: {e}", path.display())))?;
+    for cert in certs {
+        let cert = cert.map_err(|e| UpstreamError::Config(format!("{}: {e}", path.display())))?;
+        roots
+            .add(cert)
+            .map_err(|e| UpstreamError::Config(format!("{}: {e}", path.display())))?;
+    }
+    if roots.is_empty() {
+        return Err(UpstreamError::Config(format!(
+            "{}: no CA certificate in the file",
+            path.display()
+        )));
+    }
+    Ok(roots)
+}
+
+/// A certificate chain and its private key.
+fn read_cert_key(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), UpstreamError> {
+    let certs = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| UpstreamError::Config(format!("{}: {e}", cert.display())))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| UpstreamError::Config(format!("{}: {e}", cert.display())))?;
+    if certs.is_empty() {
+        return Err(UpstreamError::Config(format!(
+            "{}: no certificate in the file",
+            cert.display()
+        )));
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| UpstreamError::Config(format!("{}: {e}", key.display())))?;
+    Ok((certs, key))
+}
+
+/// A bearer token file (a projected ServiceAccount token), re-read when its modification
+/// time changes because the kubelet rotates it in place.
+struct TokenFile {
+    path: PathBuf,
+    cached: Mutex<Option<(SystemTime, HeaderValue)>>,
+}
+
+impl TokenFile {
+    fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            cached: Mutex::new(None),
+        }
+    }
+
+    fn bearer(&self) -> Result<HeaderValue, UpstreamError> {
+        let unreadable =
+            |e: std::io::Error| UpstreamError::Config(format!("{}: {e}", self.path.display()));
+        let modified = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .map_err(unreadable)?;
+        let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, value)) = cached.as_ref()
+            && *at == modified
+        {
+            return Ok(value.clone());
+        }
+        let token = std::fs::read_to_string(&self.path).map_err(unreadable)?;
+        let mut value =
+            HeaderValue::from_str(&format!("Bearer {}", token.trim())).map_err(|_| {
+                UpstreamError::Config(format!(
+                    "{}: the token holds characters a header cannot carry",
+                    self.path.display()
+                ))
+            })?;
+        value.set_sensitive(true);
+        *cached = Some((modified, value.clone()));
+        Ok(value)
+    }
+}

@@ -486,6 +486,156 @@ impl ClassStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bulwark_sim::pki::Pki;
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+
+    type TestBody = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
+
+    /// A tiny TLS HTTP/2 server that requires a client certificate: `/big` answers 1 MiB,
+    /// `/busy` 429 with `Retry-After: 3`, `/watch` two lines in three frames, `/who` the
+    /// client certificate count.
+    async fn server(pki: &Pki) -> SocketAddr {
+        let serving = pki.server_ca.server_cert(&["127.0.0.1"]);
+        let chain = CertificateDer::pem_slice_iter(serving.cert_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(serving.key_pem.as_bytes()).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(pki.client_ca.cert_der()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()
+        .unwrap();
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .unwrap();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        let body: TestBody = match req.uri().path() {
+                            "/big" => Full::new(Bytes::from(vec![b'x'; 1 << 20])).boxed(),
+                            "/busy" => {
+                                return Ok::<_, std::convert::Infallible>(
+                                    http::Response::builder()
+                                        .status(429)
+                                        .header("retry-after", "3")
+                                        .body(Full::new(Bytes::from("{}")).boxed())
+                                        .unwrap(),
+                                );
+                            }
+                            "/watch" => {
+                                let frames = ["{\"a\":", "1}\n{\"b\"", ":2}\n"]
+                                    .map(|s| Ok(Frame::data(Bytes::from(s))));
+                                StreamBody::new(futures::stream::iter(frames)).boxed()
+                            }
+                            _ => Full::new(Bytes::from("nope")).boxed(),
+                        };
+                        let status = if req.uri().path() == "/missing" {
+                            404
+                        } else {
+                            200
+                        };
+                        Ok(http::Response::builder().status(status).body(body).unwrap())
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
+    fn client(pki: &Pki, addr: SocketAddr) -> Client {
+        let ck = pki.client_ca.client_cert("storm-0", &["storm"]);
+        let target = Target {
+            addr,
+            ca_pem: pki.server_ca.cert_pem(),
+        };
+        let identity = Identity {
+            cert_pem: ck.cert_pem,
+            key_pem: ck.key_pem,
+        };
+        Client::new(&target, &identity).unwrap()
+    }
+
+    #[tokio::test]
+    async fn counts_bytes_classifies_statuses_and_splits_watch_lines() {
+        let pki = Pki::new();
+        let addr = server(&pki).await;
+        let mut c = client(&pki, addr);
+        let t = Duration::from_secs(5);
+        match c.call(Method::GET, "/big", None, Read::Count, t).await {
+            Outcome::Ok { bytes, body, .. } => {
+                assert_eq!(bytes, 1 << 20);
+                assert!(body.is_none(), "counted bodies are not kept");
+            }
+            other => panic!("{other:?}"),
+        }
+        match c.call(Method::GET, "/big", None, Read::Head, t).await {
+            Outcome::Ok { bytes, body, .. } => {
+                assert_eq!(bytes, 1 << 20);
+                assert_eq!(body.unwrap().len(), HEAD_BYTES);
+            }
+            other => panic!("{other:?}"),
+        }
+        match c.call(Method::GET, "/busy", None, Read::Count, t).await {
+            Outcome::Rejected { retry_after } => assert_eq!(retry_after, Duration::from_secs(3)),
+            other => panic!("{other:?}"),
+        }
+        match c.call(Method::GET, "/missing", None, Read::Count, t).await {
+            Outcome::Error(message) => assert!(message.starts_with("404"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        let mut lines = c
+            .stream("/watch", t)
+            .await
+            .map_err(|o| format!("{o:?}"))
+            .unwrap();
+        assert_eq!(
+            lines.next().await.unwrap().unwrap(),
+            Bytes::from("{\"a\":1}")
+        );
+        assert_eq!(
+            lines.next().await.unwrap().unwrap(),
+            Bytes::from("{\"b\":2}")
+        );
+        assert_eq!(lines.next().await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_an_error_not_a_panic() {
+        let pki = Pki::new();
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let mut c = client(&pki, addr);
+        match c
+            .call(Method::GET, "/", None, Read::Count, Duration::from_secs(2))
+            .await
+        {
+            Outcome::Error(message) => assert!(message.contains("connect"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn retry_after_follows_the_header_within_bounds() {

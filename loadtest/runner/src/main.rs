@@ -36,8 +36,11 @@ struct Common {
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
     /// Multiplies object and client counts.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     scale: f64,
+    /// Run only these targets (comma-separated: `direct`, `bulwark`, `haproxy`, `nginx`).
+    #[arg(long, hide = true)]
+    only: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -127,9 +130,18 @@ async fn run(command: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--scale` must be a positive finite number.
+fn positive_scale(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number")),
+    }
+}
+
 fn opts(c: &Common) -> Options {
     Options {
         duration: c.duration,
         scale: c.scale,
+        only: c.only.clone(),
     }
 }

@@ -37,6 +37,8 @@ pub struct Options {
     pub duration: Option<Duration>,
     /// Multiplies object and client counts.
     pub scale: f64,
+    /// Run only the target with this name.
+    pub only: Option<String>,
 }
 
 impl Options {
@@ -446,7 +448,8 @@ pub struct Load {
     pub class: String,
     /// Its identities.
     pub identities: Vec<Identity>,
-    /// Pause between one identity's requests.
+    /// Interval between the starts of one identity's requests (a request that takes
+    /// longer is followed at once).
     pub think: Duration,
     /// The next request of identity `i` on its `n`-th iteration.
     pub next: Arc<dyn Fn(usize, u64) -> Req + Send + Sync>,
@@ -478,15 +481,18 @@ pub fn spawn_loads(
                 while Instant::now() < deadline {
                     let req = next(i, n);
                     n += 1;
+                    let sent = Instant::now();
                     let outcome = tokio::select! {
                         o = client.call(req.method, &req.path, req.body, req.read, req.timeout) => o,
                         _ = tokio::time::sleep_until(deadline) => break,
                     };
-                    let pause = tally.record(&outcome).max(think);
-                    if Instant::now() + pause >= deadline {
+                    // `think` paces request starts (a fixed rate per identity); a 429's
+                    // Retry-After or an error's back-off counts from now.
+                    let resume = (sent + think).max(Instant::now() + tally.record(&outcome));
+                    if resume >= deadline {
                         break;
                     }
-                    tokio::time::sleep(pause).await;
+                    tokio::time::sleep_until(resume).await;
                 }
                 stats.done(tally);
             }));
@@ -537,6 +543,13 @@ pub async fn run<S: Scenario + Sync>(scenario: &S, opts: &Options) -> anyhow::Re
     let classes = scenario.classes();
     let mut runs = Vec::new();
     for mode in scenario.modes() {
+        if opts
+            .only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|o| o == mode.name()))
+        {
+            continue;
+        }
         eprintln!("== {} ({}): starting", scenario.name(), mode.name());
         let env = Env::start(mode, &setup, pki.clone(), &classes).await?;
         let driven = scenario.drive(&env, &pki, opts).await?;

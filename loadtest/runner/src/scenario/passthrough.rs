@@ -93,7 +93,7 @@ master_process off;
 worker_processes 1;
 pid {dir}/nginx.pid;
 error_log {log} warn;
-events {{ worker_connections 20000; }}
+events {{ worker_connections 8000; }}
 http {{
   access_log off;
   client_body_temp_path {t}/body;
@@ -153,7 +153,7 @@ http {{
                 std::fs::write(&own_bundle, format!("{}{}", own.cert_pem, own.key_pem))?;
                 let config = format!(
                     r#"global
-  maxconn 20000
+  maxconn 8000
 defaults
   mode http
   timeout connect 5s

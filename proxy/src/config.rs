@@ -8,10 +8,10 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The whole configuration file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Config {
     /// The client-facing TLS listener.
@@ -36,7 +36,7 @@ pub struct Config {
 }
 
 /// The client-facing listener (DESIGN.md step 1).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Listen {
     /// Address to bind, e.g. `0.0.0.0:6443`.
@@ -63,12 +63,15 @@ pub struct Listen {
 }
 
 /// Explicit limits on client connections.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct ListenLimits {
     /// Largest request head (request line and headers) in bytes; larger gets 431 or a reset.
     pub max_header_bytes: usize,
-    /// Time allowed for a request head to arrive in full.
+    /// Time allowed for a request head to arrive in full. For HTTP/1.1 it also bounds the
+    /// wait for the next request on a kept-alive connection (hyper starts it whenever it
+    /// begins reading a head), and a new connection of either protocol must send its first
+    /// request within it.
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
     /// Time allowed for the TLS handshake.
@@ -80,7 +83,7 @@ pub struct ListenLimits {
     /// keeps its connection.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
-    /// Interval of HTTP/2 keepalive pings to clients.
+    /// Interval of HTTP/2 keepalive pings to clients; `0s` sends none.
     #[serde(with = "humantime_serde")]
     pub keepalive_interval: Duration,
     /// A client that does not answer a keepalive ping within this time is dropped.
@@ -111,7 +114,7 @@ impl Default for ListenLimits {
 }
 
 /// The SIGTERM sequence: fail `/readyz`, pause, GOAWAY, let requests finish, end watches.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Shutdown {
     /// How long `/readyz` fails before connections are told to go away, so that load
@@ -133,7 +136,7 @@ impl Default for Shutdown {
 }
 
 /// The admin listener (DESIGN.md step 10). Plain HTTP.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Admin {
     /// Address to bind; localhost unless configured.
@@ -153,7 +156,7 @@ impl Default for Admin {
 }
 
 /// The apiserver replicas (DESIGN.md steps 3 and 8).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Upstream {
     /// Each replica's address as `host:port`, addressed one by one, never a Service VIP.
@@ -223,7 +226,7 @@ fn default_stall_timeout() -> Duration {
 
 /// The front-proxy client certificate and the request-header names the apiserver expects
 /// (its `--requestheader-*` flags).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct FrontProxy {
     /// PEM client certificate issued by the apiserver's request-header CA.
@@ -236,7 +239,7 @@ pub struct FrontProxy {
 }
 
 /// The names of the identity headers (`--requestheader-username-headers` and friends).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct HeaderNames {
     /// Header carrying the user name.
@@ -262,7 +265,7 @@ impl Default for HeaderNames {
 }
 
 /// Bulwark's own identity upstream: a client certificate or a bearer token file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct OwnCredential {
     /// PEM client certificate.
@@ -278,7 +281,7 @@ pub struct OwnCredential {
 
 /// Upstream timeouts per verb class. Long-running requests (watch, follow, upgrades) have
 /// none.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Timeouts {
     /// TCP connect plus TLS handshake to a replica.
@@ -307,7 +310,7 @@ impl Default for Timeouts {
 }
 
 /// How clients are identified and how the identity goes upstream.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Identity {
     /// `front-proxy` (default), `impersonate` or `passthrough`.
@@ -340,7 +343,7 @@ impl Default for Identity {
 }
 
 /// How a client's identity is forwarded upstream (DESIGN.md step 3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum IdentityMode {
     /// Front-proxy certificate plus `X-Remote-*` headers; needs no impersonation rights.
@@ -352,7 +355,7 @@ pub enum IdentityMode {
 }
 
 /// The cache of TokenReview results.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct TokenReview {
     /// How long an accepted token is trusted (capped by the token's own expiry).
@@ -376,7 +379,7 @@ impl Default for TokenReview {
 }
 
 /// Where the rule files live.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Rules {
     /// Folder of rule files; without it only the built-in levels apply.
@@ -384,7 +387,7 @@ pub struct Rules {
 }
 
 /// The watch-fed cache (DESIGN.md step 7).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Cache {
     /// Whether the cache runs at all.
@@ -393,11 +396,34 @@ pub struct Cache {
     pub resources: Vec<String>,
     /// Namespaces never served from the cache.
     pub exclude_namespaces: Vec<String>,
+    /// Objects never served from the cache, as `namespace/name` (or `name` for
+    /// cluster-scoped objects); a list or watch that could include one goes upstream.
+    pub exclude_names: Vec<String>,
     /// Events kept per resource for watches that resume.
     pub ring_size: usize,
-    /// Longest a cache may serve before its first full list is in (then `/readyz` passes).
+    /// How long `/readyz` waits for the caches' first full lists before it reports ready
+    /// anyway (cacheable requests go upstream until a cache is synced).
     #[serde(with = "humantime_serde")]
     pub sync_cap: Duration,
+    /// How long a consistent read waits for the cache to reach the current version, and a
+    /// watch from a version newer than the cache waits for it, before going upstream or
+    /// getting 504 `ResourceVersionTooLarge`.
+    #[serde(with = "humantime_serde")]
+    pub freshness_wait: Duration,
+    /// The largest bounded staleness a rule may grant (a rule's `staleness` above it is
+    /// capped to it).
+    #[serde(with = "humantime_serde")]
+    pub max_staleness: Duration,
+    /// Bytes of encoded LIST responses kept for reuse (an LRU), as a number or a quantity.
+    pub list_cache_bytes: Quantity,
+    /// Events buffered per watcher; a watcher that falls this far behind is disconnected.
+    pub watcher_buffer: usize,
+    /// How often open watches served from the cache are authorized again (with jitter).
+    #[serde(with = "humantime_serde")]
+    pub reauthorize_interval: Duration,
+    /// How long a SubjectAccessReview answer for a cache read is reused.
+    #[serde(with = "humantime_serde")]
+    pub access_review_ttl: Duration,
 }
 
 impl Default for Cache {
@@ -410,14 +436,21 @@ impl Default for Cache {
                 "endpointslices.discovery.k8s.io".into(),
             ],
             exclude_namespaces: Vec::new(),
+            exclude_names: Vec::new(),
             ring_size: 10_000,
             sync_cap: Duration::from_secs(60),
+            freshness_wait: Duration::from_secs(3),
+            max_staleness: Duration::from_secs(10),
+            list_cache_bytes: Quantity(256 * 1024 * 1024),
+            watcher_buffer: 1_000,
+            reauthorize_interval: Duration::from_secs(300),
+            access_review_ttl: Duration::from_secs(10),
         }
     }
 }
 
 /// The audit log.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Audit {
     /// File that audit events are appended to, as JSON lines.
@@ -425,21 +458,37 @@ pub struct Audit {
 }
 
 /// A byte count written as a plain number or a Kubernetes quantity (`512Mi`, `8Gi`, `2G`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
 pub struct Quantity(pub u64);
 
 impl<'de> Deserialize<'de> for Quantity {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Number(u64),
-            Text(String),
+        // A visitor rather than an untagged enum: errors raised inside it carry the field's
+        // path and line.
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Quantity;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a byte count such as 1048576 or 512Mi")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Quantity, E> {
+                Ok(Quantity(n))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Quantity, E> {
+                u64::try_from(n)
+                    .map(Quantity)
+                    .map_err(|_| E::custom(format!("{n} is negative; a byte count is 0 or more")))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Quantity, E> {
+                s.parse().map_err(E::custom)
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::Number(n) => Ok(Quantity(n)),
-            Raw::Text(s) => s.parse().map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -475,7 +524,7 @@ impl std::str::FromStr for Quantity {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {message}")]
 pub struct Problem {
-    /// Dotted path of the field, e.g. `upstream.replicas[1]`.
+    /// Dotted path of the field as written in the file, e.g. `upstream.replicas[1]`.
     pub field: String,
     /// What is wrong with it.
     pub message: String,
@@ -492,20 +541,63 @@ pub enum ConfigError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The file was read but has problems, each listed.
+    /// The text is not valid YAML for this schema: a syntax error, an unknown or duplicate
+    /// field, a missing required field or a value of the wrong type. The message names the
+    /// field's dotted path and, when known, its line and column.
+    #[error("{message}")]
+    Parse {
+        /// 1-based line of the problem, when known.
+        line: Option<usize>,
+        /// 1-based column of the problem, when known.
+        column: Option<usize>,
+        /// The parser's message, e.g. ``upstream.timeouts: unknown field `reed`, expected
+        /// one of `connect`, `read`, `list`, `write` at line 12 column 5``.
+        message: String,
+    },
+    /// The file parsed but its values have problems, each listed.
     #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Invalid(Vec<Problem>),
 }
 
 impl Config {
-    /// Reads, parses and validates a configuration file.
+    /// Reads, parses and validates a configuration file, then resolves every relative file
+    /// path in it (certificates, keys, CA, token files, rules folder, audit log) against the
+    /// file's own folder, so that a configuration works from any working directory. Whether
+    /// those files exist is checked by the parts that load them.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        let config: Config = text.parse()?;
+        let mut config: Config = text.parse()?;
+        if let Some(base) = path.parent() {
+            config.resolve_paths(base);
+        }
         Ok(config)
+    }
+
+    /// Makes every relative file path in the configuration relative to `base` instead.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let resolve = |path: &mut PathBuf| {
+            if path.is_relative() {
+                *path = base.join(&*path);
+            }
+        };
+        resolve(&mut self.listen.cert);
+        resolve(&mut self.listen.key);
+        self.listen.client_ca.iter_mut().for_each(resolve);
+        self.admin.token_file.iter_mut().for_each(resolve);
+        resolve(&mut self.upstream.ca);
+        if let Some(front_proxy) = &mut self.upstream.front_proxy {
+            resolve(&mut front_proxy.cert);
+            resolve(&mut front_proxy.key);
+        }
+        let own = &mut self.upstream.own;
+        for path in [&mut own.cert, &mut own.key, &mut own.token_file] {
+            path.iter_mut().for_each(resolve);
+        }
+        self.rules.folder.iter_mut().for_each(resolve);
+        self.audit.path.iter_mut().for_each(resolve);
     }
 }
 
@@ -515,10 +607,12 @@ impl std::str::FromStr for Config {
     /// Parses and validates configuration text; relative paths stay as written.
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let config: Config = serde_norway::from_str(text).map_err(|e| {
-            ConfigError::Invalid(vec![Problem {
-                field: "(file)".into(),
+            let location = e.location();
+            ConfigError::Parse {
+                line: location.as_ref().map(|l| l.line()),
+                column: location.as_ref().map(|l| l.column()),
                 message: e.to_string(),
-            }])
+            }
         })?;
         let problems = config.validate();
         if problems.is_empty() {
@@ -529,36 +623,499 @@ impl std::str::FromStr for Config {
     }
 }
 
+/// Collects problems, each under its dotted field path.
+#[derive(Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    fn add(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            field: field.into(),
+            message: message.into(),
+        });
+    }
+
+    /// A duration that must be above zero.
+    fn positive(&mut self, field: &str, value: Duration) {
+        if value.is_zero() {
+            self.add(field, "must be greater than 0");
+        }
+    }
+
+    /// A count or size that must be above zero.
+    fn nonzero(&mut self, field: &str, value: u64) {
+        if value == 0 {
+            self.add(field, "must be greater than 0");
+        }
+    }
+
+    /// A file or folder path that must not be empty.
+    fn path(&mut self, field: &str, value: &Path) {
+        if value.as_os_str().is_empty() {
+            self.add(field, "must not be empty");
+        }
+    }
+}
+
 impl Config {
-    /// Every semantic problem of a parsed configuration (empty when it is valid).
+    /// Every semantic problem of a parsed configuration, each naming its field (empty when
+    /// the configuration is valid).
     pub fn validate(&self) -> Vec<Problem> {
-        let mut problems = Vec::new();
-        let mut bad = |field: &str, message: &str| {
-            problems.push(Problem {
-                field: field.into(),
-                message: message.into(),
-            })
-        };
-        if self.upstream.replicas.is_empty() {
-            bad("upstream.replicas", "at least one replica is required");
+        let mut p = Problems::default();
+        self.validate_listen(&mut p);
+        self.validate_upstream(&mut p);
+        self.validate_identity(&mut p);
+        if let Some(folder) = &self.rules.folder {
+            p.path("rules.folder", folder);
         }
-        if !(0.0..=0.02).contains(&self.listen.goaway_chance) {
-            bad("listen.goawayChance", "must be between 0 and 0.02");
+        self.validate_cache(&mut p);
+        if let Some(path) = &self.audit.path {
+            p.path("audit.path", path);
         }
-        let own = &self.upstream.own;
-        match (&own.cert, &own.key, &own.token_file) {
-            (Some(_), Some(_), None) | (None, None, Some(_)) => {}
-            _ => bad(
-                "upstream.self",
-                "set either cert and key, or tokenFile (not both)",
-            ),
+        // A non-local admin address without a token file is allowed: `/debug/*` is then
+        // refused (see `Admin::debug_needs_token`), the rest still works.
+        if let Some(token_file) = &self.admin.token_file {
+            p.path("admin.tokenFile", token_file);
         }
-        if self.identity.mode == IdentityMode::FrontProxy && self.upstream.front_proxy.is_none() {
-            bad(
-                "upstream.frontProxy",
-                "required when identity.mode is front-proxy",
+        p.0
+    }
+
+    fn validate_listen(&self, p: &mut Problems) {
+        let listen = &self.listen;
+        p.path("listen.cert", &listen.cert);
+        p.path("listen.key", &listen.key);
+        if let Some(ca) = &listen.client_ca {
+            p.path("listen.clientCA", ca);
+        }
+        if !(0.0..=0.02).contains(&listen.goaway_chance) {
+            p.add(
+                "listen.goawayChance",
+                format!("{} is outside 0 to 0.02", listen.goaway_chance),
             );
         }
-        problems
+        let l = &listen.limits;
+        p.nonzero("listen.limits.maxHeaderBytes", l.max_header_bytes as u64);
+        p.positive("listen.limits.headerReadTimeout", l.header_read_timeout);
+        p.positive("listen.limits.handshakeTimeout", l.handshake_timeout);
+        p.nonzero(
+            "listen.limits.maxConcurrentStreams",
+            l.max_concurrent_streams.into(),
+        );
+        p.positive("listen.limits.idleTimeout", l.idle_timeout);
+        p.positive("listen.limits.keepaliveInterval", l.keepalive_interval);
+        p.positive("listen.limits.keepaliveTimeout", l.keepalive_timeout);
+        p.nonzero("listen.limits.maxBodyBytes", l.max_body_bytes as u64);
+        // A zero pause is a valid choice (no balancer to wait for); a zero grace is not.
+        p.positive("listen.shutdown.grace", listen.shutdown.grace);
+    }
+
+    fn validate_upstream(&self, p: &mut Problems) {
+        let up = &self.upstream;
+        if up.replicas.is_empty() {
+            p.add("upstream.replicas", "at least one replica is required");
+        }
+        let mut seen: Vec<(ReplicaAddr, usize)> = Vec::new();
+        for (i, replica) in up.replicas.iter().enumerate() {
+            let field = format!("upstream.replicas[{i}]");
+            match replica.parse::<ReplicaAddr>() {
+                Err(why) => p.add(field, format!("{replica:?} is not host:port ({why})")),
+                Ok(addr) => match seen.iter().find(|(other, _)| *other == addr) {
+                    Some((_, first)) => p.add(
+                        field,
+                        format!("{replica:?} repeats upstream.replicas[{first}]"),
+                    ),
+                    None => seen.push((addr, i)),
+                },
+            }
+        }
+        p.path("upstream.ca", &up.ca);
+        if let Some(name) = &up.server_name
+            && rustls_pki_types::ServerName::try_from(name.as_str()).is_err()
+        {
+            p.add(
+                "upstream.serverName",
+                format!("{name:?} is not a DNS name or IP address"),
+            );
+        }
+        if let Some(front_proxy) = &up.front_proxy {
+            p.path("upstream.frontProxy.cert", &front_proxy.cert);
+            p.path("upstream.frontProxy.key", &front_proxy.key);
+            let h = &front_proxy.headers;
+            for (field, value, may_be_empty) in [
+                ("user", &h.user, false),
+                ("uid", &h.uid, true),
+                ("group", &h.group, false),
+                ("extraPrefix", &h.extra_prefix, false),
+            ] {
+                let field = format!("upstream.frontProxy.headers.{field}");
+                if value.is_empty() {
+                    if !may_be_empty {
+                        p.add(field, "must not be empty");
+                    }
+                } else if http::HeaderName::from_bytes(value.as_bytes()).is_err() {
+                    p.add(field, format!("{value:?} is not a valid HTTP header name"));
+                }
+            }
+        }
+        let own = &up.own;
+        match (&own.cert, &own.key, &own.token_file) {
+            (Some(cert), Some(key), None) => {
+                p.path("upstream.self.cert", cert);
+                p.path("upstream.self.key", key);
+            }
+            (None, None, Some(token_file)) => p.path("upstream.self.tokenFile", token_file),
+            (None, None, None) => p.add(
+                "upstream.self",
+                "Bulwark's own credential is required: set cert and key, or tokenFile",
+            ),
+            (Some(_), Some(_), Some(_)) => p.add(
+                "upstream.self",
+                "set either cert and key, or tokenFile, not both",
+            ),
+            (Some(_), None, _) => p.add("upstream.self.key", "required with upstream.self.cert"),
+            (None, Some(_), _) => p.add("upstream.self.cert", "required with upstream.self.key"),
+        }
+        let t = &up.timeouts;
+        p.positive("upstream.timeouts.connect", t.connect);
+        p.positive("upstream.timeouts.read", t.read);
+        p.positive("upstream.timeouts.list", t.list);
+        p.positive("upstream.timeouts.write", t.write);
+        p.nonzero(
+            "upstream.streamsPerConnection",
+            up.streams_per_connection.into(),
+        );
+        p.nonzero("upstream.replicaHeapHeadroom", up.replica_heap_headroom.0);
+        if up.bulwark_replicas < 1 {
+            p.add("upstream.bulwarkReplicas", "must be at least 1");
+        }
+        p.positive("upstream.probeInterval", up.probe_interval);
+        p.positive("upstream.ejectBase", up.eject_base);
+        p.positive("upstream.ejectMax", up.eject_max);
+        if up.eject_max < up.eject_base {
+            p.add(
+                "upstream.ejectMax",
+                format!(
+                    "{} is shorter than upstream.ejectBase ({})",
+                    humantime::format_duration(up.eject_max),
+                    humantime::format_duration(up.eject_base)
+                ),
+            );
+        }
+        p.positive("upstream.stallTimeout", up.stall_timeout);
+    }
+
+    fn validate_identity(&self, p: &mut Problems) {
+        let id = &self.identity;
+        if id.mode == IdentityMode::FrontProxy && self.upstream.front_proxy.is_none() {
+            p.add(
+                "upstream.frontProxy",
+                "required when identity.mode is front-proxy (the default)",
+            );
+        }
+        for (i, path) in id.anonymous.iter().enumerate() {
+            let field = format!("identity.anonymous[{i}]");
+            if !path.starts_with('/') {
+                p.add(field, format!("{path:?} must start with '/'"));
+            } else if path.contains(['?', '#']) {
+                p.add(
+                    field,
+                    format!("{path:?} must be a path without query or fragment"),
+                );
+            }
+        }
+        let tr = &id.token_review;
+        p.positive("identity.tokenReview.ttl", tr.ttl);
+        p.positive("identity.tokenReview.failureTtl", tr.failure_ttl);
+        p.nonzero("identity.tokenReview.maxEntries", tr.max_entries as u64);
+    }
+
+    fn validate_cache(&self, p: &mut Problems) {
+        let cache = &self.cache;
+        for (i, resource) in cache.resources.iter().enumerate() {
+            let field = format!("cache.resources[{i}]");
+            if GroupResource::parse(resource).is_none() {
+                p.add(
+                    field,
+                    format!(
+                        "{resource:?} is not a resource name such as \"secrets\" or \"endpointslices.discovery.k8s.io\""
+                    ),
+                );
+            } else if let Some(first) = cache.resources[..i].iter().position(|r| r == resource) {
+                p.add(
+                    field,
+                    format!("{resource:?} repeats cache.resources[{first}]"),
+                );
+            }
+        }
+        for (i, namespace) in cache.exclude_namespaces.iter().enumerate() {
+            if !is_dns_label(namespace) {
+                p.add(
+                    format!("cache.excludeNamespaces[{i}]"),
+                    format!("{namespace:?} is not a namespace name"),
+                );
+            }
+        }
+        for (i, entry) in cache.exclude_names.iter().enumerate() {
+            let valid = match entry.split_once('/') {
+                Some((namespace, name)) => is_dns_label(namespace) && is_object_name(name),
+                None => is_object_name(entry),
+            };
+            if !valid {
+                p.add(
+                    format!("cache.excludeNames[{i}]"),
+                    format!("{entry:?} is not namespace/name or name"),
+                );
+            }
+        }
+        p.nonzero("cache.ringSize", cache.ring_size as u64);
+        p.positive("cache.syncCap", cache.sync_cap);
+        p.positive("cache.freshnessWait", cache.freshness_wait);
+        p.nonzero("cache.listCacheBytes", cache.list_cache_bytes.0);
+        p.nonzero("cache.watcherBuffer", cache.watcher_buffer as u64);
+        p.positive("cache.reauthorizeInterval", cache.reauthorize_interval);
+        p.positive("cache.accessReviewTtl", cache.access_review_ttl);
+    }
+}
+
+impl Upstream {
+    /// The in-flight LIST byte budget of one apiserver replica for this Bulwark replica:
+    /// heap headroom ÷ 5 (a LIST costs the apiserver about five times the bytes it reads)
+    /// ÷ the number of Bulwark replicas sharing it.
+    pub fn list_byte_budget(&self) -> u64 {
+        self.replica_heap_headroom.0 / 5 / u64::from(self.bulwark_replicas.max(1))
+    }
+
+    /// The replicas' addresses, parsed. Invalid entries are skipped; [`Config::validate`]
+    /// reports them.
+    pub fn replica_addrs(&self) -> Vec<ReplicaAddr> {
+        self.replicas
+            .iter()
+            .filter_map(|r| r.parse().ok())
+            .collect()
+    }
+}
+
+impl Timeouts {
+    /// How long the upstream may take to send the response head of this request; `None`
+    /// for long-running requests, which have no request timeout.
+    pub fn for_request(&self, info: &crate::classify::RequestInfo) -> Option<Duration> {
+        use crate::classify::Verb;
+        if info.is_long_running() {
+            return None;
+        }
+        Some(match &info.verb {
+            Verb::List => self.list,
+            Verb::Get | Verb::Watch => self.read,
+            Verb::NonResource(method)
+                if method == http::Method::GET || method == http::Method::HEAD =>
+            {
+                self.read
+            }
+            _ => self.write,
+        })
+    }
+}
+
+impl Admin {
+    /// Whether `/debug/*` requires the bearer token: when the listener is not bound to a
+    /// loopback address. Without a `tokenFile` such a listener refuses `/debug/*`.
+    pub fn debug_needs_token(&self) -> bool {
+        !self.address.ip().is_loopback()
+    }
+}
+
+impl Cache {
+    /// The configured resources as group and resource (entries that do not parse are
+    /// skipped; [`Config::validate`] reports them).
+    pub fn group_resources(&self) -> Vec<GroupResource> {
+        self.resources
+            .iter()
+            .filter_map(|r| GroupResource::parse(r))
+            .collect()
+    }
+}
+
+/// A resource of an API group, e.g. `endpointslices` of `discovery.k8s.io`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GroupResource {
+    /// The API group; `""` for the core group.
+    pub group: String,
+    /// The resource (plural, lowercase).
+    pub resource: String,
+}
+
+impl GroupResource {
+    /// Parses `resource` (core group) or `resource.group`.
+    pub fn parse(text: &str) -> Option<GroupResource> {
+        let (resource, group, group_ok) = match text.split_once('.') {
+            Some((resource, group)) => (resource, group, group.split('.').all(is_dns_label)),
+            None => (text, "", true),
+        };
+        (is_dns_label(resource) && group_ok && group.len() <= 253).then(|| GroupResource {
+            group: group.to_owned(),
+            resource: resource.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for GroupResource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.group.is_empty() {
+            f.write_str(&self.resource)
+        } else {
+            write!(f, "{}.{}", self.resource, self.group)
+        }
+    }
+}
+
+/// An apiserver replica's address: a hostname or IP address and a port.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReplicaAddr {
+    /// Hostname (lowercase) or IP address, IPv6 without brackets.
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+}
+
+impl std::str::FromStr for ReplicaAddr {
+    type Err = String;
+
+    /// Parses `host:port`, `ip:port` or `[ipv6]:port`; the reason on failure says what is
+    /// missing or wrong.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let (host, port_text) = if let Some(rest) = text.strip_prefix('[') {
+            let (ip, port) = rest
+                .split_once("]:")
+                .ok_or("a bracketed IPv6 address needs \"]:port\" after it")?;
+            ip.parse::<std::net::Ipv6Addr>()
+                .map_err(|_| format!("{ip:?} is not an IPv6 address"))?;
+            (ip, port)
+        } else {
+            let (host, port) = text.rsplit_once(':').ok_or("the port is missing")?;
+            if host.contains(':') {
+                return Err("an IPv6 address needs brackets, as in [::1]:6443".into());
+            }
+            let looks_numeric = host
+                .split('.')
+                .all(|l| l.bytes().all(|b| b.is_ascii_digit()));
+            let valid = if looks_numeric {
+                host.parse::<std::net::Ipv4Addr>().is_ok()
+            } else {
+                host.len() <= 253 && host.split('.').all(is_hostname_label)
+            };
+            if !valid {
+                return Err(format!("{host:?} is not a hostname or IP address"));
+            }
+            (host, port)
+        };
+        let port = match port_text.parse::<u16>() {
+            // Refuses `+443` and `0443`, which `u16` parsing would accept.
+            Ok(port) if port > 0 && port.to_string() == port_text => port,
+            _ => return Err(format!("{port_text:?} is not a port from 1 to 65535")),
+        };
+        Ok(ReplicaAddr {
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+}
+
+impl std::fmt::Display for ReplicaAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// A DNS-1123 label: 1 to 63 lowercase letters, digits or `-`, starting and ending with a
+/// letter or digit (namespace names, resource names, group name labels).
+fn is_dns_label(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    (1..=63).contains(&bytes.len())
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes[0] != b'-'
+        && bytes[bytes.len() - 1] != b'-'
+}
+
+/// A hostname label: like a DNS label but in any case.
+fn is_hostname_label(text: &str) -> bool {
+    is_dns_label(&text.to_ascii_lowercase())
+}
+
+/// An object name that can appear in a path: non-empty, not `.` or `..`, no `/` or `%`
+/// (the apiserver's `IsValidPathSegmentName`).
+fn is_object_name(text: &str) -> bool {
+    !text.is_empty() && text != "." && text != ".." && !text.contains(['/', '%'])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_read_like_kubernetes_ones() {
+        let q = |s: &str| s.parse::<Quantity>().map(|q| q.0);
+        assert_eq!(q("512Mi"), Ok(512 << 20));
+        assert_eq!(q("8Gi"), Ok(8 << 30));
+        assert_eq!(q("2G"), Ok(2_000_000_000));
+        assert_eq!(q("1000"), Ok(1000));
+        assert!(q("1.5Gi").is_err());
+        assert!(q("Gi").is_err());
+        assert!(q("8GB").unwrap_err().contains("unknown unit"));
+        assert!(q("99999999999Ti").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn replica_addresses_need_a_host_and_a_port() {
+        let ok = |s: &str| s.parse::<ReplicaAddr>().map(|a| a.to_string());
+        assert_eq!(ok("apiserver-1:6443").as_deref(), Ok("apiserver-1:6443"));
+        assert_eq!(
+            ok("K8S.example.com:443").as_deref(),
+            Ok("k8s.example.com:443")
+        );
+        assert_eq!(ok("192.168.1.10:6443").as_deref(), Ok("192.168.1.10:6443"));
+        assert_eq!(
+            ok("[2001:db8::1]:6443").as_deref(),
+            Ok("[2001:db8::1]:6443")
+        );
+        for bad in [
+            "apiserver-1",
+            ":6443",
+            "-a:6443",
+            "a..b:6443",
+            "a:06443",
+            "a:65536",
+            "[2001:db8::1]",
+            "2001:db8::1:6443",
+            "a b:6443",
+        ] {
+            assert!(bad.parse::<ReplicaAddr>().is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn group_resources_are_a_label_and_an_optional_subdomain() {
+        let gr = |s: &str| GroupResource::parse(s).map(|g| (g.group, g.resource));
+        assert_eq!(gr("secrets"), Some(("".into(), "secrets".into())));
+        assert_eq!(
+            gr("leases.coordination.k8s.io"),
+            Some(("coordination.k8s.io".into(), "leases".into()))
+        );
+        for bad in [
+            "",
+            "Secrets",
+            "secrets.",
+            ".secrets",
+            "pods/status",
+            "a..b",
+            "-x",
+        ] {
+            assert_eq!(gr(bad), None, "{bad:?} accepted");
+        }
     }
 }

@@ -1,1 +1,206 @@
-//! Who the client is (certificate or TokenReview) and how that goes upstream (steps 2–3).
+//! Who the client is (DESIGN.md step 2) and how that identity goes upstream (step 3).
+//!
+//! A verified client certificate wins over a bearer token, as in the apiserver. A token is
+//! resolved with a TokenReview made with Bulwark's own identity and cached by its hash; a
+//! token the review rejects is never passed on. The [`forward`] submodule rewrites the
+//! request headers for the configured mode.
+
+pub mod forward;
+pub mod review;
+
+use std::collections::BTreeMap;
+
+use rustls_pki_types::CertificateDer;
+use serde::{Deserialize, Serialize};
+
+pub use review::{TokenCache, TokenReviewer, UpstreamReviewer};
+
+/// The group every authenticated user belongs to.
+pub const AUTHENTICATED: &str = "system:authenticated";
+
+/// An authenticated user, as the apiserver's `user.Info`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct User {
+    /// The user name (`CN` of a certificate, or from the TokenReview).
+    pub username: String,
+    /// The user's UID, when the authenticator gives one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    /// Groups, always including `system:authenticated`.
+    #[serde(default)]
+    pub groups: Vec<String>,
+    /// Extra attributes (e.g. a ServiceAccount token's pod name).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub extra: BTreeMap<String, Vec<String>>,
+}
+
+impl User {
+    /// Adds `system:authenticated` when it is missing.
+    pub fn with_authenticated_group(mut self) -> Self {
+        if !self.groups.iter().any(|g| g == AUTHENTICATED) {
+            self.groups.push(AUTHENTICATED.to_string());
+        }
+        self
+    }
+}
+
+/// How the client proved who it is; decides how the request may be forwarded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Credential {
+    /// A client certificate verified by the listener.
+    Certificate,
+    /// A bearer token, accepted by a TokenReview; kept for passthrough mode.
+    Token(String),
+}
+
+/// The identity of one request, put into its extensions by [`identify`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Identity {
+    /// An authenticated user.
+    User {
+        /// Who.
+        user: User,
+        /// How they proved it.
+        credential: Credential,
+    },
+    /// No credentials, on a path of the anonymous allowlist.
+    Anonymous,
+}
+
+impl Identity {
+    /// The user, when there is one.
+    pub fn user(&self) -> Option<&User> {
+        match self {
+            Identity::User { user, .. } => Some(user),
+            Identity::Anonymous => None,
+        }
+    }
+
+    /// The user name for logs and metrics (`system:anonymous` for the allowlist).
+    pub fn name(&self) -> &str {
+        self.user()
+            .map(|u| u.username.as_str())
+            .unwrap_or("system:anonymous")
+    }
+}
+
+/// Why a request has no identity.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// Neither a certificate nor a token, on a path that needs one.
+    #[error("no client certificate or bearer token")]
+    NoCredentials,
+    /// The `Authorization` header is not a usable bearer token.
+    #[error("the Authorization header is not a bearer token")]
+    MalformedAuthorization,
+    /// The TokenReview said no.
+    #[error("the token was rejected: {0}")]
+    TokenRejected(String),
+    /// No TokenReview could be made; the request is refused rather than passed on.
+    #[error("the token could not be reviewed: {0}")]
+    ReviewFailed(String),
+    /// The verified certificate has no usable subject.
+    #[error("the client certificate has no usable common name: {0}")]
+    BadCertificate(String),
+}
+
+/// The user named by a verified client certificate: CN is the user, each O a group.
+pub fn user_from_certificate(leaf: &CertificateDer<'_>) -> Result<User, IdentityError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
+        .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
+    let subject = cert.subject();
+    let username = subject
+        .iter_common_name()
+        .next()
+        .and_then(|cn| cn.as_str().ok())
+        .filter(|cn| !cn.is_empty())
+        .ok_or_else(|| IdentityError::BadCertificate("no CN".into()))?
+        .to_string();
+    let groups = subject
+        .iter_organization()
+        .filter_map(|o| o.as_str().ok())
+        .map(str::to_string)
+        .collect();
+    Ok(User {
+        username,
+        uid: None,
+        groups,
+        extra: BTreeMap::new(),
+    }
+    .with_authenticated_group())
+}
+
+/// The bearer token of a request, if it carries one.
+pub fn bearer_token(headers: &http::HeaderMap) -> Result<Option<String>, IdentityError> {
+    let Some(value) = headers.get(http::header::AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let value = value
+        .to_str()
+        .map_err(|_| IdentityError::MalformedAuthorization)?;
+    let (scheme, token) = value
+        .split_once(' ')
+        .ok_or(IdentityError::MalformedAuthorization)?;
+    let token = token.trim();
+    if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
+        return Err(IdentityError::MalformedAuthorization);
+    }
+    Ok(Some(token.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cert_for(cn: &str, orgs: &[&str]) -> CertificateDer<'static> {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
+        // rcgen keeps one value per attribute type; further O values go in under the O
+        // object identifier itself, as real multi-group certificates carry them.
+        for (i, o) in orgs.iter().enumerate() {
+            let kind = if i == 0 {
+                rcgen::DnType::OrganizationName
+            } else {
+                rcgen::DnType::CustomDnType(vec![2, 5, 4, 10])
+            };
+            params.distinguished_name.push(kind, *o);
+        }
+        let key = rcgen::KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().clone()
+    }
+
+    #[test]
+    fn certificate_gives_cn_as_user_and_each_o_as_a_group_plus_authenticated() {
+        let user = user_from_certificate(&cert_for("alice", &["dev", "ops"])).unwrap();
+        assert_eq!(user.username, "alice");
+        assert_eq!(user.groups, ["dev", "ops", AUTHENTICATED]);
+    }
+
+    #[test]
+    fn certificate_without_cn_is_refused() {
+        assert!(matches!(
+            user_from_certificate(&cert_for("", &["dev"])),
+            Err(IdentityError::BadCertificate(_))
+        ));
+    }
+
+    #[test]
+    fn bearer_tokens_are_parsed_strictly() {
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(bearer_token(&headers), Ok(None));
+        headers.insert("authorization", "Bearer abc.def".parse().unwrap());
+        assert_eq!(bearer_token(&headers), Ok(Some("abc.def".into())));
+        headers.insert("authorization", "Basic dXNlcjpwdw==".parse().unwrap());
+        assert_eq!(
+            bearer_token(&headers),
+            Err(IdentityError::MalformedAuthorization)
+        );
+        headers.insert("authorization", "Bearer ".parse().unwrap());
+        assert_eq!(
+            bearer_token(&headers),
+            Err(IdentityError::MalformedAuthorization)
+        );
+    }
+}

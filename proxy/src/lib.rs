@@ -11,6 +11,7 @@ pub mod config;
 pub mod identity;
 pub mod listen;
 pub mod metrics;
+pub mod serve;
 pub mod status;
 pub mod upstream;
 
@@ -33,4 +34,31 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
 /// A body with nothing in it.
 pub fn empty() -> Body {
     Empty::new().map_err(|never| match never {}).boxed_unsync()
+}
+
+/// Why [`read_to_limit`] gave up.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The body is longer than the limit.
+    #[error("the body is longer than {0} bytes")]
+    TooLarge(usize),
+    /// The body failed while being read.
+    #[error("reading the body: {0}")]
+    Failed(BoxError),
+}
+
+/// Reads a whole body of at most `limit` bytes. (Written out rather than with
+/// `http_body_util::Limited`, whose error conversion makes futures that hold it lose `Send`.)
+pub async fn read_to_limit(mut body: Body, limit: usize) -> Result<Bytes, ReadError> {
+    let mut out = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(ReadError::Failed)?;
+        if let Ok(data) = frame.into_data() {
+            if out.len() + data.len() > limit {
+                return Err(ReadError::TooLarge(limit));
+            }
+            out.extend_from_slice(&data);
+        }
+    }
+    Ok(out.freeze())
 }

@@ -52,6 +52,19 @@ pub enum DrainPhase {
     Close,
 }
 
+/// Re-reads the listener's certificate, key and client CA files on demand.
+#[derive(Clone)]
+pub struct Reloader(Arc<tls::TlsState>);
+
+impl Reloader {
+    /// Re-reads the files now (blocking file I/O): `Ok(true)` if a new configuration was
+    /// swapped in, `Ok(false)` if nothing changed since the last attempt, an error (naming
+    /// the file) if the new files are unusable, in which case the old configuration stays.
+    pub fn reload(&self) -> Result<bool, ListenError> {
+        self.0.check()
+    }
+}
+
 /// Why the listener could not start or a certificate reload was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
@@ -181,11 +194,10 @@ impl Listener {
         tokio::spawn(reload::run(self.tls.clone(), self.file_check_interval))
     }
 
-    /// Re-reads the files now (blocking file I/O): `Ok(true)` if a new configuration was
-    /// swapped in, `Ok(false)` if nothing changed since the last attempt, an error (naming
-    /// the file) if the new files are unusable, in which case the old configuration stays.
-    pub fn reload(&self) -> Result<bool, ListenError> {
-        self.tls.check()
+    /// A handle that re-reads the certificate files on demand (e.g. on SIGHUP), usable while
+    /// [`Listener::serve`] runs.
+    pub fn reloader(&self) -> Reloader {
+        Reloader(self.tls.clone())
     }
 
     /// A handle on the number of open client connections, for metrics.

@@ -84,18 +84,19 @@ impl Reason {
             Reason::UpstreamError => StatusCode::BAD_GATEWAY,
         }
     }
+}
 
-    /// The Kubernetes `Status.reason` for this refusal.
-    fn k8s_reason(self) -> &'static str {
-        match self.status() {
-            StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
-            StatusCode::UNAUTHORIZED => "Unauthorized",
-            StatusCode::FORBIDDEN => "Forbidden",
-            StatusCode::BAD_REQUEST => "BadRequest",
-            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
-            StatusCode::GATEWAY_TIMEOUT => "Timeout",
-            _ => "InternalError",
-        }
+/// The Kubernetes `Status.reason` for a status code.
+fn k8s_reason(status: StatusCode) -> &'static str {
+    match status {
+        StatusCode::TOO_MANY_REQUESTS => "TooManyRequests",
+        StatusCode::UNAUTHORIZED => "Unauthorized",
+        StatusCode::FORBIDDEN => "Forbidden",
+        StatusCode::BAD_REQUEST => "BadRequest",
+        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailable",
+        StatusCode::GATEWAY_TIMEOUT => "Timeout",
+        StatusCode::PAYLOAD_TOO_LARGE => "RequestEntityTooLarge",
+        _ => "InternalError",
     }
 }
 
@@ -119,6 +120,8 @@ pub struct Refusal {
     pub level: Option<String>,
     /// When the client should try again.
     pub retry_after: Option<Duration>,
+    /// A status other than the reason's own (e.g. 413 for a body too large).
+    pub status: Option<StatusCode>,
 }
 
 impl Refusal {
@@ -130,7 +133,19 @@ impl Refusal {
             rule: None,
             level: None,
             retry_after: None,
+            status: None,
         }
+    }
+
+    /// Answers with `status` instead of the reason's usual one.
+    pub fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// The HTTP status of the answer.
+    pub fn status(&self) -> StatusCode {
+        self.status.unwrap_or_else(|| self.reason.status())
     }
 
     /// Adds a `Retry-After`.
@@ -141,7 +156,7 @@ impl Refusal {
 
     /// The `Status` JSON body, as the apiserver writes it.
     pub fn body(&self) -> Bytes {
-        let status = self.reason.status();
+        let status = self.status();
         let mut message = self.message.clone();
         if let (Some(rule), Some(level)) = (&self.rule, &self.level) {
             message = format!(
@@ -157,7 +172,7 @@ impl Refusal {
             "metadata": {},
             "status": "Failure",
             "message": message,
-            "reason": self.reason.k8s_reason(),
+            "reason": k8s_reason(status),
             "code": status.as_u16(),
         });
         if let Some(after) = self.retry_after {
@@ -174,7 +189,7 @@ impl Refusal {
     /// The full response.
     pub fn into_response(self) -> http::Response<crate::Body> {
         let mut response = http::Response::new(crate::full(self.body()));
-        *response.status_mut() = self.reason.status();
+        *response.status_mut() = self.status();
         let headers = response.headers_mut();
         headers.insert(
             http::header::CONTENT_TYPE,

@@ -97,6 +97,28 @@ pub struct ReplicaView {
     pub connections: usize,
 }
 
+/// LIST bytes counted against a replica while this lives (see
+/// [`Upstream::hold_in_flight_bytes`]).
+pub struct InFlightBytes {
+    replica: Arc<pick::Replica>,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for InFlightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlightBytes")
+            .field("replica", &self.replica.name)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for InFlightBytes {
+    fn drop(&mut self) {
+        self.replica.remove_bytes(self.bytes);
+    }
+}
+
 /// Response extension naming the replica that answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UpstreamReplica(pub Arc<str>);
@@ -329,6 +351,14 @@ impl Upstream {
     /// zero). False when no replica has that name.
     pub fn remove_in_flight_bytes(&self, replica: &str, bytes: u64) -> bool {
         self.find(replica).map(|r| r.remove_bytes(bytes)).is_some()
+    }
+
+    /// Counts LIST bytes against a replica until the returned guard is dropped; `None`
+    /// when no replica has that name.
+    pub fn hold_in_flight_bytes(&self, replica: &str, bytes: u64) -> Option<InFlightBytes> {
+        let replica = self.find(replica)?.clone();
+        replica.add_bytes(bytes);
+        Some(InFlightBytes { replica, bytes })
     }
 
     fn find(&self, name: &str) -> Option<&Arc<pick::Replica>> {
@@ -719,10 +749,38 @@ async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError>
     if body.is_end_stream() {
         return Ok(Bytes::new());
     }
-    match Limited::new(body, MAX_REQUEST_BODY).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(UpstreamError::BodyTooLarge),
-        Err(e) => Err(UpstreamError::RequestBody(chain(&*e))),
+    match crate::read_to_limit(body, MAX_REQUEST_BODY).await {
+        Ok(bytes) => Ok(bytes),
+        Err(crate::ReadError::TooLarge(_)) => Err(UpstreamError::BodyTooLarge),
+        Err(crate::ReadError::Failed(e)) => Err(UpstreamError::RequestBody(chain(&*e))),
+    }
+}
+
+/// Removes the HTTP/1.1 connection-level headers an HTTP/2 request must not carry (hyper
+/// would drop them too, but with a warning per request).
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|name| name.trim().to_owned())
+        .filter(|name| !name.is_empty())
+        .collect();
+    for name in named {
+        headers.remove(name.as_str());
+    }
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::HeaderName::from_static("keep-alive"),
+        header::HeaderName::from_static("proxy-connection"),
+    ] {
+        headers.remove(name);
+    }
+    if headers.get(header::TE).is_some_and(|te| te != "trailers") {
+        headers.remove(header::TE);
     }
 }
 
@@ -742,6 +800,7 @@ fn build_request(
     } else {
         // HTTP/2 carries the host as :authority; a Host header beside it must not differ.
         headers.remove(header::HOST);
+        strip_hop_by_hop(&mut headers);
         let uri = Uri::builder()
             .scheme("https")
             .authority(authority)
@@ -791,6 +850,35 @@ mod tests {
         );
         assert_eq!(req.version(), Version::HTTP_2);
         assert!(req.headers().get(header::HOST).is_none());
+        assert_eq!(req.headers()["x-remote-user"], "alice");
+    }
+
+    #[test]
+    fn connection_level_headers_do_not_go_over_http2() {
+        let mut t = template(false);
+        t.headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-hop"),
+        );
+        t.headers.insert("x-hop", HeaderValue::from_static("1"));
+        t.headers
+            .insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        t.headers
+            .insert(header::TE, HeaderValue::from_static("gzip"));
+        t.headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        let req = build_request(&t, "a:1", None).unwrap();
+        for name in [
+            "connection",
+            "x-hop",
+            "keep-alive",
+            "te",
+            "transfer-encoding",
+        ] {
+            assert!(req.headers().get(name).is_none(), "{name} kept");
+        }
         assert_eq!(req.headers()["x-remote-user"], "alice");
     }
 
@@ -863,6 +951,104 @@ mod tests {
             UpstreamError::Interrupted("r".into()).status(),
             StatusCode::BAD_GATEWAY
         );
+    }
+
+    /// A config whose CA is a freshly minted one in a temp folder.
+    fn config(replicas: &[&str]) -> (config::Upstream, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("bulwark-upstream-{}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let ca = params.self_signed(&key).unwrap();
+        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        let yaml = format!(
+            "replicas: {replicas:?}\nca: {}\nself: {{tokenFile: {}}}\n",
+            dir.join("ca.pem").display(),
+            dir.join("token").display()
+        );
+        (serde_norway::from_str(&yaml).unwrap(), dir)
+    }
+
+    #[test]
+    fn tls_settings_fail_with_the_file_named() {
+        let (mut cfg, dir) = config(&["a:1"]);
+        cfg.ca = dir.join("missing.pem");
+        let err = UpstreamTls::from_config(&cfg).unwrap_err().to_string();
+        assert!(err.contains("missing.pem"), "{err}");
+        std::fs::write(dir.join("empty.pem"), "").unwrap();
+        cfg.ca = dir.join("empty.pem");
+        let err = UpstreamTls::from_config(&cfg).unwrap_err().to_string();
+        assert!(err.contains("no CA certificate"), "{err}");
+    }
+
+    #[test]
+    fn a_route_without_its_credential_configured_is_refused() {
+        let (cfg, _dir) = config(&["a:1"]);
+        let tls = UpstreamTls::from_config(&cfg).unwrap();
+        let err = tls
+            .client_config(Credential::FrontProxy, tls::Alpn::H2)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            UpstreamError::MissingCredential(Credential::FrontProxy)
+        ));
+        assert!(tls.client_config(Credential::Own, tls::Alpn::H2).is_ok());
+    }
+
+    #[test]
+    fn the_own_token_is_read_and_follows_rotation() {
+        let (cfg, dir) = config(&["a:1"]);
+        let tls = UpstreamTls::from_config(&cfg).unwrap();
+        assert!(tls.own_bearer().is_err(), "token file missing");
+        std::fs::write(dir.join("token"), "first\n").unwrap();
+        assert_eq!(tls.own_bearer().unwrap().unwrap(), "Bearer first");
+        // Rotation writes a new file; its modification time changes.
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::write(dir.join("token"), "second").unwrap();
+        assert_eq!(tls.own_bearer().unwrap().unwrap(), "Bearer second");
+    }
+
+    #[test]
+    fn in_flight_bytes_are_counted_per_replica_until_released() {
+        let (cfg, _dir) = config(&["a:1", "b:2"]);
+        let tls = UpstreamTls::from_config(&cfg).unwrap();
+        let upstream = Upstream::new(&cfg, tls, Metrics::new()).unwrap();
+        assert_eq!(upstream.byte_budget(), (8u64 << 30) / 5);
+        let held = upstream.hold_in_flight_bytes("b:2", 4096).unwrap();
+        assert!(upstream.add_in_flight_bytes("a:1", 10));
+        assert!(!upstream.add_in_flight_bytes("c:3", 10));
+        let bytes: Vec<u64> = upstream
+            .snapshot()
+            .iter()
+            .map(|r| r.in_flight_bytes)
+            .collect();
+        assert_eq!(bytes, vec![10, 4096]);
+        drop(held);
+        assert!(upstream.remove_in_flight_bytes("a:1", 10));
+        let bytes: Vec<u64> = upstream
+            .snapshot()
+            .iter()
+            .map(|r| r.in_flight_bytes)
+            .collect();
+        assert_eq!(bytes, vec![0, 0]);
+        assert_eq!((upstream.replicas(), upstream.healthy_replicas()), (2, 2));
+    }
+
+    #[test]
+    fn a_malformed_replica_address_is_a_config_error() {
+        let (cfg, _dir) = config(&["a:notaport"]);
+        let tls = UpstreamTls::from_config(&cfg).unwrap();
+        let err = Upstream::new(&cfg, tls, Metrics::new()).err().unwrap();
+        assert!(matches!(err, UpstreamError::Config(_)), "{err}");
+    }
+
+    /// The request path spawns `send` on a multi-threaded runtime from generic code; this
+    /// stops compiling if its future loses `Send`.
+    #[allow(dead_code)]
+    fn send_is_send_in_generic_callers(upstream: &Upstream, req: Request<Body>, route: Route) {
+        fn is_send<T: Send>(_: T) {}
+        is_send(upstream.send(req, route));
     }
 
     #[test]

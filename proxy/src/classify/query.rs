@@ -104,9 +104,11 @@ impl Params {
         Ok(params)
     }
 
-    /// Whether the `watch` parameter is true.
+    /// Whether the `watch` parameter is true: any value but `0`, `false` or empty
+    /// (DESIGN.md step 4; the apiserver's own decoding also reads an empty value as true,
+    /// but Bulwark treats such a request as the list it most likely is).
     pub(super) fn watch(&self) -> bool {
-        truthy(self.watch.as_deref())
+        self.watch.as_deref().is_some_and(|v| !v.is_empty()) && truthy(self.watch.as_deref())
     }
 
     /// Interprets the parameters. With `strict` (lists and watches, where the apiserver

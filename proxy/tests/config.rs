@@ -1,0 +1,468 @@
+//! The configuration file as an operator meets it: the shipped example loads from anywhere,
+//! every mistake is reported with the field it concerns, all at once.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bulwark::classify::classify;
+use bulwark::config::{Config, ConfigError, Problem, Quantity, ReplicaAddr};
+use serde_norway::Value;
+
+const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bulwark.example.yaml");
+
+/// The smallest valid configuration.
+const MINIMAL: &str = "
+listen:
+  address: 127.0.0.1:6443
+  cert: tls.crt
+  key: tls.key
+upstream:
+  replicas: [apiserver-1.example:6443]
+  ca: ca.crt
+  frontProxy: {cert: fp.crt, key: fp.key}
+  self: {tokenFile: token}
+";
+
+/// `MINIMAL` with one value set (the path is dotted; missing mappings are created).
+fn minimal_with(path: &str, yaml: &str) -> String {
+    minimal_with_all(&[(path, yaml)])
+}
+
+/// `MINIMAL` with several values set.
+fn minimal_with_all(values: &[(&str, &str)]) -> String {
+    let mut doc: Value = serde_norway::from_str(MINIMAL).expect("MINIMAL is YAML");
+    for (path, yaml) in values {
+        let value: Value = serde_norway::from_str(yaml).expect("test value is YAML");
+        let mut node = &mut doc;
+        for key in path.split('.') {
+            let map = node.as_mapping_mut().expect("path goes through mappings");
+            node = map
+                .entry(Value::String(key.into()))
+                .or_insert(Value::Mapping(Default::default()));
+        }
+        *node = value;
+    }
+    serde_norway::to_string(&doc).expect("YAML serializes")
+}
+
+/// The problems of a configuration that must be invalid.
+fn problems(text: &str) -> Vec<Problem> {
+    match text.parse::<Config>() {
+        Ok(_) => panic!("accepted:\n{text}"),
+        Err(ConfigError::Invalid(problems)) => problems,
+        Err(other) => panic!("expected validation problems, got: {other}\n{text}"),
+    }
+}
+
+/// A scratch folder of its own for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bulwark-config-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch folder");
+    dir
+}
+
+#[test]
+fn the_example_loads_and_its_defaults_are_the_real_ones() {
+    let example = Config::load(Path::new(EXAMPLE)).unwrap_or_else(|e| panic!("{e}"));
+    // Everything the example sets beyond the required keys is documented as the default;
+    // a configuration with only the required (and non-default) keys must equal it.
+    let mut minimal: Config = "
+listen:
+  address: 0.0.0.0:6443
+  cert: ../certs/dev/bulwark.crt
+  key: ../certs/dev/bulwark.key
+  clientCA: ../certs/dev/client-ca.crt
+upstream:
+  replicas: [10.0.0.11:6443, 10.0.0.12:6443, 10.0.0.13:6443]
+  ca: ../certs/dev/apiserver-ca.crt
+  frontProxy:
+    cert: ../certs/dev/front-proxy-client.crt
+    key: ../certs/dev/front-proxy-client.key
+  self:
+    cert: ../certs/dev/bulwark-client.crt
+    key: ../certs/dev/bulwark-client.key
+rules:
+  folder: ../rules/example
+audit:
+  path: ../var/bulwark-audit.jsonl
+"
+    .parse()
+    .unwrap_or_else(|e| panic!("{e}"));
+    minimal.resolve_paths(Path::new(EXAMPLE).parent().expect("example folder"));
+    assert_eq!(example, minimal);
+}
+
+#[test]
+fn the_example_documents_every_key() {
+    let text = std::fs::read_to_string(EXAMPLE).expect("example reads");
+    let config = Config::load(Path::new(EXAMPLE)).unwrap_or_else(|e| panic!("{e}"));
+    let tree = serde_norway::to_value(&config).expect("config serializes");
+    let mut missing = Vec::new();
+    let mut stack = vec![(String::new(), &tree)];
+    while let Some((prefix, node)) = stack.pop() {
+        let Some(map) = node.as_mapping() else {
+            continue;
+        };
+        for (key, value) in map {
+            let key = key.as_str().expect("keys are strings");
+            // Set, or shown commented out (the keys without a default value).
+            let documented = text.lines().any(|line| {
+                let line = line.trim_start().trim_start_matches("# ");
+                line.starts_with(&format!("{key}:"))
+            });
+            if !documented {
+                missing.push(format!("{prefix}{key}"));
+            }
+            stack.push((format!("{prefix}{key}."), value));
+        }
+    }
+    assert!(missing.is_empty(), "not in the example: {missing:?}");
+    // Each key line is preceded by a comment saying what it does.
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        if trimmed.starts_with('#') || trimmed.starts_with('-') || trimmed.is_empty() {
+            continue;
+        }
+        assert!(
+            i > 0 && lines[i - 1].trim_start().starts_with('#'),
+            "line {} has no comment above it: {line}",
+            i + 1
+        );
+    }
+}
+
+#[test]
+fn relative_paths_resolve_against_the_files_folder_and_are_not_checked() {
+    let dir = scratch("relative");
+    let file = dir.join("bulwark.yaml");
+    let text = minimal_with_all(&[
+        ("listen.cert", "/etc/bulwark/tls.crt"),
+        ("rules.folder", "rules.d"),
+        ("audit.path", "audit/log.jsonl"),
+        ("admin.tokenFile", "admin-token"),
+    ]);
+    std::fs::write(&file, text).expect("config written");
+    let config = Config::load(&file).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.listen.cert, PathBuf::from("/etc/bulwark/tls.crt"));
+    assert_eq!(config.listen.key, dir.join("tls.key"));
+    assert_eq!(config.upstream.ca, dir.join("ca.crt"));
+    let front_proxy = config.upstream.front_proxy.as_ref().expect("frontProxy");
+    assert_eq!(front_proxy.cert, dir.join("fp.crt"));
+    assert_eq!(front_proxy.key, dir.join("fp.key"));
+    assert_eq!(config.upstream.own.token_file, Some(dir.join("token")));
+    assert_eq!(config.rules.folder, Some(dir.join("rules.d")));
+    assert_eq!(config.audit.path, Some(dir.join("audit/log.jsonl")));
+    assert_eq!(config.admin.token_file, Some(dir.join("admin-token")));
+    // None of those files exist; loading does not care.
+    assert!(!dir.join("tls.key").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_missing_file_names_the_file() {
+    let missing = Path::new("/nonexistent/bulwark.yaml");
+    let e = Config::load(missing).expect_err("no such file");
+    assert!(matches!(e, ConfigError::Read { .. }));
+    assert!(e.to_string().contains("/nonexistent/bulwark.yaml"), "{e}");
+}
+
+#[test]
+fn an_unknown_field_is_named_with_its_line() {
+    let text = "
+listen:
+  address: 127.0.0.1:6443
+  cert: tls.crt
+  key: tls.key
+upstream:
+  replicas: [a:6443]
+  ca: ca.crt
+  frontProxy: {cert: fp.crt, key: fp.key}
+  self: {tokenFile: token}
+  timeouts:
+    connect: 5s
+    reed: 5s
+";
+    match text.parse::<Config>() {
+        Err(ConfigError::Parse {
+            line,
+            column,
+            message,
+        }) => {
+            assert_eq!(line, Some(13), "{message}");
+            assert_eq!(column, Some(5), "{message}");
+            assert!(message.contains("upstream.timeouts"), "{message}");
+            assert!(message.contains("unknown field `reed`"), "{message}");
+            assert!(message.contains("line 13"), "{message}");
+        }
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+    // A misspelled top-level key too.
+    let e = format!("{MINIMAL}cahce: {{}}\n")
+        .parse::<Config>()
+        .expect_err("unknown top-level key");
+    assert!(e.to_string().contains("unknown field `cahce`"), "{e}");
+}
+
+#[test]
+fn syntax_and_type_errors_carry_line_and_column() {
+    let e = "listen:\n  address: [127.0.0.1\n"
+        .parse::<Config>()
+        .expect_err("bad YAML");
+    let ConfigError::Parse { line, column, .. } = &e else {
+        panic!("expected a parse error, got {e:?}");
+    };
+    assert!(line.is_some() && column.is_some(), "{e}");
+
+    let text = minimal_with("listen.limits.maxHeaderBytes", "-1");
+    let e = text.parse::<Config>().expect_err("negative size");
+    let message = e.to_string();
+    assert!(
+        message.contains("listen.limits.maxHeaderBytes"),
+        "{message}"
+    );
+    assert!(message.contains("line"), "{message}");
+
+    let text = minimal_with("upstream.timeouts.read", "soon");
+    let message = text
+        .parse::<Config>()
+        .expect_err("bad duration")
+        .to_string();
+    assert!(message.contains("upstream.timeouts.read"), "{message}");
+
+    let text = minimal_with("upstream.replicaHeapHeadroom", "8Gb");
+    let message = text
+        .parse::<Config>()
+        .expect_err("bad quantity")
+        .to_string();
+    assert!(
+        message.contains("upstream.replicaHeapHeadroom"),
+        "{message}"
+    );
+    assert!(message.contains("unknown unit"), "{message}");
+
+    let message = "".parse::<Config>().expect_err("empty file").to_string();
+    assert!(message.contains("missing field `listen`"), "{message}");
+}
+
+/// One invalid value each: (path, value, field reported, message fragment).
+#[rustfmt::skip]
+const INVALID: &[(&str, &str, &str, &str)] = &[
+    // (path, value, field, message fragment)
+    ("upstream.replicas", "[]", "upstream.replicas", "at least one replica"),
+    ("upstream.replicas", "[a:1, foo]", "upstream.replicas[1]", "\"foo\" is not host:port (the port is missing)"),
+    ("upstream.replicas", "[\"a:\"]", "upstream.replicas[0]", "is not a port"),
+    ("upstream.replicas", "[\"a:0\"]", "upstream.replicas[0]", "is not a port"),
+    ("upstream.replicas", "[\"a:70000\"]", "upstream.replicas[0]", "is not a port"),
+    ("upstream.replicas", "[\"a:+443\"]", "upstream.replicas[0]", "is not a port"),
+    ("upstream.replicas", "[\"::1:6443\"]", "upstream.replicas[0]", "needs brackets"),
+    ("upstream.replicas", "[\"[::g]:6443\"]", "upstream.replicas[0]", "not an IPv6 address"),
+    ("upstream.replicas", "[\"10.0.0.300:6443\"]", "upstream.replicas[0]", "not a hostname or IP"),
+    ("upstream.replicas", "[\"bad_host:6443\"]", "upstream.replicas[0]", "not a hostname or IP"),
+    ("upstream.replicas", "[\"https://a:6443\"]", "upstream.replicas[0]", "is not host:port"),
+    ("upstream.replicas", "[a:6443, b:6443, A:6443]", "upstream.replicas[2]", "repeats upstream.replicas[0]"),
+    ("upstream.ca", "\"\"", "upstream.ca", "must not be empty"),
+    ("upstream.serverName", "\"not a name\"", "upstream.serverName", "not a DNS name"),
+    ("upstream.frontProxy.headers.user", "\"\"", "upstream.frontProxy.headers.user", "must not be empty"),
+    ("upstream.frontProxy.headers.group", "\"X Remote\"", "upstream.frontProxy.headers.group", "not a valid HTTP header name"),
+    ("upstream.self", "{}", "upstream.self", "set cert and key, or tokenFile"),
+    ("upstream.self", "{cert: a, key: b, tokenFile: c}", "upstream.self", "not both"),
+    ("upstream.self", "{cert: a}", "upstream.self.key", "required with upstream.self.cert"),
+    ("upstream.self", "{key: b, tokenFile: c}", "upstream.self.cert", "required with upstream.self.key"),
+    ("upstream.timeouts.connect", "0s", "upstream.timeouts.connect", "greater than 0"),
+    ("upstream.timeouts.list", "0s", "upstream.timeouts.list", "greater than 0"),
+    ("upstream.streamsPerConnection", "0", "upstream.streamsPerConnection", "greater than 0"),
+    ("upstream.replicaHeapHeadroom", "0", "upstream.replicaHeapHeadroom", "greater than 0"),
+    ("upstream.bulwarkReplicas", "0", "upstream.bulwarkReplicas", "at least 1"),
+    ("upstream.ejectMax", "500ms", "upstream.ejectMax", "shorter than upstream.ejectBase"),
+    ("upstream.stallTimeout", "0s", "upstream.stallTimeout", "greater than 0"),
+    ("listen.goawayChance", "0.05", "listen.goawayChance", "outside 0 to 0.02"),
+    ("listen.goawayChance", "-0.001", "listen.goawayChance", "outside 0 to 0.02"),
+    ("listen.goawayChance", ".nan", "listen.goawayChance", "outside 0 to 0.02"),
+    ("listen.cert", "\"\"", "listen.cert", "must not be empty"),
+    ("listen.limits.maxHeaderBytes", "0", "listen.limits.maxHeaderBytes", "greater than 0"),
+    ("listen.limits.headerReadTimeout", "0s", "listen.limits.headerReadTimeout", "greater than 0"),
+    ("listen.limits.maxConcurrentStreams", "0", "listen.limits.maxConcurrentStreams", "greater than 0"),
+    ("listen.limits.idleTimeout", "0s", "listen.limits.idleTimeout", "greater than 0"),
+    ("listen.shutdown.grace", "0s", "listen.shutdown.grace", "greater than 0"),
+    ("identity.anonymous", "[/version, healthz]", "identity.anonymous[1]", "must start with '/'"),
+    ("identity.anonymous", "[\"/version?x=1\"]", "identity.anonymous[0]", "without query"),
+    ("identity.tokenReview.ttl", "0s", "identity.tokenReview.ttl", "greater than 0"),
+    ("identity.tokenReview.maxEntries", "0", "identity.tokenReview.maxEntries", "greater than 0"),
+    ("cache.resources", "[secrets, Secrets]", "cache.resources[1]", "not a resource name"),
+    ("cache.resources", "[secrets, \"pods/status\"]", "cache.resources[1]", "not a resource name"),
+    ("cache.resources", "[\"endpointslices.\"]", "cache.resources[0]", "not a resource name"),
+    ("cache.resources", "[secrets, endpoints, secrets]", "cache.resources[2]", "repeats cache.resources[0]"),
+    ("cache.excludeNamespaces", "[kube-system, Bad_NS]", "cache.excludeNamespaces[1]", "not a namespace name"),
+    ("cache.excludeNames", "[\"ns/\"]", "cache.excludeNames[0]", "not namespace/name"),
+    ("cache.ringSize", "0", "cache.ringSize", "greater than 0"),
+    ("cache.freshnessWait", "0s", "cache.freshnessWait", "greater than 0"),
+    ("cache.listCacheBytes", "0", "cache.listCacheBytes", "greater than 0"),
+    ("rules.folder", "\"\"", "rules.folder", "must not be empty"),
+    ("audit.path", "\"\"", "audit.path", "must not be empty"),
+];
+
+#[test]
+fn each_invalid_value_is_reported_on_its_field() {
+    for (path, value, field, fragment) in INVALID {
+        let text = minimal_with(path, value);
+        let found = problems(&text);
+        assert!(
+            found
+                .iter()
+                .any(|p| p.field == *field && p.message.contains(fragment)),
+            "{path} = {value}: expected {field}: …{fragment}…, got {found:?}"
+        );
+        assert_eq!(found.len(), 1, "{path} = {value}: {found:?}");
+    }
+}
+
+#[test]
+fn front_proxy_is_required_only_in_front_proxy_mode() {
+    let without = MINIMAL.replace("  frontProxy: {cert: fp.crt, key: fp.key}\n", "");
+    let found = problems(&without);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].field, "upstream.frontProxy");
+    assert!(found[0].message.contains("identity.mode is front-proxy"));
+    for mode in ["impersonate", "passthrough"] {
+        let text = format!("{without}identity: {{mode: {mode}}}\n");
+        text.parse::<Config>()
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
+    }
+}
+
+#[test]
+fn every_problem_is_listed_at_once() {
+    let text = "
+listen:
+  address: 127.0.0.1:6443
+  cert: tls.crt
+  key: tls.key
+  goawayChance: 0.5
+upstream:
+  replicas: [a:6443, foo, a:6443]
+  ca: ca.crt
+  self: {cert: c.crt}
+  bulwarkReplicas: 0
+  replicaHeapHeadroom: 0
+identity:
+  anonymous: [healthz]
+cache:
+  ringSize: 0
+  resources: [Secrets]
+";
+    let e = text.parse::<Config>().expect_err("invalid");
+    let ConfigError::Invalid(found) = &e else {
+        panic!("expected problems, got {e}");
+    };
+    let fields: Vec<&str> = found.iter().map(|p| p.field.as_str()).collect();
+    for field in [
+        "listen.goawayChance",
+        "upstream.replicas[1]",
+        "upstream.replicas[2]",
+        "upstream.self.key",
+        "upstream.bulwarkReplicas",
+        "upstream.replicaHeapHeadroom",
+        "upstream.frontProxy",
+        "identity.anonymous[0]",
+        "cache.ringSize",
+        "cache.resources[0]",
+    ] {
+        assert!(fields.contains(&field), "{field} missing from {fields:?}");
+    }
+    assert_eq!(found.len(), 10, "{found:?}");
+    // The error prints one problem per line.
+    let printed = e.to_string();
+    assert_eq!(printed.lines().count(), 10, "{printed}");
+    assert!(printed.contains("upstream.replicas[1]: \"foo\" is not host:port"));
+}
+
+#[test]
+fn a_non_loopback_admin_address_without_token_is_allowed_but_guards_debug() {
+    let text = format!("{MINIMAL}admin: {{address: 0.0.0.0:9443}}\n");
+    let config: Config = text.parse().unwrap_or_else(|e| panic!("{e}"));
+    assert!(config.admin.debug_needs_token());
+    assert!(config.admin.token_file.is_none());
+    let local: Config = MINIMAL.parse().unwrap_or_else(|e| panic!("{e}"));
+    assert!(!local.admin.debug_needs_token());
+}
+
+#[test]
+fn the_list_byte_budget_divides_headroom_by_five_and_by_replicas() {
+    let text = minimal_with_all(&[
+        ("upstream.replicaHeapHeadroom", "10Gi"),
+        ("upstream.bulwarkReplicas", "2"),
+    ]);
+    let config: Config = text.parse().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.upstream.replica_heap_headroom, Quantity(10 << 30));
+    assert_eq!(config.upstream.list_byte_budget(), (10u64 << 30) / 5 / 2);
+    let default: Config = MINIMAL.parse().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(default.upstream.list_byte_budget(), (8u64 << 30) / 5);
+}
+
+#[test]
+fn replica_addresses_parse_into_host_and_port() {
+    let text = minimal_with(
+        "upstream.replicas",
+        "[\"API-1.Example:6443\", \"10.0.0.1:443\", \"[fd00::1]:6443\"]",
+    );
+    let config: Config = text.parse().unwrap_or_else(|e| panic!("{e}"));
+    let addrs = config.upstream.replica_addrs();
+    let shown: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        shown,
+        ["api-1.example:6443", "10.0.0.1:443", "[fd00::1]:6443"]
+    );
+    assert_eq!(
+        addrs[2],
+        ReplicaAddr {
+            host: "fd00::1".into(),
+            port: 6443
+        }
+    );
+}
+
+#[test]
+fn cache_resources_split_into_group_and_resource() {
+    let config: Config = MINIMAL.parse().unwrap_or_else(|e| panic!("{e}"));
+    let resources: Vec<(String, String)> = config
+        .cache
+        .group_resources()
+        .into_iter()
+        .map(|gr| (gr.group, gr.resource))
+        .collect();
+    assert_eq!(
+        resources,
+        [
+            ("".into(), "secrets".into()),
+            ("".into(), "endpoints".into()),
+            ("discovery.k8s.io".into(), "endpointslices".into()),
+        ]
+    );
+}
+
+#[test]
+fn timeouts_follow_the_verb_class_and_long_running_requests_have_none() {
+    let text = minimal_with("upstream.timeouts", "{read: 11s, list: 22s, write: 33s}");
+    let config: Config = text.parse().unwrap_or_else(|e| panic!("{e}"));
+    let timeouts = &config.upstream.timeouts;
+    let timeout = |method: &str, target: &str| {
+        let method = http::Method::from_bytes(method.as_bytes()).expect("method");
+        let info = classify(&method, &target.parse().expect("uri")).expect("classifies");
+        timeouts.for_request(&info)
+    };
+    let secs = |s| Some(Duration::from_secs(s));
+    assert_eq!(timeout("GET", "/api/v1/namespaces/d/pods/p"), secs(11));
+    assert_eq!(timeout("GET", "/version"), secs(11));
+    assert_eq!(timeout("GET", "/api/v1/pods"), secs(22));
+    assert_eq!(timeout("POST", "/api/v1/namespaces/d/pods"), secs(33));
+    assert_eq!(timeout("DELETE", "/api/v1/namespaces/d/pods"), secs(33));
+    assert_eq!(timeout("GET", "/api/v1/pods?watch=1"), None);
+    assert_eq!(
+        timeout("GET", "/api/v1/namespaces/d/pods/p/log?follow=true"),
+        None
+    );
+    assert_eq!(timeout("POST", "/api/v1/namespaces/d/pods/p/exec"), None);
+    assert_eq!(timeouts.connect, Duration::from_secs(5));
+}

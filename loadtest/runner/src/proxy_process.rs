@@ -268,12 +268,8 @@ pub async fn admin_get(admin: SocketAddr, path: &str) -> anyhow::Result<u16> {
 /// The body of the hidden subcommand: load the config and serve until SIGTERM.
 pub async fn serve(config: &Path) -> anyhow::Result<()> {
     let config = bulwark::config::Config::load(config)?;
-    run_bulwark(config).await
-}
-
-async fn run_bulwark(config: bulwark::config::Config) -> anyhow::Result<()> {
-    let _ = config;
-    bail!("bulwark::serve::run is not on this branch yet")
+    bulwark::serve::run(config).await?;
+    Ok(())
 }
 
 #[cfg(test)]

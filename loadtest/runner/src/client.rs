@@ -327,6 +327,12 @@ impl Lines {
     }
 }
 
+/// The pause after `failures` failures in a row: 100 ms doubling up to 5 s.
+pub fn backoff(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(6);
+    Duration::from_millis(100 << exp).min(Duration::from_secs(5))
+}
+
 /// Live counters of one class, read by the progress printer while the run goes on.
 #[derive(Debug, Default)]
 pub struct Live {
@@ -350,13 +356,16 @@ pub struct Tally {
     rejected: u64,
     errors: u64,
     last_error: Option<String>,
+    /// Failures in a row, for the back-off.
+    failures: u32,
     live: Arc<Live>,
 }
 
 impl Tally {
     /// Counts one outcome; returns how long the identity should pause before its next
-    /// request (a 429's `Retry-After`, or a short pause after a failure so a dead
-    /// connection is not hammered).
+    /// request: a 429's `Retry-After`, or after failures a back-off that doubles from
+    /// 100 ms to 5 s (as client-go's reflectors back off), so that a dead replica is not
+    /// hammered by the load tester itself.
     pub fn record(&mut self, outcome: &Outcome) -> Duration {
         self.requests += 1;
         self.live.requests.fetch_add(1, Ordering::Relaxed);
@@ -367,6 +376,7 @@ impl Tally {
                 self.live.bytes.fetch_add(*bytes, Ordering::Relaxed);
                 let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
                 self.hist.saturating_record(micros.max(1));
+                self.failures = 0;
                 Duration::ZERO
             }
             Outcome::Rejected { retry_after } => {
@@ -380,7 +390,8 @@ impl Tally {
                     self.last_error = Some(message.clone());
                 }
                 self.live.errors.fetch_add(1, Ordering::Relaxed);
-                Duration::from_millis(100)
+                self.failures = self.failures.saturating_add(1);
+                backoff(self.failures)
             }
         }
     }
@@ -430,6 +441,7 @@ impl ClassStats {
             rejected: 0,
             errors: 0,
             last_error: None,
+            failures: 0,
             live: self.live.clone(),
         }
     }
@@ -647,6 +659,27 @@ mod tests {
         assert_eq!(retry_after(&h), Duration::from_secs(32));
         h.insert(http::header::RETRY_AFTER, "soon".parse().unwrap());
         assert_eq!(retry_after(&h), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn failures_back_off_exponentially_and_success_resets() {
+        assert_eq!(backoff(1), Duration::from_millis(100));
+        assert_eq!(backoff(2), Duration::from_millis(200));
+        assert_eq!(backoff(6), Duration::from_millis(3200));
+        assert_eq!(backoff(7), Duration::from_secs(5));
+        assert_eq!(backoff(1000), Duration::from_secs(5));
+        let class = ClassStats::new();
+        let mut t = class.tally();
+        let fail = Outcome::Error("reset".into());
+        assert_eq!(t.record(&fail), Duration::from_millis(100));
+        assert_eq!(t.record(&fail), Duration::from_millis(200));
+        let ok = Outcome::Ok {
+            bytes: 1,
+            latency: Duration::from_millis(1),
+            body: None,
+        };
+        assert_eq!(t.record(&ok), Duration::ZERO);
+        assert_eq!(t.record(&fail), Duration::from_millis(100));
     }
 
     #[test]

@@ -40,8 +40,14 @@ const MAX_BODY: usize = 3 * 1024 * 1024;
 pub fn text(code: u16, s: &str) -> Response<SimBody> {
     let mut r = Response::new(SimBody::full(Bytes::copy_from_slice(s.as_bytes())));
     *r.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::OK);
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
-    r.headers_mut().insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r.headers_mut().insert(
+        "x-content-type-options",
+        HeaderValue::from_static("nosniff"),
+    );
     r
 }
 
@@ -49,12 +55,18 @@ pub fn text(code: u16, s: &str) -> Response<SimBody> {
 pub fn json_response(code: u16, body: SimBody) -> Response<SimBody> {
     let mut r = Response::new(body);
     *r.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::OK);
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
 fn value_response(code: u16, v: &Value) -> Response<SimBody> {
-    json_response(code, SimBody::full(serde_json::to_vec(v).unwrap_or_default()))
+    json_response(
+        code,
+        SimBody::full(serde_json::to_vec(v).unwrap_or_default()),
+    )
 }
 
 /// A `Status` error response.
@@ -95,7 +107,11 @@ pub fn parse_query(q: Option<&str>) -> Query {
         .filter(|p| !p.is_empty())
         .map(|p| {
             let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            let dec = |s: &str| percent_encoding::percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned();
+            let dec = |s: &str| {
+                percent_encoding::percent_decode_str(&s.replace('+', " "))
+                    .decode_utf8_lossy()
+                    .into_owned()
+            };
             (dec(k), dec(v))
         })
         .collect()
@@ -112,8 +128,15 @@ fn truthy(v: Option<&str>) -> bool {
 
 /// Derives request info as the apiserver's RequestInfoFactory does.
 pub fn request_info(method: &Method, path: &str, q: &Query) -> RequestInfo {
-    let parts: Vec<&str> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).collect();
-    let mut ri = RequestInfo { verb: method.as_str().to_lowercase(), ..Default::default() };
+    let parts: Vec<&str> = path
+        .trim_matches('/')
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .collect();
+    let mut ri = RequestInfo {
+        verb: method.as_str().to_lowercase(),
+        ..Default::default()
+    };
     let rest: &[&str] = match parts.as_slice() {
         ["api", v, rest @ ..] if !rest.is_empty() => {
             ri.version = v.to_string();
@@ -164,7 +187,12 @@ pub fn request_info(method: &Method, path: &str, q: &Query) -> RequestInfo {
     if ri.legacy_watch {
         ri.verb = "watch".into();
     } else if ri.verb == "get" && ri.name.is_empty() {
-        ri.verb = if truthy(param(q, "watch")) { "watch" } else { "list" }.into();
+        ri.verb = if truthy(param(q, "watch")) {
+            "watch"
+        } else {
+            "list"
+        }
+        .into();
     } else if ri.verb == "delete" && ri.name.is_empty() {
         ri.verb = "deletecollection".into();
     }
@@ -175,7 +203,12 @@ pub fn request_info(method: &Method, path: &str, q: &Query) -> RequestInfo {
     ri
 }
 
-fn attributes(u: &UserInfo, ri: &RequestInfo, path: &str, fields: Option<&FieldSelector>) -> Attributes {
+fn attributes(
+    u: &UserInfo,
+    ri: &RequestInfo,
+    path: &str,
+    fields: Option<&FieldSelector>,
+) -> Attributes {
     let mut name = ri.name.clone();
     if name.is_empty()
         && (ri.verb == "list" || ri.verb == "watch")
@@ -198,24 +231,41 @@ fn attributes(u: &UserInfo, ri: &RequestInfo, path: &str, fields: Option<&FieldS
 }
 
 fn headers_list(h: &HeaderMap) -> Vec<(String, String)> {
-    h.iter().map(|(k, v)| (k.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned())).collect()
+    h.iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect()
 }
 
 fn store_error(def: &ResourceDef, e: StoreError) -> ApiError {
     match e {
         StoreError::NotFound { name, .. } => status::not_found(def.resource, def.group, &name),
-        StoreError::AlreadyExists { name, .. } => status::already_exists(def.resource, def.group, &name),
-        StoreError::Conflict { name, .. } => status::conflict(def.resource, def.group, &name),
-        StoreError::Invalid { name, field, reason, detail } => {
-            status::invalid(def.kind, def.group, &name, &field, reason, &detail)
+        StoreError::AlreadyExists { name, .. } => {
+            status::already_exists(def.resource, def.group, &name)
         }
+        StoreError::Conflict { name, .. } => status::conflict(def.resource, def.group, &name),
+        StoreError::Invalid {
+            name,
+            field,
+            reason,
+            detail,
+        } => status::invalid(def.kind, def.group, &name, &field, reason, &detail),
         StoreError::Expired { .. } => status::list_rv_expired(),
         StoreError::UnknownResource(_) => status::path_not_found(),
     }
 }
 
 /// Serves one request that passed the fault hooks.
-pub async fn handle(rep: &Arc<ReplicaInner>, peer: Option<&PeerCert>, req: Request<Incoming>, cancel: CancellationToken) -> Response<SimBody> {
+pub async fn handle(
+    rep: &Arc<ReplicaInner>,
+    peer: Option<&PeerCert>,
+    req: Request<Incoming>,
+    cancel: CancellationToken,
+) -> Response<SimBody> {
     let sh = &rep.shared;
     let path = req.uri().path().to_string();
     let q = parse_query(req.uri().query());
@@ -224,7 +274,8 @@ pub async fn handle(rep: &Arc<ReplicaInner>, peer: Option<&PeerCert>, req: Reque
         Ok(u) => u,
         Err(e) => {
             record(rep, &method, req.uri(), req.headers(), None, None);
-            sh.metrics.observe(rep.index, &method, "", "unauthenticated", e.code);
+            sh.metrics
+                .observe(rep.index, &method, "", "unauthenticated", e.code);
             return status_response(&e);
         }
     };
@@ -238,15 +289,32 @@ pub async fn handle(rep: &Arc<ReplicaInner>, peer: Option<&PeerCert>, req: Reque
     record(rep, &method, req.uri(), req.headers(), Some(&user), by);
     let ri = request_info(&method, &path, &q);
     let resp = serve(rep, &user, &ri, &path, &q, req, cancel).await;
-    sh.metrics.observe(rep.index, &method, &ri.resource, &user.user, resp.status().as_u16());
+    sh.metrics.observe(
+        rep.index,
+        &method,
+        &ri.resource,
+        &user.user,
+        resp.status().as_u16(),
+    );
     resp
 }
 
-fn record(rep: &ReplicaInner, method: &Method, uri: &http::Uri, h: &HeaderMap, u: Option<&UserInfo>, by: Option<String>) {
+fn record(
+    rep: &ReplicaInner,
+    method: &Method,
+    uri: &http::Uri,
+    h: &HeaderMap,
+    u: Option<&UserInfo>,
+    by: Option<String>,
+) {
     let c = &rep.counters;
     let name = u.map(|u| u.user.clone());
     if let Some(n) = &name {
-        *c.by_user.lock().unwrap_or_else(|p| p.into_inner()).entry(n.clone()).or_default() += 1;
+        *c.by_user
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(n.clone())
+            .or_default() += 1;
     }
     *c.last.lock().unwrap_or_else(|p| p.into_inner()) = (name, headers_list(h));
     let u = u.cloned().unwrap_or_default();
@@ -255,7 +323,10 @@ fn record(rep: &ReplicaInner, method: &Method, uri: &http::Uri, h: &HeaderMap, u
         SeenRequest {
             replica: rep.index,
             method: method.as_str().to_string(),
-            path: uri.path_and_query().map(|p| p.as_str().to_string()).unwrap_or_default(),
+            path: uri
+                .path_and_query()
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_default(),
             user: u.user,
             groups: u.groups,
             extra: u.extra,
@@ -270,18 +341,30 @@ async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiErro
     let limited = http_body_util::Limited::new(body, MAX_BODY);
     match limited.collect().await {
         Ok(b) => Ok((parts.headers, b.to_bytes())),
-        Err(e) => Err(ApiError::new(413, "RequestEntityTooLarge", format!("request body: {e}"), None)),
+        Err(e) => Err(ApiError::new(
+            413,
+            "RequestEntityTooLarge",
+            format!("request body: {e}"),
+            None,
+        )),
     }
 }
 
 fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
-    serde_json::from_slice(b).map_err(|e| status::bad_request(format!("the object provided is unrecognized: {e}")))
+    serde_json::from_slice(b)
+        .map_err(|e| status::bad_request(format!("the object provided is unrecognized: {e}")))
 }
 
 fn content_type(h: &HeaderMap) -> String {
     h.get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|s| s.split(';').next().unwrap_or_default().trim().to_lowercase())
+        .map(|s| {
+            s.split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_lowercase()
+        })
         .unwrap_or_default()
 }
 
@@ -302,12 +385,21 @@ async fn serve(
     let attrs = attributes(user, ri, path, Some(&fields));
     if !sh.policy.allows(&attrs) {
         let details = if ri.resource_request {
-            let kind = if ri.subresource.is_empty() { ri.resource.clone() } else { format!("{}/{}", ri.resource, ri.subresource) };
+            let kind = if ri.subresource.is_empty() {
+                ri.resource.clone()
+            } else {
+                format!("{}/{}", ri.resource, ri.subresource)
+            };
             status::details(&attrs.name, &ri.group, &kind)
         } else {
             json!({})
         };
-        return status_response(&ApiError::new(403, "Forbidden", forbidden_message(&attrs), Some(details)));
+        return status_response(&ApiError::new(
+            403,
+            "Forbidden",
+            forbidden_message(&attrs),
+            Some(details),
+        ));
     }
     if !ri.resource_request {
         return non_resource(rep, path, req.method());
@@ -315,14 +407,22 @@ async fn serve(
     let Some(def) = discovery::find(&ri.group, &ri.version, &ri.resource) else {
         return status_response(&status::path_not_found());
     };
-    if def.namespaced != !ri.namespace.is_empty() && !(def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch")) {
+    if def.namespaced != !ri.namespace.is_empty()
+        && !(def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch"))
+    {
         return status_response(&status::path_not_found());
     }
     match (def.resource, ri.subresource.as_str(), ri.verb.as_str()) {
         ("tokenreviews", "", "create") => return review(rep, user, req, token_review).await,
-        ("subjectaccessreviews", "", "create") => return review(rep, user, req, subject_access_review).await,
-        ("selfsubjectaccessreviews", "", "create") => return review(rep, user, req, self_subject_access_review).await,
-        ("selfsubjectreviews", "", "create") => return review(rep, user, req, self_subject_review).await,
+        ("subjectaccessreviews", "", "create") => {
+            return review(rep, user, req, subject_access_review).await;
+        }
+        ("selfsubjectaccessreviews", "", "create") => {
+            return review(rep, user, req, self_subject_access_review).await;
+        }
+        ("selfsubjectreviews", "", "create") => {
+            return review(rep, user, req, self_subject_review).await;
+        }
         ("pods", "exec", _) => return crate::exec::exec(rep, ri, req, cancel).await,
         ("pods", "log", "get") => return crate::exec::logs(rep, ri, q).await,
         (_, "", _) if def.stored() => {}
@@ -381,7 +481,11 @@ fn non_resource(rep: &ReplicaInner, path: &str, method: &Method) -> Response<Sim
     }
 }
 
-fn get(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo) -> Result<Response<SimBody>, ApiError> {
+fn get(
+    rep: &ReplicaInner,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+) -> Result<Response<SimBody>, ApiError> {
     let o = rep
         .shared
         .store
@@ -391,8 +495,14 @@ fn get(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo) -> Resul
 }
 
 fn parse_rv(s: &str) -> Result<u64, ApiError> {
-    s.parse::<u64>()
-        .map_err(|_| ApiError::new(400, "BadRequest", format!("invalid resource version: {s:?}"), None))
+    s.parse::<u64>().map_err(|_| {
+        ApiError::new(
+            400,
+            "BadRequest",
+            format!("invalid resource version: {s:?}"),
+            None,
+        )
+    })
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -403,13 +513,23 @@ struct ContinueToken {
 }
 
 fn encode_continue(rv: u64, last: &Obj) -> String {
-    let start = if last.namespace.is_empty() { format!("{}\u{0}", last.name) } else { format!("{}/{}\u{0}", last.namespace, last.name) };
-    let t = ContinueToken { v: "meta.k8s.io/v1".into(), rv, start };
+    let start = if last.namespace.is_empty() {
+        format!("{}\u{0}", last.name)
+    } else {
+        format!("{}/{}\u{0}", last.namespace, last.name)
+    };
+    let t = ContinueToken {
+        v: "meta.k8s.io/v1".into(),
+        rv,
+        start,
+    };
     base64::engine::general_purpose::URL_SAFE.encode(serde_json::to_vec(&t).unwrap_or_default())
 }
 
 fn decode_continue(s: &str) -> Result<(u64, (String, String)), ApiError> {
-    let bad = || status::bad_request("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into());
+    let bad = || {
+        status::bad_request("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into())
+    };
     let raw = base64::engine::general_purpose::URL_SAFE
         .decode(s)
         .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(s))
@@ -426,32 +546,59 @@ fn decode_continue(s: &str) -> Result<(u64, (String, String)), ApiError> {
     Ok((t.rv, key))
 }
 
-async fn list(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestInfo, q: &Query, gzip: bool) -> Result<Response<SimBody>, ApiError> {
+async fn list(
+    rep: &Arc<ReplicaInner>,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    q: &Query,
+    gzip: bool,
+) -> Result<Response<SimBody>, ApiError> {
     let sh = &rep.shared;
-    let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
-    let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
+    let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
+        .map_err(|e| status::bad_request(e.to_string()))?;
+    let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default())
+        .map_err(|e| status::bad_request(e.to_string()))?;
     let rv_param = param(q, "resourceVersion").filter(|s| !s.is_empty());
     let rv_match = param(q, "resourceVersionMatch").filter(|s| !s.is_empty());
     let limit: usize = match param(q, "limit").filter(|s| !s.is_empty()) {
-        Some(l) => l.parse::<i64>().map_err(|_| status::bad_request(format!("invalid limit {l:?}")))?.max(0) as usize,
+        Some(l) => l
+            .parse::<i64>()
+            .map_err(|_| status::bad_request(format!("invalid limit {l:?}")))?
+            .max(0) as usize,
         None => 0,
     };
     let cont = param(q, "continue").filter(|s| !s.is_empty());
     if cont.is_some() && rv_param.is_some() {
-        return Err(invalid_list_options("resourceVersion", "Forbidden", "specifying resource version is not allowed when using continue"));
+        return Err(invalid_list_options(
+            "resourceVersion",
+            "Forbidden",
+            "specifying resource version is not allowed when using continue",
+        ));
     }
     if rv_match.is_some() && rv_param.is_none() {
-        return Err(invalid_list_options("resourceVersionMatch", "Forbidden", "resourceVersionMatch is forbidden unless resourceVersion is provided"));
+        return Err(invalid_list_options(
+            "resourceVersionMatch",
+            "Forbidden",
+            "resourceVersionMatch is forbidden unless resourceVersion is provided",
+        ));
     }
     let rv = rv_param.map(parse_rv).transpose()?;
     if rv_match == Some("Exact") && rv == Some(0) {
-        return Err(invalid_list_options("resourceVersionMatch", "Forbidden", "resourceVersionMatch \"exact\" is forbidden for resourceVersion \"0\""));
+        return Err(invalid_list_options(
+            "resourceVersionMatch",
+            "Forbidden",
+            "resourceVersionMatch \"exact\" is forbidden for resourceVersion \"0\"",
+        ));
     }
     if let Some(m) = rv_match
         && m != "Exact"
         && m != "NotOlderThan"
     {
-        return Err(invalid_list_options("resourceVersionMatch", "Unsupported", &format!("Unsupported value: \"{m}\": supported values: \"Exact\", \"NotOlderThan\"")));
+        return Err(invalid_list_options(
+            "resourceVersionMatch",
+            "Unsupported",
+            &format!("Unsupported value: \"{m}\": supported values: \"Exact\", \"NotOlderThan\""),
+        ));
     }
     let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
     let key = def.key();
@@ -487,7 +634,9 @@ async fn list(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestIn
         e => store_error(def, e),
     })?;
     let start_idx = match &start {
-        Some(k) => items.partition_point(|o| (o.namespace.as_str(), o.name.as_str()) <= (k.0.as_str(), k.1.as_str())),
+        Some(k) => items.partition_point(|o| {
+            (o.namespace.as_str(), o.name.as_str()) <= (k.0.as_str(), k.1.as_str())
+        }),
         None => 0,
     };
     let filtered = !labels.is_empty() || !fields.is_empty();
@@ -505,13 +654,23 @@ async fn list(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestIn
     let more = next_idx < items.len();
     let mut meta = format!("{{\"resourceVersion\":\"{list_rv}\"");
     if more && let Some(last) = chosen.last() {
-        meta.push_str(&format!(",\"continue\":\"{}\"", encode_continue(list_rv, last)));
+        meta.push_str(&format!(
+            ",\"continue\":\"{}\"",
+            encode_continue(list_rv, last)
+        ));
         if !filtered {
-            meta.push_str(&format!(",\"remainingItemCount\":{}", items.len() - next_idx));
+            meta.push_str(&format!(
+                ",\"remainingItemCount\":{}",
+                items.len() - next_idx
+            ));
         }
     }
     meta.push('}');
-    let head = format!("{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{meta},\"items\":[", def.kind, def.api_version());
+    let head = format!(
+        "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{meta},\"items\":[",
+        def.kind,
+        def.api_version()
+    );
     let mut chunks = Vec::with_capacity(chosen.len() * 2 + 2);
     chunks.push(Bytes::from(head));
     let comma = Bytes::from_static(b",");
@@ -525,23 +684,39 @@ async fn list(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestIn
     let response_len: usize = chunks.iter().map(Bytes::len).sum();
     // Memory model: a LIST from etcd reads its whole scope; one from the cache copies its
     // response. Either costs 5x while it is served.
-    let read = if from_cache { response_len as u64 } else { sh.store.scope_bytes(&key, ns) };
+    let read = if from_cache {
+        response_len as u64
+    } else {
+        sh.store.scope_bytes(&key, ns)
+    };
     let live = sh.store.live_bytes();
     let guard = match rep.heap.charge(&sh.heap, live, read * LIST_AMPLIFICATION) {
         Ok(g) => g,
         Err(_) => {
             crate::server::oom(rep);
-            return Err(ApiError::new(503, "ServiceUnavailable", "apiserver is restarting (out of memory)".into(), None));
+            return Err(ApiError::new(
+                503,
+                "ServiceUnavailable",
+                "apiserver is restarting (out of memory)".into(),
+                None,
+            ));
         }
     };
     let mut resp = if gzip && response_len > GZIP_THRESHOLD {
-        let mut enc = flate2::write::GzEncoder::new(Vec::with_capacity(response_len / 4), flate2::Compression::fast());
+        let mut enc = flate2::write::GzEncoder::new(
+            Vec::with_capacity(response_len / 4),
+            flate2::Compression::fast(),
+        );
         for c in &chunks {
-            std::io::Write::write_all(&mut enc, c).map_err(|e| ApiError::new(500, "InternalError", e.to_string(), None))?;
+            std::io::Write::write_all(&mut enc, c)
+                .map_err(|e| ApiError::new(500, "InternalError", e.to_string(), None))?;
         }
-        let z = enc.finish().map_err(|e| ApiError::new(500, "InternalError", e.to_string(), None))?;
+        let z = enc
+            .finish()
+            .map_err(|e| ApiError::new(500, "InternalError", e.to_string(), None))?;
         let mut r = json_response(200, SimBody::full(z));
-        r.headers_mut().insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        r.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
         r
     } else {
         json_response(200, SimBody::chunks(chunks))
@@ -555,17 +730,29 @@ fn invalid_list_options(field: &str, reason: &str, detail: &str) -> ApiError {
         422,
         "Invalid",
         format!("ListOptions.meta.k8s.io \"\" is invalid: {field}: {reason}: {detail}"),
-        Some(json!({"group": "meta.k8s.io", "kind": "ListOptions", "causes": [{"reason": format!("FieldValue{reason}"), "message": format!("{reason}: {detail}"), "field": field}]})),
+        Some(
+            json!({"group": "meta.k8s.io", "kind": "ListOptions", "causes": [{"reason": format!("FieldValue{reason}"), "message": format!("{reason}: {detail}"), "field": field}]}),
+        ),
     )
 }
 
-async fn watch(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestInfo, q: &Query, fields: FieldSelector) -> Response<SimBody> {
+async fn watch(
+    rep: &Arc<ReplicaInner>,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    q: &Query,
+    fields: FieldSelector,
+) -> Response<SimBody> {
     let sh = &rep.shared;
     let labels = match LabelSelector::parse(param(q, "labelSelector").unwrap_or_default()) {
         Ok(l) => l,
         Err(e) => return status_response(&status::bad_request(e.to_string())),
     };
-    let rv = match param(q, "resourceVersion").filter(|s| !s.is_empty()).map(parse_rv).transpose() {
+    let rv = match param(q, "resourceVersion")
+        .filter(|s| !s.is_empty())
+        .map(parse_rv)
+        .transpose()
+    {
         Ok(rv) => rv,
         Err(e) => return status_response(&e),
     };
@@ -573,10 +760,18 @@ async fn watch(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestI
     let send_initial = param(q, "sendInitialEvents").map(|v| v == "true");
     if send_initial.is_some() {
         if param(q, "resourceVersionMatch") != Some("NotOlderThan") {
-            return status_response(&invalid_list_options("resourceVersionMatch", "Forbidden", "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan"));
+            return status_response(&invalid_list_options(
+                "resourceVersionMatch",
+                "Forbidden",
+                "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
+            ));
         }
         if send_initial == Some(true) && !bookmarks {
-            return status_response(&invalid_list_options("allowWatchBookmarks", "Forbidden", "sendInitialEvents requires setting allowWatchBookmarks to true"));
+            return status_response(&invalid_list_options(
+                "allowWatchBookmarks",
+                "Forbidden",
+                "sendInitialEvents requires setting allowWatchBookmarks to true",
+            ));
         }
     }
     let from = match (send_initial, rv) {
@@ -598,11 +793,18 @@ async fn watch(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestI
     let start = match sh.store.watch(&def.key(), from) {
         Ok(s) => s,
         Err(StoreError::Expired { requested, oldest }) => {
-            return json_response(200, SimBody::full(watch::error_line(&status::watch_expired(requested, oldest))));
+            return json_response(
+                200,
+                SimBody::full(watch::error_line(&status::watch_expired(requested, oldest))),
+            );
         }
         Err(e) => return status_response(&store_error(def, e)),
     };
-    let filter = WatchFilter { namespace: (!ri.namespace.is_empty()).then(|| ri.namespace.clone()), labels, fields };
+    let filter = WatchFilter {
+        namespace: (!ri.namespace.is_empty()).then(|| ri.namespace.clone()),
+        labels,
+        fields,
+    };
     let opts = WatchOptions {
         bookmarks: bookmarks.then_some(sh.bookmark_interval),
         initial_events_end: send_initial == Some(true),
@@ -615,7 +817,10 @@ async fn watch(rep: &Arc<ReplicaInner>, def: &'static ResourceDef, ri: &RequestI
     let s = watch::stream(def, sh.store.clone(), start, filter, opts, from_rv);
     let guard = rep.counters.enter(Gauge::Watches);
     let mut r = json_response(200, SimBody::stream(s).hold(guard));
-    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    r.headers_mut().insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache, private"),
+    );
     r
 }
 
@@ -623,9 +828,14 @@ fn check_namespace(def: &ResourceDef, ri: &RequestInfo, v: &Value) -> Result<(),
     if !def.namespaced {
         return Ok(());
     }
-    match v.get("metadata").and_then(|m| m.get("namespace")).and_then(Value::as_str) {
+    match v
+        .get("metadata")
+        .and_then(|m| m.get("namespace"))
+        .and_then(Value::as_str)
+    {
         Some(ns) if !ns.is_empty() && ns != ri.namespace => Err(status::bad_request(
-            "the namespace of the provided object does not match the namespace sent on the request".into(),
+            "the namespace of the provided object does not match the namespace sent on the request"
+                .into(),
         )),
         _ => Ok(()),
     }
@@ -640,7 +850,12 @@ fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
-async fn create(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+async fn create(
+    rep: &ReplicaInner,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
     if !ri.name.is_empty() {
         return Err(status::method_not_allowed());
     }
@@ -648,51 +863,99 @@ async fn create(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo,
     need_json(&h)?;
     let v = parse_json(&b)?;
     check_namespace(def, ri, &v)?;
-    let o = rep.shared.store.create_obj(def, &ri.namespace, v).map_err(|e| store_error(def, e))?;
+    let o = rep
+        .shared
+        .store
+        .create_obj(def, &ri.namespace, v)
+        .map_err(|e| store_error(def, e))?;
     Ok(json_response(201, SimBody::full(o.with_kind(def))))
 }
 
-async fn update(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+async fn update(
+    rep: &ReplicaInner,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     need_json(&h)?;
     let v = parse_json(&b)?;
     check_namespace(def, ri, &v)?;
-    let o = rep.shared.store.update_obj(def, &ri.namespace, Some(&ri.name), v).map_err(|e| store_error(def, e))?;
+    let o = rep
+        .shared
+        .store
+        .update_obj(def, &ri.namespace, Some(&ri.name), v)
+        .map_err(|e| store_error(def, e))?;
     Ok(json_response(200, SimBody::full(o.with_kind(def))))
 }
 
-async fn patch(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+async fn patch(
+    rep: &ReplicaInner,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     let kind = match content_type(&h).as_str() {
-        "application/merge-patch+json" | "application/strategic-merge-patch+json" => PatchKind::Merge,
+        "application/merge-patch+json" | "application/strategic-merge-patch+json" => {
+            PatchKind::Merge
+        }
         "application/json-patch+json" => PatchKind::Json,
         other => return Err(status::unsupported_media_type(other)),
     };
     let p = parse_json(&b)?;
-    let o = rep.shared.store.patch_obj(def, &ri.namespace, &ri.name, kind, &p).map_err(|e| store_error(def, e))?;
+    let o = rep
+        .shared
+        .store
+        .patch_obj(def, &ri.namespace, &ri.name, kind, &p)
+        .map_err(|e| store_error(def, e))?;
     Ok(json_response(200, SimBody::full(o.with_kind(def))))
 }
 
-async fn delete(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+async fn delete(
+    rep: &ReplicaInner,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
     let (_, b) = read_body(req).await?;
     let want = if b.is_empty() {
         None
     } else {
         let opts = parse_json(&b)?;
-        opts.get("preconditions").and_then(|p| p.get("resourceVersion")).and_then(Value::as_str).map(str::to_string)
+        opts.get("preconditions")
+            .and_then(|p| p.get("resourceVersion"))
+            .and_then(Value::as_str)
+            .map(str::to_string)
     };
-    let o = rep.shared.store.delete_obj(def, &ri.namespace, &ri.name, want.as_deref()).map_err(|e| store_error(def, e))?;
+    let o = rep
+        .shared
+        .store
+        .delete_obj(def, &ri.namespace, &ri.name, want.as_deref())
+        .map_err(|e| store_error(def, e))?;
     Ok(json_response(200, SimBody::full(o.with_kind(def))))
 }
 
-async fn delete_collection(rep: &ReplicaInner, def: &'static ResourceDef, ri: &RequestInfo, q: &Query) -> Result<Response<SimBody>, ApiError> {
-    let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
-    let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default()).map_err(|e| status::bad_request(e.to_string()))?;
+async fn delete_collection(
+    rep: &ReplicaInner,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    q: &Query,
+) -> Result<Response<SimBody>, ApiError> {
+    let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
+        .map_err(|e| status::bad_request(e.to_string()))?;
+    let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default())
+        .map_err(|e| status::bad_request(e.to_string()))?;
     let store = &rep.shared.store;
     let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
-    let (_, items) = store.list(&def.key(), ns, None).map_err(|e| store_error(def, e))?;
+    let (_, items) = store
+        .list(&def.key(), ns, None)
+        .map_err(|e| store_error(def, e))?;
     let mut deleted = Vec::new();
-    for o in items.iter().filter(|o| labels.matches(&o.labels) && fields.matches(&o.namespace, &o.name)) {
+    for o in items
+        .iter()
+        .filter(|o| labels.matches(&o.labels) && fields.matches(&o.namespace, &o.name))
+    {
         if let Ok(d) = store.delete_obj(def, &o.namespace, &o.name, None) {
             deleted.push(d.body.clone());
         }
@@ -715,7 +978,12 @@ async fn delete_collection(rep: &ReplicaInner, def: &'static ResourceDef, ri: &R
 
 type ReviewFn = fn(&ReplicaInner, &UserInfo, Value) -> Result<Value, ApiError>;
 
-async fn review(rep: &ReplicaInner, user: &UserInfo, req: Request<Incoming>, f: ReviewFn) -> Response<SimBody> {
+async fn review(
+    rep: &ReplicaInner,
+    user: &UserInfo,
+    req: Request<Incoming>,
+    f: ReviewFn,
+) -> Response<SimBody> {
     let r = async {
         let (h, b) = read_body(req).await?;
         need_json(&h)?;
@@ -749,17 +1017,35 @@ fn user_json(u: &UserInfo) -> Value {
 
 fn token_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
     let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let token = spec.get("token").and_then(Value::as_str).unwrap_or_default();
+    let token = spec
+        .get("token")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     let mut out = review_shell("TokenReview", "authentication.k8s.io/v1", spec.clone());
-    match rep.shared.auth.tokens.iter().find(|t| !token.is_empty() && t.token == token) {
+    match rep
+        .shared
+        .auth
+        .tokens
+        .iter()
+        .find(|t| !token.is_empty() && t.token == token)
+    {
         Some(t) => {
             let mut groups = t.groups.clone();
             if !groups.iter().any(|g| g == "system:authenticated") {
                 groups.push("system:authenticated".into());
             }
-            let u = UserInfo { user: t.user.clone(), uid: t.uid.clone(), groups, extra: Default::default() };
-            let audiences = spec.get("audiences").cloned().unwrap_or(json!(["https://kubernetes.default.svc.cluster.local"]));
-            out["status"] = json!({"authenticated": true, "user": user_json(&u), "audiences": audiences});
+            let u = UserInfo {
+                user: t.user.clone(),
+                uid: t.uid.clone(),
+                groups,
+                extra: Default::default(),
+            };
+            let audiences = spec
+                .get("audiences")
+                .cloned()
+                .unwrap_or(json!(["https://kubernetes.default.svc.cluster.local"]));
+            out["status"] =
+                json!({"authenticated": true, "user": user_json(&u), "audiences": audiences});
         }
         None => out["status"] = json!({"user": {}}),
     }
@@ -767,7 +1053,12 @@ fn token_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, Api
 }
 
 fn sar_attributes(user: &str, groups: Vec<String>, spec: &Value) -> Result<Attributes, ApiError> {
-    let s = |v: Option<&Value>, k: &str| v.and_then(|x| x.get(k)).and_then(Value::as_str).unwrap_or_default().to_string();
+    let s = |v: Option<&Value>, k: &str| {
+        v.and_then(|x| x.get(k))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
     if let Some(ra) = spec.get("resourceAttributes") {
         Ok(Attributes {
             user: user.to_string(),
@@ -790,7 +1081,10 @@ fn sar_attributes(user: &str, groups: Vec<String>, spec: &Value) -> Result<Attri
             ..Default::default()
         })
     } else {
-        Err(invalid_review("spec.resourceAttributes", "exactly one of nonResourceAttributes or resourceAttributes must be specified"))
+        Err(invalid_review(
+            "spec.resourceAttributes",
+            "exactly one of nonResourceAttributes or resourceAttributes must be specified",
+        ))
     }
 }
 
@@ -798,8 +1092,12 @@ fn invalid_review(field: &str, detail: &str) -> ApiError {
     ApiError::new(
         422,
         "Invalid",
-        format!("SubjectAccessReview.authorization.k8s.io \"\" is invalid: {field}: Invalid value: \"null\": {detail}"),
-        Some(json!({"group": "authorization.k8s.io", "kind": "SubjectAccessReview", "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": field}]})),
+        format!(
+            "SubjectAccessReview.authorization.k8s.io \"\" is invalid: {field}: Invalid value: \"null\": {detail}"
+        ),
+        Some(
+            json!({"group": "authorization.k8s.io", "kind": "SubjectAccessReview", "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": field}]}),
+        ),
     )
 }
 
@@ -813,14 +1111,26 @@ fn decide(rep: &ReplicaInner, a: &Attributes) -> Value {
 
 fn subject_access_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
     let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let user = spec.get("user").and_then(Value::as_str).unwrap_or_default().to_string();
+    let user = spec
+        .get("user")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
     let groups: Vec<String> = spec
         .get("groups")
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_str).map(str::to_string).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_string)
+                .collect()
+        })
         .unwrap_or_default();
     if user.is_empty() && groups.is_empty() {
-        return Err(invalid_review("spec.user", "at least one of user or group must be specified"));
+        return Err(invalid_review(
+            "spec.user",
+            "at least one of user or group must be specified",
+        ));
     }
     let a = sar_attributes(&user, groups, &spec)?;
     let mut out = review_shell("SubjectAccessReview", "authorization.k8s.io/v1", spec);
@@ -828,7 +1138,11 @@ fn subject_access_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<V
     Ok(out)
 }
 
-fn self_subject_access_review(rep: &ReplicaInner, u: &UserInfo, v: Value) -> Result<Value, ApiError> {
+fn self_subject_access_review(
+    rep: &ReplicaInner,
+    u: &UserInfo,
+    v: Value,
+) -> Result<Value, ApiError> {
     let spec = v.get("spec").cloned().unwrap_or(json!({}));
     let a = sar_attributes(&u.user, u.groups.clone(), &spec)?;
     let mut out = review_shell("SelfSubjectAccessReview", "authorization.k8s.io/v1", spec);
@@ -856,7 +1170,15 @@ mod tests {
     #[test]
     fn request_info_like_the_apiserver() {
         let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets/x");
-        assert_eq!((r.verb.as_str(), r.resource.as_str(), r.namespace.as_str(), r.name.as_str()), ("get", "secrets", "ns", "x"));
+        assert_eq!(
+            (
+                r.verb.as_str(),
+                r.resource.as_str(),
+                r.namespace.as_str(),
+                r.name.as_str()
+            ),
+            ("get", "secrets", "ns", "x")
+        );
         let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets?watch=1");
         assert_eq!(r.verb, "watch");
         let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets?watch=false");
@@ -864,19 +1186,38 @@ mod tests {
         let r = ri(Method::GET, "/api/v1/watch/namespaces/ns/secrets");
         assert_eq!((r.verb.as_str(), r.legacy_watch), ("watch", true));
         let r = ri(Method::GET, "/api/v1/namespaces/ns");
-        assert_eq!((r.resource.as_str(), r.name.as_str(), r.namespace.as_str()), ("namespaces", "ns", "ns"));
+        assert_eq!(
+            (r.resource.as_str(), r.name.as_str(), r.namespace.as_str()),
+            ("namespaces", "ns", "ns")
+        );
         let r = ri(Method::DELETE, "/apis/discovery.k8s.io/v1/endpointslices");
-        assert_eq!((r.verb.as_str(), r.group.as_str()), ("deletecollection", "discovery.k8s.io"));
+        assert_eq!(
+            (r.verb.as_str(), r.group.as_str()),
+            ("deletecollection", "discovery.k8s.io")
+        );
         let r = ri(Method::GET, "/api/v1/namespaces/ns/pods/p/exec?command=sh");
-        assert_eq!((r.verb.as_str(), r.subresource.as_str()), ("create", "exec"));
+        assert_eq!(
+            (r.verb.as_str(), r.subresource.as_str()),
+            ("create", "exec")
+        );
         assert!(!ri(Method::GET, "/version").resource_request);
     }
 
     #[test]
     fn continue_tokens_round_trip() {
-        let o = Obj { namespace: "ns".into(), name: "a".into(), rv: 1, uid: String::new(), labels: Default::default(), body: Bytes::from_static(b"{}") };
+        let o = Obj {
+            namespace: "ns".into(),
+            name: "a".into(),
+            rv: 1,
+            uid: String::new(),
+            labels: Default::default(),
+            body: Bytes::from_static(b"{}"),
+        };
         let t = encode_continue(42, &o);
-        assert_eq!(decode_continue(&t).unwrap(), (42, ("ns".to_string(), "a".to_string())));
+        assert_eq!(
+            decode_continue(&t).unwrap(),
+            (42, ("ns".to_string(), "a".to_string()))
+        );
         assert!(decode_continue("garbage").is_err());
     }
 }

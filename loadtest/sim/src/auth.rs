@@ -8,8 +8,8 @@ use http::HeaderMap;
 use percent_encoding::percent_decode_str;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::{CertificateDer, UnixTime};
-use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
 
 use crate::policy::{Attributes, Policy, StaticToken, forbidden_message};
@@ -71,12 +71,19 @@ fn verifier_for(ca: CertificateDer<'static>) -> Result<Arc<dyn ClientCertVerifie
 
 impl DeferredVerifier {
     /// A verifier for these two CAs.
-    pub fn new(client_ca: CertificateDer<'static>, front_proxy_ca: CertificateDer<'static>) -> Result<DeferredVerifier, VerifierError> {
+    pub fn new(
+        client_ca: CertificateDer<'static>,
+        front_proxy_ca: CertificateDer<'static>,
+    ) -> Result<DeferredVerifier, VerifierError> {
         let client = verifier_for(client_ca)?;
         let front_proxy = verifier_for(front_proxy_ca)?;
         let mut hints = client.root_hint_subjects().to_vec();
         hints.extend(front_proxy.root_hint_subjects().iter().cloned());
-        Ok(DeferredVerifier { client, front_proxy, hints })
+        Ok(DeferredVerifier {
+            client,
+            front_proxy,
+            hints,
+        })
     }
 
     /// Verifies a presented chain against both CAs and reads its subject.
@@ -98,7 +105,12 @@ impl DeferredVerifier {
             .iter_organization()
             .filter_map(|a| a.as_str().ok().map(str::to_string))
             .collect();
-        Some(PeerCert { cn, orgs, client_ca_ok, front_proxy_ok })
+        Some(PeerCert {
+            cn,
+            orgs,
+            client_ca_ok,
+            front_proxy_ok,
+        })
     }
 }
 
@@ -112,13 +124,28 @@ impl ClientCertVerifier for DeferredVerifier {
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
         &self.hints
     }
-    fn verify_client_cert(&self, _: &CertificateDer<'_>, _: &[CertificateDer<'_>], _: UnixTime) -> Result<ClientCertVerified, rustls::Error> {
+    fn verify_client_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
         Ok(ClientCertVerified::assertion())
     }
-    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         self.client.verify_tls12_signature(message, cert, dss)
     }
-    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         self.client.verify_tls13_signature(message, cert, dss)
     }
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
@@ -138,7 +165,11 @@ pub struct AuthConfig {
 }
 
 fn header_values(h: &HeaderMap, name: &str) -> Vec<String> {
-    h.get_all(name).iter().filter_map(|v| v.to_str().ok()).map(str::to_string).collect()
+    h.get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .map(str::to_string)
+        .collect()
 }
 
 fn prefixed_extra(h: &HeaderMap, prefix: &str) -> BTreeMap<String, Vec<String>> {
@@ -165,17 +196,26 @@ fn add_authenticated(mut u: UserInfo) -> UserInfo {
 /// Authenticates a request: front-proxy headers (only from a front-proxy certificate with an
 /// allowed CN), client certificate, bearer token, then anonymous. An invalid certificate or
 /// token that nothing else outweighs is a 401, even with anonymous enabled.
-pub fn authenticate(cfg: &AuthConfig, peer: Option<&PeerCert>, h: &HeaderMap) -> Result<UserInfo, ApiError> {
+pub fn authenticate(
+    cfg: &AuthConfig,
+    peer: Option<&PeerCert>,
+    h: &HeaderMap,
+) -> Result<UserInfo, ApiError> {
     let mut failed = false;
     if let Some(p) = peer {
         if let Some(user) = h.get("x-remote-user").and_then(|v| v.to_str().ok())
             && !user.is_empty()
         {
-            let allowed = cfg.front_proxy_allowed_names.is_empty() || cfg.front_proxy_allowed_names.contains(&p.cn);
+            let allowed = cfg.front_proxy_allowed_names.is_empty()
+                || cfg.front_proxy_allowed_names.contains(&p.cn);
             if p.front_proxy_ok && allowed {
                 return Ok(add_authenticated(UserInfo {
                     user: user.to_string(),
-                    uid: h.get("x-remote-uid").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string(),
+                    uid: h
+                        .get("x-remote-uid")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string(),
                     groups: header_values(h, "x-remote-group"),
                     extra: prefixed_extra(h, "x-remote-extra-"),
                 }));
@@ -226,10 +266,20 @@ pub fn authenticate(cfg: &AuthConfig, peer: Option<&PeerCert>, h: &HeaderMap) ->
 /// Applies `Impersonate-*` headers: every requested attribute needs the `impersonate` verb
 /// on `users`/`serviceaccounts`, `groups`, `uids` or `userextras/KEY`. Returns the effective
 /// user and the impersonator's name when impersonating.
-pub fn impersonate(policy: &Policy, who: UserInfo, h: &HeaderMap) -> Result<(UserInfo, Option<String>), ApiError> {
-    let user = h.get("impersonate-user").and_then(|v| v.to_str().ok()).map(str::to_string);
+pub fn impersonate(
+    policy: &Policy,
+    who: UserInfo,
+    h: &HeaderMap,
+) -> Result<(UserInfo, Option<String>), ApiError> {
+    let user = h
+        .get("impersonate-user")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let groups = header_values(h, "impersonate-group");
-    let uid = h.get("impersonate-uid").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let uid = h
+        .get("impersonate-uid")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let extra = prefixed_extra(h, "impersonate-extra-");
     if user.is_none() && groups.is_empty() && uid.is_none() && extra.is_empty() {
         return Ok((who, None));
@@ -242,27 +292,39 @@ pub fn impersonate(policy: &Policy, who: UserInfo, h: &HeaderMap) -> Result<(Use
             None,
         ));
     };
-    let check = |group: &str, resource: &str, sub: &str, ns: &str, name: &str| -> Result<(), ApiError> {
-        let a = Attributes {
-            user: who.user.clone(),
-            groups: who.groups.clone(),
-            verb: "impersonate".into(),
-            resource_request: true,
-            group: group.into(),
-            resource: resource.into(),
-            subresource: sub.into(),
-            namespace: ns.into(),
-            name: name.into(),
-            path: String::new(),
+    let check =
+        |group: &str, resource: &str, sub: &str, ns: &str, name: &str| -> Result<(), ApiError> {
+            let a = Attributes {
+                user: who.user.clone(),
+                groups: who.groups.clone(),
+                verb: "impersonate".into(),
+                resource_request: true,
+                group: group.into(),
+                resource: resource.into(),
+                subresource: sub.into(),
+                namespace: ns.into(),
+                name: name.into(),
+                path: String::new(),
+            };
+            if policy.allows(&a) {
+                Ok(())
+            } else {
+                let kind = if sub.is_empty() {
+                    resource.to_string()
+                } else {
+                    format!("{resource}/{sub}")
+                };
+                Err(ApiError::new(
+                    403,
+                    "Forbidden",
+                    forbidden_message(&a),
+                    Some(status::details(name, group, &kind)),
+                ))
+            }
         };
-        if policy.allows(&a) {
-            Ok(())
-        } else {
-            let kind = if sub.is_empty() { resource.to_string() } else { format!("{resource}/{sub}") };
-            Err(ApiError::new(403, "Forbidden", forbidden_message(&a), Some(status::details(name, group, &kind))))
-        }
-    };
-    let sa = user.strip_prefix("system:serviceaccount:").and_then(|r| r.split_once(':'));
+    let sa = user
+        .strip_prefix("system:serviceaccount:")
+        .and_then(|r| r.split_once(':'));
     match sa {
         Some((ns, name)) => check("", "serviceaccounts", "", ns, name)?,
         None => check("", "users", "", "", &user)?,
@@ -280,7 +342,10 @@ pub fn impersonate(policy: &Policy, who: UserInfo, h: &HeaderMap) -> Result<(Use
     }
     let mut out_groups = groups;
     if let Some((ns, _)) = sa {
-        for g in ["system:serviceaccounts".to_string(), format!("system:serviceaccounts:{ns}")] {
+        for g in [
+            "system:serviceaccounts".to_string(),
+            format!("system:serviceaccounts:{ns}"),
+        ] {
             if !out_groups.contains(&g) {
                 out_groups.push(g);
             }
@@ -290,9 +355,19 @@ pub fn impersonate(policy: &Policy, who: UserInfo, h: &HeaderMap) -> Result<(Use
         if !out_groups.iter().any(|g| g == "system:unauthenticated") {
             out_groups.push("system:unauthenticated".into());
         }
-        UserInfo { user, uid: uid.unwrap_or_default(), groups: out_groups, extra }
+        UserInfo {
+            user,
+            uid: uid.unwrap_or_default(),
+            groups: out_groups,
+            extra,
+        }
     } else {
-        add_authenticated(UserInfo { user, uid: uid.unwrap_or_default(), groups: out_groups, extra })
+        add_authenticated(UserInfo {
+            user,
+            uid: uid.unwrap_or_default(),
+            groups: out_groups,
+            extra,
+        })
     };
     Ok((out, Some(who.user)))
 }
@@ -305,13 +380,23 @@ mod tests {
     fn cfg() -> AuthConfig {
         AuthConfig {
             front_proxy_allowed_names: vec!["front-proxy".into()],
-            tokens: vec![StaticToken { token: "t1".into(), user: "tok".into(), uid: "u1".into(), groups: vec!["g".into()] }],
+            tokens: vec![StaticToken {
+                token: "t1".into(),
+                user: "tok".into(),
+                uid: "u1".into(),
+                groups: vec!["g".into()],
+            }],
             anonymous: true,
         }
     }
 
     fn peer(cn: &str, client: bool, fp: bool) -> PeerCert {
-        PeerCert { cn: cn.into(), orgs: vec!["o".into()], client_ca_ok: client, front_proxy_ok: fp }
+        PeerCert {
+            cn: cn.into(),
+            orgs: vec!["o".into()],
+            client_ca_ok: client,
+            front_proxy_ok: fp,
+        }
     }
 
     #[test]
@@ -330,9 +415,19 @@ mod tests {
         let u = authenticate(&cfg(), None, &h).unwrap();
         assert_eq!(u.user, "system:anonymous");
         // A front-proxy cert with a CN not on the list is not authoritative: 401.
-        assert_eq!(authenticate(&cfg(), Some(&peer("other", false, true)), &h).unwrap_err().code, 401);
+        assert_eq!(
+            authenticate(&cfg(), Some(&peer("other", false, true)), &h)
+                .unwrap_err()
+                .code,
+            401
+        );
         // A front-proxy connection without X-Remote-User falls through to anonymous.
-        let u = authenticate(&cfg(), Some(&peer("front-proxy", false, true)), &HeaderMap::new()).unwrap();
+        let u = authenticate(
+            &cfg(),
+            Some(&peer("front-proxy", false, true)),
+            &HeaderMap::new(),
+        )
+        .unwrap();
         assert_eq!(u.user, "system:anonymous");
     }
 
@@ -345,16 +440,31 @@ mod tests {
         h.insert("authorization", HeaderValue::from_static("Bearer nope"));
         assert_eq!(authenticate(&cfg(), None, &h).unwrap_err().code, 401);
         // An expired/foreign client cert is a 401 even with anonymous on.
-        assert_eq!(authenticate(&cfg(), Some(&peer("x", false, false)), &HeaderMap::new()).unwrap_err().code, 401);
+        assert_eq!(
+            authenticate(&cfg(), Some(&peer("x", false, false)), &HeaderMap::new())
+                .unwrap_err()
+                .code,
+            401
+        );
         let mut c = cfg();
         c.anonymous = false;
-        assert_eq!(authenticate(&c, None, &HeaderMap::new()).unwrap_err().code, 401);
+        assert_eq!(
+            authenticate(&c, None, &HeaderMap::new()).unwrap_err().code,
+            401
+        );
     }
 
     #[test]
     fn impersonation_needs_the_verb_per_attribute() {
-        let p = Policy::from_yaml("rules:\n- users: [admin]\n  verbs: [impersonate]\n  resources: [users, groups]\n").unwrap();
-        let admin = UserInfo { user: "admin".into(), groups: vec!["system:authenticated".into()], ..Default::default() };
+        let p = Policy::from_yaml(
+            "rules:\n- users: [admin]\n  verbs: [impersonate]\n  resources: [users, groups]\n",
+        )
+        .unwrap();
+        let admin = UserInfo {
+            user: "admin".into(),
+            groups: vec!["system:authenticated".into()],
+            ..Default::default()
+        };
         let mut h = HeaderMap::new();
         h.insert("impersonate-user", HeaderValue::from_static("bob"));
         h.append("impersonate-group", HeaderValue::from_static("dev"));
@@ -365,6 +475,9 @@ mod tests {
         h.insert("impersonate-uid", HeaderValue::from_static("1"));
         let e = impersonate(&p, admin, &h).unwrap_err();
         assert_eq!(e.code, 403);
-        assert_eq!(e.body["message"], "uids.authentication.k8s.io \"1\" is forbidden: User \"admin\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope");
+        assert_eq!(
+            e.body["message"],
+            "uids.authentication.k8s.io \"1\" is forbidden: User \"admin\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope"
+        );
     }
 }

@@ -40,7 +40,13 @@ impl SimBody {
     /// A body of these chunks.
     pub fn chunks(chunks: Vec<Bytes>) -> SimBody {
         let remaining = chunks.iter().map(|c| c.len() as u64).sum();
-        SimBody { source: Source::Chunks(chunks.into()), remaining, sent: 0, reset_after: None, guards: Vec::new() }
+        SimBody {
+            source: Source::Chunks(chunks.into()),
+            remaining,
+            sent: 0,
+            reset_after: None,
+            guards: Vec::new(),
+        }
     }
 
     /// A body of one buffer.
@@ -55,7 +61,13 @@ impl SimBody {
 
     /// A streamed body (watch, log follow).
     pub fn stream(s: impl Stream<Item = Bytes> + Send + 'static) -> SimBody {
-        SimBody { source: Source::Stream(Box::pin(s)), remaining: 0, sent: 0, reset_after: None, guards: Vec::new() }
+        SimBody {
+            source: Source::Stream(Box::pin(s)),
+            remaining: 0,
+            sent: 0,
+            reset_after: None,
+            guards: Vec::new(),
+        }
     }
 
     /// Keeps `g` alive until the body is dropped.
@@ -83,7 +95,10 @@ impl Body for SimBody {
     type Data = Bytes;
     type Error = InjectedReset;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, InjectedReset>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, InjectedReset>>> {
         let this = &mut *self;
         if let Some(n) = this.reset_after
             && this.sent >= n

@@ -16,7 +16,11 @@ use crate::pki::{CertKey, Pki};
 
 /// A client TLS config trusting `pki.server_ca`, optionally presenting `cert`, offering
 /// these ALPN protocols (e.g. `[b"h2"]`, `[b"http/1.1"]`).
-pub fn tls_config(pki: &Pki, cert: Option<&CertKey>, alpn: &[&[u8]]) -> anyhow::Result<ClientConfig> {
+pub fn tls_config(
+    pki: &Pki,
+    cert: Option<&CertKey>,
+    alpn: &[&[u8]],
+) -> anyhow::Result<ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(pki.server_ca.cert_der())?;
     let b = ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
@@ -24,7 +28,8 @@ pub fn tls_config(pki: &Pki, cert: Option<&CertKey>, alpn: &[&[u8]]) -> anyhow::
         .with_root_certificates(roots);
     let mut cfg = match cert {
         Some(ck) => {
-            let chain = rustls_pemfile::certs(&mut ck.cert_pem.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+            let chain = rustls_pemfile::certs(&mut ck.cert_pem.as_bytes())
+                .collect::<Result<Vec<_>, _>>()?;
             let key = rustls_pemfile::private_key(&mut ck.key_pem.as_bytes())?
                 .ok_or_else(|| anyhow::anyhow!("no key in PEM"))?;
             b.with_client_auth_cert(chain, key)?
@@ -55,19 +60,32 @@ impl Reply {
 
 /// Sends one request on a fresh connection (HTTP/2 when `cfg` offers h2, else HTTP/1.1) and
 /// reads the whole response.
-pub async fn request(addr: SocketAddr, cfg: &ClientConfig, req: http::Request<Bytes>) -> anyhow::Result<Reply> {
+pub async fn request(
+    addr: SocketAddr,
+    cfg: &ClientConfig,
+    req: http::Request<Bytes>,
+) -> anyhow::Result<Reply> {
     let tcp = tokio::net::TcpStream::connect(addr).await?;
-    let tls = TlsConnector::from(Arc::new(cfg.clone())).connect(ServerName::try_from("localhost")?, tcp).await?;
+    let tls = TlsConnector::from(Arc::new(cfg.clone()))
+        .connect(ServerName::try_from("localhost")?, tcp)
+        .await?;
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
     let (parts, body) = req.into_parts();
     let mut req = http::Request::from_parts(parts, Full::new(body));
     let resp = if h2 {
-        let (mut send, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(tls)).await?;
+        let (mut send, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            TokioIo::new(tls),
+        )
+        .await?;
         tokio::spawn(conn);
         send.send_request(req).await?
     } else {
         if !req.headers().contains_key(http::header::HOST) {
-            req.headers_mut().insert(http::header::HOST, http::HeaderValue::from_static("localhost"));
+            req.headers_mut().insert(
+                http::header::HOST,
+                http::HeaderValue::from_static("localhost"),
+            );
         }
         let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await?;
         tokio::spawn(conn);
@@ -76,11 +94,19 @@ pub async fn request(addr: SocketAddr, cfg: &ClientConfig, req: http::Request<By
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.into_body().collect().await?.to_bytes();
-    Ok(Reply { status, headers, body })
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
 }
 
 /// A GET of `path_and_query`.
-pub async fn get(addr: SocketAddr, cfg: &ClientConfig, path_and_query: &str) -> anyhow::Result<Reply> {
+pub async fn get(
+    addr: SocketAddr,
+    cfg: &ClientConfig,
+    path_and_query: &str,
+) -> anyhow::Result<Reply> {
     let req = http::Request::get(format!("https://localhost{path_and_query}")).body(Bytes::new())?;
     request(addr, cfg, req).await
 }

@@ -24,25 +24,150 @@ pub struct ResourceDef {
     pub verbs: &'static [&'static str],
 }
 
-const RW: &[&str] =
-    &["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"];
+const RW: &[&str] = &[
+    "create",
+    "delete",
+    "deletecollection",
+    "get",
+    "list",
+    "patch",
+    "update",
+    "watch",
+];
 const CREATE: &[&str] = &["create"];
 
 /// Every resource with stored objects, plus the review endpoints.
 pub const RESOURCES: &[ResourceDef] = &[
-    ResourceDef { group: "", version: "v1", resource: "namespaces", singular: "namespace", kind: "Namespace", namespaced: false, short_names: &["ns"], verbs: RW },
-    ResourceDef { group: "", version: "v1", resource: "nodes", singular: "node", kind: "Node", namespaced: false, short_names: &["no"], verbs: RW },
-    ResourceDef { group: "", version: "v1", resource: "secrets", singular: "secret", kind: "Secret", namespaced: true, short_names: &[], verbs: RW },
-    ResourceDef { group: "", version: "v1", resource: "configmaps", singular: "configmap", kind: "ConfigMap", namespaced: true, short_names: &["cm"], verbs: RW },
-    ResourceDef { group: "", version: "v1", resource: "endpoints", singular: "endpoints", kind: "Endpoints", namespaced: true, short_names: &["ep"], verbs: RW },
-    ResourceDef { group: "", version: "v1", resource: "pods", singular: "pod", kind: "Pod", namespaced: true, short_names: &["po"], verbs: RW },
-    ResourceDef { group: "", version: "v1", resource: "events", singular: "event", kind: "Event", namespaced: true, short_names: &["ev"], verbs: RW },
-    ResourceDef { group: "discovery.k8s.io", version: "v1", resource: "endpointslices", singular: "endpointslice", kind: "EndpointSlice", namespaced: true, short_names: &[], verbs: RW },
-    ResourceDef { group: "coordination.k8s.io", version: "v1", resource: "leases", singular: "lease", kind: "Lease", namespaced: true, short_names: &[], verbs: RW },
-    ResourceDef { group: "authentication.k8s.io", version: "v1", resource: "tokenreviews", singular: "tokenreview", kind: "TokenReview", namespaced: false, short_names: &[], verbs: CREATE },
-    ResourceDef { group: "authentication.k8s.io", version: "v1", resource: "selfsubjectreviews", singular: "selfsubjectreview", kind: "SelfSubjectReview", namespaced: false, short_names: &[], verbs: CREATE },
-    ResourceDef { group: "authorization.k8s.io", version: "v1", resource: "subjectaccessreviews", singular: "subjectaccessreview", kind: "SubjectAccessReview", namespaced: false, short_names: &[], verbs: CREATE },
-    ResourceDef { group: "authorization.k8s.io", version: "v1", resource: "selfsubjectaccessreviews", singular: "selfsubjectaccessreview", kind: "SelfSubjectAccessReview", namespaced: false, short_names: &[], verbs: CREATE },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "namespaces",
+        singular: "namespace",
+        kind: "Namespace",
+        namespaced: false,
+        short_names: &["ns"],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "nodes",
+        singular: "node",
+        kind: "Node",
+        namespaced: false,
+        short_names: &["no"],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "secrets",
+        singular: "secret",
+        kind: "Secret",
+        namespaced: true,
+        short_names: &[],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "configmaps",
+        singular: "configmap",
+        kind: "ConfigMap",
+        namespaced: true,
+        short_names: &["cm"],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "endpoints",
+        singular: "endpoints",
+        kind: "Endpoints",
+        namespaced: true,
+        short_names: &["ep"],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "pods",
+        singular: "pod",
+        kind: "Pod",
+        namespaced: true,
+        short_names: &["po"],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        resource: "events",
+        singular: "event",
+        kind: "Event",
+        namespaced: true,
+        short_names: &["ev"],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "discovery.k8s.io",
+        version: "v1",
+        resource: "endpointslices",
+        singular: "endpointslice",
+        kind: "EndpointSlice",
+        namespaced: true,
+        short_names: &[],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "coordination.k8s.io",
+        version: "v1",
+        resource: "leases",
+        singular: "lease",
+        kind: "Lease",
+        namespaced: true,
+        short_names: &[],
+        verbs: RW,
+    },
+    ResourceDef {
+        group: "authentication.k8s.io",
+        version: "v1",
+        resource: "tokenreviews",
+        singular: "tokenreview",
+        kind: "TokenReview",
+        namespaced: false,
+        short_names: &[],
+        verbs: CREATE,
+    },
+    ResourceDef {
+        group: "authentication.k8s.io",
+        version: "v1",
+        resource: "selfsubjectreviews",
+        singular: "selfsubjectreview",
+        kind: "SelfSubjectReview",
+        namespaced: false,
+        short_names: &[],
+        verbs: CREATE,
+    },
+    ResourceDef {
+        group: "authorization.k8s.io",
+        version: "v1",
+        resource: "subjectaccessreviews",
+        singular: "subjectaccessreview",
+        kind: "SubjectAccessReview",
+        namespaced: false,
+        short_names: &[],
+        verbs: CREATE,
+    },
+    ResourceDef {
+        group: "authorization.k8s.io",
+        version: "v1",
+        resource: "selfsubjectaccessreviews",
+        singular: "selfsubjectaccessreview",
+        kind: "SelfSubjectAccessReview",
+        namespaced: false,
+        short_names: &[],
+        verbs: CREATE,
+    },
 ];
 
 impl ResourceDef {
@@ -80,7 +205,9 @@ pub fn find(group: &str, version: &str, resource: &str) -> Option<&'static Resou
 /// The resource for a store key (`secrets`, `leases.coordination.k8s.io`).
 pub fn by_key(key: &str) -> Option<&'static ResourceDef> {
     let (resource, group) = key.split_once('.').unwrap_or((key, ""));
-    RESOURCES.iter().find(|r| r.group == group && r.resource == resource)
+    RESOURCES
+        .iter()
+        .find(|r| r.group == group && r.resource == resource)
 }
 
 fn groups() -> Vec<&'static str> {
@@ -147,8 +274,10 @@ pub fn api_group(group: &str) -> Option<Value> {
 
 /// The APIResourceList of one group-version.
 pub fn resource_list(group: &str, version: &str) -> Option<Value> {
-    let defs: Vec<&ResourceDef> =
-        RESOURCES.iter().filter(|r| r.group == group && r.version == version).collect();
+    let defs: Vec<&ResourceDef> = RESOURCES
+        .iter()
+        .filter(|r| r.group == group && r.version == version)
+        .collect();
     if defs.is_empty() {
         return None;
     }
@@ -171,5 +300,7 @@ pub fn resource_list(group: &str, version: &str) -> Option<Value> {
             resources.push(json!({"name": "pods/log", "singularName": "", "namespaced": true, "kind": "Pod", "verbs": ["get"]}));
         }
     }
-    Some(json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}))
+    Some(
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}),
+    )
 }

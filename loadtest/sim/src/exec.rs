@@ -35,11 +35,20 @@ fn pod_exists(rep: &ReplicaInner, ri: &RequestInfo) -> Result<(), ApiError> {
 }
 
 /// `pods/NAME/exec`: upgrades and echoes stdin to stdout until the client closes.
-pub async fn exec(rep: &Arc<ReplicaInner>, ri: &RequestInfo, mut req: Request<Incoming>, cancel: CancellationToken) -> Response<SimBody> {
+pub async fn exec(
+    rep: &Arc<ReplicaInner>,
+    ri: &RequestInfo,
+    mut req: Request<Incoming>,
+    cancel: CancellationToken,
+) -> Response<SimBody> {
     if let Err(e) = pod_exists(rep, ri) {
         return status_response(&e);
     }
-    let upgrade = req.headers().get(header::UPGRADE).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let upgrade = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let Some(upgrade) = upgrade else {
         return status_response(&status::bad_request("Upgrade request required".into()));
     };
@@ -60,7 +69,10 @@ pub async fn exec(rep: &Arc<ReplicaInner>, ri: &RequestInfo, mut req: Request<In
             .filter_map(|v| v.to_str().ok())
             .flat_map(|s| s.split(',').map(|p| p.trim().to_string()))
             .collect();
-        protocol = WS_PROTOCOLS.iter().find(|p| offered.iter().any(|o| o == *p)).copied();
+        protocol = WS_PROTOCOLS
+            .iter()
+            .find(|p| offered.iter().any(|o| o == *p))
+            .copied();
         h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
         if let Ok(v) = HeaderValue::from_str(&derive_accept_key(key.as_bytes())) {
             h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
@@ -149,7 +161,12 @@ pub async fn logs(rep: &Arc<ReplicaInner>, ri: &RequestInfo, q: &Query) -> Respo
     let follow = param(q, "follow") == Some("true");
     let pod = ri.name.clone();
     if !follow {
-        return text(200, &(0..3).map(|i| format!("{pod} log line {i}\n")).collect::<String>());
+        return text(
+            200,
+            &(0..3)
+                .map(|i| format!("{pod} log line {i}\n"))
+                .collect::<String>(),
+        );
     }
     let s = futures::stream::unfold(0u64, move |i| {
         let pod = pod.clone();
@@ -161,6 +178,7 @@ pub async fn logs(rep: &Arc<ReplicaInner>, ri: &RequestInfo, q: &Query) -> Respo
         }
     });
     let mut r = Response::new(SimBody::stream(s));
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
     r
 }

@@ -2,8 +2,8 @@
 //! its request statistics.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Fault settings, read on every request; all take effect immediately.
@@ -19,11 +19,17 @@ pub struct Faults {
 impl Faults {
     /// No faults.
     pub fn new() -> Faults {
-        Faults { reset_after: AtomicU64::new(u64::MAX), ..Faults::default() }
+        Faults {
+            reset_after: AtomicU64::new(u64::MAX),
+            ..Faults::default()
+        }
     }
     /// Sets the delay before every response head.
     pub fn set_delay(&self, d: Duration) {
-        self.delay_us.store(d.as_micros().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+        self.delay_us.store(
+            d.as_micros().min(u64::MAX as u128) as u64,
+            Ordering::Relaxed,
+        );
     }
     /// The delay before every response head.
     pub fn delay(&self) -> Duration {
@@ -39,7 +45,8 @@ impl Faults {
     }
     /// Sets the body length after which streams are reset.
     pub fn set_reset_mid_body(&self, after: Option<u64>) {
-        self.reset_after.store(after.unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.reset_after
+            .store(after.unwrap_or(u64::MAX), Ordering::Relaxed);
     }
     /// The body length after which streams are reset.
     pub fn reset_mid_body(&self) -> Option<u64> {
@@ -124,7 +131,10 @@ impl Counters {
         let (g, peak) = self.gauge(which);
         let now = g.fetch_add(1, Ordering::AcqRel) + 1;
         peak.fetch_max(now, Ordering::AcqRel);
-        GaugeGuard { counters: self.clone(), which }
+        GaugeGuard {
+            counters: self.clone(),
+            which,
+        }
     }
 }
 

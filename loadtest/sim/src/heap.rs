@@ -19,7 +19,11 @@ pub struct HeapModel {
 
 impl Default for HeapModel {
     fn default() -> Self {
-        HeapModel { base_bytes: 64 << 20, limit_bytes: None, restart: Duration::from_secs(2) }
+        HeapModel {
+            base_bytes: 64 << 20,
+            limit_bytes: None,
+            restart: Duration::from_secs(2),
+        }
     }
 }
 
@@ -44,9 +48,12 @@ impl Drop for HeapGuard {
     fn drop(&mut self) {
         // A restart resets the heap while responses of the old process may still be
         // dropping their guards; those must not wrap the counter below zero.
-        let _ = self.heap.transient.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-            Some(v.saturating_sub(self.bytes))
-        });
+        let _ = self
+            .heap
+            .transient
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(v.saturating_sub(self.bytes))
+            });
     }
 }
 
@@ -73,11 +80,17 @@ impl Heap {
 
     /// Records the current heap in the peak (for changes in live bytes).
     pub fn observe(&self, model: &HeapModel, live: u64) {
-        self.peak.fetch_max(self.current(model, live), Ordering::AcqRel);
+        self.peak
+            .fetch_max(self.current(model, live), Ordering::AcqRel);
     }
 
     /// Charges `bytes` of transient heap, or reports an OOM (nothing is charged then).
-    pub fn charge(self: &Arc<Self>, model: &HeapModel, live: u64, bytes: u64) -> Result<HeapGuard, Oom> {
+    pub fn charge(
+        self: &Arc<Self>,
+        model: &HeapModel,
+        live: u64,
+        bytes: u64,
+    ) -> Result<HeapGuard, Oom> {
         let before = self.transient.fetch_add(bytes, Ordering::AcqRel);
         let now = model.base_bytes + live + before + bytes;
         if let Some(limit) = model.limit_bytes
@@ -85,10 +98,16 @@ impl Heap {
         {
             self.transient.fetch_sub(bytes, Ordering::AcqRel);
             self.peak.fetch_max(now.min(limit), Ordering::AcqRel);
-            return Err(Oom { would_be: now, limit });
+            return Err(Oom {
+                would_be: now,
+                limit,
+            });
         }
         self.peak.fetch_max(now, Ordering::AcqRel);
-        Ok(HeapGuard { heap: self.clone(), bytes })
+        Ok(HeapGuard {
+            heap: self.clone(),
+            bytes,
+        })
     }
 
     /// Forgets all transient charges (the process restarted).
@@ -103,18 +122,29 @@ mod tests {
 
     #[test]
     fn a_guard_dropped_after_a_restart_does_not_wrap_the_heap() {
-        let m = HeapModel { base_bytes: 100, limit_bytes: Some(1000), restart: Duration::ZERO };
+        let m = HeapModel {
+            base_bytes: 100,
+            limit_bytes: Some(1000),
+            restart: Duration::ZERO,
+        };
         let h = Arc::new(Heap::default());
         let g = h.charge(&m, 0, 500).unwrap();
         h.reset();
         drop(g);
         assert_eq!(h.current(&m, 0), 100);
-        assert!(h.charge(&m, 0, 800).is_ok(), "the replica is usable after its restart");
+        assert!(
+            h.charge(&m, 0, 800).is_ok(),
+            "the replica is usable after its restart"
+        );
     }
 
     #[test]
     fn charges_are_held_until_dropped_and_limit_is_enforced() {
-        let m = HeapModel { base_bytes: 100, limit_bytes: Some(1000), restart: Duration::ZERO };
+        let m = HeapModel {
+            base_bytes: 100,
+            limit_bytes: Some(1000),
+            restart: Duration::ZERO,
+        };
         let h = Arc::new(Heap::default());
         let g = h.charge(&m, 50, 500).unwrap();
         assert_eq!(h.current(&m, 50), 650);

@@ -17,7 +17,9 @@ pub async fn start(replicas: Vec<Replica>) -> std::io::Result<SocketAddr> {
     let next = Arc::new(AtomicUsize::new(0));
     tokio::spawn(async move {
         loop {
-            let Ok((client, _)) = listener.accept().await else { continue };
+            let Ok((client, _)) = listener.accept().await else {
+                continue;
+            };
             let _ = client.set_nodelay(true);
             let replicas = replicas.clone();
             let next = next.clone();

@@ -108,7 +108,9 @@ pub struct Fleet {
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fleet").field("addrs", &self.addrs()).finish()
+        f.debug_struct("Fleet")
+            .field("addrs", &self.addrs())
+            .finish()
     }
 }
 
@@ -126,7 +128,11 @@ impl Fleet {
         for r in &replicas {
             r.start().await;
         }
-        Ok(Fleet { shared, replicas, l4: Mutex::new(None) })
+        Ok(Fleet {
+            shared,
+            replicas,
+            l4: Mutex::new(None),
+        })
     }
 
     /// Each replica's address (stable across stop/start).
@@ -166,12 +172,22 @@ impl Fleet {
 
     /// The last [`SEEN_LOG`] requests across the fleet, oldest first.
     pub fn seen_requests(&self) -> Vec<SeenRequest> {
-        self.shared.seen.lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+        self.shared
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Forgets the seen-request log.
     pub fn clear_seen(&self) {
-        self.shared.seen.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.shared
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
     /// Prometheus text of the fleet's own metrics.

@@ -49,11 +49,15 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
     let args = Args::parse();
-    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
     let policy = match &args.policy {
-        Some(p) => Policy::from_yaml(&std::fs::read_to_string(p)?).with_context(|| format!("parsing {}", p.display()))?,
+        Some(p) => Policy::from_yaml(&std::fs::read_to_string(p)?)
+            .with_context(|| format!("parsing {}", p.display()))?,
         None => Policy::default(),
     };
     let cfg = SimConfig {
@@ -75,20 +79,31 @@ async fn main() -> anyhow::Result<()> {
     let dir = &args.dir;
     std::fs::write(dir.join("ca.crt"), pki.server_ca.cert_pem())?;
     std::fs::write(dir.join("client-ca.crt"), pki.client_ca.cert_pem())?;
-    std::fs::write(dir.join("front-proxy-ca.crt"), pki.front_proxy_ca.cert_pem())?;
+    std::fs::write(
+        dir.join("front-proxy-ca.crt"),
+        pki.front_proxy_ca.cert_pem(),
+    )?;
     let admin = pki.client_ca.client_cert("admin", &["system:masters"]);
     admin.write(dir, "admin")?;
-    pki.front_proxy_ca.client_cert("front-proxy-client", &[]).write(dir, "front-proxy-client")?;
+    pki.front_proxy_ca
+        .client_cert("front-proxy-client", &[])
+        .write(dir, "front-proxy-client")?;
     std::fs::write(dir.join("policy.yaml"), serde_norway::to_string(&policy)?)?;
     let first = fleet.addrs()[0];
-    std::fs::write(dir.join("kubeconfig"), bulwark_sim::client::kubeconfig(&pki, &format!("https://{first}"), &admin))?;
+    std::fs::write(
+        dir.join("kubeconfig"),
+        bulwark_sim::client::kubeconfig(&pki, &format!("https://{first}"), &admin),
+    )?;
     for (i, a) in fleet.addrs().iter().enumerate() {
         println!("replica {i}: https://{a}");
     }
     if args.l4 {
         println!("l4 balancer: https://{}", fleet.l4_balancer().await?);
     }
-    println!("files in {} (kubeconfig uses replica 0 as system:masters)", dir.display());
+    println!(
+        "files in {} (kubeconfig uses replica 0 as system:masters)",
+        dir.display()
+    );
     tokio::signal::ctrl_c().await?;
     Ok(())
 }

@@ -29,12 +29,19 @@ impl SimMetrics {
     pub fn new() -> SimMetrics {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
-            Opts::new("bulwark_sim_requests_total", "Requests served by the simulated apiservers"),
+            Opts::new(
+                "bulwark_sim_requests_total",
+                "Requests served by the simulated apiservers",
+            ),
             &["replica", "verb", "resource", "user", "code"],
         )
         .unwrap_or_else(|e| panic!("static metric definition is valid: {e}"));
         let _ = registry.register(Box::new(requests.clone()));
-        SimMetrics { registry, requests, users: Default::default() }
+        SimMetrics {
+            registry,
+            requests,
+            users: Default::default(),
+        }
     }
 
     /// Counts one request.
@@ -48,24 +55,62 @@ impl SimMetrics {
                 "other"
             }
         };
-        let resource = if crate::discovery::RESOURCES.iter().any(|r| r.resource == resource) { resource } else { "other" };
+        let resource = if crate::discovery::RESOURCES
+            .iter()
+            .any(|r| r.resource == resource)
+        {
+            resource
+        } else {
+            "other"
+        };
         self.requests
-            .with_label_values(&[&replica.to_string(), method.as_str(), resource, user, &code.to_string()])
+            .with_label_values(&[
+                &replica.to_string(),
+                method.as_str(),
+                resource,
+                user,
+                &code.to_string(),
+            ])
             .inc();
     }
 
     fn gauges(out: &mut String, replicas: &[&ReplicaInner]) {
         let rows: [(&str, &str, fn(&crate::ReplicaStats) -> u64); 6] = [
-            ("bulwark_sim_in_flight", "Requests in flight (watches excluded)", |s| s.in_flight),
-            ("bulwark_sim_open_watches", "Open watches", |s| s.open_watches),
+            (
+                "bulwark_sim_in_flight",
+                "Requests in flight (watches excluded)",
+                |s| s.in_flight,
+            ),
+            ("bulwark_sim_open_watches", "Open watches", |s| {
+                s.open_watches
+            }),
             ("bulwark_sim_heap_bytes", "Modelled heap", |s| s.heap_bytes),
-            ("bulwark_sim_peak_heap_bytes", "Highest modelled heap", |s| s.peak_heap_bytes),
-            ("bulwark_sim_ooms_total", "Modelled out-of-memory restarts", |s| s.ooms),
-            ("bulwark_sim_peak_in_flight", "Highest requests in flight", |s| s.peak_in_flight),
+            (
+                "bulwark_sim_peak_heap_bytes",
+                "Highest modelled heap",
+                |s| s.peak_heap_bytes,
+            ),
+            (
+                "bulwark_sim_ooms_total",
+                "Modelled out-of-memory restarts",
+                |s| s.ooms,
+            ),
+            (
+                "bulwark_sim_peak_in_flight",
+                "Highest requests in flight",
+                |s| s.peak_in_flight,
+            ),
         ];
-        let stats: Vec<_> = replicas.iter().map(|r| (r.index, Replica::stats_of(r))).collect();
+        let stats: Vec<_> = replicas
+            .iter()
+            .map(|r| (r.index, Replica::stats_of(r)))
+            .collect();
         for (name, help, f) in rows {
-            let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+            let kind = if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            };
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for (i, s) in &stats {
                 let _ = writeln!(out, "{name}{{replica=\"{i}\"}} {}", f(s));

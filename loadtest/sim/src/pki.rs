@@ -37,7 +37,9 @@ pub struct Ca {
 
 impl std::fmt::Debug for Ca {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ca").field("common_name", &self.common_name).finish()
+        f.debug_struct("Ca")
+            .field("common_name", &self.common_name)
+            .finish()
     }
 }
 
@@ -68,7 +70,10 @@ impl Ca {
             KeyUsagePurpose::DigitalSignature,
         ];
         let issuer = must(CertifiedIssuer::self_signed(params, new_key()));
-        Ca { issuer, common_name: common_name.to_string() }
+        Ca {
+            issuer,
+            common_name: common_name.to_string(),
+        }
     }
 
     /// The CA certificate, PEM.
@@ -91,7 +96,10 @@ impl Ca {
     pub fn server_cert(&self, names: &[&str]) -> CertKey {
         let mut params = CertificateParams::default();
         let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, names.first().copied().unwrap_or("server"));
+        dn.push(
+            DnType::CommonName,
+            names.first().copied().unwrap_or("server"),
+        );
         params.distinguished_name = dn;
         params.subject_alt_names = names
             .iter()
@@ -119,7 +127,13 @@ impl Ca {
     /// rcgen keeps one value per attribute type, but the apiserver reads groups from
     /// repeated O attributes, so client certificates are assembled here in DER and signed
     /// with the CA key.
-    fn client_cert_valid(&self, user: &str, groups: &[&str], not_before: u64, not_after: u64) -> CertKey {
+    fn client_cert_valid(
+        &self,
+        user: &str,
+        groups: &[&str],
+        not_before: u64,
+        not_after: u64,
+    ) -> CertKey {
         use rcgen::{PublicKeyData, SigningKey};
         let key = new_key();
         let ca_der = self.issuer.der();
@@ -136,8 +150,23 @@ impl Ca {
         let mut serial = serial.to_vec();
         serial[0] &= 0x7f;
         serial[0] |= 0x01;
-        let key_usage = der::tlv(0x30, &[der::oid(OID_KEY_USAGE), der::tlv(0x01, &[0xff]), der::tlv(0x04, &der::tlv(0x03, &[0x07, 0x80]))].concat());
-        let eku = der::tlv(0x30, &[der::oid(OID_EKU), der::tlv(0x04, &der::tlv(0x30, &der::oid(OID_CLIENT_AUTH)))].concat());
+        let key_usage = der::tlv(
+            0x30,
+            &[
+                der::oid(OID_KEY_USAGE),
+                der::tlv(0x01, &[0xff]),
+                der::tlv(0x04, &der::tlv(0x03, &[0x07, 0x80])),
+            ]
+            .concat(),
+        );
+        let eku = der::tlv(
+            0x30,
+            &[
+                der::oid(OID_EKU),
+                der::tlv(0x04, &der::tlv(0x30, &der::oid(OID_CLIENT_AUTH))),
+            ]
+            .concat(),
+        );
         let tbs = der::tlv(
             0x30,
             &[
@@ -145,7 +174,10 @@ impl Ca {
                 der::tlv(0x02, &serial),
                 der::tlv(0x30, &der::oid(OID_ECDSA_SHA256)),
                 issuer_name,
-                der::tlv(0x30, &[der::time(not_before), der::time(not_after)].concat()),
+                der::tlv(
+                    0x30,
+                    &[der::time(not_before), der::time(not_after)].concat(),
+                ),
                 der::tlv(0x30, &subject),
                 key.subject_public_key_info(),
                 der::tlv(0xa3, &der::tlv(0x30, &[key_usage, eku].concat())),
@@ -155,14 +187,28 @@ impl Ca {
         let sig = must(self.issuer.key().sign(&tbs));
         let mut bits = vec![0u8];
         bits.extend(sig);
-        let cert = der::tlv(0x30, &[tbs, der::tlv(0x30, &der::oid(OID_ECDSA_SHA256)), der::tlv(0x03, &bits)].concat());
-        CertKey { cert_pem: pem_encode("CERTIFICATE", &cert), key_pem: key.serialize_pem() }
+        let cert = der::tlv(
+            0x30,
+            &[
+                tbs,
+                der::tlv(0x30, &der::oid(OID_ECDSA_SHA256)),
+                der::tlv(0x03, &bits),
+            ]
+            .concat(),
+        );
+        CertKey {
+            cert_pem: pem_encode("CERTIFICATE", &cert),
+            key_pem: key.serialize_pem(),
+        }
     }
 
     fn issue(&self, params: CertificateParams) -> CertKey {
         let key = new_key();
         let cert = must(params.signed_by(&key, &self.issuer));
-        CertKey { cert_pem: cert.pem(), key_pem: key.serialize_pem() }
+        CertKey {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        }
     }
 }
 
@@ -201,7 +247,12 @@ mod der {
         if n < 0x80 {
             out.push(n as u8);
         } else {
-            let bytes: Vec<u8> = n.to_be_bytes().iter().copied().skip_while(|b| *b == 0).collect();
+            let bytes: Vec<u8> = n
+                .to_be_bytes()
+                .iter()
+                .copied()
+                .skip_while(|b| *b == 0)
+                .collect();
             out.push(0x80 | bytes.len() as u8);
             out.extend(bytes);
         }
@@ -227,7 +278,10 @@ mod der {
 
     /// One RDN: SET { SEQUENCE { type, UTF8String } }.
     pub fn rdn(ty: &[u64], value: &str) -> Vec<u8> {
-        tlv(0x31, &tlv(0x30, &[oid(ty), tlv(0x0c, value.as_bytes())].concat()))
+        tlv(
+            0x31,
+            &tlv(0x30, &[oid(ty), tlv(0x0c, value.as_bytes())].concat()),
+        )
     }
 
     /// UTCTime (GeneralizedTime from 2050) from Unix seconds.
@@ -294,9 +348,16 @@ mod tests {
             .expect("one cert")
             .expect("pem");
         let (_, cert) = x509_parser::parse_x509_certificate(&der).expect("x509");
-        let cn: Vec<_> = cert.subject().iter_common_name().map(|a| a.as_str().unwrap()).collect();
-        let o: Vec<_> =
-            cert.subject().iter_organization().map(|a| a.as_str().unwrap()).collect();
+        let cn: Vec<_> = cert
+            .subject()
+            .iter_common_name()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let o: Vec<_> = cert
+            .subject()
+            .iter_organization()
+            .map(|a| a.as_str().unwrap())
+            .collect();
         assert_eq!(cn, ["alice"]);
         assert_eq!(o, ["dev", "ops"]);
     }

@@ -100,8 +100,7 @@ impl PolicyRule {
                 None => (r.as_str(), ""),
             };
             let (res, group) = base.split_once('.').unwrap_or((base, ""));
-            let group_ok = group == a.group
-                || (group.is_empty() && IMPERSONATION.contains(&res));
+            let group_ok = group == a.group || (group.is_empty() && IMPERSONATION.contains(&res));
             let res_ok = res == "*" || res == a.resource;
             let sub_ok = sub == a.subresource || (sub == "*" && !a.subresource.is_empty());
             group_ok && res_ok && sub_ok
@@ -114,7 +113,10 @@ impl PolicyRule {
             return false;
         }
         if !a.resource_request {
-            return self.non_resource_urls.iter().any(|p| path_matches(p, &a.path));
+            return self
+                .non_resource_urls
+                .iter()
+                .any(|p| path_matches(p, &a.path));
         }
         if !self.resource_matches(a) {
             return false;
@@ -122,8 +124,7 @@ impl PolicyRule {
         let ns_ok = self.namespaces.is_empty()
             || self.namespaces.iter().any(|n| n == "*")
             || (!a.namespace.is_empty() && self.namespaces.contains(&a.namespace));
-        let name_ok =
-            self.names.is_empty() || (!a.name.is_empty() && self.names.contains(&a.name));
+        let name_ok = self.names.is_empty() || (!a.name.is_empty() && self.names.contains(&a.name));
         ns_ok && name_ok
     }
 }
@@ -182,7 +183,8 @@ fn builtin_allows(a: &Attributes) -> bool {
     authenticated
         && a.verb == "create"
         && ((a.group == "authorization.k8s.io"
-            && (a.resource == "selfsubjectaccessreviews" || a.resource == "selfsubjectrulesreviews"))
+            && (a.resource == "selfsubjectaccessreviews"
+                || a.resource == "selfsubjectrulesreviews"))
             || (a.group == "authentication.k8s.io" && a.resource == "selfsubjectreviews"))
 }
 
@@ -215,8 +217,16 @@ pub fn forbidden_message(a: &Attributes) -> String {
     } else {
         format!("{}/{}", a.resource, a.subresource)
     };
-    let qualified = if a.group.is_empty() { a.resource.clone() } else { format!("{}.{}", a.resource, a.group) };
-    let subject = if a.name.is_empty() { qualified } else { format!("{qualified} \"{}\"", a.name) };
+    let qualified = if a.group.is_empty() {
+        a.resource.clone()
+    } else {
+        format!("{}.{}", a.resource, a.group)
+    };
+    let subject = if a.name.is_empty() {
+        qualified
+    } else {
+        format!("{qualified} \"{}\"", a.name)
+    };
     let scope = if a.namespace.is_empty() {
         "at the cluster scope".to_string()
     } else {

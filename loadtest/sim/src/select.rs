@@ -50,11 +50,14 @@ fn split_top(s: &str) -> Vec<&str> {
 fn valid_key(k: &str) -> bool {
     !k.is_empty()
         && k.len() <= 316
-        && k.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
 }
 
 fn valid_value(v: &str) -> bool {
-    v.len() <= 63 && v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    v.len() <= 63
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
 }
 
 impl LabelSelector {
@@ -119,7 +122,10 @@ impl LabelSelector {
 
 fn split_set_op(p: &str, op: &str) -> Option<(String, String)> {
     let i = p.find(op)?;
-    Some((p[..i].trim().to_string(), p[i + op.len()..].trim().to_string()))
+    Some((
+        p[..i].trim().to_string(),
+        p[i + op.len()..].trim().to_string(),
+    ))
 }
 
 fn parse_set(s: String) -> Option<Vec<String>> {
@@ -152,7 +158,9 @@ impl FieldSelector {
                     "invalid selector: '{p}'; can't understand '{p}'"
                 )));
             };
-            let (Req::Eq(k, _) | Req::Ne(k, _)) = &req else { continue };
+            let (Req::Eq(k, _) | Req::Ne(k, _)) = &req else {
+                continue;
+            };
             if k != "metadata.name" && k != "metadata.namespace" {
                 return Err(SelectError::Field(format!(
                     "field label not supported: {k}"
@@ -166,7 +174,13 @@ impl FieldSelector {
     /// Whether an object with this namespace and name matches.
     pub fn matches(&self, namespace: &str, name: &str) -> bool {
         self.0.iter().all(|r| {
-            let field = |k: &str| if k == "metadata.name" { name } else { namespace };
+            let field = |k: &str| {
+                if k == "metadata.name" {
+                    name
+                } else {
+                    namespace
+                }
+            };
             match r {
                 Req::Eq(k, v) => field(k) == v,
                 Req::Ne(k, v) => field(k) != v,
@@ -194,7 +208,10 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]

@@ -26,7 +26,6 @@ use crate::policy::Policy;
 use crate::store::Store;
 use crate::{Pki, SeenRequest, SimConfig};
 
-
 /// Fleet-wide state every replica serves from.
 pub struct Shared {
     pub(crate) store: Arc<Store>,
@@ -49,16 +48,20 @@ impl Shared {
     /// Builds the TLS config and store of a fleet.
     pub fn new(cfg: &SimConfig) -> anyhow::Result<Shared> {
         let pki = cfg.pki.clone();
-        let verifier = Arc::new(DeferredVerifier::new(pki.client_ca.cert_der(), pki.front_proxy_ca.cert_der())?);
+        let verifier = Arc::new(DeferredVerifier::new(
+            pki.client_ca.cert_der(),
+            pki.front_proxy_ca.cert_der(),
+        )?);
         let serving = pki.server_ca.server_cert(&["127.0.0.1", "localhost"]);
         let mut chain = pem_certs(&serving.cert_pem)?;
         chain.push(pki.server_ca.cert_der());
         let key = rustls_pemfile::private_key(&mut serving.key_pem.as_bytes())?
             .ok_or_else(|| anyhow::anyhow!("no private key in serving PEM"))?;
-        let mut tls = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()?
-            .with_client_cert_verifier(verifier.clone())
-            .with_single_cert(chain, key)?;
+        let mut tls =
+            ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()?
+                .with_client_cert_verifier(verifier.clone())
+                .with_single_cert(chain, key)?;
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(Shared {
             store: Arc::new(Store::new(cfg.event_ring)),
@@ -108,7 +111,10 @@ pub struct Replica {
 
 impl std::fmt::Debug for Replica {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Replica").field("index", &self.inner.index).field("addr", &self.inner.addr).finish()
+        f.debug_struct("Replica")
+            .field("index", &self.inner.index)
+            .field("addr", &self.inner.addr)
+            .finish()
     }
 }
 
@@ -161,7 +167,11 @@ impl Replica {
 
     /// Cancels all connections without waiting (used when the fleet is dropped).
     pub(crate) fn shutdown_now(&self) {
-        self.inner.cancel.lock().unwrap_or_else(|p| p.into_inner()).cancel();
+        self.inner
+            .cancel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .cancel();
     }
 
     /// Adds this delay before every response head.
@@ -193,7 +203,8 @@ impl Replica {
         let c = &inner.counters;
         let sh = &inner.shared;
         let live = sh.store.live_bytes();
-        let (last_user, last_headers_seen) = c.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let (last_user, last_headers_seen) =
+            c.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
         ReplicaStats {
             requests: c.requests.load(Ordering::Relaxed),
             in_flight: c.in_flight.load(Ordering::Relaxed),
@@ -226,7 +237,11 @@ async fn start_inner(inner: &Arc<ReplicaInner>) {
     if run.is_some() {
         return;
     }
-    let first = inner.first_listener.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let first = inner
+        .first_listener
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
     let listener = match first {
         Some(l) => l,
         None => {
@@ -287,13 +302,22 @@ async fn accept_loop(inner: Arc<ReplicaInner>, listener: TcpListener, cancel: Ca
     }
 }
 
-async fn serve_conn(inner: Arc<ReplicaInner>, acceptor: TlsAcceptor, tcp: tokio::net::TcpStream, cancel: CancellationToken) {
-    let tls = match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp)).await {
+async fn serve_conn(
+    inner: Arc<ReplicaInner>,
+    acceptor: TlsAcceptor,
+    tcp: tokio::net::TcpStream,
+    cancel: CancellationToken,
+) {
+    let tls = match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp))
+        .await
+    {
         Ok(Ok(t)) => t,
         _ => return,
     };
     let (_, conn) = tls.get_ref();
-    let peer: Option<PeerCert> = conn.peer_certificates().and_then(|c| inner.shared.verifier.inspect(c));
+    let peer: Option<PeerCert> = conn
+        .peer_certificates()
+        .and_then(|c| inner.shared.verifier.inspect(c));
     let h2 = conn.alpn_protocol() == Some(b"h2");
     let peer = Arc::new(peer);
     let svc = {
@@ -308,7 +332,10 @@ async fn serve_conn(inner: Arc<ReplicaInner>, acceptor: TlsAcceptor, tcp: tokio:
     };
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http2().max_concurrent_streams(100);
-    if let Err(e) = b.serve_connection_with_upgrades(TokioIo::new(tls), svc).await {
+    if let Err(e) = b
+        .serve_connection_with_upgrades(TokioIo::new(tls), svc)
+        .await
+    {
         tracing::debug!(error = %e, "connection ended with error");
     }
 }
@@ -323,7 +350,9 @@ async fn serve_request(
     cancel: CancellationToken,
 ) -> Result<Response<SimBody>, h2::Error> {
     let path = req.uri().path().to_string();
-    let probe = PROBES.iter().any(|p| path == *p || path.starts_with(&format!("{p}/")));
+    let probe = PROBES
+        .iter()
+        .any(|p| path == *p || path.starts_with(&format!("{p}/")));
     if probe {
         return Ok(crate::api::text(200, "ok"));
     }

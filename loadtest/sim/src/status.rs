@@ -51,7 +51,11 @@ pub fn details(name: &str, group: &str, kind: &str) -> Value {
 
 /// `resource "name"` or `resource.group "name"` as errors name an object.
 fn qualified(resource: &str, group: &str) -> String {
-    if group.is_empty() { resource.to_string() } else { format!("{resource}.{group}") }
+    if group.is_empty() {
+        resource.to_string()
+    } else {
+        format!("{resource}.{group}")
+    }
 }
 
 /// 401 Unauthorized.
@@ -138,7 +142,9 @@ pub fn rv_too_large() -> ApiError {
         504,
         "Timeout",
         "Too large resource version".into(),
-        Some(json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1})),
+        Some(
+            json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1}),
+        ),
     )
 }
 
@@ -162,17 +168,35 @@ pub fn unsupported_media_type(ct: &str) -> ApiError {
     ApiError::new(
         415,
         "UnsupportedMediaType",
-        format!("the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json (got {ct})"),
+        format!(
+            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json (got {ct})"
+        ),
         None,
     )
 }
 
 /// 422 Invalid with one cause.
-pub fn invalid(kind: &str, group: &str, name: &str, field: &str, cause_reason: &str, detail: &str) -> ApiError {
-    let kq = if group.is_empty() { kind.to_string() } else { format!("{kind}.{group}") };
+pub fn invalid(
+    kind: &str,
+    group: &str,
+    name: &str,
+    field: &str,
+    cause_reason: &str,
+    detail: &str,
+) -> ApiError {
+    let kq = if group.is_empty() {
+        kind.to_string()
+    } else {
+        format!("{kind}.{group}")
+    };
     let mut d = details(name, group, kind);
     d["causes"] = json!([{"reason": cause_reason, "message": detail, "field": field}]);
-    ApiError::new(422, "Invalid", format!("{kq} \"{name}\" is invalid: {field}: {detail}"), Some(d))
+    ApiError::new(
+        422,
+        "Invalid",
+        format!("{kq} \"{name}\" is invalid: {field}: {detail}"),
+        Some(d),
+    )
 }
 
 /// The 5xx (or other) failure a faulted replica answers with.

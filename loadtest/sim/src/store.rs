@@ -87,7 +87,11 @@ pub struct Obj {
 impl Obj {
     /// The object with `kind` and `apiVersion` first, as GET and watch events carry it.
     pub fn with_kind(&self, def: &ResourceDef) -> Bytes {
-        let prefix = format!("{{\"kind\":\"{}\",\"apiVersion\":\"{}\",", def.kind, def.api_version());
+        let prefix = format!(
+            "{{\"kind\":\"{}\",\"apiVersion\":\"{}\",",
+            def.kind,
+            def.api_version()
+        );
         let mut b = BytesMut::with_capacity(prefix.len() + self.body.len());
         b.put_slice(prefix.as_bytes());
         b.put_slice(&self.body[1..]);
@@ -205,10 +209,19 @@ impl FromStr for Seed {
         let count = count.trim().parse().map_err(|_| err())?;
         let size = parse_size(size).ok_or_else(err)?;
         let def = discovery::by_key(res.trim())
-            .or_else(|| discovery::RESOURCES.iter().find(|d| d.resource == res.trim()))
+            .or_else(|| {
+                discovery::RESOURCES
+                    .iter()
+                    .find(|d| d.resource == res.trim())
+            })
             .filter(|d| d.stored())
             .ok_or_else(err)?;
-        Ok(Seed { resource: def.key(), count, size, namespaces: nss })
+        Ok(Seed {
+            resource: def.key(),
+            count,
+            size,
+            namespaces: nss,
+        })
     }
 }
 
@@ -232,13 +245,18 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("rv", &self.resource_version()).finish()
+        f.debug_struct("Store")
+            .field("rv", &self.resource_version())
+            .finish()
     }
 }
 
 /// Now as RFC 3339 seconds (`2026-06-15T04:14:53Z`).
 pub fn now_rfc3339() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO).as_secs();
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_secs();
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Civil-from-days (Howard Hinnant's algorithm).
@@ -252,7 +270,12 @@ pub fn now_rfc3339() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = if m <= 2 { y + 1 } else { y };
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// A random RFC 4122 version 4 UUID.
@@ -260,19 +283,37 @@ pub fn new_uid() -> String {
     let b: [u8; 16] = rand::random();
     let h = |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
     let mut s = format!("{}-{}-4{}-", h(0..4), h(4..6), &h(6..8)[1..]);
-    s.push_str(&format!("{:x}{}-{}", 8 | (b[8] & 0x3), &h(8..10)[1..], h(10..16)));
+    s.push_str(&format!(
+        "{:x}{}-{}",
+        8 | (b[8] & 0x3),
+        &h(8..10)[1..],
+        h(10..16)
+    ));
     s
 }
 
 fn random_suffix() -> String {
     const ALPHA: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
-    (0..5).map(|_| ALPHA[rand::random_range(0..ALPHA.len())] as char).collect()
+    (0..5)
+        .map(|_| ALPHA[rand::random_range(0..ALPHA.len())] as char)
+        .collect()
 }
 
 const META_ORDER: &[&str] = &[
-    "name", "generateName", "namespace", "uid", "resourceVersion", "generation",
-    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
-    "annotations", "ownerReferences", "finalizers", "managedFields",
+    "name",
+    "generateName",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "finalizers",
+    "managedFields",
 ];
 
 /// Writes `map` as JSON with `order`'s keys first (in that order), then the rest, then
@@ -318,7 +359,12 @@ fn encode(mut v: Map<String, Value>, rv: u64) -> Obj {
     };
     let mut meta = meta;
     meta.insert("resourceVersion".into(), json!(rv.to_string()));
-    let s = |k: &str| meta.get(k).and_then(Value::as_str).unwrap_or_default().to_string();
+    let s = |k: &str| {
+        meta.get(k)
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
     let (namespace, name, uid) = (s("namespace"), s("name"), s("uid"));
     let labels = meta
         .get("labels")
@@ -334,14 +380,26 @@ fn encode(mut v: Map<String, Value>, rv: u64) -> Obj {
     write_ordered(&mut out, &meta, META_ORDER, &[]);
     if !v.is_empty() {
         let mut rest = Vec::new();
-        write_ordered(&mut rest, &v, &["spec", "data", "binaryData", "stringData", "type"], &["status"]);
+        write_ordered(
+            &mut rest,
+            &v,
+            &["spec", "data", "binaryData", "stringData", "type"],
+            &["status"],
+        );
         if rest.len() > 2 {
             out.push(b',');
             out.extend_from_slice(&rest[1..rest.len() - 1]);
         }
     }
     out.push(b'}');
-    Obj { namespace, name, rv, uid, labels, body: Bytes::from(out) }
+    Obj {
+        namespace,
+        name,
+        rv,
+        uid,
+        labels,
+        body: Bytes::from(out),
+    }
 }
 
 fn as_object(v: Value, name_hint: &str) -> Result<Map<String, Value>, StoreError> {
@@ -382,12 +440,21 @@ pub fn json_patch(target: &mut Value, ops: &Value) -> Result<(), String> {
     let ops = ops.as_array().ok_or("a JSON patch must be an array")?;
     for op in ops {
         let kind = op.get("op").and_then(Value::as_str).ok_or("missing op")?;
-        let path = op.get("path").and_then(Value::as_str).ok_or("missing path")?;
-        let value = || op.get("value").cloned().ok_or_else(|| format!("missing value for {kind}"));
+        let path = op
+            .get("path")
+            .and_then(Value::as_str)
+            .ok_or("missing path")?;
+        let value = || {
+            op.get("value")
+                .cloned()
+                .ok_or_else(|| format!("missing value for {kind}"))
+        };
         match kind {
             "add" => pointer_set(target, path, value()?, true)?,
             "replace" => {
-                target.pointer(path).ok_or_else(|| format!("path {path} not found"))?;
+                target
+                    .pointer(path)
+                    .ok_or_else(|| format!("path {path} not found"))?;
                 pointer_set(target, path, value()?, false)?
             }
             "remove" => {
@@ -399,8 +466,14 @@ pub fn json_patch(target: &mut Value, ops: &Value) -> Result<(), String> {
                 }
             }
             "copy" | "move" => {
-                let from = op.get("from").and_then(Value::as_str).ok_or("missing from")?;
-                let v = target.pointer(from).cloned().ok_or_else(|| format!("path {from} not found"))?;
+                let from = op
+                    .get("from")
+                    .and_then(Value::as_str)
+                    .ok_or("missing from")?;
+                let v = target
+                    .pointer(from)
+                    .cloned()
+                    .ok_or_else(|| format!("path {from} not found"))?;
                 if kind == "move" {
                     pointer_remove(target, from)?;
                 }
@@ -454,10 +527,16 @@ fn pointer_set(target: &mut Value, path: &str, v: Value, insert: bool) -> Result
 fn pointer_remove(target: &mut Value, path: &str) -> Result<Value, String> {
     let (parent, last) = split_pointer(path)?;
     match target.pointer_mut(parent) {
-        Some(Value::Object(m)) => m.remove(&last).ok_or_else(|| format!("path {path} not found")),
+        Some(Value::Object(m)) => m
+            .remove(&last)
+            .ok_or_else(|| format!("path {path} not found")),
         Some(Value::Array(a)) => {
             let i: usize = last.parse().map_err(|_| format!("bad index {last}"))?;
-            if i < a.len() { Ok(a.remove(i)) } else { Err(format!("index {i} out of range")) }
+            if i < a.len() {
+                Ok(a.remove(i))
+            } else {
+                Err(format!("index {i} out of range"))
+            }
         }
         _ => Err(format!("path {parent} not found")),
     }
@@ -470,7 +549,9 @@ fn def_of(resource: &str) -> Result<&'static ResourceDef, StoreError> {
 }
 
 fn meta_str<'a>(v: &'a Map<String, Value>, k: &str) -> Option<&'a str> {
-    v.get("metadata").and_then(|m| m.get(k)).and_then(Value::as_str)
+    v.get("metadata")
+        .and_then(|m| m.get(k))
+        .and_then(Value::as_str)
 }
 
 impl Store {
@@ -527,7 +608,9 @@ impl Store {
     /// Waits until the store reaches `rv`, at most `timeout`; true when reached.
     pub async fn wait_for(&self, rv: u64, timeout: Duration) -> bool {
         let mut rx = self.rv_tx.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|cur| *cur >= rv)).await.is_ok_and(|r| r.is_ok())
+        tokio::time::timeout(timeout, rx.wait_for(|cur| *cur >= rv))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// The stored object.
@@ -542,10 +625,18 @@ impl Store {
     /// The object as a GET returns it (with kind and apiVersion).
     pub fn get(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
         let def = def_of(resource).ok()?;
-        self.get_obj(resource, namespace, name).map(|o| o.to_value(def))
+        self.get_obj(resource, namespace, name)
+            .map(|o| o.to_value(def))
     }
 
-    fn commit(&self, g: &mut Inner, kind: EventType, resource: &str, obj: Arc<Obj>, prev: Option<Arc<Obj>>) {
+    fn commit(
+        &self,
+        g: &mut Inner,
+        kind: EventType,
+        resource: &str,
+        obj: Arc<Obj>,
+        prev: Option<Arc<Obj>>,
+    ) {
         let key = (obj.namespace.clone(), obj.name.clone());
         let table = g.tables.entry(resource.to_string()).or_default();
         let old_len = prev.as_ref().map_or(0, |p| p.body.len() as u64);
@@ -556,7 +647,13 @@ impl Store {
             table.insert(key, obj.clone());
             g.live_bytes = g.live_bytes.saturating_sub(old_len) + obj.body.len() as u64;
         }
-        let ev = Arc::new(Event { rv: g.rv, kind, resource: resource.to_string(), obj, prev });
+        let ev = Arc::new(Event {
+            rv: g.rv,
+            kind,
+            resource: resource.to_string(),
+            obj,
+            prev,
+        });
         g.ring.push_back(ev.clone());
         while g.ring.len() > g.ring_cap {
             if let Some(old) = g.ring.pop_front() {
@@ -578,14 +675,25 @@ impl Store {
     }
 
     /// As [`Store::create`], returning the stored object.
-    pub fn create_obj(&self, def: &ResourceDef, namespace: &str, obj: Value) -> Result<Arc<Obj>, StoreError> {
+    pub fn create_obj(
+        &self,
+        def: &ResourceDef,
+        namespace: &str,
+        obj: Value,
+    ) -> Result<Arc<Obj>, StoreError> {
         let mut v = as_object(obj, "")?;
         let meta = v.entry("metadata").or_insert_with(|| json!({}));
         if !meta.is_object() {
             *meta = json!({});
         }
-        let Some(m) = meta.as_object_mut() else { unreachable!("just made an object") };
-        let mut name = m.get("name").and_then(Value::as_str).unwrap_or_default().to_string();
+        let Some(m) = meta.as_object_mut() else {
+            unreachable!("just made an object")
+        };
+        let mut name = m
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
         if name.is_empty() {
             match m.get("generateName").and_then(Value::as_str) {
                 Some(g) if !g.is_empty() => name = format!("{g}{}", random_suffix()),
@@ -619,8 +727,14 @@ impl Store {
         let ns = if def.namespaced { namespace } else { "" };
         let mut g = self.lock();
         let key = (ns.to_string(), name.clone());
-        if g.tables.get(&def.key()).is_some_and(|t| t.contains_key(&key)) {
-            return Err(StoreError::AlreadyExists { resource: def.key(), name });
+        if g.tables
+            .get(&def.key())
+            .is_some_and(|t| t.contains_key(&key))
+        {
+            return Err(StoreError::AlreadyExists {
+                resource: def.key(),
+                name,
+            });
         }
         g.rv += 1;
         let obj = Arc::new(encode(v, g.rv));
@@ -637,7 +751,13 @@ impl Store {
     }
 
     /// As [`Store::update`]; `path_name` (from the URL) must match the body's name.
-    pub fn update_obj(&self, def: &ResourceDef, namespace: &str, path_name: Option<&str>, obj: Value) -> Result<Arc<Obj>, StoreError> {
+    pub fn update_obj(
+        &self,
+        def: &ResourceDef,
+        namespace: &str,
+        path_name: Option<&str>,
+        obj: Value,
+    ) -> Result<Arc<Obj>, StoreError> {
         let v = as_object(obj, path_name.unwrap_or_default())?;
         let name = meta_str(&v, "name").unwrap_or_default().to_string();
         if let Some(p) = path_name
@@ -651,18 +771,33 @@ impl Store {
             });
         }
         let want_rv = meta_str(&v, "resourceVersion").map(str::to_string);
-        self.replace(def, namespace, &name, want_rv.as_deref(), |_| Ok(Value::Object(v)))
+        self.replace(def, namespace, &name, want_rv.as_deref(), |_| {
+            Ok(Value::Object(v))
+        })
     }
 
     /// Applies a JSON merge patch (strategic merge is treated the same).
-    pub fn patch(&self, resource: &str, namespace: &str, name: &str, patch: &Value) -> Result<Value, StoreError> {
+    pub fn patch(
+        &self,
+        resource: &str,
+        namespace: &str,
+        name: &str,
+        patch: &Value,
+    ) -> Result<Value, StoreError> {
         let def = def_of(resource)?;
         let o = self.patch_obj(def, namespace, name, PatchKind::Merge, patch)?;
         Ok(o.to_value(def))
     }
 
     /// Applies a merge or JSON patch to the stored object.
-    pub fn patch_obj(&self, def: &ResourceDef, namespace: &str, name: &str, kind: PatchKind, patch: &Value) -> Result<Arc<Obj>, StoreError> {
+    pub fn patch_obj(
+        &self,
+        def: &ResourceDef,
+        namespace: &str,
+        name: &str,
+        kind: PatchKind,
+        patch: &Value,
+    ) -> Result<Arc<Obj>, StoreError> {
         let want_rv = patch
             .get("metadata")
             .and_then(|m| m.get("resourceVersion"))
@@ -672,12 +807,14 @@ impl Store {
             let mut cur = old;
             match kind {
                 PatchKind::Merge => merge_patch(&mut cur, patch),
-                PatchKind::Json => json_patch(&mut cur, patch).map_err(|e| StoreError::Invalid {
-                    name: name.to_string(),
-                    field: "<patch>".into(),
-                    reason: "FieldValueInvalid",
-                    detail: e,
-                })?,
+                PatchKind::Json => {
+                    json_patch(&mut cur, patch).map_err(|e| StoreError::Invalid {
+                        name: name.to_string(),
+                        field: "<patch>".into(),
+                        reason: "FieldValueInvalid",
+                        detail: e,
+                    })?
+                }
             }
             Ok(cur)
         })
@@ -701,12 +838,18 @@ impl Store {
             .get(&rk)
             .and_then(|t| t.get(&key))
             .cloned()
-            .ok_or_else(|| StoreError::NotFound { resource: rk.clone(), name: name.to_string() })?;
+            .ok_or_else(|| StoreError::NotFound {
+                resource: rk.clone(),
+                name: name.to_string(),
+            })?;
         if let Some(w) = want_rv
             && !w.is_empty()
             && w != old.rv.to_string()
         {
-            return Err(StoreError::Conflict { resource: rk, name: name.to_string() });
+            return Err(StoreError::Conflict {
+                resource: rk,
+                name: name.to_string(),
+            });
         }
         let old_v: Value = serde_json::from_slice(&old.body).unwrap_or(Value::Null);
         let new_v = as_object(f(old_v.clone())?, name)?;
@@ -739,7 +882,13 @@ impl Store {
 
     /// Deletes an object, with an optional resourceVersion precondition; returns the
     /// deleted object at the delete's revision.
-    pub fn delete_obj(&self, def: &ResourceDef, namespace: &str, name: &str, want_rv: Option<&str>) -> Result<Arc<Obj>, StoreError> {
+    pub fn delete_obj(
+        &self,
+        def: &ResourceDef,
+        namespace: &str,
+        name: &str,
+        want_rv: Option<&str>,
+    ) -> Result<Arc<Obj>, StoreError> {
         let ns = if def.namespaced { namespace } else { "" };
         let rk = def.key();
         let mut g = self.lock();
@@ -749,15 +898,24 @@ impl Store {
             .get(&rk)
             .and_then(|t| t.get(&key))
             .cloned()
-            .ok_or_else(|| StoreError::NotFound { resource: rk.clone(), name: name.to_string() })?;
+            .ok_or_else(|| StoreError::NotFound {
+                resource: rk.clone(),
+                name: name.to_string(),
+            })?;
         if let Some(w) = want_rv
             && !w.is_empty()
             && w != old.rv.to_string()
         {
-            return Err(StoreError::Conflict { resource: rk, name: name.to_string() });
+            return Err(StoreError::Conflict {
+                resource: rk,
+                name: name.to_string(),
+            });
         }
         g.rv += 1;
-        let v = serde_json::from_slice::<Value>(&old.body).ok().and_then(|v| as_object(v, name).ok()).unwrap_or_default();
+        let v = serde_json::from_slice::<Value>(&old.body)
+            .ok()
+            .and_then(|v| as_object(v, name).ok())
+            .unwrap_or_default();
         let obj = Arc::new(encode(v, g.rv));
         self.commit(&mut g, EventType::Deleted, &rk, obj.clone(), Some(old));
         Ok(obj)
@@ -766,23 +924,32 @@ impl Store {
     /// Every object of a resource in `namespace` (or all namespaces when `None`), sorted by
     /// (namespace, name), as of revision `at` (current when `None`), and that revision.
     /// History older than the ring is `Expired`.
-    pub fn list(&self, resource: &str, namespace: Option<&str>, at: Option<u64>) -> Result<(u64, Vec<Arc<Obj>>), StoreError> {
+    pub fn list(
+        &self,
+        resource: &str,
+        namespace: Option<&str>,
+        at: Option<u64>,
+    ) -> Result<(u64, Vec<Arc<Obj>>), StoreError> {
         let g = self.lock();
         let in_scope = |ns: &str| namespace.is_none_or(|n| n == ns);
-        let mut items: BTreeMap<(String, String), Arc<Obj>> = match (g.tables.get(resource), namespace) {
-            (None, _) => BTreeMap::new(),
-            (Some(t), Some(ns)) => t
-                .range((ns.to_string(), String::new())..)
-                .take_while(|((n, _), _)| n == ns)
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect(),
-            (Some(t), None) => t.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        };
+        let mut items: BTreeMap<(String, String), Arc<Obj>> =
+            match (g.tables.get(resource), namespace) {
+                (None, _) => BTreeMap::new(),
+                (Some(t), Some(ns)) => t
+                    .range((ns.to_string(), String::new())..)
+                    .take_while(|((n, _), _)| n == ns)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                (Some(t), None) => t.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            };
         let rv = match at {
             None => g.rv,
             Some(at) if at >= g.rv => g.rv,
             Some(at) if at < g.floor => {
-                return Err(StoreError::Expired { requested: at, oldest: g.floor });
+                return Err(StoreError::Expired {
+                    requested: at,
+                    oldest: g.floor,
+                });
             }
             Some(at) => {
                 // Roll the newer changes back, newest first.
@@ -805,7 +972,9 @@ impl Store {
     /// Encoded bytes of every object of a resource in a scope: what a LIST from etcd reads.
     pub fn scope_bytes(&self, resource: &str, namespace: Option<&str>) -> u64 {
         let g = self.lock();
-        let Some(t) = g.tables.get(resource) else { return 0 };
+        let Some(t) = g.tables.get(resource) else {
+            return 0;
+        };
         match namespace {
             Some(ns) => t
                 .range((ns.to_string(), String::new())..)
@@ -822,12 +991,24 @@ impl Store {
         let rx = self.tx.subscribe();
         match from {
             WatchFrom::Now => {
-                let initial = g.tables.get(resource).map(|t| t.values().cloned().collect()).unwrap_or_default();
-                Ok(WatchStart { initial, backlog: Vec::new(), rx, rv: g.rv })
+                let initial = g
+                    .tables
+                    .get(resource)
+                    .map(|t| t.values().cloned().collect())
+                    .unwrap_or_default();
+                Ok(WatchStart {
+                    initial,
+                    backlog: Vec::new(),
+                    rx,
+                    rv: g.rv,
+                })
             }
             WatchFrom::After(rv) => {
                 if rv < g.floor {
-                    return Err(StoreError::Expired { requested: rv, oldest: g.floor + 1 });
+                    return Err(StoreError::Expired {
+                        requested: rv,
+                        oldest: g.floor + 1,
+                    });
                 }
                 let backlog = g
                     .ring
@@ -835,7 +1016,12 @@ impl Store {
                     .filter(|e| e.rv > rv && e.resource == resource)
                     .cloned()
                     .collect();
-                Ok(WatchStart { initial: Vec::new(), backlog, rx, rv: g.rv })
+                Ok(WatchStart {
+                    initial: Vec::new(),
+                    backlog,
+                    rx,
+                    rv: g.rv,
+                })
             }
         }
     }
@@ -857,9 +1043,16 @@ impl Store {
         };
         if def.namespaced {
             for ns in &seed.namespaces {
-                let exists = g.tables.get("namespaces").is_some_and(|t| t.contains_key(&(String::new(), ns.clone())));
+                let exists = g
+                    .tables
+                    .get("namespaces")
+                    .is_some_and(|t| t.contains_key(&(String::new(), ns.clone())));
                 if !exists {
-                    add(&mut g, "namespaces", seed_object(discovery::by_key("namespaces").unwrap_or(def), "", ns, 0, 0));
+                    add(
+                        &mut g,
+                        "namespaces",
+                        seed_object(discovery::by_key("namespaces").unwrap_or(def), "", ns, 0, 0),
+                    );
                 }
             }
         }
@@ -870,7 +1063,11 @@ impl Store {
                 ""
             };
             let name = format!("{}-{i}", def.singular);
-            add(&mut g, &def.key(), seed_object(def, ns, &name, i, seed.size));
+            add(
+                &mut g,
+                &def.key(),
+                seed_object(def, ns, &name, i, seed.size),
+            );
         }
         g.floor = g.rv;
         self.rv_tx.send_replace(g.rv);
@@ -892,7 +1089,8 @@ fn invalid_name(name: &str) -> Option<&'static str> {
     let ok = name.len() <= 253
         && name.split('.').all(|l| {
             !l.is_empty()
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !l.starts_with('-')
                 && !l.ends_with('-')
         });
@@ -946,7 +1144,10 @@ mod tests {
     #[test]
     fn seed_parses() {
         let s: Seed = "secrets=5000x10KiB".parse().unwrap();
-        assert_eq!((s.resource.as_str(), s.count, s.size, s.namespaces.len()), ("secrets", 5000, 10240, 10));
+        assert_eq!(
+            (s.resource.as_str(), s.count, s.size, s.namespaces.len()),
+            ("secrets", 5000, 10240, 10)
+        );
         let s: Seed = "endpointslices=3x1KiB@a,b".parse().unwrap();
         assert_eq!(s.resource, "endpointslices.discovery.k8s.io");
         assert_eq!(s.namespaces, ["a", "b"]);
@@ -969,26 +1170,45 @@ mod tests {
     #[test]
     fn writes_bump_one_global_revision_and_history_rolls_back() {
         let st = Store::new(100);
-        let a = st.create("secrets", "ns", json!({"metadata": {"name": "a"}})).unwrap();
-        let rv_a: u64 = a["metadata"]["resourceVersion"].as_str().unwrap().parse().unwrap();
-        st.create("configmaps", "ns", json!({"metadata": {"name": "c"}})).unwrap();
-        st.patch("secrets", "ns", "a", &json!({"data": {"k": "dg=="}})).unwrap();
-        st.create("secrets", "ns", json!({"metadata": {"name": "b"}})).unwrap();
+        let a = st
+            .create("secrets", "ns", json!({"metadata": {"name": "a"}}))
+            .unwrap();
+        let rv_a: u64 = a["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        st.create("configmaps", "ns", json!({"metadata": {"name": "c"}}))
+            .unwrap();
+        st.patch("secrets", "ns", "a", &json!({"data": {"k": "dg=="}}))
+            .unwrap();
+        st.create("secrets", "ns", json!({"metadata": {"name": "b"}}))
+            .unwrap();
         assert_eq!(st.resource_version(), rv_a + 3);
         let (_, at_a) = st.list("secrets", Some("ns"), Some(rv_a)).unwrap();
         assert_eq!(at_a.len(), 1);
         assert_eq!(at_a[0].rv, rv_a);
         assert_eq!(st.applied_writes(), 4);
-        let err = st.update("secrets", "ns", json!({"metadata": {"name": "a", "resourceVersion": rv_a.to_string()}}));
+        let err = st.update(
+            "secrets",
+            "ns",
+            json!({"metadata": {"name": "a", "resourceVersion": rv_a.to_string()}}),
+        );
         assert!(matches!(err, Err(StoreError::Conflict { .. })));
     }
 
     #[test]
     fn noop_patch_does_not_write() {
         let st = Store::new(100);
-        st.create("secrets", "ns", json!({"metadata": {"name": "a"}, "data": {"k": "dg=="}})).unwrap();
+        st.create(
+            "secrets",
+            "ns",
+            json!({"metadata": {"name": "a"}, "data": {"k": "dg=="}}),
+        )
+        .unwrap();
         let rv = st.resource_version();
-        st.patch("secrets", "ns", "a", &json!({"data": {"k": "dg=="}})).unwrap();
+        st.patch("secrets", "ns", "a", &json!({"data": {"k": "dg=="}}))
+            .unwrap();
         assert_eq!(st.resource_version(), rv);
     }
 
@@ -996,11 +1216,22 @@ mod tests {
     fn ring_eviction_expires_old_history() {
         let st = Store::new(2);
         for i in 0..5 {
-            st.create("secrets", "ns", json!({"metadata": {"name": format!("s{i}")}})).unwrap();
+            st.create(
+                "secrets",
+                "ns",
+                json!({"metadata": {"name": format!("s{i}")}}),
+            )
+            .unwrap();
         }
-        assert!(matches!(st.list("secrets", None, Some(2)), Err(StoreError::Expired { .. })));
+        assert!(matches!(
+            st.list("secrets", None, Some(2)),
+            Err(StoreError::Expired { .. })
+        ));
         assert!(st.watch("secrets", WatchFrom::After(2)).is_err());
-        assert!(st.watch("secrets", WatchFrom::After(st.resource_version() - 1)).is_ok());
+        assert!(
+            st.watch("secrets", WatchFrom::After(st.resource_version() - 1))
+                .is_ok()
+        );
     }
 
     #[test]
@@ -1009,7 +1240,10 @@ mod tests {
         let v = st.create("secrets", "ns", json!({"kind": "Secret", "apiVersion": "v1", "type": "Opaque", "data": {}, "metadata": {"name": "x", "labels": {"a": "b"}}})).unwrap();
         let o = st.get_obj("secrets", "ns", "x").unwrap();
         let s = std::str::from_utf8(&o.body).unwrap();
-        assert!(s.starts_with("{\"metadata\":{\"name\":\"x\",\"namespace\":\"ns\",\"uid\":"), "{s}");
+        assert!(
+            s.starts_with("{\"metadata\":{\"name\":\"x\",\"namespace\":\"ns\",\"uid\":"),
+            "{s}"
+        );
         assert_eq!(v["kind"], "Secret");
         assert_eq!(o.labels.get("a").map(String::as_str), Some("b"));
         let uid = new_uid();

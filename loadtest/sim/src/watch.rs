@@ -64,14 +64,20 @@ fn zero_fields(def: &ResourceDef) -> &'static str {
         "Namespace" | "Node" => ",\"spec\":{},\"status\":{}",
         "Lease" => ",\"spec\":{}",
         "EndpointSlice" => ",\"addressType\":\"\",\"endpoints\":null",
-        "Event" => ",\"involvedObject\":{},\"reason\":\"\",\"message\":\"\",\"source\":{},\"firstTimestamp\":null,\"lastTimestamp\":null,\"eventTime\":null,\"reportingComponent\":\"\",\"reportingInstance\":\"\"",
+        "Event" => {
+            ",\"involvedObject\":{},\"reason\":\"\",\"message\":\"\",\"source\":{},\"firstTimestamp\":null,\"lastTimestamp\":null,\"eventTime\":null,\"reportingComponent\":\"\",\"reportingInstance\":\"\""
+        }
         _ => "",
     }
 }
 
 /// A BOOKMARK line at `rv`.
 pub fn bookmark_line(out: &mut BytesMut, def: &ResourceDef, rv: u64, initial_end: bool) {
-    let ann = if initial_end { ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}" } else { "" };
+    let ann = if initial_end {
+        ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}"
+    } else {
+        ""
+    };
     let s = format!(
         "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{ann}}}{}}}}}\n",
         def.kind,
@@ -235,5 +241,8 @@ pub fn stream(
         deadline: Instant::now() + opts.timeout,
         done: false,
     };
-    futures::stream::unfold(w, |mut w| async move { w.next_chunk().await.map(|c| (c, w)) })
+    futures::stream::unfold(
+        w,
+        |mut w| async move { w.next_chunk().await.map(|c| (c, w)) },
+    )
 }

@@ -1,0 +1,8 @@
+//! End-to-end tests: real TLS and HTTP/2 clients → Bulwark → the simulated apiserver fleet.
+
+mod bad_input;
+mod balance;
+mod harness;
+mod identity;
+mod kube_client;
+mod streaming;

@@ -1,0 +1,301 @@
+//! Bulwark as its own process: the runner re-executes itself with the hidden `__bulwark`
+//! subcommand, so that Bulwark's memory and CPU are the operating system's figures and
+//! `cargo run -p bulwark-loadtest` needs nothing else built.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use bulwark_sim::pki::{Ca, Pki};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+
+use crate::client::Target;
+use crate::report::ProxyCost;
+
+/// The name of the hidden subcommand that runs Bulwark in this binary.
+pub const SUBCOMMAND: &str = "__bulwark";
+
+/// How long Bulwark may take to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What Bulwark is put in front of, and with which credentials.
+pub struct Upstream<'a> {
+    /// The apiserver replicas, addressed one by one.
+    pub replicas: Vec<SocketAddr>,
+    /// The simulator's PKI: its serving CA, its client CA (which Bulwark also trusts for its
+    /// own clients) and its front-proxy CA.
+    pub pki: &'a Pki,
+    /// CN of the front-proxy certificate; the simulator must allow it.
+    pub front_proxy_user: &'a str,
+    /// Bulwark's own user and group, which the simulator's policy lets review and watch.
+    pub own_user: &'a str,
+    /// See `own_user`.
+    pub own_group: &'a str,
+    /// Heap headroom of one replica, for Bulwark's in-flight LIST byte budget.
+    pub heap_headroom: Option<u64>,
+}
+
+/// A running Bulwark process.
+pub struct ProxyProcess {
+    child: Child,
+    /// Where clients connect, with the CA of Bulwark's serving certificate.
+    pub target: Target,
+    /// Bulwark's admin listener (metrics, health).
+    pub admin: SocketAddr,
+    log: PathBuf,
+}
+
+/// A free port on 127.0.0.1: bound, then released for the child to bind. Another process
+/// could take it in between; the child then fails to start and says so.
+fn free_port() -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?)
+}
+
+fn path_str(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// Writes the PEM files and the YAML config of a Bulwark in front of `upstream` into `dir`
+/// and returns the config file, the client target and the admin address.
+pub fn write_config(
+    dir: &Path,
+    upstream: &Upstream<'_>,
+) -> anyhow::Result<(PathBuf, Target, SocketAddr)> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let serving_ca = Ca::new("bulwark-serving-ca");
+    let (cert, key) = serving_ca
+        .server_cert(&["127.0.0.1", "localhost"])
+        .write(dir, "bulwark-serving")?;
+    let client_ca = dir.join("client-ca.crt");
+    std::fs::write(&client_ca, upstream.pki.client_ca.cert_pem())?;
+    let upstream_ca = dir.join("upstream-ca.crt");
+    std::fs::write(&upstream_ca, upstream.pki.server_ca.cert_pem())?;
+    let (fp_cert, fp_key) = upstream
+        .pki
+        .front_proxy_ca
+        .client_cert(upstream.front_proxy_user, &[])
+        .write(dir, "front-proxy-client")?;
+    let (own_cert, own_key) = upstream
+        .pki
+        .client_ca
+        .client_cert(upstream.own_user, &[upstream.own_group])
+        .write(dir, "bulwark-self")?;
+    let addr = free_port()?;
+    let admin = free_port()?;
+    let mut upstream_cfg = serde_json::json!({
+        "replicas": upstream.replicas.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "ca": path_str(&upstream_ca),
+        "frontProxy": {"cert": path_str(&fp_cert), "key": path_str(&fp_key)},
+        "self": {"cert": path_str(&own_cert), "key": path_str(&own_key)},
+        "probeInterval": "1s",
+    });
+    if let Some(headroom) = upstream.heap_headroom {
+        upstream_cfg["replicaHeapHeadroom"] = headroom.into();
+    }
+    let config = serde_json::json!({
+        "listen": {
+            "address": addr.to_string(),
+            "cert": path_str(&cert),
+            "key": path_str(&key),
+            "clientCA": path_str(&client_ca),
+            "shutdown": {"pause": "0s", "grace": "2s"},
+        },
+        "admin": {"address": admin.to_string()},
+        "upstream": upstream_cfg,
+        "identity": {"mode": "front-proxy"},
+    });
+    // JSON is YAML; serde_norway writes it in block style, which reads better in a file.
+    let yaml = serde_norway::to_string(&config)?;
+    let path = dir.join("bulwark.yaml");
+    std::fs::write(&path, yaml)?;
+    let target = Target {
+        addr,
+        ca_pem: serving_ca.cert_pem(),
+    };
+    Ok((path, target, admin))
+}
+
+impl ProxyProcess {
+    /// Writes a config into `dir`, starts Bulwark from this same binary and waits until its
+    /// admin `/readyz` answers 200.
+    pub async fn start(dir: &Path, upstream: &Upstream<'_>) -> anyhow::Result<ProxyProcess> {
+        let (config, target, admin) = write_config(dir, upstream)?;
+        let exe = std::env::current_exe().context("locating this binary")?;
+        let log = dir.join("bulwark.log");
+        let log_file = std::fs::File::create(&log)?;
+        let child = Command::new(exe)
+            .arg(SUBCOMMAND)
+            .arg("--config")
+            .arg(&config)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the Bulwark process")?;
+        let mut process = ProxyProcess {
+            child,
+            target,
+            admin,
+            log,
+        };
+        process.wait_ready().await?;
+        Ok(process)
+    }
+
+    async fn wait_ready(&mut self) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "Bulwark exited before it was ready ({status}); its log:\n{}",
+                    self.log_tail()
+                );
+            }
+            if admin_get(self.admin, "/readyz")
+                .await
+                .is_ok_and(|code| code == 200)
+            {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() > deadline {
+                bail!(
+                    "Bulwark was not ready after {READY_TIMEOUT:?}; its log:\n{}",
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The last lines Bulwark logged, for error messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Measures the process, then stops it with SIGTERM (its drain is configured short) and
+    /// waits for it to exit.
+    pub async fn stop(mut self) -> anyhow::Result<ProxyCost> {
+        let tail = self.log_tail();
+        stop_child(&mut self.child, "Bulwark", &tail).await
+    }
+}
+
+/// A child process's peak RSS and CPU time so far, from `/proc`.
+pub fn cost_of(child: &Child) -> anyhow::Result<ProxyCost> {
+    let pid = child.id().context("the proxy process has exited")?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    Ok(ProxyCost {
+        peak_rss_bytes: vm_hwm(&status).context("no VmHWM in /proc status")?,
+        cpu_seconds: cpu_seconds(&stat, rustix::param::clock_ticks_per_second())
+            .context("unreadable /proc stat")?,
+    })
+}
+
+/// Measures a proxy process, sends it SIGTERM, waits up to 15 s for it to exit (then kills
+/// it), and returns what it cost.
+pub async fn stop_child(
+    child: &mut Child,
+    what: &str,
+    log_tail: &str,
+) -> anyhow::Result<ProxyCost> {
+    let cost = cost_of(child)?;
+    if let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok())
+        && let Some(pid) = rustix::process::Pid::from_raw(pid)
+    {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    match tokio::time::timeout(Duration::from_secs(15), child.wait()).await {
+        Ok(status) => {
+            let status = status?;
+            if !status.success() && status.code().is_some() {
+                eprintln!("note: {what} exited with {status}; log:\n{log_tail}");
+            }
+        }
+        Err(_) => {
+            eprintln!("note: {what} did not exit 15 s after SIGTERM; killing it");
+            child.kill().await?;
+        }
+    }
+    Ok(cost)
+}
+
+/// `VmHWM` (peak resident set) in bytes from `/proc/PID/status`.
+fn vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// utime + stime in seconds from `/proc/PID/stat`. The command name (field 2) may hold
+/// spaces and parentheses, so fields are counted after its last `)`.
+fn cpu_seconds(stat: &str, ticks_per_second: u64) -> Option<f64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After ")" comes field 3 (state); utime is field 14, stime field 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / ticks_per_second.max(1) as f64)
+}
+
+/// A plain HTTP/1.1 GET on the admin listener; returns the status code.
+pub async fn admin_get(admin: SocketAddr, path: &str) -> anyhow::Result<u16> {
+    let mut stream = tokio::net::TcpStream::connect(admin).await?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    let mut head = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(2), stream.read(&mut head)).await??;
+    let line = String::from_utf8_lossy(&head[..n]);
+    let code = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("not an HTTP answer")?;
+    Ok(code)
+}
+
+/// The body of the hidden subcommand: load the config and serve until SIGTERM.
+pub async fn serve(config: &Path) -> anyhow::Result<()> {
+    let config = bulwark::config::Config::load(config)?;
+    bulwark::serve::run(config).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_peak_rss_from_proc_status() {
+        let status = "Name:\tbulwark\nVmPeak:\t  9000 kB\nVmHWM:\t   2048 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(vm_hwm(status), Some(2 * 1024 * 1024));
+        assert_eq!(vm_hwm("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn reads_cpu_time_from_proc_stat_even_with_odd_command_names() {
+        let stat = "4242 (we ird) name)) S 1 4242 4242 0 -1 4194304 100 0 0 0 250 150 0 0 20 0 4 0";
+        assert_eq!(cpu_seconds(stat, 100), Some(4.0));
+        assert_eq!(cpu_seconds("garbage", 100), None);
+    }
+
+    #[test]
+    fn our_own_process_has_readable_figures() {
+        let pid = std::process::id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        assert!(vm_hwm(&status).unwrap() > 0);
+        assert!(cpu_seconds(&stat, rustix::param::clock_ticks_per_second()).is_some());
+    }
+}

@@ -1,0 +1,362 @@
+//! What a scenario reports: the `--json` schema of the loadtest issue and the comparison
+//! table printed at the end of every run.
+//!
+//! The JSON shape is a contract (other tools read it), so the field names here are exactly
+//! the issue's and `serde` writes them without renaming.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// The whole `--json` document.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Scenario name, e.g. `list-storm`.
+    pub scenario: String,
+    /// The `--scale` factor the scenario ran at.
+    pub scale: f64,
+    /// One run per target: `direct`, `bulwark` (and `haproxy`, `nginx` for passthrough),
+    /// in the order they ran; written as a JSON object keyed by target.
+    #[serde(serialize_with = "as_map")]
+    pub runs: Vec<(String, Run)>,
+}
+
+/// Writes `(name, run)` pairs as a JSON object, keeping their order.
+fn as_map<S: serde::Serializer>(runs: &[(String, Run)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut map = s.serialize_map(Some(runs.len()))?;
+    for (name, run) in runs {
+        map.serialize_entry(name, run)?;
+    }
+    map.end()
+}
+
+/// One run of a scenario against one target, on a fresh simulator.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Run {
+    /// What the simulated apiservers went through.
+    pub apiserver: Apiserver,
+    /// The proxy process's own cost, from the operating system; absent for `direct`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<ProxyCost>,
+    /// Client-side figures per class of clients.
+    pub classes: BTreeMap<String, Class>,
+    /// p99 of write acknowledged → watch event received (informers, node-join only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event_delivery_p99_ms: Option<f64>,
+}
+
+/// The simulated apiserver fleet's figures for one run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Apiserver {
+    /// Each replica's heap limit in bytes (0 when the scenario sets none).
+    pub heap_limit_bytes: u64,
+    /// Highest modelled heap of any replica.
+    pub peak_heap_bytes: u64,
+    /// Out-of-memory restarts, summed over replicas.
+    pub ooms: u64,
+    /// Requests each replica served.
+    pub replica_requests: Vec<u64>,
+    /// Highest concurrent requests of each replica.
+    pub replica_peak_inflight: Vec<u64>,
+    /// Requests all replicas served.
+    pub upstream_requests: u64,
+    /// Peak of concurrently open watches over the whole fleet.
+    pub upstream_watches: u64,
+}
+
+/// The proxy process's resource use as the operating system counted it.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ProxyCost {
+    /// Peak resident set size (`VmHWM`).
+    pub peak_rss_bytes: u64,
+    /// User plus system CPU time.
+    pub cpu_seconds: f64,
+}
+
+/// One class of clients' figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Class {
+    /// Requests that got an answer or failed.
+    pub requests: u64,
+    /// Answers with a 2xx status.
+    pub ok: u64,
+    /// Answers with 429.
+    pub rejected: u64,
+    /// Every other failure: other statuses, resets, timeouts, connection errors.
+    pub errors: u64,
+    /// Latency percentiles of successful requests, milliseconds.
+    pub p50_ms: f64,
+    /// See `p50_ms`.
+    pub p99_ms: f64,
+    /// See `p50_ms`.
+    pub p999_ms: f64,
+    /// Successful requests per second over the run.
+    pub rps: f64,
+    /// Successful requests of each identity in the class.
+    pub per_identity_ok: Vec<u64>,
+}
+
+/// Jain's fairness index of a set of allocations: 1 when all are equal, 1/n when one gets
+/// everything. An empty set or one where nobody got anything counts as perfectly fair.
+pub fn jain(values: &[u64]) -> f64 {
+    let n = values.len() as f64;
+    let sum: f64 = values.iter().map(|&v| v as f64).sum();
+    let squares: f64 = values.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    if values.is_empty() || squares == 0.0 {
+        return 1.0;
+    }
+    sum * sum / (n * squares)
+}
+
+/// Bytes in a short human form (`1.5 GiB`).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// A list of counts written compactly: `[a, b, c]`.
+fn list(values: &[u64]) -> String {
+    let parts: Vec<String> = values.iter().map(u64::to_string).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// The comparison table: one column per run, one row per figure, grouped by apiserver,
+/// proxy and each class.
+pub fn table(report: &Report) -> String {
+    let names: Vec<&String> = report.runs.iter().map(|(n, _)| n).collect();
+    let runs: Vec<&Run> = report.runs.iter().map(|(_, r)| r).collect();
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let section = |rows: &mut Vec<(String, Vec<String>)>, title: &str| {
+        rows.push((title.to_string(), vec![String::new(); runs.len()]));
+    };
+    let row = |label: &str, f: &dyn Fn(&Run) -> String| -> (String, Vec<String>) {
+        (format!("  {label}"), runs.iter().map(|r| f(r)).collect())
+    };
+
+    section(&mut rows, "apiserver");
+    rows.push(row("heap limit / replica", &|r| {
+        if r.apiserver.heap_limit_bytes == 0 {
+            "none".into()
+        } else {
+            human_bytes(r.apiserver.heap_limit_bytes)
+        }
+    }));
+    rows.push(row("peak heap", &|r| {
+        human_bytes(r.apiserver.peak_heap_bytes)
+    }));
+    rows.push(row("OOM kills", &|r| r.apiserver.ooms.to_string()));
+    rows.push(row("requests per replica", &|r| {
+        list(&r.apiserver.replica_requests)
+    }));
+    rows.push(row("peak in-flight per replica", &|r| {
+        list(&r.apiserver.replica_peak_inflight)
+    }));
+    rows.push(row("requests upstream", &|r| {
+        r.apiserver.upstream_requests.to_string()
+    }));
+    rows.push(row("peak open watches", &|r| {
+        r.apiserver.upstream_watches.to_string()
+    }));
+    if runs.iter().any(|r| r.proxy.is_some()) {
+        section(&mut rows, "proxy process");
+        rows.push(row("peak RSS", &|r| match r.proxy {
+            Some(p) => human_bytes(p.peak_rss_bytes),
+            None => "-".into(),
+        }));
+        rows.push(row("CPU seconds", &|r| match r.proxy {
+            Some(p) => format!("{:.2}", p.cpu_seconds),
+            None => "-".into(),
+        }));
+    }
+    if runs.iter().any(|r| r.event_delivery_p99_ms.is_some()) {
+        rows.push(row(
+            "event delivery p99",
+            &|r| match r.event_delivery_p99_ms {
+                Some(ms) => format!("{ms:.1} ms"),
+                None => "-".into(),
+            },
+        ));
+    }
+
+    let mut classes: Vec<&String> = runs.iter().flat_map(|r| r.classes.keys()).collect();
+    classes.sort();
+    classes.dedup();
+    for class in classes {
+        section(&mut rows, &format!("class {class}"));
+        let get = |r: &Run| r.classes.get(class).cloned().unwrap_or_default();
+        rows.push(row("requests", &|r| get(r).requests.to_string()));
+        rows.push(row("ok / 429 / errors", &|r| {
+            let c = get(r);
+            format!("{} / {} / {}", c.ok, c.rejected, c.errors)
+        }));
+        rows.push(row("ok per second", &|r| format!("{:.1}", get(r).rps)));
+        rows.push(row("p50 / p99 / p99.9 ms", &|r| {
+            let c = get(r);
+            format!("{:.1} / {:.1} / {:.1}", c.p50_ms, c.p99_ms, c.p999_ms)
+        }));
+        rows.push(row("fairness (Jain)", &|r| {
+            format!("{:.3}", jain(&get(r).per_identity_ok))
+        }));
+    }
+
+    let label_width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..runs.len())
+        .map(|i| {
+            rows.iter()
+                .map(|(_, cells)| cells[i].len())
+                .chain(std::iter::once(names[i].len()))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "{:<label_width$}",
+        format!("{} (scale {})", report.scenario, report.scale)
+    );
+    for (name, w) in names.iter().zip(&widths) {
+        let _ = write!(out, "  {name:>w$}");
+    }
+    out.push('\n');
+    let total = label_width + widths.iter().map(|w| w + 2).sum::<usize>();
+    out.push_str(&"-".repeat(total));
+    out.push('\n');
+    for (label, cells) in &rows {
+        let _ = write!(out, "{label:<label_width$}");
+        for (cell, w) in cells.iter().zip(&widths) {
+            let _ = write!(out, "  {cell:>w$}");
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Report {
+        let mut direct = Run::default();
+        direct.apiserver.heap_limit_bytes = 3 << 30;
+        direct.apiserver.ooms = 4;
+        direct.apiserver.replica_requests = vec![10, 20, 30];
+        direct.classes.insert(
+            "storm".into(),
+            Class {
+                requests: 12,
+                ok: 9,
+                rejected: 0,
+                errors: 3,
+                per_identity_ok: vec![9, 0],
+                ..Class::default()
+            },
+        );
+        let mut bulwark = direct.clone();
+        bulwark.apiserver.ooms = 0;
+        bulwark.proxy = Some(ProxyCost {
+            peak_rss_bytes: 50 << 20,
+            cpu_seconds: 1.25,
+        });
+        let runs = vec![
+            ("direct".to_string(), direct),
+            ("bulwark".to_string(), bulwark),
+        ];
+        Report {
+            scenario: "list-storm".into(),
+            scale: 0.1,
+            runs,
+        }
+    }
+
+    #[test]
+    fn jain_is_one_for_equal_shares_and_one_over_n_for_a_monopoly() {
+        assert!((jain(&[5, 5, 5, 5]) - 1.0).abs() < 1e-12);
+        assert!((jain(&[8, 0, 0, 0]) - 0.25).abs() < 1e-12);
+        assert!((jain(&[]) - 1.0).abs() < 1e-12);
+        assert!((jain(&[0, 0]) - 1.0).abs() < 1e-12);
+        // (1+3)^2 / (2 * (1+9)) = 16/20
+        assert!((jain(&[1, 3]) - 0.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn human_bytes_picks_a_readable_unit() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
+    }
+
+    #[test]
+    fn json_has_the_issue_schema() {
+        let v = serde_json::to_value(sample()).unwrap();
+        assert_eq!(v["scenario"], "list-storm");
+        assert_eq!(v["scale"], 0.1);
+        let direct = &v["runs"]["direct"];
+        assert!(direct.get("proxy").is_none(), "direct has no proxy figures");
+        assert!(direct.get("event_delivery_p99_ms").is_none());
+        for key in [
+            "heap_limit_bytes",
+            "peak_heap_bytes",
+            "ooms",
+            "replica_requests",
+            "replica_peak_inflight",
+            "upstream_requests",
+            "upstream_watches",
+        ] {
+            assert!(direct["apiserver"].get(key).is_some(), "missing {key}");
+        }
+        let bulwark = &v["runs"]["bulwark"];
+        assert_eq!(bulwark["proxy"]["peak_rss_bytes"], 50u64 << 20);
+        assert_eq!(bulwark["proxy"]["cpu_seconds"], 1.25);
+        let storm = &bulwark["classes"]["storm"];
+        for key in [
+            "requests",
+            "ok",
+            "rejected",
+            "errors",
+            "p50_ms",
+            "p99_ms",
+            "p999_ms",
+            "rps",
+            "per_identity_ok",
+        ] {
+            assert!(storm.get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(storm["per_identity_ok"], serde_json::json!([9, 0]));
+    }
+
+    #[test]
+    fn table_has_a_column_per_run_and_aligned_rows() {
+        let text = table(&sample());
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("list-storm (scale 0.1)"));
+        assert!(lines[0].contains("bulwark") && lines[0].contains("direct"));
+        let width = lines[0].len();
+        assert!(
+            lines.iter().all(|l| l.len() == width),
+            "rows aligned:\n{text}"
+        );
+        let ooms = lines.iter().find(|l| l.contains("OOM kills")).unwrap();
+        let cells: Vec<&str> = ooms.split_whitespace().collect();
+        // runs keep the order they ran in: direct, then bulwark
+        assert_eq!(&cells[cells.len() - 2..], ["4", "0"]);
+        assert!(text.contains("3.0 GiB"));
+        assert!(text.contains("50.0 MiB"));
+        assert!(text.contains("9 / 0 / 3"));
+        assert!(text.contains("class storm"));
+        // per_identity_ok [9, 0]: Jain = 81 / (2 * 81) = 0.5
+        assert!(text.contains("0.500"));
+    }
+}

@@ -1,0 +1,296 @@
+//! `sandbox --dir DIR`: a 3-replica simulated fleet with Bulwark in front, freshly minted
+//! certificates, and kubeconfigs for a few typical identities, so that a person can point
+//! kubectl at Bulwark at once. Runs until interrupted.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use base64::Engine as _;
+use bulwark_sim::pki::{Ca, Pki};
+use bulwark_sim::policy::{Policy, PolicyRule};
+use bulwark_sim::{Fleet, Seed, SimConfig};
+
+use crate::proxy_process::{ProxyProcess, Upstream};
+
+/// The node whose kubeconfig the sandbox writes, and the Secrets its policy names.
+const NODE: &str = "node-1";
+const NODE_SECRETS: [&str; 2] = ["node-1-kubelet-config", "node-1-registry-pull"];
+const NODE_NAMESPACE: &str = "ns-0";
+const OPERATORS: &str = "sandbox:operators";
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// Who may do what in the sandbox: masters everything (built into the simulator), the
+/// operator reads secrets and configmaps everywhere, the node reads its own two secrets,
+/// Bulwark reviews and reads, everyone authenticated may read discovery.
+fn policy() -> Policy {
+    let rule = |groups: &[&str], users: &[&str], verbs: &[&str], resources: &[&str]| PolicyRule {
+        groups: strings(groups),
+        users: strings(users),
+        verbs: strings(verbs),
+        resources: strings(resources),
+        ..PolicyRule::default()
+    };
+    let mut node = rule(
+        &[],
+        &[&format!("system:node:{NODE}")],
+        &["get", "list", "watch"],
+        &["secrets"],
+    );
+    node.namespaces = strings(&[NODE_NAMESPACE]);
+    node.names = strings(&NODE_SECRETS);
+    let mut bulwark_reads = rule(&["bulwark:proxies"], &[], &["get", "list", "watch"], &["*"]);
+    bulwark_reads.non_resource_urls = strings(&["*"]);
+    let mut discovery = rule(&["system:authenticated"], &[], &["get"], &[]);
+    discovery.non_resource_urls = strings(&[
+        "/api",
+        "/api/*",
+        "/apis",
+        "/apis/*",
+        "/version",
+        "/openapi/*",
+        "/healthz",
+        "/readyz",
+        "/livez",
+    ]);
+    Policy {
+        rules: vec![
+            rule(
+                &[OPERATORS],
+                &[],
+                &["get", "list", "watch"],
+                &["secrets", "configmaps"],
+            ),
+            node,
+            rule(
+                &["bulwark:proxies"],
+                &[],
+                &["create"],
+                &[
+                    "tokenreviews.authentication.k8s.io",
+                    "subjectaccessreviews.authorization.k8s.io",
+                ],
+            ),
+            bulwark_reads,
+            discovery,
+        ],
+    }
+}
+
+/// A kubeconfig with everything embedded: the server's CA, the client certificate and key.
+pub fn kubeconfig(
+    server: SocketAddr,
+    ca_pem: &str,
+    user: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> String {
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: sandbox
+  cluster:
+    server: https://{server}
+    certificate-authority-data: {ca}
+users:
+- name: {user}
+  user:
+    client-certificate-data: {cert}
+    client-key-data: {key}
+contexts:
+- name: {user}
+  context:
+    cluster: sandbox
+    user: {user}
+current-context: {user}
+",
+        ca = b64(ca_pem),
+        cert = b64(cert_pem),
+        key = b64(key_pem),
+    )
+}
+
+fn write_kubeconfig(
+    dir: &Path,
+    file: &str,
+    server: SocketAddr,
+    ca_pem: &str,
+    client_ca: &Ca,
+    user: &str,
+    groups: &[&str],
+) -> anyhow::Result<()> {
+    let ck = client_ca.client_cert(user, groups);
+    let path = dir.join(file);
+    std::fs::write(
+        &path,
+        kubeconfig(server, ca_pem, user, &ck.cert_pem, &ck.key_pem),
+    )
+    .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Runs the sandbox until Ctrl-C or SIGTERM.
+pub async fn run(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let ready = dir.join("ready");
+    let _ = std::fs::remove_file(&ready);
+    let pki = Arc::new(Pki::new());
+    let seed = [
+        "secrets=30x2KiB@default,ns-0,ns-1",
+        "configmaps=30x1KiB@default,ns-0,ns-1",
+        "endpointslices=12x1KiB@default,ns-0,ns-1",
+    ]
+    .iter()
+    .map(|s| s.parse::<Seed>().map_err(anyhow::Error::from))
+    .collect::<anyhow::Result<Vec<_>>>()?;
+    let config = SimConfig {
+        replicas: 3,
+        pki: pki.clone(),
+        front_proxy_allowed_names: vec!["bulwark-front-proxy".into()],
+        policy: policy(),
+        seed,
+        ..SimConfig::default()
+    };
+    let fleet = Fleet::start(config)
+        .await
+        .context("starting the simulator")?;
+    for name in NODE_SECRETS {
+        let secret = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": NODE_NAMESPACE},
+            "type": "Opaque",
+            "data": {"token": base64::engine::general_purpose::STANDARD.encode(format!("{name} value"))},
+        });
+        fleet
+            .store()
+            .create("secrets", NODE_NAMESPACE, secret)
+            .map_err(|e| anyhow::anyhow!("creating secret {name}: {e}"))?;
+    }
+    let upstream = Upstream {
+        replicas: fleet.addrs(),
+        pki: &pki,
+        front_proxy_user: "bulwark-front-proxy",
+        own_user: "bulwark",
+        own_group: "bulwark:proxies",
+        heap_headroom: None,
+    };
+    let proxy = ProxyProcess::start(&dir.join("bulwark"), &upstream).await?;
+    let server = proxy.target.addr;
+    let ca = proxy.target.ca_pem.clone();
+    let client_ca = &pki.client_ca;
+    write_kubeconfig(
+        dir,
+        "kubeconfig-admin",
+        server,
+        &ca,
+        client_ca,
+        "admin",
+        &["system:masters"],
+    )?;
+    write_kubeconfig(
+        dir,
+        "kubeconfig-operator",
+        server,
+        &ca,
+        client_ca,
+        "operator",
+        &[OPERATORS],
+    )?;
+    write_kubeconfig(
+        dir,
+        "kubeconfig-node-1",
+        server,
+        &ca,
+        client_ca,
+        &format!("system:node:{NODE}"),
+        &["system:nodes"],
+    )?;
+    write_kubeconfig(
+        dir,
+        "kubeconfig-nobody",
+        server,
+        &ca,
+        client_ca,
+        "nobody",
+        &[],
+    )?;
+    let replica = *fleet.addrs().first().context("the fleet has no replica")?;
+    write_kubeconfig(
+        dir,
+        "kubeconfig-direct-admin",
+        replica,
+        &pki.server_ca.cert_pem(),
+        client_ca,
+        "admin",
+        &["system:masters"],
+    )?;
+    std::fs::write(&ready, format!("bulwark https://{server}\n"))?;
+    let d = dir.display();
+    println!(
+        "Sandbox ready: Bulwark on https://{server}, apiserver replicas {:?}",
+        fleet.addrs()
+    );
+    println!("  kubectl --kubeconfig {d}/kubeconfig-admin get secrets -A");
+    println!("  kubectl --kubeconfig {d}/kubeconfig-operator get configmaps -A");
+    println!(
+        "  kubectl --kubeconfig {d}/kubeconfig-node-1 -n {NODE_NAMESPACE} get secret {}",
+        NODE_SECRETS[0]
+    );
+    println!("  kubectl --kubeconfig {d}/kubeconfig-nobody get secrets     # forbidden");
+    println!(
+        "  kubectl --kubeconfig {d}/kubeconfig-direct-admin get secrets -A   # straight to a replica"
+    );
+    println!("  Bulwark metrics: http://{}/metrics", proxy.admin);
+    println!("Ctrl-C to stop.");
+    wait_for_signal().await;
+    let _ = std::fs::remove_file(&ready);
+    proxy.stop().await?;
+    // The fleet stops when it goes out of scope, after Bulwark.
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM, whichever comes first.
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kubeconfig_embeds_pem_data() {
+        let text = kubeconfig(
+            "127.0.0.1:6443".parse().unwrap(),
+            "CA",
+            "alice",
+            "CERT",
+            "KEY",
+        );
+        let v: serde_norway::Value = serde_norway::from_str(&text).unwrap();
+        let cluster = &v["clusters"][0]["cluster"];
+        assert_eq!(cluster["server"].as_str(), Some("https://127.0.0.1:6443"));
+        assert_eq!(cluster["certificate-authority-data"].as_str(), Some("Q0E="));
+        let user = &v["users"][0]["user"];
+        assert_eq!(user["client-certificate-data"].as_str(), Some("Q0VSVA=="));
+        assert_eq!(user["client-key-data"].as_str(), Some("S0VZ"));
+        assert_eq!(v["current-context"].as_str(), Some("alice"));
+    }
+}

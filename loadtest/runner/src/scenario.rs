@@ -1,0 +1,565 @@
+//! What every scenario shares: a fresh simulated fleet per run, the two targets (`direct`
+//! through the fleet's L4 balancer, `bulwark` through Bulwark as its own process), client
+//! identities, request loops with deadlines, progress lines, and the final report.
+//!
+//! A scenario only says what its clients do; the same loops run against both targets and
+//! only the address and CA differ.
+
+pub mod demo;
+pub mod events_poll;
+pub mod informers;
+pub mod list_storm;
+pub mod passthrough;
+pub mod skew;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use bulwark_sim::pki::Pki;
+use bulwark_sim::policy::{Policy, PolicyRule};
+use bulwark_sim::{Fleet, HeapModel, Seed, SimConfig};
+use bytes::Bytes;
+use http::Method;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::client::{ClassStats, Client, Identity, Outcome, Read, Target};
+use crate::proxy_process::{ProxyProcess, Upstream};
+use crate::report::{self, Report, Run};
+
+/// The command-line options every scenario takes.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How long each run drives load (scenario default when absent).
+    pub duration: Option<Duration>,
+    /// Multiplies object and client counts.
+    pub scale: f64,
+    /// Run only the target with this name.
+    pub only: Option<String>,
+}
+
+impl Options {
+    /// `n` scaled, at least `min`.
+    pub fn scaled(&self, n: usize, min: usize) -> usize {
+        ((n as f64 * self.scale).round() as usize).max(min)
+    }
+
+    /// The run length: `--duration` or the scenario's default.
+    pub fn duration_or(&self, default: Duration) -> Duration {
+        self.duration.unwrap_or(default)
+    }
+}
+
+/// The target of one run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Clients → the simulator's L4 balancer → replicas.
+    Direct,
+    /// Clients → Bulwark (its own process) → replicas.
+    Bulwark,
+    /// Clients → replica 0 itself, no balancer (the passthrough baseline).
+    Replica,
+    /// Clients → haproxy (TLS-terminating) → replica 0.
+    Haproxy,
+    /// Clients → nginx (TLS-terminating) → replica 0.
+    Nginx,
+}
+
+impl Mode {
+    /// The run's name in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Direct | Mode::Replica => "direct",
+            Mode::Bulwark => "bulwark",
+            Mode::Haproxy => "haproxy",
+            Mode::Nginx => "nginx",
+        }
+    }
+}
+
+/// The simulated fleet a scenario needs.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// Apiserver replicas.
+    pub replicas: usize,
+    /// Seeds such as `secrets=5000x10KiB`.
+    pub seed: Vec<String>,
+    /// How many concurrent full LISTs of the largest seeded collection a replica survives;
+    /// `None` sets no heap limit.
+    pub lists_to_oom: Option<u64>,
+    /// The replicas' watch bookmark interval.
+    pub bookmark_interval: Duration,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            replicas: 3,
+            seed: Vec::new(),
+            lists_to_oom: None,
+            bookmark_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Heap of an idle replica in the model.
+const BASE_HEAP: u64 = 256 << 20;
+/// How long an OOMed replica stays down.
+const OOM_RESTART: Duration = Duration::from_secs(3);
+/// Bulwark's own identity at the simulator.
+const BULWARK_USER: &str = "bulwark";
+/// See [`BULWARK_USER`].
+const BULWARK_GROUP: &str = "bulwark:proxies";
+/// CN of Bulwark's front-proxy certificate, allowed by the simulator.
+const FRONT_PROXY_USER: &str = "bulwark-front-proxy";
+
+impl Setup {
+    fn seeds(&self) -> anyhow::Result<Vec<Seed>> {
+        self.seed
+            .iter()
+            .map(|s| s.parse::<Seed>().map_err(anyhow::Error::from))
+            .collect()
+    }
+
+    /// The heap model: the limit lets `lists_to_oom` full LISTs of the largest seeded
+    /// collection run at once (each costs 5x its bytes), and not one more.
+    fn heap(&self) -> anyhow::Result<(HeapModel, Option<u64>)> {
+        let seeds = self.seeds()?;
+        let live: u64 = seeds.iter().map(|s| (s.count * s.size) as u64).sum();
+        let largest: u64 = seeds
+            .iter()
+            .map(|s| (s.count * s.size) as u64)
+            .max()
+            .unwrap_or(0);
+        let headroom = self.lists_to_oom.map(|n| 5 * largest * n + 5 * largest / 2);
+        let model = HeapModel {
+            base_bytes: BASE_HEAP,
+            limit_bytes: headroom.map(|h| BASE_HEAP + live + h),
+            restart: OOM_RESTART,
+        };
+        Ok((model, headroom))
+    }
+}
+
+/// The policy of every scenario: each class (a group) may do everything, Bulwark's own
+/// identity may review and read everything.
+fn policy(classes: &[&str]) -> Policy {
+    let all = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let mut rules: Vec<PolicyRule> = classes
+        .iter()
+        .map(|class| PolicyRule {
+            groups: vec![class.to_string()],
+            verbs: all(&["*"]),
+            resources: all(&["*"]),
+            non_resource_urls: all(&["*"]),
+            ..PolicyRule::default()
+        })
+        .collect();
+    rules.push(PolicyRule {
+        groups: vec![BULWARK_GROUP.into()],
+        verbs: all(&["create"]),
+        resources: all(&[
+            "tokenreviews.authentication.k8s.io",
+            "subjectaccessreviews.authorization.k8s.io",
+        ]),
+        ..PolicyRule::default()
+    });
+    rules.push(PolicyRule {
+        groups: vec![BULWARK_GROUP.into()],
+        verbs: all(&["get", "list", "watch"]),
+        resources: all(&["*"]),
+        non_resource_urls: all(&["*"]),
+        ..PolicyRule::default()
+    });
+    Policy { rules }
+}
+
+/// Mints `n` identities of a class: users `CLASS-0`…, each with the class as its group.
+pub fn identities(pki: &Pki, class: &str, n: usize) -> Vec<Identity> {
+    (0..n)
+        .map(|i| {
+            let ck = pki.client_ca.client_cert(&format!("{class}-{i}"), &[class]);
+            Identity {
+                cert_pem: ck.cert_pem,
+                key_pem: ck.key_pem,
+            }
+        })
+        .collect()
+}
+
+/// One run's world: a fresh fleet and the target clients use.
+pub struct Env {
+    /// Which target this run uses.
+    pub mode: Mode,
+    /// The simulated apiservers.
+    pub fleet: Arc<Fleet>,
+    /// Where clients connect.
+    pub target: Target,
+    proxy: Option<Proxy>,
+    heap_limit: u64,
+    peak_watches: Arc<AtomicU64>,
+    sampler: JoinHandle<()>,
+    dir: PathBuf,
+}
+
+impl Env {
+    /// Starts a fresh fleet and, for [`Mode::Bulwark`], Bulwark in front of it.
+    pub async fn start(
+        mode: Mode,
+        setup: &Setup,
+        pki: Arc<Pki>,
+        classes: &[&str],
+    ) -> anyhow::Result<Env> {
+        let (heap, headroom) = setup.heap()?;
+        let heap_limit = heap.limit_bytes.unwrap_or(0);
+        let config = SimConfig {
+            replicas: setup.replicas,
+            pki: pki.clone(),
+            front_proxy_allowed_names: vec![FRONT_PROXY_USER.into()],
+            policy: policy(classes),
+            seed: setup.seeds()?,
+            heap,
+            bookmark_interval: setup.bookmark_interval,
+            ..SimConfig::default()
+        };
+        let fleet = Arc::new(
+            Fleet::start(config)
+                .await
+                .context("starting the simulator")?,
+        );
+        let dir = std::env::temp_dir().join(format!(
+            "bulwark-loadtest-{}-{}",
+            std::process::id(),
+            RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let (target, proxy) = match mode {
+            Mode::Direct => {
+                let addr = fleet
+                    .l4_balancer()
+                    .await
+                    .context("starting the L4 balancer")?;
+                let target = Target {
+                    addr,
+                    ca_pem: pki.server_ca.cert_pem(),
+                };
+                (target, None)
+            }
+            Mode::Bulwark => {
+                let upstream = Upstream {
+                    replicas: fleet.addrs(),
+                    pki: &pki,
+                    front_proxy_user: FRONT_PROXY_USER,
+                    own_user: BULWARK_USER,
+                    own_group: BULWARK_GROUP,
+                    heap_headroom: headroom,
+                };
+                let proxy = ProxyProcess::start(&dir, &upstream).await?;
+                (proxy.target.clone(), Some(Proxy::Bulwark(proxy)))
+            }
+            Mode::Replica => {
+                let addr = *fleet.addrs().first().context("the fleet has no replica")?;
+                let target = Target {
+                    addr,
+                    ca_pem: pki.server_ca.cert_pem(),
+                };
+                (target, None)
+            }
+            Mode::Haproxy | Mode::Nginx => {
+                let upstream = *fleet.addrs().first().context("the fleet has no replica")?;
+                let proxy = passthrough::External::start(mode, &dir, upstream, &pki).await?;
+                (proxy.target.clone(), Some(Proxy::External(proxy)))
+            }
+        };
+        let peak_watches = Arc::new(AtomicU64::new(0));
+        let sampler = {
+            let fleet = fleet.clone();
+            let peak = peak_watches.clone();
+            tokio::spawn(async move {
+                loop {
+                    let open: u64 = fleet.stats().iter().map(|s| s.open_watches).sum();
+                    peak.fetch_max(open, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        Ok(Env {
+            mode,
+            fleet,
+            target,
+            proxy,
+            heap_limit,
+            peak_watches,
+            sampler,
+            dir,
+        })
+    }
+
+    /// Collects the fleet's and the proxy's figures, stops both, and builds the run.
+    pub async fn finish(self, driven: Driven) -> anyhow::Result<Run> {
+        self.sampler.abort();
+        let stats = self.fleet.stats();
+        let open_now: u64 = stats.iter().map(|s| s.open_watches).sum();
+        let peak_watches = self.peak_watches.load(Ordering::Relaxed).max(open_now);
+        let proxy = match self.proxy {
+            Some(Proxy::Bulwark(p)) => Some(p.stop().await?),
+            Some(Proxy::External(p)) => Some(p.stop().await?),
+            None => None,
+        };
+        let _ = std::fs::remove_dir_all(&self.dir);
+        let apiserver = report::Apiserver {
+            heap_limit_bytes: self.heap_limit,
+            peak_heap_bytes: stats.iter().map(|s| s.peak_heap_bytes).max().unwrap_or(0),
+            ooms: stats.iter().map(|s| s.ooms).sum(),
+            replica_requests: stats.iter().map(|s| s.requests).collect(),
+            replica_peak_inflight: stats.iter().map(|s| s.peak_in_flight).collect(),
+            upstream_requests: stats.iter().map(|s| s.requests).sum(),
+            upstream_watches: peak_watches,
+        };
+        for (name, stats, _) in &driven.classes {
+            if let Some(e) = stats.sample_error() {
+                eprintln!("  {} {name}: errors such as: {e}", self.mode.name());
+            }
+        }
+        let classes = driven
+            .classes
+            .iter()
+            .map(|(name, stats, elapsed)| (name.clone(), stats.summary(*elapsed)))
+            .collect();
+        Ok(Run {
+            apiserver,
+            proxy,
+            classes,
+            event_delivery_p99_ms: driven.event_delivery_p99_ms,
+        })
+    }
+
+    /// Runs `loads` against this run's target for `duration`, with progress lines.
+    pub async fn drive_loads(
+        &self,
+        loads: Vec<Load>,
+        duration: Duration,
+    ) -> anyhow::Result<Driven> {
+        let started = Instant::now();
+        let (classes, all) = spawn_loads(&self.target, loads, started + duration)?;
+        let progress = self.progress(&classes);
+        let joined = all.await;
+        progress.abort();
+        joined.context("a client loop panicked")?;
+        let elapsed = started.elapsed();
+        Ok(Driven {
+            classes: classes
+                .into_iter()
+                .map(|(name, stats)| (name, stats, elapsed))
+                .collect(),
+            event_delivery_p99_ms: None,
+        })
+    }
+
+    /// Prints a progress line every few seconds until the returned handle is aborted.
+    pub fn progress(&self, classes: &[(String, Arc<ClassStats>)]) -> JoinHandle<()> {
+        let classes: Vec<_> = classes.to_vec();
+        let fleet = self.fleet.clone();
+        let mode = self.mode.name();
+        let started = Instant::now();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let mut line = format!("  [{mode} {:>3}s]", started.elapsed().as_secs());
+                let mib: u64 = classes
+                    .iter()
+                    .map(|(_, c)| c.live.bytes.load(Ordering::Relaxed))
+                    .sum::<u64>()
+                    >> 20;
+                line.push_str(&format!(" {mib} MiB read;"));
+                for (name, c) in &classes {
+                    let l = &c.live;
+                    line.push_str(&format!(
+                        " {name}: {} ok {} 429 {} err;",
+                        l.ok.load(Ordering::Relaxed),
+                        l.rejected.load(Ordering::Relaxed),
+                        l.errors.load(Ordering::Relaxed)
+                    ));
+                }
+                let s = fleet.stats();
+                let heaps: Vec<String> = s
+                    .iter()
+                    .map(|r| format!("{}", r.heap_bytes >> 20))
+                    .collect();
+                let ooms: u64 = s.iter().map(|r| r.ooms).sum();
+                line.push_str(&format!(" heap MiB [{}], OOMs {ooms}", heaps.join(", ")));
+                eprintln!("{line}");
+            }
+        })
+    }
+}
+
+/// The proxy process of a run, if any.
+enum Proxy {
+    Bulwark(ProxyProcess),
+    External(passthrough::External),
+}
+
+static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// What a scenario's drive produced.
+pub struct Driven {
+    /// Each class, its statistics and how long its load ran.
+    pub classes: Vec<(String, Arc<ClassStats>, Duration)>,
+    /// p99 write → event latency, for watch scenarios.
+    pub event_delivery_p99_ms: Option<f64>,
+}
+
+/// Classes by name.
+pub type Classes = Vec<(String, Arc<ClassStats>)>;
+
+/// One request a client loop sends.
+pub struct Req {
+    /// Method.
+    pub method: Method,
+    /// Path and query.
+    pub path: String,
+    /// Body and its content type.
+    pub body: Option<(Bytes, &'static str)>,
+    /// How the answer is read.
+    pub read: Read,
+    /// Give up after this long (counted as an error).
+    pub timeout: Duration,
+}
+
+impl Req {
+    /// A GET whose body is counted and dropped.
+    pub fn get(path: String, timeout: Duration) -> Req {
+        Req {
+            method: Method::GET,
+            path,
+            body: None,
+            read: Read::Count,
+            timeout,
+        }
+    }
+}
+
+/// What the identities of one class do, request after request.
+pub struct Load {
+    /// The class name (also the identities' group).
+    pub class: String,
+    /// Its identities.
+    pub identities: Vec<Identity>,
+    /// Interval between the starts of one identity's requests (a request that takes
+    /// longer is followed at once).
+    pub think: Duration,
+    /// The next request of identity `i` on its `n`-th iteration.
+    pub next: Arc<dyn Fn(usize, u64) -> Req + Send + Sync>,
+}
+
+/// Starts every identity of every load; each loops until `deadline` and hands its tally to
+/// its class. Returns the classes at once; the handle finishes when all loops have.
+pub fn spawn_loads(
+    target: &Target,
+    loads: Vec<Load>,
+    deadline: Instant,
+) -> anyhow::Result<(Classes, JoinHandle<()>)> {
+    let mut classes = Vec::new();
+    let mut tasks = Vec::new();
+    for load in loads {
+        let stats = ClassStats::new();
+        classes.push((load.class.clone(), stats.clone()));
+        for (i, identity) in load.identities.iter().enumerate() {
+            let mut client = Client::new(target, identity)?;
+            let stats = stats.clone();
+            let next = load.next.clone();
+            let think = load.think;
+            tasks.push(tokio::spawn(async move {
+                let mut tally = stats.tally();
+                // Spread the first requests so that identities do not start in lockstep.
+                let jitter = think.mul_f64(rand::random::<f64>());
+                tokio::time::sleep(jitter.min(Duration::from_secs(1))).await;
+                let mut n = 0u64;
+                while Instant::now() < deadline {
+                    let req = next(i, n);
+                    n += 1;
+                    let sent = Instant::now();
+                    let outcome = tokio::select! {
+                        o = client.call(req.method, &req.path, req.body, req.read, req.timeout) => o,
+                        _ = tokio::time::sleep_until(deadline) => break,
+                    };
+                    // `think` paces request starts (a fixed rate per identity); a 429's
+                    // Retry-After or an error's back-off counts from now.
+                    let resume = (sent + think).max(Instant::now() + tally.record(&outcome));
+                    if resume >= deadline {
+                        break;
+                    }
+                    tokio::time::sleep_until(resume).await;
+                }
+                stats.done(tally);
+            }));
+        }
+    }
+    let all = tokio::spawn(async move {
+        for t in tasks {
+            let _ = t.await;
+        }
+    });
+    Ok((classes, all))
+}
+
+/// Whether a scenario's outcome for one request was a success; for scenario code that needs
+/// the answer (e.g. a write's resourceVersion).
+pub fn ok_body(outcome: &Outcome) -> Option<&Bytes> {
+    match outcome {
+        Outcome::Ok { body, .. } => body.as_ref(),
+        _ => None,
+    }
+}
+
+/// A scenario: the fleet it needs, its classes, and how its clients behave in one run.
+pub trait Scenario {
+    /// The name on the command line and in the report.
+    fn name(&self) -> &'static str;
+    /// The fleet it needs.
+    fn setup(&self, opts: &Options) -> Setup;
+    /// The classes of clients (the simulator's policy lets each do everything).
+    fn classes(&self) -> Vec<&'static str>;
+    /// The targets, in the order they run.
+    fn modes(&self) -> Vec<Mode> {
+        vec![Mode::Direct, Mode::Bulwark]
+    }
+    /// Drives one run's load against `env.target` and reports what the clients saw.
+    fn drive(
+        &self,
+        env: &Env,
+        pki: &Pki,
+        opts: &Options,
+    ) -> impl std::future::Future<Output = anyhow::Result<Driven>> + Send;
+}
+
+/// Runs a scenario against both targets, each on a fresh fleet, and builds the report.
+pub async fn run<S: Scenario + Sync>(scenario: &S, opts: &Options) -> anyhow::Result<Report> {
+    let pki = Arc::new(Pki::new());
+    let setup = scenario.setup(opts);
+    let classes = scenario.classes();
+    let mut runs = Vec::new();
+    for mode in scenario.modes() {
+        if opts
+            .only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|o| o == mode.name()))
+        {
+            continue;
+        }
+        eprintln!("== {} ({}): starting", scenario.name(), mode.name());
+        let env = Env::start(mode, &setup, pki.clone(), &classes).await?;
+        let driven = scenario.drive(&env, &pki, opts).await?;
+        let run = env.finish(driven).await?;
+        eprintln!("== {} ({}): done", scenario.name(), mode.name());
+        runs.push((mode.name().to_string(), run));
+    }
+    Ok(Report {
+        scenario: scenario.name().to_string(),
+        scale: opts.scale,
+        runs,
+    })
+}

@@ -1,0 +1,423 @@
+//! `informers` and `node-join`: every node runs a kube-proxy-like informer on
+//! EndpointSlices (LIST `resourceVersion=0`, then WATCH with bookmarks) and kubelet-like
+//! watches of its own two Secrets, while a churn client updates EndpointSlices; the figure
+//! that matters is event delivery latency (write acknowledged → event received).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bulwark_sim::pki::Pki;
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http::Method;
+use serde::Deserialize;
+use tokio::time::Instant;
+
+use super::{Driven, Env, Options, Scenario, Setup, identities};
+use crate::client::{ClassStats, Client, Identity, Outcome, Read, Tally, Target, new_histogram};
+
+/// The steady-state scenario.
+pub struct Informers;
+
+/// The join-wave scenario.
+pub struct NodeJoin;
+
+/// EndpointSlices updated by the churn client, in total per second.
+const CHURN_PER_SECOND: u64 = 20;
+/// How long a received event waits for its write's acknowledgement to be matched.
+const MATCH_WINDOW: Duration = Duration::from_secs(5);
+const SLICES_PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
+
+/// When each churn write was acknowledged, by the resourceVersion it produced.
+#[derive(Default)]
+struct Acks {
+    at: RwLock<HashMap<u64, Instant>>,
+}
+
+/// Where an EndpointSlice watcher matches events to writes and records their latency.
+type Delivery = (Arc<Acks>, Arc<Mutex<Histogram<u64>>>);
+
+/// The counts of one run.
+struct Sizes {
+    nodes: usize,
+    slices: usize,
+}
+
+fn sizes(opts: &Options, nodes: usize) -> Sizes {
+    Sizes {
+        nodes: opts.scaled(nodes, 2),
+        slices: opts.scaled(500, 10),
+    }
+}
+
+fn seed(s: &Sizes) -> Vec<String> {
+    vec![
+        format!("endpointslices={}x1KiB", s.slices),
+        format!("secrets={}x2KiB", 2 * s.nodes),
+    ]
+}
+
+/// The head of a watch event: its type and the object's resourceVersion.
+#[derive(Deserialize)]
+struct EventHead {
+    #[serde(rename = "type")]
+    kind: String,
+    object: ObjectHead,
+}
+
+#[derive(Deserialize)]
+struct ObjectHead {
+    #[serde(default)]
+    metadata: Meta,
+}
+
+#[derive(Deserialize, Default)]
+struct Meta {
+    #[serde(default, rename = "resourceVersion")]
+    resource_version: Option<String>,
+}
+
+/// The list's `metadata.resourceVersion` from the first bytes of a list response.
+fn list_rv(head: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(head).ok().or_else(|| {
+        // The head may end inside a multi-byte character; the metadata comes first anyway.
+        let valid = std::str::from_utf8(head).err()?.valid_up_to();
+        std::str::from_utf8(&head[..valid]).ok()
+    })?;
+    let at = text.find("\"resourceVersion\":\"")? + "\"resourceVersion\":\"".len();
+    let end = text[at..].find('"')?;
+    Some(text[at..at + end].to_string())
+}
+
+/// A reflector: LIST `resourceVersion=0`, then WATCH from the list's version, re-watching
+/// from the last seen version when a watch ends and relisting after an error. Events of
+/// EndpointSlices are matched against the churn's acknowledgements.
+async fn reflector(
+    mut client: Client,
+    mut tally: Tally,
+    list_path: String,
+    deadline: Instant,
+    delivery: Option<Delivery>,
+) -> Tally {
+    let mut local = new_histogram();
+    let mut pending: VecDeque<(u64, Instant)> = VecDeque::new();
+    let sep = if list_path.contains('?') { '&' } else { '?' };
+    'relist: while Instant::now() < deadline {
+        let path = format!("{list_path}{sep}resourceVersion=0");
+        let list = tokio::select! {
+            o = client.call(Method::GET, &path, None, Read::Head, Duration::from_secs(60)) => o,
+            _ = tokio::time::sleep_until(deadline) => break,
+        };
+        let pause = tally.record(&list);
+        let Some(mut rv) = super::ok_body(&list).and_then(|b| list_rv(b)) else {
+            tokio::time::sleep(pause.max(Duration::from_millis(100))).await;
+            continue;
+        };
+        while Instant::now() < deadline {
+            let path = format!(
+                "{list_path}{sep}watch=1&allowWatchBookmarks=true&resourceVersion={rv}&timeoutSeconds=300"
+            );
+            let started = Instant::now();
+            let stream = tokio::select! {
+                s = client.stream(&path, Duration::from_secs(30)) => s,
+                _ = tokio::time::sleep_until(deadline) => break 'relist,
+            };
+            let mut lines = match stream {
+                Ok(lines) => {
+                    tally.record(&Outcome::Ok {
+                        bytes: 0,
+                        latency: started.elapsed(),
+                        body: None,
+                    });
+                    lines
+                }
+                Err(outcome) => {
+                    let pause = tally.record(&outcome);
+                    tokio::time::sleep(pause).await;
+                    continue 'relist;
+                }
+            };
+            loop {
+                let line = tokio::select! {
+                    l = lines.next() => l,
+                    _ = tokio::time::sleep_until(deadline) => break 'relist,
+                };
+                let line: Bytes = match line {
+                    Ok(Some(line)) => line,
+                    // The watch ended (timeout or the server closed it): resume from `rv`.
+                    Ok(None) => break,
+                    Err(e) => {
+                        tally.record(&Outcome::Error(format!("watch cut: {e}")));
+                        break;
+                    }
+                };
+                let Ok(event) = serde_json::from_slice::<EventHead>(&line) else {
+                    continue;
+                };
+                if event.kind == "ERROR" {
+                    // 410 Gone or similar: start over with a fresh list.
+                    continue 'relist;
+                }
+                if let Some(v) = event.object.metadata.resource_version {
+                    if event.kind == "MODIFIED"
+                        && let Ok(n) = v.parse::<u64>()
+                    {
+                        pending.push_back((n, Instant::now()));
+                    }
+                    rv = v;
+                }
+                if let Some((acks, _)) = &delivery {
+                    settle(acks, &mut pending, &mut local);
+                }
+            }
+        }
+    }
+    if let Some((acks, hist)) = &delivery {
+        settle(acks, &mut pending, &mut local);
+        if let Ok(mut h) = hist.lock() {
+            let _ = h.add(&local);
+        }
+    }
+    tally
+}
+
+/// Records the delivery latency of every received event whose write has been acknowledged;
+/// an event that arrived before its acknowledgement counts as zero.
+fn settle(acks: &Acks, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histogram<u64>) {
+    let Ok(at) = acks.at.read() else { return };
+    pending.retain(|(rv, received)| match at.get(rv) {
+        Some(acked) => {
+            let micros = received.saturating_duration_since(*acked).as_micros();
+            hist.saturating_record(u64::try_from(micros).unwrap_or(u64::MAX).max(1));
+            false
+        }
+        None => received.elapsed() < MATCH_WINDOW,
+    });
+}
+
+/// One node: an EndpointSlice informer and a watch per Secret of its own, on one connection.
+async fn node(
+    client: Client,
+    class: Arc<ClassStats>,
+    index: usize,
+    start: Instant,
+    deadline: Instant,
+    delivery: Delivery,
+) {
+    tokio::time::sleep_until(start).await;
+    let secret = |k: usize| {
+        let n = 2 * index + k;
+        format!(
+            "/api/v1/namespaces/ns-{}/secrets?fieldSelector=metadata.name%3Dsecret-{n}",
+            n % 10
+        )
+    };
+    let (mut a, b, c) = tokio::join!(
+        reflector(
+            client.clone(),
+            class.tally(),
+            SLICES_PATH.into(),
+            deadline,
+            Some(delivery)
+        ),
+        reflector(client.clone(), class.tally(), secret(0), deadline, None),
+        reflector(client, class.tally(), secret(1), deadline, None),
+    );
+    a.merge(b);
+    a.merge(c);
+    class.done(a);
+}
+
+/// Updates EndpointSlices round robin at [`CHURN_PER_SECOND`] and records when each write
+/// was acknowledged.
+async fn churn(
+    mut client: Client,
+    class: Arc<ClassStats>,
+    slices: usize,
+    acks: Arc<Acks>,
+    deadline: Instant,
+) {
+    let mut tally = class.tally();
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / CHURN_PER_SECOND));
+    let mut n = 0u64;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+        let k = (n as usize) % slices;
+        let path = format!(
+            "/apis/discovery.k8s.io/v1/namespaces/ns-{}/endpointslices/endpointslice-{k}",
+            k % 10
+        );
+        let body = Bytes::from(format!(
+            r#"{{"metadata":{{"labels":{{"loadtest.bulwark.dev/generation":"{n}"}}}}}}"#
+        ));
+        n += 1;
+        let outcome = tokio::select! {
+            o = client.call(Method::PATCH, &path, Some((body, "application/merge-patch+json")), Read::Keep, Duration::from_secs(10)) => o,
+            _ = tokio::time::sleep_until(deadline) => break,
+        };
+        let acked = Instant::now();
+        if let Some(rv) = super::ok_body(&outcome)
+            .and_then(|b| serde_json::from_slice::<ObjectHead>(b).ok())
+            .and_then(|o| o.metadata.resource_version)
+            .and_then(|v| v.parse::<u64>().ok())
+            && let Ok(mut at) = acks.at.write()
+        {
+            at.insert(rv, acked);
+        }
+        tally.record(&outcome);
+    }
+    class.done(tally);
+}
+
+/// Runs `nodes` nodes whose informers start spread over `join_window`, plus the churn.
+async fn drive_nodes(
+    env: &Env,
+    pki: &Pki,
+    s: &Sizes,
+    duration: Duration,
+    join_window: Duration,
+) -> anyhow::Result<Driven> {
+    let target: &Target = &env.target;
+    let node_ids: Vec<Identity> = identities(pki, "nodes", s.nodes);
+    let churn_id = identities(pki, "churn", 1);
+    let nodes = ClassStats::new();
+    let churner = ClassStats::new();
+    let acks = Arc::new(Acks::default());
+    let hist = Arc::new(Mutex::new(new_histogram()));
+    let started = Instant::now();
+    let deadline = started + duration;
+    let classes = vec![
+        ("nodes".to_string(), nodes.clone()),
+        ("churn".to_string(), churner.clone()),
+    ];
+    let progress = env.progress(&classes);
+    let mut tasks = Vec::new();
+    for (i, id) in node_ids.iter().enumerate() {
+        let start = started + join_window.mul_f64(i as f64 / s.nodes as f64);
+        tasks.push(tokio::spawn(node(
+            Client::new(target, id)?,
+            nodes.clone(),
+            i,
+            start,
+            deadline,
+            (acks.clone(), hist.clone()),
+        )));
+    }
+    for id in &churn_id {
+        tasks.push(tokio::spawn(churn(
+            Client::new(target, id)?,
+            churner.clone(),
+            s.slices,
+            acks.clone(),
+            deadline,
+        )));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    progress.abort();
+    let elapsed = started.elapsed();
+    let p99 = match hist.lock() {
+        Ok(h) if !h.is_empty() => Some(h.value_at_quantile(0.99) as f64 / 1000.0),
+        _ => None,
+    };
+    Ok(Driven {
+        classes: classes
+            .into_iter()
+            .map(|(name, stats)| (name, stats, elapsed))
+            .collect(),
+        // Always present for these scenarios; 0 when no event could be matched.
+        event_delivery_p99_ms: Some(p99.unwrap_or(0.0)),
+    })
+}
+
+impl Scenario for Informers {
+    fn name(&self) -> &'static str {
+        "informers"
+    }
+
+    fn setup(&self, opts: &Options) -> Setup {
+        Setup {
+            seed: seed(&sizes(opts, 2_000)),
+            bookmark_interval: Duration::from_secs(5),
+            ..Setup::default()
+        }
+    }
+
+    fn classes(&self) -> Vec<&'static str> {
+        vec!["nodes", "churn"]
+    }
+
+    async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
+        let duration = opts.duration_or(Duration::from_secs(60));
+        // Nodes come up over the first few seconds, as a running cluster's already have.
+        let window = Duration::from_secs(5).min(duration / 4);
+        drive_nodes(env, pki, &sizes(opts, 2_000), duration, window).await
+    }
+}
+
+impl Scenario for NodeJoin {
+    fn name(&self) -> &'static str {
+        "node-join"
+    }
+
+    fn setup(&self, opts: &Options) -> Setup {
+        Setup {
+            seed: seed(&sizes(opts, 1_000)),
+            bookmark_interval: Duration::from_secs(5),
+            ..Setup::default()
+        }
+    }
+
+    fn classes(&self) -> Vec<&'static str> {
+        vec!["nodes", "churn"]
+    }
+
+    async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
+        let duration = opts.duration_or(Duration::from_secs(30));
+        // The whole wave joins within 10 seconds (less in very short runs).
+        let window = Duration::from_secs(10).min(duration / 2);
+        drive_nodes(env, pki, &sizes(opts, 1_000), duration, window).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_rv_reads_the_list_metadata() {
+        let head = br#"{"kind":"EndpointSliceList","apiVersion":"discovery.k8s.io/v1","metadata":{"resourceVersion":"4711"},"items":[{"metadata":{"resourceVersion":"12""#;
+        assert_eq!(list_rv(head).as_deref(), Some("4711"));
+        assert_eq!(list_rv(b"{\"kind\":\"Status\"}"), None);
+        // A head cut inside a multi-byte character still reads.
+        let mut cut = br#"{"metadata":{"resourceVersion":"9"},"items":["#.to_vec();
+        cut.extend_from_slice(&"é".as_bytes()[..1]);
+        assert_eq!(list_rv(&cut).as_deref(), Some("9"));
+    }
+
+    #[test]
+    fn delivery_is_matched_to_acknowledgements_and_clamped_at_zero() {
+        let acks = Acks::default();
+        let t0 = Instant::now();
+        let mut pending = VecDeque::from([(5, t0 + Duration::from_millis(30)), (6, t0), (7, t0)]);
+        {
+            let mut at = acks.at.write().unwrap();
+            at.insert(5, t0);
+            at.insert(6, t0 + Duration::from_millis(10)); // event arrived before the ack
+        }
+        let mut hist = new_histogram();
+        settle(&acks, &mut pending, &mut hist);
+        assert_eq!(hist.len(), 2);
+        assert_eq!(pending.len(), 1, "rv 7 waits for its ack");
+        assert!(
+            hist.max() >= 29_000 && hist.max() <= 31_000,
+            "{}",
+            hist.max()
+        );
+    }
+}

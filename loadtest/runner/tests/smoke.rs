@@ -1,0 +1,192 @@
+//! End-to-end smoke tests of the `bulwark-loadtest` binary: tiny scenarios against both
+//! targets (the simulator's L4 balancer, and Bulwark started as its own process) must write
+//! the JSON with both runs filled.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn run_scenario(scenario: &str, extra: &[&str]) -> Value {
+    let json = std::env::temp_dir().join(format!(
+        "bulwark-loadtest-smoke-{scenario}-{}.json",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
+        .args([scenario, "--scale", "0.01", "--duration", "3s", "--json"])
+        .arg(&json)
+        .args(extra)
+        .output()
+        .expect("the binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{scenario} failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("direct") && stdout.contains("bulwark"),
+        "the table compares both runs:\n{stdout}"
+    );
+    let text = std::fs::read_to_string(&json).expect("the JSON report is written");
+    let _ = std::fs::remove_file(&json);
+    serde_json::from_str(&text).expect("the report is JSON")
+}
+
+fn check_run(run: &Value, classes: &[&str], proxy: bool) {
+    let api = &run["apiserver"];
+    for key in [
+        "heap_limit_bytes",
+        "peak_heap_bytes",
+        "ooms",
+        "upstream_requests",
+        "upstream_watches",
+    ] {
+        assert!(api[key].is_u64(), "apiserver.{key} in {run}");
+    }
+    let per_replica = api["replica_requests"]
+        .as_array()
+        .expect("replica_requests");
+    assert_eq!(per_replica.len(), 3, "three replicas");
+    assert_eq!(
+        api["replica_peak_inflight"].as_array().map(Vec::len),
+        Some(3)
+    );
+    assert!(
+        api["upstream_requests"].as_u64().unwrap() > 0,
+        "the fleet served requests"
+    );
+    assert_eq!(
+        run.get("proxy").is_some(),
+        proxy,
+        "proxy figures only through a proxy"
+    );
+    if proxy {
+        assert!(run["proxy"]["peak_rss_bytes"].as_u64().unwrap() > 1 << 20);
+        assert!(run["proxy"]["cpu_seconds"].as_f64().unwrap() > 0.0);
+    }
+    for class in classes {
+        let c = &run["classes"][class];
+        assert!(c.is_object(), "class {class} in {run}");
+        let ok = c["ok"].as_u64().unwrap();
+        assert!(ok > 0, "class {class} got answers: {c}");
+        assert_eq!(
+            c["requests"].as_u64().unwrap(),
+            ok + c["rejected"].as_u64().unwrap() + c["errors"].as_u64().unwrap()
+        );
+        for key in ["p50_ms", "p99_ms", "p999_ms", "rps"] {
+            assert!(c[key].as_f64().unwrap() > 0.0, "{class}.{key}: {c}");
+        }
+        let per_identity: Vec<u64> = c["per_identity_ok"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert_eq!(per_identity.iter().sum::<u64>(), ok);
+    }
+}
+
+#[test]
+fn list_storm_fills_both_runs() {
+    let report = run_scenario("list-storm", &[]);
+    assert_eq!(report["scenario"], "list-storm");
+    assert_eq!(report["scale"], 0.01);
+    let classes = ["storm", "innocent", "heartbeat"];
+    check_run(&report["runs"]["direct"], &classes, false);
+    check_run(&report["runs"]["bulwark"], &classes, true);
+}
+
+#[test]
+fn informers_fill_both_runs_with_event_delivery() {
+    let report = run_scenario("informers", &[]);
+    for run in ["direct", "bulwark"] {
+        let r = &report["runs"][run];
+        check_run(r, &["nodes", "churn"], run == "bulwark");
+        assert!(
+            r["apiserver"]["upstream_watches"].as_u64().unwrap() > 0,
+            "{run} opened watches"
+        );
+        assert!(
+            r["event_delivery_p99_ms"].as_f64().unwrap() > 0.0,
+            "{run} matched events to writes: {r}"
+        );
+    }
+}
+
+#[test]
+fn sandbox_serves_kubectl_with_each_identity() {
+    let kubectl = PathBuf::from("/usr/bin/kubectl");
+    if !kubectl.exists() {
+        eprintln!("kubectl is not installed; skipping the sandbox test");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("bulwark-sandbox-smoke-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
+        .arg("sandbox")
+        .arg("--dir")
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !dir.join("ready").exists() {
+        assert!(Instant::now() < deadline, "the sandbox became ready");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the sandbox exited early"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let kubectl = |config: &str, args: &[&str]| {
+        let out = Command::new(&kubectl)
+            .arg("--kubeconfig")
+            .arg(dir.join(config))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, text) = kubectl("kubeconfig-admin", &["get", "secrets", "-A"]);
+    assert!(
+        ok && text.contains("secret-0") && text.contains("node-1-kubelet-config"),
+        "{text}"
+    );
+    let (ok, text) = kubectl("kubeconfig-operator", &["get", "configmaps", "-A"]);
+    assert!(ok && text.contains("configmap-0"), "{text}");
+    let (ok, text) = kubectl("kubeconfig-operator", &["get", "pods", "-A"]);
+    assert!(!ok && text.contains("Forbidden"), "{text}");
+    let (ok, text) = kubectl(
+        "kubeconfig-node-1",
+        &["-n", "ns-0", "get", "secret", "node-1-kubelet-config"],
+    );
+    assert!(ok, "{text}");
+    let (ok, text) = kubectl(
+        "kubeconfig-node-1",
+        &["-n", "ns-0", "get", "secret", "secret-0"],
+    );
+    assert!(!ok && text.contains("Forbidden"), "{text}");
+    let (ok, text) = kubectl("kubeconfig-nobody", &["get", "secrets"]);
+    assert!(!ok && text.contains("Forbidden"), "{text}");
+    let (ok, text) = kubectl("kubeconfig-direct-admin", &["get", "secrets", "-A"]);
+    assert!(ok && text.contains("secret-0"), "{text}");
+
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let status = child.wait().unwrap();
+    assert!(
+        status.success(),
+        "the sandbox stops cleanly on SIGTERM: {status}"
+    );
+    assert!(
+        !dir.join("ready").exists(),
+        "ready is removed when it stops"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

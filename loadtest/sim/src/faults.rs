@@ -143,12 +143,9 @@ impl Counters {
 
 impl Drop for GaugeGuard {
     fn drop(&mut self) {
-        // A stop resets the in-flight gauge while requests of the old connections may still
-        // be ending; those must not wrap it below zero.
-        let _ = self.counters.gauge(self.which).0.fetch_update(
-            Ordering::AcqRel,
-            Ordering::Acquire,
-            |v| Some(v.saturating_sub(1)),
-        );
+        self.counters
+            .gauge(self.which)
+            .0
+            .fetch_sub(1, Ordering::AcqRel);
     }
 }

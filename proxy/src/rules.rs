@@ -223,9 +223,8 @@ impl RuleSet {
             Err(more) => {
                 // Problems from unreadable files first, then the rest, in file order.
                 problems.extend(more);
-                problems.sort_by(|a, b| {
-                    (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column))
-                });
+                problems
+                    .sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
                 Err(problems)
             }
         }
@@ -337,9 +336,14 @@ impl RuleSet {
         let rule = self.rule_for(user, info);
         let matched = rule.matched(user, info);
         let mut out = String::new();
+        let query = if info.query.raw.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", info.query.raw)
+        };
         let _ = writeln!(
             out,
-            "request: {} {}",
+            "request: {} {}{query}",
             matcher::verb_name(&info.verb),
             info.path
         );
@@ -479,7 +483,10 @@ pub fn check(dir: &Path) -> (u8, String) {
         ),
         Err(problems) => (
             1,
-            problems.iter().map(|p| format!("{p}\n")).collect::<String>(),
+            problems
+                .iter()
+                .map(|p| format!("{p}\n"))
+                .collect::<String>(),
         ),
     }
 }
@@ -494,8 +501,12 @@ pub fn explain_cli(
     verb: &str,
     path: &str,
 ) -> Result<String, String> {
-    let set = RuleSet::load_dir(dir)
-        .map_err(|problems| problems.iter().map(|p| format!("{p}\n")).collect::<String>())?;
+    let set = RuleSet::load_dir(dir).map_err(|problems| {
+        problems
+            .iter()
+            .map(|p| format!("{p}\n"))
+            .collect::<String>()
+    })?;
     let info = request_for(verb, path)?;
     Ok(set.explain_request(&cli_user(user, groups), &info))
 }

@@ -87,10 +87,7 @@ pub fn read_folder(dir: &Path) -> (Vec<Source>, Vec<RuleProblem>) {
                 Err(e) => {
                     let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
                     let line = 1 + valid.iter().filter(|b| **b == b'\n').count();
-                    let line_start = valid
-                        .iter()
-                        .rposition(|b| *b == b'\n')
-                        .map_or(0, |p| p + 1);
+                    let line_start = valid.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1);
                     let column = 1 + String::from_utf8_lossy(&valid[line_start..])
                         .chars()
                         .count();

@@ -153,7 +153,12 @@ impl ResourcePattern {
 
 impl fmt::Display for ResourcePattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} in group {:?}", self.resource_text(), self.group.to_string())
+        write!(
+            f,
+            "{} in group {:?}",
+            self.resource_text(),
+            self.group.to_string()
+        )
     }
 }
 
@@ -489,9 +494,8 @@ impl Matcher {
         };
         let namespaces = match (&self.namespaces, &other.namespaces) {
             (Some(a), Some(b)) => a.iter().any(|x| {
-                b.iter().any(|y| {
-                    x == y || *x == NamespacePattern::Any || *y == NamespacePattern::Any
-                })
+                b.iter()
+                    .any(|y| x == y || *x == NamespacePattern::Any || *y == NamespacePattern::Any)
             }),
             _ => true,
         };
@@ -626,19 +630,20 @@ pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
     }
 
     let at = |field: &str, i: usize| vec![field.to_owned(), i.to_string()];
-    let name = |field: &str, i: usize, value: &str, problem: &mut dyn FnMut(Vec<String>, String)| {
-        if value == "*" {
-            Some(Name::Any)
-        } else if value.is_empty() || value.contains('*') {
-            problem(
-                at(field, i),
-                format!("{field}[{i}]: invalid name {value:?}: a name, or \"*\" alone for any"),
-            );
-            None
-        } else {
-            Some(Name::Exact(value.to_owned()))
-        }
-    };
+    let name =
+        |field: &str, i: usize, value: &str, problem: &mut dyn FnMut(Vec<String>, String)| {
+            if value == "*" {
+                Some(Name::Any)
+            } else if value.is_empty() || value.contains('*') {
+                problem(
+                    at(field, i),
+                    format!("{field}[{i}]: invalid name {value:?}: a name, or \"*\" alone for any"),
+                );
+                None
+            } else {
+                Some(Name::Exact(value.to_owned()))
+            }
+        };
 
     let mut compiled_users = Vec::new();
     for (i, u) in &users {
@@ -790,7 +795,8 @@ pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
     if !problems.is_empty() {
         return Err(problems);
     }
-    let has_subjects = doc.users.is_some() || doc.groups.is_some() || doc.service_accounts.is_some();
+    let has_subjects =
+        doc.users.is_some() || doc.groups.is_some() || doc.service_accounts.is_some();
     Ok(Matcher {
         subjects: has_subjects.then_some(Subjects {
             users: compiled_users,
@@ -814,9 +820,8 @@ mod tests {
             "rules:\n- name: r\n  precedence: 1\n  level: l\n  match: {yaml}\n"
         ))
         .expect("valid test yaml");
-        compile(&file.rules[0].matches).unwrap_or_else(|p| {
-            panic!("{:?}", p.iter().map(|p| &p.message).collect::<Vec<_>>())
-        })
+        compile(&file.rules[0].matches)
+            .unwrap_or_else(|p| panic!("{:?}", p.iter().map(|p| &p.message).collect::<Vec<_>>()))
     }
 
     fn problems(yaml: &str) -> Vec<String> {

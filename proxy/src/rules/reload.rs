@@ -144,10 +144,10 @@ impl Rules {
             }
         };
         if let Some(watcher) = &mut watcher {
-            if let Some(parent) = folder.parent().filter(|p| !p.as_os_str().is_empty()) {
-                if let Err(e) = watcher.watch(parent, RecursiveMode::NonRecursive) {
-                    tracing::warn!(folder = %parent.display(), "cannot watch: {e}");
-                }
+            if let Some(parent) = folder.parent().filter(|p| !p.as_os_str().is_empty())
+                && let Err(e) = watcher.watch(parent, RecursiveMode::NonRecursive)
+            {
+                tracing::warn!(folder = %parent.display(), "cannot watch: {e}");
             }
             rewatch(watcher, &folder);
         }

@@ -61,10 +61,7 @@ impl Spans {
                 let indent = raw.chars().take_while(|c| *c == ' ').count();
                 let body: Vec<char> = raw.chars().skip(indent).collect();
                 let text = strip_comment(&body);
-                let is_marker = matches!(
-                    text.iter().collect::<String>().as_str(),
-                    "---" | "..."
-                );
+                let is_marker = matches!(text.iter().collect::<String>().as_str(), "---" | "...");
                 (!text.is_empty() && !is_marker).then_some(Line {
                     number: i + 1,
                     indent,
@@ -431,8 +428,14 @@ rules:
     #[test]
     fn sequences_and_flow_collections_point_at_items() {
         let spans = Spans::parse(TEXT);
-        assert_eq!(spans.find(&["rules", "0", "match", "users", "1"]), pos(10, 20));
-        assert_eq!(spans.find(&["rules", "0", "match", "verbs", "1"]), pos(13, 11));
+        assert_eq!(
+            spans.find(&["rules", "0", "match", "users", "1"]),
+            pos(10, 20)
+        );
+        assert_eq!(
+            spans.find(&["rules", "0", "match", "verbs", "1"]),
+            pos(13, 11)
+        );
         assert_eq!(
             spans.find(&["rules", "0", "match", "resources", "1", "resource"]),
             pos(14, 75)
@@ -450,7 +453,8 @@ rules:
 
     #[test]
     fn flow_mapping_items_in_a_sequence() {
-        let spans = Spans::parse("rules:\n- {name: a, precedence: 5}\n- {name: b, precedence: 5}\n");
+        let spans =
+            Spans::parse("rules:\n- {name: a, precedence: 5}\n- {name: b, precedence: 5}\n");
         assert_eq!(spans.find(&["rules", "1", "precedence"]), pos(3, 25));
         assert_eq!(spans.find(&["rules", "0", "name"]), pos(2, 10));
     }

@@ -59,8 +59,7 @@ fn valid_name(name: &str) -> bool {
     name.len() <= 63 && matcher::is_dns_subdomain(name)
 }
 
-const NAME_RULE: &str =
-    "lowercase letters, digits, '-' and '.', starting and ending with a letter or digit, at most 63 characters";
+const NAME_RULE: &str = "lowercase letters, digits, '-' and '.', starting and ending with a letter or digit, at most 63 characters";
 
 /// Checks `value` against `min..=max`.
 fn in_range(field: &str, value: i64, min: i64, max: i64) -> Option<String> {
@@ -121,6 +120,12 @@ fn level_spec(doc: &LevelDoc) -> Result<LevelSpec, Vec<(&'static str, String)>> 
     })
 }
 
+/// A validated set: its levels and its rules by precedence (the catch-all apart).
+pub(crate) type Built = (Vec<Arc<LevelSpec>>, Vec<CompiledRule>);
+
+/// A problem below a rule: (path below the rule, message).
+type RuleItemProblem = (Vec<String>, String);
+
 /// Where a name was first defined: (file index, item index).
 type Origin = (usize, usize);
 
@@ -135,10 +140,7 @@ struct Candidate {
 /// Builds a rule set from parsed files (the built-in rules first). `incomplete` is set when
 /// some files could not be parsed: references to levels they may define are then not
 /// reported as missing.
-pub(crate) fn build(
-    files: &[Parsed],
-    incomplete: bool,
-) -> Result<(Vec<Arc<LevelSpec>>, Vec<CompiledRule>), Vec<RuleProblem>> {
+pub(crate) fn build(files: &[Parsed], incomplete: bool) -> Result<Built, Vec<RuleProblem>> {
     let mut problems = Vec::new();
 
     // Levels: the built-in ones, then each file's.
@@ -147,6 +149,8 @@ pub(crate) fn build(
         (None, builtin::catch_all_level()),
     ];
     let mut level_origin: HashMap<String, Origin> = HashMap::new();
+    // Levels defined with bad values: rules naming them are not also told they are missing.
+    let mut invalid_levels: Vec<String> = Vec::new();
     for (f, parsed) in files.iter().enumerate() {
         for (i, doc) in parsed.file.levels.iter().enumerate() {
             let index = i.to_string();
@@ -162,7 +166,9 @@ pub(crate) fn build(
             if doc.name == EXEMPT {
                 problems.push(parsed.problem(
                     &at("name"),
-                    format!("{label}: the built-in level {EXEMPT} has no limits and cannot be redefined"),
+                    format!(
+                        "{label}: the built-in level {EXEMPT} has no limits and cannot be redefined"
+                    ),
                 ));
                 continue;
             }
@@ -176,12 +182,13 @@ pub(crate) fn build(
             }
             level_origin.insert(doc.name.clone(), (f, i));
             match level_spec(doc) {
-                Ok(spec) => {
-                    // A file's `catch-all` replaces the built-in numbers.
-                    levels.retain(|(_, l)| l.name != spec.name);
-                    levels.push((Some((f, i)), spec));
-                }
+                Ok(spec) => match levels.iter_mut().find(|(_, l)| l.name == spec.name) {
+                    // A file's `catch-all` replaces the built-in numbers, in its place.
+                    Some(builtin) => *builtin = (Some((f, i)), spec),
+                    None => levels.push((Some((f, i)), spec)),
+                },
                 Err(level_problems) => {
+                    invalid_levels.push(doc.name.clone());
                     for (field, message) in level_problems {
                         problems.push(parsed.problem(&at(field), format!("{label}: {message}")));
                     }
@@ -234,7 +241,8 @@ pub(crate) fn build(
                 None => {}
             }
             rule_origin.insert(doc.name.clone(), (f, i));
-            match rule(doc, &level_by_name, &level_names, incomplete) {
+            let report_missing = !incomplete && !invalid_levels.contains(&doc.level);
+            match rule(doc, &level_by_name, &level_names, report_missing) {
                 Ok((precedence, matcher, compiled)) => candidates.push(Candidate {
                     origin: (f, i),
                     precedence,
@@ -285,15 +293,14 @@ pub(crate) fn build(
 }
 
 /// Validates one rule: its precedence, matcher and the rule, or (path below the rule,
-/// message) for each problem.
-#[allow(clippy::type_complexity)]
+/// message) for each problem. A missing level is a problem only if `report_missing`.
 fn rule(
     doc: &RuleDoc,
     level_by_name: &dyn Fn(&str) -> Option<Arc<LevelSpec>>,
     level_names: &[&str],
-    incomplete: bool,
-) -> Result<(u32, Matcher, CompiledRule), Vec<(Vec<String>, String)>> {
-    let mut problems: Vec<(Vec<String>, String)> = Vec::new();
+    report_missing: bool,
+) -> Result<(u32, Matcher, CompiledRule), Vec<RuleItemProblem>> {
+    let mut problems: Vec<RuleItemProblem> = Vec::new();
     let mut add = |path: &[&str], message: String| {
         problems.push((path.iter().map(|s| s.to_string()).collect(), message));
     };
@@ -301,7 +308,7 @@ fn rule(
         add(&["precedence"], message);
     }
     let level = level_by_name(&doc.level);
-    if level.is_none() && !incomplete {
+    if level.is_none() && report_missing {
         add(
             &["level"],
             format!(
@@ -317,10 +324,16 @@ fn rule(
         Some(rate) => {
             let mut ok = true;
             if !rate.qps.is_finite() || rate.qps <= 0.0 {
-                add(&["rate", "qps"], format!("rate.qps: must be above 0, got {}", rate.qps));
+                add(
+                    &["rate", "qps"],
+                    format!("rate.qps: must be above 0, got {}", rate.qps),
+                );
                 ok = false;
             } else if rate.qps > MAX_QPS {
-                add(&["rate", "qps"], format!("rate.qps: must be at most {MAX_QPS}, got {}", rate.qps));
+                add(
+                    &["rate", "qps"],
+                    format!("rate.qps: must be at most {MAX_QPS}, got {}", rate.qps),
+                );
                 ok = false;
             }
             if let Some(message) = in_range("rate.burst", rate.burst, 1, MAX_BURST) {
@@ -347,7 +360,9 @@ fn rule(
             } else if exempt {
                 add(
                     &["watches"],
-                    format!("watches: level {EXEMPT} has no limits, so a watch limit would never apply"),
+                    format!(
+                        "watches: level {EXEMPT} has no limits, so a watch limit would never apply"
+                    ),
                 );
             }
             u32::try_from(w).ok()
@@ -393,7 +408,7 @@ fn rule(
             };
             Ok((compiled.precedence, matcher, compiled))
         }
-        // A missing level in an incomplete set is not reported; the set is refused anyway.
+        // A missing level that is not reported: the set is refused for another problem.
         _ if problems.is_empty() => Err(Vec::new()),
         _ => Err(problems),
     }
@@ -451,10 +466,14 @@ pub(crate) fn parse(source: &Source) -> Result<Parsed, RuleProblem> {
             Some(at) => format!("{}{}", &message[..at], &message[at + suffix.len()..]),
             None => message,
         };
-        problem(line, column, message)
+        problem(line, column, friendly(&message))
     })?;
     if file.levels.is_empty() && file.rules.is_empty() {
-        return Err(problem(1, 1, "the file defines no levels and no rules".into()));
+        return Err(problem(
+            1,
+            1,
+            "the file defines no levels and no rules".into(),
+        ));
     }
     Ok(Parsed {
         path: source.path.clone(),
@@ -462,6 +481,29 @@ pub(crate) fn parse(source: &Source) -> Result<Parsed, RuleProblem> {
         spans: Spans::parse(&source.text),
         file,
     })
+}
+
+/// Says what the parser's Rust type names stand for.
+fn friendly(message: &str) -> String {
+    const NAMES: [(&str, &str); 8] = [
+        (
+            "expected struct RuleFile",
+            "expected a rule file: a mapping with `levels` and `rules`",
+        ),
+        ("expected struct LevelDoc", "expected a level: a mapping"),
+        ("expected struct RuleDoc", "expected a rule: a mapping"),
+        ("expected struct MatchDoc", "expected a match: a mapping"),
+        (
+            "expected struct ResourceDoc",
+            "expected a mapping {group, resource}",
+        ),
+        ("expected struct RateDoc", "expected a mapping {qps, burst}"),
+        ("expected i64", "expected an integer"),
+        ("expected f64", "expected a number"),
+    ];
+    NAMES
+        .iter()
+        .fold(message.to_owned(), |m, (from, to)| m.replace(from, to))
 }
 
 /// Folder-level problem (no line).

@@ -245,6 +245,16 @@ fn the_examples_load_and_route_their_clients() {
         "logging-agent"
     );
 
+    let storm = user("storm-17", &["storm"]);
+    let m = route(&storm, "list", "/api/v1/secrets");
+    assert_eq!(&*m.rule, "cluster-wide-secret-lists");
+    assert_eq!(m.level.name, "list-heavy");
+    assert_eq!(m.flow, "cluster-wide-secret-lists/storm-17");
+    assert_eq!(
+        &*route(&storm, "list", "/api/v1/namespaces/ns-1/secrets").rule,
+        "catch-all"
+    );
+
     let nobody = user("alice", &["devs"]);
     let m = route(&nobody, "list", "/api/v1/namespaces/web/secrets");
     assert_eq!(&*m.rule, "catch-all");
@@ -354,7 +364,14 @@ fn a_file_rule_named_like_a_heartbeat_rule_replaces_it() {
     );
 }
 
-const EXPLAIN_CASES: [(&str, &str, &[&str], &str, &str); 5] = [
+const EXPLAIN_CASES: [(&str, &str, &[&str], &str, &str); 6] = [
+    (
+        "secret-storm",
+        "storm-17",
+        &["storm"],
+        "list",
+        "/api/v1/secrets",
+    ),
     (
         "secret-operator",
         "system:serviceaccount:ops:secret-sync",
@@ -428,7 +445,7 @@ fn check_summarises_a_good_folder() {
     assert_eq!(
         out,
         format!(
-            "{}: 10 files, 6 levels, 11 rules, hash {}\n",
+            "{}: 11 files, 6 levels, 12 rules, hash {}\n",
             examples().display(),
             set.hash()
         )

@@ -1,0 +1,1 @@
+//! Admission tests under paused tokio time: fairness, cost, budgets, refusals, reload.

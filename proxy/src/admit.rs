@@ -192,8 +192,7 @@ impl Admission {
         let per_replica = budget.budget();
         let seat_unit = config
             .seat_unit_bytes
-            .unwrap_or(per_replica / 100)
-            .max(64 * 1024);
+            .unwrap_or((per_replica / 100).max(64 * 1024));
         let unknown = config.unknown_list_bytes.unwrap_or(per_replica / 4);
         let flows = Arc::new(Flows::new(config.flow_shards, config.flow_idle));
         let shadow_log = std::num::NonZeroU32::new(config.shadow_logs_per_second)

@@ -1,11 +1,12 @@
 //! Bulwark: a TLS-terminating reverse proxy that keeps kube-apiservers alive.
 //!
 //! The modules follow the request path of DESIGN.md: [`listen`] → [`identity`] →
-//! [`classify`] → [`rules`] → admit → cache → [`upstream`], with [`metrics`] and [`admin`]
+//! [`classify`] → [`rules`] → [`admit`] → cache → [`upstream`], with [`metrics`] and [`admin`]
 //! beside it, [`config`] for the file that drives it all, and [`status`] as the one place
 //! that turns a refusal into a response.
 
 pub mod admin;
+pub mod admit;
 pub mod classify;
 pub mod config;
 pub mod identity;

@@ -51,9 +51,25 @@ pub struct Metrics {
     pub upstream_watches: IntGaugeVec,
     /// `bulwark_authz_reviews_total{kind, result}`.
     pub authz_reviews_total: IntCounterVec,
+    /// `bulwark_shadow_rejections_total{rule, level, reason}`: what shadow-mode rules would
+    /// have refused.
+    pub shadow_rejections_total: IntCounterVec,
+    /// `bulwark_queue_wait_seconds{level}`: time from arrival to dispatch of admitted requests.
+    pub queue_wait_seconds: HistogramVec,
+    /// `bulwark_level_waiting_requests{level}`: requests waiting in the level's queues.
+    pub level_waiting_requests: IntGaugeVec,
+    /// `bulwark_level_executing_seats{level}`: seats held by executing requests.
+    pub level_executing_seats: IntGaugeVec,
+    /// `bulwark_level_seats_limit{level}`: seats the level may use now (shrinks with the
+    /// share of healthy replicas).
+    pub level_seats_limit: IntGaugeVec,
+    /// `bulwark_list_bytes_in_flight{replica}`: LIST bytes admitted to the replica.
+    pub list_bytes_in_flight: IntGaugeVec,
+    /// `bulwark_list_bytes_budget{replica}`: the replica's in-flight LIST byte budget.
+    pub list_bytes_budget: IntGaugeVec,
     /// `bulwark_rules_reload_total{result}`: rule reloads, `success` or `error`.
     pub rules_reload_total: IntCounterVec,
-    /// `bulwark_rules_loaded_info{hash}`: 1 for the running rule set's content hash.
+    /// `bulwark_rules_loaded_info{hash}`: 1 for the content hash of the loaded rules.
     pub rules_loaded_info: IntGaugeVec,
 }
 
@@ -89,6 +105,11 @@ impl Metrics {
             "TokenReviews and SubjectAccessReviews, by kind and result.",
             &["kind", "result"],
         );
+        let shadow_rejections_total = counter(
+            "shadow_rejections_total",
+            "Requests a shadow-mode rule would have refused, by rule, level and reason.",
+            &["rule", "level", "reason"],
+        );
         let rules_reload_total = counter(
             "rules_reload_total",
             "Reloads of the rule files, by result (success, error); a failed one keeps the running rules.",
@@ -117,11 +138,51 @@ impl Metrics {
             "Watch streams open to the replica.",
             &["replica"],
         );
+        let level_waiting_requests = gauge(
+            "level_waiting_requests",
+            "Requests waiting in the priority level's fair queues.",
+            &["level"],
+        );
+        let level_executing_seats = gauge(
+            "level_executing_seats",
+            "Seats held by the priority level's executing requests.",
+            &["level"],
+        );
+        let level_seats_limit = gauge(
+            "level_seats_limit",
+            "Seats the priority level may use now, shrunk by the share of healthy replicas.",
+            &["level"],
+        );
+        let list_bytes_in_flight = gauge(
+            "list_bytes_in_flight",
+            "LIST bytes admitted to the apiserver replica and not yet answered in full.",
+            &["replica"],
+        );
+        let list_bytes_budget = gauge(
+            "list_bytes_budget",
+            "The apiserver replica's in-flight LIST byte budget.",
+            &["replica"],
+        );
         let rules_loaded_info = gauge(
             "rules_loaded_info",
-            "1 for the content hash of the running rule set.",
+            "1 for the content hash of the rules in force.",
             &["hash"],
         );
+        let queue_wait_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "bulwark_queue_wait_seconds",
+                "Time admitted requests waited in their priority level's fair queue.",
+            )
+            .buckets(vec![
+                0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0,
+            ]),
+            &["level"],
+        )
+        .expect("valid metric definition");
+        registry
+            .register(Box::new(queue_wait_seconds.clone()))
+            .expect("metric registered once");
         let request_duration_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "bulwark_request_duration_seconds",
@@ -147,6 +208,13 @@ impl Metrics {
             upstream_in_flight,
             upstream_watches,
             authz_reviews_total,
+            shadow_rejections_total,
+            queue_wait_seconds,
+            level_waiting_requests,
+            level_executing_seats,
+            level_seats_limit,
+            list_bytes_in_flight,
+            list_bytes_budget,
             rules_reload_total,
             rules_loaded_info,
         }

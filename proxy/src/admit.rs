@@ -1,0 +1,517 @@
+//! Admission (DESIGN.md step 6): decides whether, and when, a classified and matched request
+//! may run.
+//!
+//! In order: the flow's token bucket ([`flows`]), the rule's per-flow watch limit, the cost
+//! of the request ([`cost`]: seats, and bytes for a LIST), then the level's shuffle-sharded
+//! fair queues ([`queue`]) until both the seats and, for a LIST, the bytes on a replica
+//! ([`budget`]) are free — holding neither while it waits. A refusal is a [`Refusal`] with
+//! the rule, the level, the reason and the flow's own `Retry-After`. Shadow-mode rules
+//! refuse nothing: they count and log what they would have refused. Exempt levels have no
+//! limits at all.
+//!
+//! Refusals are counted in `bulwark_rejected_requests_total` by the layer that answers them
+//! (`serve::Rescue`), not here, so that each is counted once.
+
+mod budget;
+mod cost;
+mod flows;
+mod queue;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use governor::{Quota, RateLimiter};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::classify::{RequestInfo, Verb};
+use crate::identity::User;
+use crate::metrics::Metrics;
+use crate::rules::{LevelSpec, Matched, Mode};
+use crate::status::{Reason, Refusal};
+use crate::upstream::Upstream;
+
+pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
+pub use flows::WatchGuard;
+
+use cost::CostModel;
+use flows::{Bucket, Flows};
+use queue::{BytesHeld, Level, SeatGrant, WaitEnd, flow_hash};
+
+/// Tunables of admission; the defaults suit a production fleet.
+#[derive(Debug, Clone)]
+pub struct AdmissionConfig {
+    /// LIST bytes that weigh as one seat. `None`: a hundredth of a replica's byte budget,
+    /// the same weight the replica pick gives in-flight bytes.
+    pub seat_unit_bytes: Option<u64>,
+    /// What a LIST of a scope never seen is assumed to cost. `None`: a quarter of a
+    /// replica's byte budget, so a cold start admits a few unknown LISTs per replica, not
+    /// a storm.
+    pub unknown_list_bytes: Option<u64>,
+    /// A flow with no request for this long (and no open watch, and no recent refusal)
+    /// is forgotten.
+    pub flow_idle: Duration,
+    /// Shards of the flow table (lock contention).
+    pub flow_shards: usize,
+    /// LIST scopes and shapes remembered by the cost model (each, LRU).
+    pub cost_capacity: usize,
+    /// Shadow-mode would-be refusals logged per second (the rest are only counted).
+    pub shadow_logs_per_second: u32,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            seat_unit_bytes: None,
+            unknown_list_bytes: None,
+            flow_idle: Duration::from_secs(300),
+            flow_shards: 64,
+            cost_capacity: 100_000,
+            shadow_logs_per_second: 5,
+        }
+    }
+}
+
+/// The admission controller: one per Bulwark, shared behind an `Arc`.
+pub struct Admission {
+    shared: Arc<Shared>,
+}
+
+/// What levels and byte reservations reach back to.
+pub(crate) struct Shared {
+    levels: RwLock<HashMap<String, Arc<Level>>>,
+    /// Levels replaced by a reload that still hold queued or executing requests.
+    draining: Mutex<Vec<Arc<Level>>>,
+    flows: Arc<Flows>,
+    cost: CostModel,
+    budget: Arc<dyn ByteBudget>,
+    metrics: Metrics,
+    shadow_log: Option<Bucket>,
+    weak: Weak<Shared>,
+}
+
+impl Shared {
+    /// Bytes were released: LISTs waiting for bytes in any level may go now.
+    pub(crate) fn redispatch_byte_blocked(&self) {
+        let levels: Vec<Arc<Level>> = {
+            let current = self.levels.read().unwrap_or_else(|p| p.into_inner());
+            let draining = self.draining.lock().unwrap_or_else(|p| p.into_inner());
+            current.values().chain(draining.iter()).cloned().collect()
+        };
+        for level in levels {
+            level.redispatch_if_byte_blocked();
+        }
+    }
+
+    fn new_level(&self, spec: Arc<LevelSpec>) -> Arc<Level> {
+        Level::new(spec, self.budget.clone(), self.weak.clone(), &self.metrics)
+    }
+}
+
+/// Held while the request executes: seats (released at the response head for long-running
+/// requests, else when the response body ends), LIST bytes on a replica, and for a watch
+/// its place in the flow's watch limit. Dropping it releases everything.
+#[derive(Default)]
+pub struct Permit {
+    // Bytes before seats: when both go, the bytes are free by the time the level
+    // dispatches again.
+    bytes: Option<BytesHeld>,
+    seats: Option<SeatGrant>,
+    watch: Option<WatchGuard>,
+    expected_bytes: u64,
+    level: Option<String>,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("level", &self.level)
+            .field("seats", &self.seats.is_some())
+            .field("replica", &self.replica())
+            .field("expected_bytes", &self.expected_bytes)
+            .field("watch", &self.watch.is_some())
+            .finish()
+    }
+}
+
+impl Permit {
+    /// Gives the seats back (at the response head of a long-running request). The LIST
+    /// bytes and the watch stay held until the permit is dropped.
+    pub fn release_seats(&mut self) {
+        self.seats = None;
+    }
+
+    /// The LIST bytes the request was admitted with (0 for anything but a LIST).
+    pub fn expected_bytes(&self) -> u64 {
+        self.expected_bytes
+    }
+
+    /// The replica whose byte budget holds this LIST's bytes.
+    pub fn replica(&self) -> Option<&str> {
+        self.bytes.as_ref().and_then(|b| b.replica())
+    }
+
+    /// Whether the permit still holds seats.
+    pub fn holds_seats(&self) -> bool {
+        self.seats.is_some()
+    }
+
+    /// For a watch with a per-flow limit: the guard that keeps it counted. Keep it for the
+    /// life of the stream; the rest of the permit may be dropped.
+    pub fn watch_guard(&mut self) -> Option<WatchGuard> {
+        self.watch.take()
+    }
+}
+
+/// A would-be refusal, before it is turned into a [`Refusal`] or counted in shadow mode.
+struct Verdict {
+    reason: Reason,
+    message: String,
+    /// A lower bound for `Retry-After` (the token bucket's own wait).
+    at_least: Duration,
+}
+
+impl Admission {
+    /// Admission for the levels of a rule set, with the in-flight LIST byte budgets of
+    /// `upstream`'s replicas.
+    pub fn new(levels: &[Arc<LevelSpec>], upstream: Upstream, metrics: Metrics) -> Arc<Self> {
+        let budget = Arc::new(UpstreamBudget::new(upstream, &metrics));
+        Self::with_budget(levels, budget, AdmissionConfig::default(), metrics)
+    }
+
+    /// Admission over any [`ByteBudget`] (a [`LocalBudget`] in tests and benches).
+    pub fn with_budget(
+        levels: &[Arc<LevelSpec>],
+        budget: Arc<dyn ByteBudget>,
+        config: AdmissionConfig,
+        metrics: Metrics,
+    ) -> Arc<Self> {
+        let per_replica = budget.budget();
+        let seat_unit = config
+            .seat_unit_bytes
+            .unwrap_or((per_replica / 100).max(64 * 1024));
+        let unknown = config.unknown_list_bytes.unwrap_or(per_replica / 4);
+        let flows = Arc::new(Flows::new(config.flow_shards, config.flow_idle));
+        let shadow_log = std::num::NonZeroU32::new(config.shadow_logs_per_second)
+            .map(|n| RateLimiter::direct_with_clock(Quota::per_second(n), flows.clock().clone()));
+        let shared = Arc::new_cyclic(|weak| Shared {
+            levels: RwLock::new(HashMap::new()),
+            draining: Mutex::new(Vec::new()),
+            flows,
+            cost: CostModel::new(seat_unit, unknown, config.cost_capacity),
+            budget,
+            metrics,
+            shadow_log,
+            weak: weak.clone(),
+        });
+        let admission = Arc::new(Self { shared });
+        admission.update_levels(levels);
+        admission
+    }
+
+    /// Takes the levels of a new rule set. A level whose definition did not change keeps
+    /// its queues and everything in them; a changed or removed level finishes what it
+    /// queued and runs (it drains) while new requests go to its successor. Nothing queued
+    /// or executing is dropped.
+    pub fn update_levels(&self, levels: &[Arc<LevelSpec>]) {
+        let shared = &self.shared;
+        let mut current = shared.levels.write().unwrap_or_else(|p| p.into_inner());
+        let mut old = std::mem::take(&mut *current);
+        let mut retired = Vec::new();
+        for spec in levels {
+            let level = match old.remove(&spec.name) {
+                Some(level) if *level.spec == **spec => level,
+                Some(level) => {
+                    retired.push(level);
+                    shared.new_level(spec.clone())
+                }
+                None => shared.new_level(spec.clone()),
+            };
+            current.insert(spec.name.clone(), level);
+        }
+        retired.extend(old.into_values());
+        drop(current);
+        let mut draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+        for level in retired {
+            level.set_draining();
+            draining.push(level);
+        }
+        draining.retain(|level| !level.idle());
+    }
+
+    /// The level of a matched request: the current one of that name. A request matched
+    /// against rules whose levels were not handed to [`Admission::update_levels`] yet
+    /// creates its level.
+    fn level(&self, spec: &Arc<LevelSpec>) -> Arc<Level> {
+        if let Some(level) = self
+            .shared
+            .levels
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&spec.name)
+        {
+            return level.clone();
+        }
+        let mut levels = self
+            .shared
+            .levels
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        levels
+            .entry(spec.name.clone())
+            .or_insert_with(|| self.shared.new_level(spec.clone()))
+            .clone()
+    }
+
+    /// Waits (fair queue) until the request may run, or refuses it.
+    pub async fn admit(
+        &self,
+        m: &Matched,
+        info: &RequestInfo,
+        user: &User,
+    ) -> Result<Permit, Refusal> {
+        if m.level.exempt {
+            return Ok(Permit {
+                level: Some(m.level.name.clone()),
+                ..Permit::default()
+            });
+        }
+        let shared = &self.shared;
+        let now = Instant::now();
+        shared.flows.maybe_sweep(now);
+        let level = self.level(&m.level);
+        let hash = flow_hash(&m.flow);
+        let shadow = m.mode == Mode::Shadow;
+
+        if let Some(rate) = m.rate
+            && let Err(wait) = shared.flows.check_rate(&m.flow, hash, rate, now)
+        {
+            self.verdict(
+                m,
+                &level,
+                user,
+                hash,
+                now,
+                Verdict {
+                    reason: Reason::RateLimited,
+                    message: format!(
+                        "flow {} is over its rate of {} requests per second (burst {})",
+                        m.flow, rate.qps, rate.burst
+                    ),
+                    at_least: wait,
+                },
+            )?;
+        }
+
+        let mut permit = Permit {
+            level: Some(level.spec.name.clone()),
+            ..Permit::default()
+        };
+        if info.verb == Verb::Watch && m.watches.is_some() {
+            permit.watch = shared.flows.open_watch(&m.flow, hash, m.watches, now);
+            if permit.watch.is_none() {
+                self.verdict(
+                    m,
+                    &level,
+                    user,
+                    hash,
+                    now,
+                    Verdict {
+                        reason: Reason::WatchLimit,
+                        message: format!(
+                            "flow {} has {} open watches, as many as its rule allows",
+                            m.flow,
+                            m.watches.unwrap_or(0)
+                        ),
+                        at_least: Duration::ZERO,
+                    },
+                )?;
+                // Shadow mode: the watch runs and still counts.
+                permit.watch = shared.flows.open_watch(&m.flow, hash, None, now);
+            }
+        }
+
+        let bytes = shared.cost.bytes(info);
+        let seats = shared.cost.seats(bytes, level.spec.seats);
+        permit.expected_bytes = bytes;
+
+        if shadow {
+            if level.would_be_full(hash, seats) {
+                self.verdict(m, &level, user, hash, now, queue_full(m, &level))?;
+            }
+            // Shadow requests hold no seats, but their LISTs use real apiserver memory.
+            if bytes > 0 {
+                permit.bytes = shared
+                    .budget
+                    .reserve_anyway(bytes)
+                    .map(|r| BytesHeld::new(r, shared.weak.clone()));
+            }
+            return Ok(permit);
+        }
+
+        let ticket = match level.enqueue(hash, seats, bytes, now) {
+            Ok(ticket) => ticket,
+            Err(queue::Full) => {
+                self.verdict(m, &level, user, hash, now, queue_full(m, &level))?;
+                return Ok(permit);
+            }
+        };
+        match ticket.wait(now + level.spec.max_wait).await {
+            Ok(grant) => {
+                permit.seats = Some(grant.seats);
+                permit.bytes = grant.bytes;
+                Ok(permit)
+            }
+            Err(end) => {
+                let verdict = match end {
+                    WaitEnd::Timeout => Verdict {
+                        reason: Reason::QueueTimeout,
+                        message: format!(
+                            "waited {:?} in level {} without a free seat",
+                            level.spec.max_wait, level.spec.name
+                        ),
+                        at_least: Duration::ZERO,
+                    },
+                    WaitEnd::Bytes => Verdict {
+                        reason: Reason::ByteBudget,
+                        message: format!(
+                            "waited {:?} for {bytes} bytes of LIST budget on an apiserver replica",
+                            level.spec.max_wait
+                        ),
+                        at_least: Duration::ZERO,
+                    },
+                };
+                self.verdict(m, &level, user, hash, Instant::now(), verdict)?;
+                Ok(permit)
+            }
+        }
+    }
+
+    /// Turns a would-be refusal into a refusal (enforce), or counts and logs it (shadow,
+    /// where it returns `Ok` and the request goes on).
+    fn verdict(
+        &self,
+        m: &Matched,
+        level: &Level,
+        user: &User,
+        hash: u64,
+        now: Instant,
+        verdict: Verdict,
+    ) -> Result<(), Refusal> {
+        let shared = &self.shared;
+        let level_name = level.spec.name.as_str();
+        if m.mode == Mode::Shadow {
+            shared
+                .metrics
+                .shadow_rejections_total
+                .with_label_values(&[&*m.rule, level_name, verdict.reason.as_str()])
+                .inc();
+            if shared
+                .shadow_log
+                .as_ref()
+                .is_some_and(|l| l.check().is_ok())
+            {
+                tracing::info!(
+                    rule = %m.rule,
+                    level = level_name,
+                    flow = %m.flow,
+                    user = %user.username,
+                    reason = %verdict.reason,
+                    "shadow mode: would have refused"
+                );
+            }
+            return Ok(());
+        }
+        let retry_after = shared
+            .flows
+            .refuse(&m.flow, hash, now)
+            .max(verdict.at_least)
+            .min(flows::RETRY_MAX);
+        tracing::debug!(
+            rule = %m.rule,
+            level = level_name,
+            flow = %m.flow,
+            user = %user.username,
+            reason = %verdict.reason,
+            ?retry_after,
+            "refused"
+        );
+        let mut refusal = Refusal::new(verdict.reason, verdict.message).retry_after(retry_after);
+        refusal.rule = Some(m.rule.to_string());
+        refusal.level = Some(level_name.to_owned());
+        Err(refusal)
+    }
+
+    /// Learns a LIST's cost from its response: `bytes` of body, `objects` items if known.
+    pub fn observe_list(&self, info: &RequestInfo, bytes: u64, objects: Option<u64>) {
+        self.shared.cost.observe(info, bytes, objects);
+    }
+
+    /// The LIST bytes admission expects for a request now (0 for anything but a LIST).
+    pub fn expected_bytes(&self, info: &RequestInfo) -> u64 {
+        self.shared.cost.bytes(info)
+    }
+
+    /// Flows whose state is remembered (token bucket, backoff, watches).
+    pub fn flows(&self) -> usize {
+        self.shared.flows.len()
+    }
+
+    /// Forgets every idle flow now (admission also does this a shard at a time as
+    /// requests arrive).
+    pub fn evict_idle_flows(&self) {
+        self.shared.flows.sweep_all(Instant::now());
+    }
+
+    /// `/debug/levels`: per level, its seats, queues, waiting and executing requests.
+    pub fn levels_json(&self) -> serde_json::Value {
+        let shared = &self.shared;
+        let mut levels: Vec<(bool, Arc<Level>)> = {
+            let current = shared.levels.read().unwrap_or_else(|p| p.into_inner());
+            let draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+            current
+                .values()
+                .map(|l| (false, l.clone()))
+                .chain(draining.iter().map(|l| (true, l.clone())))
+                .collect()
+        };
+        levels.sort_by(|a, b| a.1.spec.name.cmp(&b.1.spec.name).then(a.0.cmp(&b.0)));
+        let out: Vec<serde_json::Value> = levels
+            .iter()
+            .map(|(draining, level)| {
+                let spec = &level.spec;
+                let view = level.view();
+                json!({
+                    "name": spec.name,
+                    "exempt": spec.exempt,
+                    "draining": draining,
+                    "seats": spec.seats,
+                    "seatsLimit": view.seats_limit,
+                    "queues": spec.queues,
+                    "handSize": spec.hand_size,
+                    "queueLength": spec.queue_length,
+                    "maxWaitSeconds": spec.max_wait.as_secs_f64(),
+                    "activeQueues": view.active_queues,
+                    "waiting": view.waiting,
+                    "executingRequests": view.executing_requests,
+                    "executingSeats": view.executing_seats,
+                })
+            })
+            .collect();
+        json!({ "levels": out, "flows": shared.flows.len() })
+    }
+}
+
+fn queue_full(m: &Matched, level: &Level) -> Verdict {
+    Verdict {
+        reason: Reason::QueueFull,
+        message: format!(
+            "the queue of flow {} in level {} holds {} requests already",
+            m.flow, level.spec.name, level.spec.queue_length
+        ),
+        at_least: Duration::ZERO,
+    }
+}

@@ -1,0 +1,355 @@
+//! Per-flow state: the token bucket, the `Retry-After` backoff and the open watches of each
+//! flow, in a sharded table whose idle entries are evicted so that memory stays bounded
+//! however many identities come and go.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use governor::clock::Clock;
+use governor::middleware::NoOpMiddleware;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+use tokio::time::Instant;
+
+use crate::rules::Rate;
+
+/// Shortest `Retry-After`: what a flow's first refusal says.
+pub(crate) const RETRY_MIN: Duration = Duration::from_secs(1);
+/// Longest `Retry-After`, reached while a flow keeps being refused.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(32);
+
+/// governor's clock on tokio's time, so that token buckets follow `tokio::time::pause()`.
+#[derive(Clone, Debug)]
+pub(crate) struct TokioClock {
+    origin: Instant,
+}
+
+impl TokioClock {
+    pub(crate) fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl Clock for TokioClock {
+    // `Duration` since the origin is a `governor::clock::Reference`.
+    type Instant = Duration;
+
+    fn now(&self) -> Duration {
+        Instant::now().saturating_duration_since(self.origin)
+    }
+}
+
+/// A token bucket on tokio time.
+pub(crate) type Bucket = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Duration>>;
+
+/// The quota of a rate, or `None` when it limits nothing (a non-positive or non-finite
+/// rate cannot come from validated rules; it is treated as no limit rather than a panic).
+fn quota(rate: Rate) -> Option<Quota> {
+    if !(rate.qps.is_finite() && rate.qps > 0.0) {
+        return None;
+    }
+    let period = Duration::try_from_secs_f64(1.0 / rate.qps).ok()?;
+    let burst = NonZeroU32::new(rate.burst.max(1))?;
+    Some(Quota::with_period(period.max(Duration::from_nanos(1)))?.allow_burst(burst))
+}
+
+/// The per-flow `Retry-After`: 1 s on a first refusal, doubling once per advised wait while
+/// the flow keeps being refused, up to 32 s; each quiet stretch as long as the current
+/// value (beyond the advised wait) halves it again.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Backoff {
+    /// Zero when the flow has not been refused (or has fully recovered).
+    level: Duration,
+    /// When `level` was last set.
+    since: Option<Instant>,
+    /// The last refusal.
+    last: Option<Instant>,
+}
+
+impl Backoff {
+    /// Records a refusal at `now` and returns the `Retry-After` to send.
+    pub(crate) fn refuse(&mut self, now: Instant) -> Duration {
+        let (Some(since), Some(last)) = (self.since, self.last) else {
+            self.level = RETRY_MIN;
+            self.since = Some(now);
+            self.last = Some(now);
+            return self.level;
+        };
+        let mut quiet = now
+            .saturating_duration_since(last)
+            .saturating_sub(self.level);
+        let mut decayed = false;
+        while self.level > RETRY_MIN && quiet >= self.level {
+            quiet -= self.level;
+            self.level = (self.level / 2).max(RETRY_MIN);
+            decayed = true;
+        }
+        if decayed || (self.level == RETRY_MIN && quiet >= RETRY_MIN) {
+            self.since = Some(now);
+        } else if now.saturating_duration_since(since) >= self.level {
+            // Refused again after waiting as advised: the flow is still too much.
+            self.level = (self.level * 2).min(RETRY_MAX);
+            self.since = Some(now);
+        }
+        self.last = Some(now);
+        self.level
+    }
+
+    /// Whether nothing is left to remember: the next refusal would say 1 s anyway.
+    fn recovered(&self, now: Instant) -> bool {
+        match self.last {
+            None => true,
+            Some(last) => {
+                // A full decay from the highest level takes less than 4x `RETRY_MAX`.
+                now.saturating_duration_since(last) >= RETRY_MAX * 4
+            }
+        }
+    }
+}
+
+/// One flow's state.
+struct Flow {
+    bucket: Option<(Rate, Bucket)>,
+    backoff: Backoff,
+    watches: u32,
+    last_seen: Instant,
+}
+
+impl Flow {
+    fn new(now: Instant) -> Self {
+        Self {
+            bucket: None,
+            backoff: Backoff::default(),
+            watches: 0,
+            last_seen: now,
+        }
+    }
+
+    fn idle(&self, now: Instant, idle_after: Duration) -> bool {
+        self.watches == 0
+            && now.saturating_duration_since(self.last_seen) >= idle_after
+            && self.backoff.recovered(now)
+    }
+}
+
+type Shard = Mutex<HashMap<String, Flow>>;
+
+/// The table of flows.
+pub(crate) struct Flows {
+    shards: Box<[Shard]>,
+    clock: TokioClock,
+    idle_after: Duration,
+    /// Next sweep, as nanoseconds since the clock's origin, and the shard it sweeps.
+    sweep: Mutex<(Duration, usize)>,
+    len: AtomicUsize,
+}
+
+impl Flows {
+    /// A table whose flows are evicted after `idle_after` without requests (and with no
+    /// open watch and no recent refusal).
+    pub(crate) fn new(shards: usize, idle_after: Duration) -> Self {
+        let shards = shards.max(1);
+        Self {
+            shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
+            clock: TokioClock::new(),
+            idle_after,
+            sweep: Mutex::new((Duration::ZERO, 0)),
+            len: AtomicUsize::new(0),
+        }
+    }
+
+    /// Flows currently remembered.
+    pub(crate) fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn clock(&self) -> &TokioClock {
+        &self.clock
+    }
+
+    fn shard(&self, hash: u64) -> &Shard {
+        // The high bits: the low ones also pick the flow's queues.
+        &self.shards[((hash >> 32) as usize) % self.shards.len()]
+    }
+
+    fn with<R>(&self, key: &str, hash: u64, now: Instant, f: impl FnOnce(&mut Flow) -> R) -> R {
+        let mut shard = self.shard(hash).lock().unwrap_or_else(|p| p.into_inner());
+        let flow = match shard.get_mut(key) {
+            Some(flow) => flow,
+            None => {
+                self.len.fetch_add(1, Ordering::Relaxed);
+                shard
+                    .entry(key.to_owned())
+                    .or_insert_with(|| Flow::new(now))
+            }
+        };
+        flow.last_seen = now;
+        f(flow)
+    }
+
+    /// Takes a token from the flow's bucket, or says how long until one is there.
+    pub(crate) fn check_rate(
+        &self,
+        key: &str,
+        hash: u64,
+        rate: Rate,
+        now: Instant,
+    ) -> Result<(), Duration> {
+        let clock = &self.clock;
+        self.with(key, hash, now, |flow| {
+            if flow.bucket.as_ref().is_none_or(|(r, _)| *r != rate) {
+                // A new flow, or its rule's rate changed on reload: a fresh bucket.
+                flow.bucket =
+                    quota(rate).map(|q| (rate, RateLimiter::direct_with_clock(q, clock.clone())));
+            }
+            match &flow.bucket {
+                Some((_, bucket)) => bucket
+                    .check()
+                    .map_err(|not_until| not_until.wait_time_from(clock.now())),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// Records a refusal of the flow and returns its `Retry-After`.
+    pub(crate) fn refuse(&self, key: &str, hash: u64, now: Instant) -> Duration {
+        self.with(key, hash, now, |flow| flow.backoff.refuse(now))
+    }
+
+    /// Counts an open watch of the flow if it has fewer than `limit` (any number when
+    /// `limit` is `None`); `None` when it is at its limit.
+    pub(crate) fn open_watch(
+        self: &Arc<Self>,
+        key: &str,
+        hash: u64,
+        limit: Option<u32>,
+        now: Instant,
+    ) -> Option<WatchGuard> {
+        let opened = self.with(key, hash, now, |flow| {
+            if limit.is_some_and(|limit| flow.watches >= limit) {
+                false
+            } else {
+                flow.watches += 1;
+                true
+            }
+        });
+        opened.then(|| WatchGuard {
+            flows: self.clone(),
+            key: key.to_owned(),
+            hash,
+        })
+    }
+
+    /// Evicts idle flows from one shard when a sweep is due: each shard is swept once per
+    /// `idle_after`, a bounded amount of work per call.
+    pub(crate) fn maybe_sweep(&self, now: Instant) {
+        let at = now.saturating_duration_since(self.clock.origin);
+        let shard = {
+            let mut sweep = self.sweep.lock().unwrap_or_else(|p| p.into_inner());
+            if at < sweep.0 {
+                return;
+            }
+            let step = (self.idle_after / self.shards.len() as u32).max(Duration::from_millis(10));
+            sweep.0 = at + step;
+            sweep.1 = (sweep.1 + 1) % self.shards.len();
+            sweep.1
+        };
+        self.sweep_shard(shard, now);
+    }
+
+    /// Evicts every idle flow now.
+    pub(crate) fn sweep_all(&self, now: Instant) {
+        for shard in 0..self.shards.len() {
+            self.sweep_shard(shard, now);
+        }
+    }
+
+    fn sweep_shard(&self, index: usize, now: Instant) {
+        let mut shard = self.shards[index].lock().unwrap_or_else(|p| p.into_inner());
+        let before = shard.len();
+        shard.retain(|_, flow| !flow.idle(now, self.idle_after));
+        self.len.fetch_sub(before - shard.len(), Ordering::Relaxed);
+    }
+}
+
+/// An open watch counted against its flow's limit until dropped. Keep it for the life of
+/// the watch stream.
+pub struct WatchGuard {
+    flows: Arc<Flows>,
+    key: String,
+    hash: u64,
+}
+
+impl std::fmt::Debug for WatchGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WatchGuard")
+            .field("flow", &self.key)
+            .finish()
+    }
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        let mut shard = self
+            .flows
+            .shard(self.hash)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(flow) = shard.get_mut(&self.key) {
+            flow.watches = flow.watches.saturating_sub(1);
+            flow.last_seen = Instant::now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[tokio::test(start_paused = true, flavor = "current_thread")]
+    async fn retry_after_doubles_while_refused_and_halves_when_quiet() {
+        let mut backoff = Backoff::default();
+        let start = Instant::now();
+        let at = |s: u64| start + secs(s);
+        assert_eq!(backoff.refuse(at(0)), secs(1));
+        // Many refusals within the advised wait all say the same.
+        assert_eq!(backoff.refuse(at(0)), secs(1));
+        // A client that waits as advised and is refused again is told to wait longer.
+        assert_eq!(backoff.refuse(at(1)), secs(2));
+        assert_eq!(backoff.refuse(at(3)), secs(4));
+        assert_eq!(backoff.refuse(at(7)), secs(8));
+        assert_eq!(backoff.refuse(at(15)), secs(16));
+        assert_eq!(backoff.refuse(at(31)), secs(32));
+        assert_eq!(backoff.refuse(at(63)), secs(32), "capped at 32 s");
+        // Quiet for 32 s beyond the advised 32 s: halved once.
+        assert_eq!(backoff.refuse(at(63 + 64)), secs(16));
+        // Long quiet: back to 1 s.
+        assert_eq!(backoff.refuse(at(1000)), secs(1));
+    }
+
+    #[tokio::test(start_paused = true, flavor = "current_thread")]
+    async fn token_buckets_follow_paused_tokio_time() {
+        let flows = Flows::new(4, secs(60));
+        let rate = Rate { qps: 2.0, burst: 2 };
+        let now = Instant::now();
+        assert!(flows.check_rate("r/a", 1, rate, now).is_ok());
+        assert!(flows.check_rate("r/a", 1, rate, now).is_ok());
+        let wait = flows.check_rate("r/a", 1, rate, now).unwrap_err();
+        assert_eq!(wait, Duration::from_millis(500));
+        assert!(
+            flows.check_rate("r/b", 2, rate, now).is_ok(),
+            "buckets are per flow"
+        );
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(flows.check_rate("r/a", 1, rate, Instant::now()).is_ok());
+    }
+}

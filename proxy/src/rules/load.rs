@@ -123,3 +123,25 @@ fn read_limited(path: &Path) -> std::io::Result<Vec<u8>> {
 fn too_large(len: u64) -> String {
     format!("the file is {len} bytes; a rule file may be at most {MAX_FILE_BYTES} bytes (1 MiB)")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::is_rule_file_name;
+
+    #[test]
+    fn only_visible_yaml_files_are_rule_files() {
+        for name in ["a.yaml", "b.yml", "C.YAML"] {
+            assert!(is_rule_file_name(name), "{name}");
+        }
+        for name in [
+            ".a.yaml",
+            "..data",
+            "..2026_06_01_12_00_00.1",
+            "a.json",
+            "a.yaml.bak",
+            "yaml",
+        ] {
+            assert!(!is_rule_file_name(name), "{name}");
+        }
+    }
+}

@@ -52,7 +52,9 @@ struct Line {
 }
 
 impl Spans {
-    /// Scans a file's text.
+    /// Scans a file's text. Meant for text the YAML parser accepted, whose nesting depth
+    /// it bounds (this recurses once per level); any other text gives some positions and
+    /// never a panic or a hang.
     pub fn parse(text: &str) -> Spans {
         let mut lines: Vec<Line> = text
             .lines()
@@ -302,6 +304,7 @@ fn parse_flow(text: &[char], p: &mut usize, at: &dyn Fn(usize) -> Pos) -> Node {
                     }
                     _ => {}
                 }
+                let before = *p;
                 let key_pos = at(*p);
                 let key = flow_scalar(text, p);
                 skip_spaces(text, p);
@@ -315,6 +318,10 @@ fn parse_flow(text: &[char], p: &mut usize, at: &dyn Fn(usize) -> Pos) -> Node {
                     value.pos = Some(key_pos);
                 }
                 node.children.push((unquote(&key), value));
+                // A stray `]` (or anything no branch takes) must not stop progress.
+                if *p == before {
+                    *p += 1;
+                }
             }
         }
         Some('[') => {
@@ -334,9 +341,14 @@ fn parse_flow(text: &[char], p: &mut usize, at: &dyn Fn(usize) -> Pos) -> Node {
                     }
                     _ => {}
                 }
+                let before = *p;
                 let item = parse_flow(text, p, at);
                 node.children.push((index.to_string(), item));
                 index += 1;
+                // A stray `}` (or anything no branch takes) must not stop progress.
+                if *p == before {
+                    *p += 1;
+                }
             }
         }
         _ => {
@@ -449,6 +461,50 @@ rules:
         assert_eq!(spans.find(&["rules", "0", "watches"]), pos(7, 5));
         assert_eq!(spans.find(&["rules", "7"]), pos(6, 1));
         assert_eq!(spans.find::<&str>(&[]), pos(2, 1));
+    }
+
+    #[test]
+    fn odd_text_never_panics() {
+        let samples = [
+            "",
+            "-",
+            "- -",
+            "- - a",
+            ":",
+            "a:",
+            "a: [",
+            "a: {b: [c, {d: \"e\\\"\"}]",
+            "\"k\": v",
+            "'k' : v",
+            "a: |\n  x\n  y\nb: 1",
+            "a: &x\n  b: 1\nc: *x",
+            "  - x\n- y\n    - z",
+            "a: {,,}",
+            "a: [,]",
+            "é: ü",
+            "- {name: x, precedence: 5",
+            "k: 'it''s'",
+            "#: x",
+        ];
+        for text in samples {
+            let spans = Spans::parse(text);
+            let _ = spans.find(&["a", "0", "b"]);
+        }
+    }
+
+    #[test]
+    fn random_yaml_like_text_never_panics() {
+        use rand::{Rng, SeedableRng};
+        let alphabet: Vec<char> = " -:[]{},'\"#\nab&*|\\é".chars().collect();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for _ in 0..5_000 {
+            let len = rng.random_range(0..48);
+            let text: String = (0..len)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                .collect();
+            let spans = Spans::parse(&text);
+            let _ = spans.find(&["a", "0", "b"]);
+        }
     }
 
     #[test]

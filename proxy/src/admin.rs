@@ -1,7 +1,9 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz` (DESIGN.md step 10).
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/levels`, `/debug/rules`
+//! (DESIGN.md step 10).
 //!
 //! Plain HTTP on its own address (localhost unless configured), apart from client traffic
-//! so that probes and scrapes never queue behind it.
+//! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
+//! when the listener is not bound to a loopback address.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -15,7 +17,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
+use crate::admit::Admission;
+use crate::config;
 use crate::metrics::Metrics;
+use crate::rules::Rules;
 use crate::upstream::Upstream;
 use crate::{Body, full};
 
@@ -25,6 +30,12 @@ pub struct State {
     pub metrics: Metrics,
     /// The upstream pool, for readiness.
     pub upstream: Upstream,
+    /// The rules in force, for `/debug/rules`.
+    pub rules: Arc<Rules>,
+    /// Admission, for `/debug/levels`.
+    pub admission: Arc<Admission>,
+    /// What `/debug/*` requires: `Open` on loopback, else the token (or nothing is served).
+    pub debug_token: DebugAccess,
     /// Set when SIGTERM arrived: `/readyz` fails from then on.
     pub draining: AtomicBool,
 }
@@ -39,6 +50,53 @@ impl State {
             return Err("no healthy upstream replica".into());
         }
         Ok(())
+    }
+}
+
+/// Who may read `/debug/*`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DebugAccess {
+    /// Bound to loopback: anyone who can reach it.
+    Open,
+    /// Only requests with `Authorization: Bearer <token>`.
+    Token(String),
+    /// Not on loopback and no token configured: nobody.
+    Closed,
+}
+
+/// The debug access for an admin configuration; reads the token file.
+pub fn debug_token(admin: &config::Admin) -> std::io::Result<DebugAccess> {
+    if admin.address.ip().is_loopback() {
+        return Ok(DebugAccess::Open);
+    }
+    match &admin.token_file {
+        Some(path) => {
+            let token = std::fs::read_to_string(path).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+            })?;
+            Ok(DebugAccess::Token(token.trim().to_string()))
+        }
+        None => Ok(DebugAccess::Closed),
+    }
+}
+
+fn debug_allowed(access: &DebugAccess, headers: &http::HeaderMap) -> bool {
+    match access {
+        DebugAccess::Open => true,
+        DebugAccess::Closed => false,
+        DebugAccess::Token(token) => headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|given| {
+                // Constant-time comparison: the token guards the admin port.
+                given.len() == token.len()
+                    && given
+                        .bytes()
+                        .zip(token.bytes())
+                        .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                        == 0
+            }),
     }
 }
 
@@ -70,7 +128,17 @@ pub async fn serve(
 }
 
 fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
-    match request.uri().path() {
+    let path = request.uri().path();
+    if path.starts_with("/debug/") && !debug_allowed(&state.debug_token, request.headers()) {
+        return text(
+            StatusCode::FORBIDDEN,
+            "text/plain",
+            "the debug endpoints need the admin token\n".into(),
+        );
+    }
+    match path {
+        "/debug/levels" => json(state.admission.levels_json()),
+        "/debug/rules" => json(state.rules.current().to_json()),
         "/metrics" => text(
             StatusCode::OK,
             "text/plain; version=0.0.4",
@@ -83,6 +151,12 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
         },
         _ => text(StatusCode::NOT_FOUND, "text/plain", "not found".into()),
     }
+}
+
+fn json(value: serde_json::Value) -> Response<Body> {
+    let mut body = serde_json::to_string_pretty(&value).unwrap_or_default();
+    body.push('\n');
+    text(StatusCode::OK, "application/json", body)
 }
 
 fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Body> {

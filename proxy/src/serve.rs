@@ -2,7 +2,7 @@
 //! and the SIGTERM drain.
 //!
 //! ```text
-//! listen ─▶ Rescue ─▶ Classify ─▶ Identify ─▶ Forward ─▶ upstream pool
+//! listen ─▶ Rescue ─▶ Classify ─▶ Identify ─▶ Admit ─▶ Forward ─▶ upstream pool
 //! ```
 //! Every stage returns a typed [`ProxyError`]; [`Rescue`] is the one place that turns it
 //! into a status, a `Status` body and the metrics.
@@ -31,7 +31,10 @@ use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, Ups
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
 use crate::metrics::{Metrics, ServedBy};
 use crate::status::{Reason, Refusal};
-use crate::upstream::{RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
+use crate::admit::{Admission, Permit};
+use crate::identity::User;
+use crate::rules::{RuleProblem, RuleSet, Rules};
+use crate::upstream::{PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
 use crate::{Body, admin};
 
 /// Why a request was answered by Bulwark itself.
@@ -49,6 +52,9 @@ pub enum ProxyError {
     /// The apiservers could not answer.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// Admission said no (429 with rule, level, reason and `Retry-After`).
+    #[error("{}", .0.message)]
+    Refused(Refusal),
 }
 
 impl ProxyError {
@@ -71,6 +77,7 @@ impl ProxyError {
                 Refusal::new(Reason::UpstreamError, message)
             }
             ProxyError::Upstream(e) => e.refusal(),
+            ProxyError::Refused(refusal) => refusal.clone(),
         }
     }
 }
@@ -349,6 +356,156 @@ async fn identify(
     Err(IdentityError::NoCredentials)
 }
 
+/// Matches the request to its rule and waits for admission (DESIGN.md steps 5–6): the
+/// permit is held until the response body ends, or until the response head for
+/// long-running requests. Every classified response names its rule and level.
+#[derive(Clone)]
+pub struct AdmitLayer {
+    rules: Arc<Rules>,
+    admission: Arc<Admission>,
+}
+
+/// See [`AdmitLayer`].
+#[derive(Clone)]
+pub struct Admit<S> {
+    inner: S,
+    rules: Arc<Rules>,
+    admission: Arc<Admission>,
+}
+
+impl<S> Layer<S> for AdmitLayer {
+    type Service = Admit<S>;
+    fn layer(&self, inner: S) -> Admit<S> {
+        Admit {
+            inner,
+            rules: self.rules.clone(),
+            admission: self.admission.clone(),
+        }
+    }
+}
+
+/// The user rules see for a request on the anonymous allowlist.
+fn anonymous_user() -> User {
+    User {
+        username: "system:anonymous".into(),
+        groups: vec!["system:unauthenticated".into()],
+        ..User::default()
+    }
+}
+
+impl<S, B> Service<Request<B>> for Admit<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = ProxyError> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Response<Body>, ProxyError>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let rules = self.rules.current();
+        let admission = self.admission.clone();
+        let mut inner = self.inner.clone();
+        Box::pin(async move {
+            let info = request
+                .extensions()
+                .get::<Arc<RequestInfo>>()
+                .cloned()
+                .expect("classified before admission");
+            let user = match request.extensions().get::<Identity>() {
+                Some(Identity::User { user, .. }) => user.clone(),
+                _ => anonymous_user(),
+            };
+            let matched = rules.matches(&user, &info);
+            let mut permit = admission
+                .admit(&matched, &info, &user)
+                .await
+                .map_err(ProxyError::Refused)?;
+            if let Some(replica) = permit.replica() {
+                request
+                    .extensions_mut()
+                    .insert(PreferReplica(Arc::from(replica)));
+            }
+            let mut response = inner.call(request).await?;
+            let headers = response.headers_mut();
+            for (name, value) in [
+                ("x-bulwark-rule", &*matched.rule),
+                ("x-bulwark-level", matched.level.name.as_str()),
+            ] {
+                if let Ok(value) = HeaderValue::from_str(value) {
+                    headers.insert(name, value);
+                }
+            }
+            if info.is_long_running() {
+                permit.release_seats();
+            }
+            let learn = (info.is_list() && response.status() == StatusCode::OK)
+                .then(|| (admission, info));
+            Ok(response.map(|body| {
+                Guarded {
+                    body,
+                    _permit: permit,
+                    learn,
+                    bytes: 0,
+                }
+                .boxed_unsync()
+            }))
+        })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that holds its admission permit until it ends, and teaches
+    /// admission what a LIST cost.
+    struct Guarded {
+        #[pin]
+        body: Body,
+        _permit: Permit,
+        learn: Option<(Arc<Admission>, Arc<RequestInfo>)>,
+        bytes: u64,
+    }
+}
+
+impl http_body::Body for Guarded {
+    type Data = bytes::Bytes;
+    type Error = crate::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        let this = self.project();
+        let polled = this.body.poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    *this.bytes += data.len() as u64;
+                }
+            }
+            Poll::Ready(None) => {
+                if let Some((admission, info)) = this.learn.take() {
+                    admission.observe_list(&info, *this.bytes, None);
+                }
+            }
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// The innermost service: rewrites identity headers and sends the request to a replica.
 #[derive(Clone)]
 pub struct Forward {
@@ -443,6 +600,7 @@ pub fn stack(
     metrics: Metrics,
     tokens: Arc<TokenCache>,
     anonymous: Vec<String>,
+    admit: AdmitLayer,
     forward: Forward,
 ) -> impl Service<
     Request<Incoming>,
@@ -462,6 +620,8 @@ pub fn stack(
             tokens,
             anonymous: Arc::new(anonymous),
         })
+        // Rule match, rate limit, fair queue, seats and LIST bytes; 429 otherwise.
+        .layer(admit)
         .service(forward)
 }
 
@@ -480,6 +640,9 @@ pub enum StartError {
     /// The admin listener.
     #[error("admin: {0}")]
     Admin(#[from] std::io::Error),
+    /// The rule files are invalid.
+    #[error("rules: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
+    Rules(Vec<RuleProblem>),
 }
 
 /// A running Bulwark: its addresses and the handle that drains it.
@@ -524,10 +687,31 @@ impl Running {
             forwarding: Arc::new(forwarding),
             timeouts: config.upstream.timeouts.clone(),
         };
+        let rule_set = match &config.rules.folder {
+            Some(folder) => RuleSet::load_dir(folder).map_err(StartError::Rules)?,
+            None => RuleSet::builtin(),
+        };
+        let rules = Rules::new(rule_set, config.rules.folder.clone(), metrics.clone());
+        rules.spawn_watch();
+        let admission = Admission::new(rules.current().levels(), upstream.clone(), metrics.clone());
+        let mut reloaded = rules.subscribe();
+        let levels_follow = {
+            let admission = admission.clone();
+            tokio::spawn(async move {
+                while reloaded.changed().await.is_ok() {
+                    let set = reloaded.borrow_and_update().clone();
+                    admission.update_levels(set.levels());
+                }
+            })
+        };
         let service = stack(
             metrics.clone(),
             tokens,
             config.identity.anonymous.clone(),
+            AdmitLayer {
+                rules: rules.clone(),
+                admission: admission.clone(),
+            },
             forward,
         );
 
@@ -544,6 +728,9 @@ impl Running {
         let admin = Arc::new(admin::State {
             metrics,
             upstream,
+            rules,
+            admission,
+            debug_token: admin::debug_token(&config.admin)?,
             draining: AtomicBool::new(false),
         });
         let (admin_addr, admin_task) = admin::serve(config.admin.address, admin.clone()).await?;
@@ -554,7 +741,7 @@ impl Running {
             admin,
             drain,
             shutdown: config.listen.shutdown.clone(),
-            tasks: vec![serving, admin_task],
+            tasks: vec![serving, admin_task, levels_follow],
         })
     }
 

@@ -80,6 +80,11 @@ pub struct Route {
     pub timeout: Option<Duration>,
 }
 
+/// Request extension: the replica admission reserved LIST bytes on. The pool sends the
+/// first attempt there while it is in rotation, so the bytes are counted where they land.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreferReplica(pub Arc<str>);
+
 /// A replica's state, for `/debug` and tests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaView {
@@ -387,6 +392,10 @@ impl Inner {
             None
         };
         let (parts, body) = req.into_parts();
+        let preferred = parts
+            .extensions
+            .get::<PreferReplica>()
+            .and_then(|p| self.balancer.replicas().iter().position(|r| r.name == p.0));
         let body = buffer(body, &parts.headers).await?;
         let path_and_query = parts
             .uri
@@ -410,7 +419,9 @@ impl Inner {
         let mut only_not_sent = true;
         let mut last_error = None;
         for _ in 0..=replicas {
-            let Some(index) = self.pick(load, &tried) else {
+            let preferred = preferred
+                .filter(|&i| tried.is_empty() && self.balancer.in_rotation(i, Instant::now()));
+            let Some(index) = preferred.or_else(|| self.pick(load, &tried)) else {
                 break;
             };
             tried.push(index);

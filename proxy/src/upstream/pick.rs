@@ -254,6 +254,11 @@ impl Balancer {
         health
     }
 
+    /// Whether one replica is in rotation now.
+    pub(crate) fn in_rotation(&self, index: usize, now: Instant) -> bool {
+        self.health(now).get(index).is_some_and(|h| !h.out(now))
+    }
+
     /// Replicas in rotation now.
     pub(crate) fn healthy(&self, now: Instant) -> usize {
         self.health(now).iter().filter(|h| !h.out(now)).count()

@@ -1,7 +1,7 @@
 //! Bulwark: a TLS-terminating reverse proxy that keeps kube-apiservers alive.
 //!
 //! The modules follow the request path of DESIGN.md: [`listen`] → [`identity`] →
-//! [`classify`] → rules → admit → cache → [`upstream`], with [`metrics`] and [`admin`]
+//! [`classify`] → [`rules`] → admit → cache → [`upstream`], with [`metrics`] and [`admin`]
 //! beside it, [`config`] for the file that drives it all, and [`status`] as the one place
 //! that turns a refusal into a response.
 
@@ -11,6 +11,7 @@ pub mod config;
 pub mod identity;
 pub mod listen;
 pub mod metrics;
+pub mod rules;
 pub mod serve;
 pub mod status;
 pub mod upstream;

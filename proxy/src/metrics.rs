@@ -51,6 +51,10 @@ pub struct Metrics {
     pub upstream_watches: IntGaugeVec,
     /// `bulwark_authz_reviews_total{kind, result}`.
     pub authz_reviews_total: IntCounterVec,
+    /// `bulwark_rules_reload_total{result}`: rule reloads, `success` or `error`.
+    pub rules_reload_total: IntCounterVec,
+    /// `bulwark_rules_loaded_info{hash}`: 1 for the running rule set's content hash.
+    pub rules_loaded_info: IntGaugeVec,
 }
 
 impl Metrics {
@@ -85,6 +89,11 @@ impl Metrics {
             "TokenReviews and SubjectAccessReviews, by kind and result.",
             &["kind", "result"],
         );
+        let rules_reload_total = counter(
+            "rules_reload_total",
+            "Reloads of the rule files, by result (success, error); a failed one keeps the running rules.",
+            &["result"],
+        );
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g = IntGaugeVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
                 .expect("valid metric definition");
@@ -107,6 +116,11 @@ impl Metrics {
             "upstream_watches",
             "Watch streams open to the replica.",
             &["replica"],
+        );
+        let rules_loaded_info = gauge(
+            "rules_loaded_info",
+            "1 for the content hash of the running rule set.",
+            &["hash"],
         );
         let request_duration_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -133,6 +147,8 @@ impl Metrics {
             upstream_in_flight,
             upstream_watches,
             authz_reviews_total,
+            rules_reload_total,
+            rules_loaded_info,
         }
     }
 

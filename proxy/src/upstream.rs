@@ -31,7 +31,7 @@ use crate::config;
 use crate::metrics::Metrics;
 use crate::status::Reason;
 
-use body::OnFailure;
+use body::{Framing, OnFailure};
 use pick::{Balancer, Cause, Load, PendingGuard, WatchGuard};
 use pool::{Lease, Pool, ReqBody};
 
@@ -578,7 +578,7 @@ impl Inner {
         }
         let watch = route.watch.then(|| WatchGuard::new(replica.clone()));
         let on_failure = if route.watch {
-            OnFailure::End
+            OnFailure::End(Framing::of(response.headers().get(header::CONTENT_TYPE)))
         } else {
             OnFailure::Error
         };

@@ -20,10 +20,12 @@ use crate::discovery::{self, ResourceDef};
 use crate::faults::Gauge;
 use crate::heap::LIST_AMPLIFICATION;
 use crate::policy::{Attributes, forbidden_message};
+use crate::reviews;
 use crate::select::{FieldSelector, LabelSelector};
 use crate::server::ReplicaInner;
 use crate::status::{self, ApiError};
 use crate::store::{Obj, PatchKind, StoreError, WatchFrom};
+use crate::table::{self, As};
 use crate::watch::{self, WatchFilter, WatchOptions};
 use crate::{SeenRequest, push_seen};
 
@@ -62,11 +64,13 @@ pub fn json_response(code: u16, body: SimBody) -> Response<SimBody> {
     r
 }
 
-fn value_response(code: u16, v: &Value) -> Response<SimBody> {
-    json_response(
-        code,
-        SimBody::full(serde_json::to_vec(v).unwrap_or_default()),
-    )
+pub(crate) fn value_response(code: u16, v: &Value) -> Response<SimBody> {
+    json_response(code, SimBody::full(status::to_ordered_bytes(v)))
+}
+
+/// A single stored object, with the newline the apiserver's encoder ends every body with.
+fn object_response(code: u16, obj: Bytes) -> Response<SimBody> {
+    json_response(code, SimBody::chunks(vec![obj, Bytes::from_static(b"\n")]))
 }
 
 /// A `Status` error response.
@@ -270,12 +274,13 @@ pub async fn handle(
     let path = req.uri().path().to_string();
     let q = parse_query(req.uri().query());
     let method = req.method().clone();
+    let ri = request_info(&method, &path, &q);
     let user = match auth::authenticate(&sh.auth, peer, req.headers()) {
         Ok(u) => u,
         Err(e) => {
             record(rep, &method, req.uri(), req.headers(), None, None);
             sh.metrics
-                .observe(rep.index, &method, "", "unauthenticated", e.code);
+                .observe(rep.index, &ri.verb, &ri.resource, "", e.code);
             return status_response(&e);
         }
     };
@@ -283,15 +288,16 @@ pub async fn handle(
         Ok(x) => x,
         Err(e) => {
             record(rep, &method, req.uri(), req.headers(), Some(&user), None);
+            sh.metrics
+                .observe(rep.index, &ri.verb, &ri.resource, &user.user, e.code);
             return status_response(&e);
         }
     };
     record(rep, &method, req.uri(), req.headers(), Some(&user), by);
-    let ri = request_info(&method, &path, &q);
     let resp = serve(rep, &user, &ri, &path, &q, req, cancel).await;
     sh.metrics.observe(
         rep.index,
-        &method,
+        &ri.verb,
         &ri.resource,
         &user.user,
         resp.status().as_u16(),
@@ -336,7 +342,7 @@ fn record(
     );
 }
 
-async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiError> {
+pub(crate) async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiError> {
     let (parts, body) = req.into_parts();
     let limited = http_body_util::Limited::new(body, MAX_BODY);
     match limited.collect().await {
@@ -350,7 +356,20 @@ async fn read_body(req: Request<Incoming>) -> Result<(HeaderMap, Bytes), ApiErro
     }
 }
 
-fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
+/// Decodes a JSON or (for the few kinds kubectl sends that way) protobuf body.
+pub(crate) fn parse_body(h: &HeaderMap, b: &Bytes) -> Result<Value, ApiError> {
+    if content_type(h) == crate::proto::PROTOBUF {
+        return crate::proto::decode(b).map_err(|e| match e {
+            crate::proto::ProtoError::Unsupported(_) => {
+                status::unsupported_media_type(crate::proto::PROTOBUF)
+            }
+            e => status::bad_request(e.to_string()),
+        });
+    }
+    parse_json(b)
+}
+
+pub(crate) fn parse_json(b: &Bytes) -> Result<Value, ApiError> {
     serde_json::from_slice(b)
         .map_err(|e| status::bad_request(format!("the object provided is unrecognized: {e}")))
 }
@@ -407,21 +426,43 @@ async fn serve(
     let Some(def) = discovery::find(&ri.group, &ri.version, &ri.resource) else {
         return status_response(&status::path_not_found());
     };
-    if def.namespaced != !ri.namespace.is_empty()
-        && !(def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch"))
-    {
+    // A namespaced resource needs a namespace except to list/watch across all of them; a
+    // cluster-scoped one must have none (`/api/v1/namespaces/NAME` carries the name as its
+    // namespace, as the apiserver's request info does).
+    let all_namespaces =
+        def.namespaced && ri.name.is_empty() && (ri.verb == "list" || ri.verb == "watch");
+    let scope_ok = if def.namespaced {
+        !ri.namespace.is_empty() || all_namespaces
+    } else {
+        ri.namespace.is_empty() || (def.resource == "namespaces" && ri.namespace == ri.name)
+    };
+    if !scope_ok {
         return status_response(&status::path_not_found());
     }
+    // Authorization saw the request info as the apiserver derives it; storage keys
+    // cluster-scoped objects without a namespace.
+    let scoped;
+    let ri = if def.namespaced {
+        ri
+    } else {
+        scoped = RequestInfo {
+            namespace: String::new(),
+            ..ri.clone()
+        };
+        &scoped
+    };
     match (def.resource, ri.subresource.as_str(), ri.verb.as_str()) {
-        ("tokenreviews", "", "create") => return review(rep, user, req, token_review).await,
+        ("tokenreviews", "", "create") => {
+            return reviews::review(rep, user, req, reviews::token_review).await;
+        }
         ("subjectaccessreviews", "", "create") => {
-            return review(rep, user, req, subject_access_review).await;
+            return reviews::review(rep, user, req, reviews::subject_access_review).await;
         }
         ("selfsubjectaccessreviews", "", "create") => {
-            return review(rep, user, req, self_subject_access_review).await;
+            return reviews::review(rep, user, req, reviews::self_subject_access_review).await;
         }
         ("selfsubjectreviews", "", "create") => {
-            return review(rep, user, req, self_subject_review).await;
+            return reviews::review(rep, user, req, reviews::self_subject_review).await;
         }
         ("pods", "exec", _) => return crate::exec::exec(rep, ri, req, cancel).await,
         ("pods", "log", "get") => return crate::exec::logs(rep, ri, q).await,
@@ -429,14 +470,20 @@ async fn serve(
         _ => return status_response(&status::path_not_found()),
     }
     let _in_flight = (ri.verb != "watch").then(|| rep.counters.enter(Gauge::InFlight));
+    let repr = table::negotiate(
+        req.headers()
+            .get(header::ACCEPT)
+            .and_then(|v| v.to_str().ok()),
+    );
     let accept_gzip = req
         .headers()
         .get_all(header::ACCEPT_ENCODING)
         .iter()
         .any(|v| v.to_str().is_ok_and(|s| s.contains("gzip")));
     let r = match ri.verb.as_str() {
-        "get" => get(rep, def, ri),
-        "list" => list(rep, def, ri, q, accept_gzip).await,
+        "get" | "list" if repr.is_none() => Err(not_acceptable()),
+        "get" => get(rep, def, ri, repr.unwrap_or(As::Plain)),
+        "list" => list(rep, def, ri, q, accept_gzip, repr.unwrap_or(As::Plain)).await,
         "watch" => return watch(rep, def, ri, q, fields).await,
         "create" => create(rep, def, ri, req).await,
         "update" => update(rep, def, ri, req).await,
@@ -485,13 +532,27 @@ fn get(
     rep: &ReplicaInner,
     def: &'static ResourceDef,
     ri: &RequestInfo,
+    repr: As,
 ) -> Result<Response<SimBody>, ApiError> {
     let o = rep
         .shared
         .store
         .get_obj(&def.key(), &ri.namespace, &ri.name)
         .ok_or_else(|| status::not_found(def.resource, def.group, &ri.name))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(match repr {
+        As::Plain => object_response(200, o.with_kind(def)),
+        As::Table => value_response(200, &table::table(def, None, json!({}), &[&o])),
+        As::Metadata => value_response(200, &table::metadata_object(&o)),
+    })
+}
+
+fn not_acceptable() -> ApiError {
+    ApiError::new(
+        406,
+        "NotAcceptable",
+        "only the following media types are accepted: application/json, application/yaml, application/vnd.kubernetes.protobuf".into(),
+        None,
+    )
 }
 
 fn parse_rv(s: &str) -> Result<u64, ApiError> {
@@ -552,6 +613,7 @@ async fn list(
     ri: &RequestInfo,
     q: &Query,
     gzip: bool,
+    repr: As,
 ) -> Result<Response<SimBody>, ApiError> {
     let sh = &rep.shared;
     let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
@@ -681,6 +743,14 @@ async fn list(
         chunks.push(o.body.clone());
     }
     chunks.push(Bytes::from_static(b"]}\n"));
+    if repr != As::Plain {
+        let list_meta: Value = serde_json::from_str(&meta).unwrap_or(json!({}));
+        let v = match repr {
+            As::Table => table::table(def, None, list_meta, &chosen),
+            _ => table::metadata_list(list_meta, &chosen),
+        };
+        chunks = vec![Bytes::from(status::to_ordered_bytes(&v))];
+    }
     let response_len: usize = chunks.iter().map(Bytes::len).sum();
     // Memory model: a LIST from etcd reads its whole scope; one from the cache copies its
     // response. Either costs 5x while it is served.
@@ -785,7 +855,10 @@ async fn watch(
     {
         return status_response(&status::rv_too_large());
     }
-    let timeout = match param(q, "timeoutSeconds").and_then(|t| t.parse::<u64>().ok()) {
+    let timeout = match param(q, "timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .filter(|t| *t > 0)
+    {
         Some(t) => Duration::from_secs(t),
         // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread re-watches.
         None => Duration::from_secs(1800 + rand::random_range(0..1800)),
@@ -841,9 +914,9 @@ fn check_namespace(def: &ResourceDef, ri: &RequestInfo, v: &Value) -> Result<(),
     }
 }
 
-fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn need_json(h: &HeaderMap) -> Result<(), ApiError> {
     let ct = content_type(h);
-    if ct.is_empty() || ct == "application/json" || ct == "*/*" {
+    if ct.is_empty() || ct == "application/json" || ct == "*/*" || ct == crate::proto::PROTOBUF {
         Ok(())
     } else {
         Err(status::unsupported_media_type(&ct))
@@ -861,14 +934,14 @@ async fn create(
     }
     let (h, b) = read_body(req).await?;
     need_json(&h)?;
-    let v = parse_json(&b)?;
+    let v = parse_body(&h, &b)?;
     check_namespace(def, ri, &v)?;
     let o = rep
         .shared
         .store
         .create_obj(def, &ri.namespace, v)
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(201, SimBody::full(o.with_kind(def))))
+    Ok(object_response(201, o.with_kind(def)))
 }
 
 async fn update(
@@ -879,14 +952,14 @@ async fn update(
 ) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     need_json(&h)?;
-    let v = parse_json(&b)?;
+    let v = parse_body(&h, &b)?;
     check_namespace(def, ri, &v)?;
     let o = rep
         .shared
         .store
         .update_obj(def, &ri.namespace, Some(&ri.name), v)
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 async fn patch(
@@ -909,7 +982,7 @@ async fn patch(
         .store
         .patch_obj(def, &ri.namespace, &ri.name, kind, &p)
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 async fn delete(
@@ -918,8 +991,10 @@ async fn delete(
     ri: &RequestInfo,
     req: Request<Incoming>,
 ) -> Result<Response<SimBody>, ApiError> {
-    let (_, b) = read_body(req).await?;
-    let want = if b.is_empty() {
+    let (h, b) = read_body(req).await?;
+    // DeleteOptions in protobuf carry nothing the simulator acts on but preconditions,
+    // which kubectl does not send that way.
+    let want = if b.is_empty() || content_type(&h) == crate::proto::PROTOBUF {
         None
     } else {
         let opts = parse_json(&b)?;
@@ -933,7 +1008,7 @@ async fn delete(
         .store
         .delete_obj(def, &ri.namespace, &ri.name, want.as_deref())
         .map_err(|e| store_error(def, e))?;
-    Ok(json_response(200, SimBody::full(o.with_kind(def))))
+    Ok(object_response(200, o.with_kind(def)))
 }
 
 async fn delete_collection(
@@ -974,188 +1049,6 @@ async fn delete_collection(
     }
     chunks.push(Bytes::from_static(b"]}\n"));
     Ok(json_response(200, SimBody::chunks(chunks)))
-}
-
-type ReviewFn = fn(&ReplicaInner, &UserInfo, Value) -> Result<Value, ApiError>;
-
-async fn review(
-    rep: &ReplicaInner,
-    user: &UserInfo,
-    req: Request<Incoming>,
-    f: ReviewFn,
-) -> Response<SimBody> {
-    let r = async {
-        let (h, b) = read_body(req).await?;
-        need_json(&h)?;
-        let v = parse_json(&b)?;
-        f(rep, user, v)
-    }
-    .await;
-    match r {
-        Ok(v) => value_response(201, &v),
-        Err(e) => status_response(&e),
-    }
-}
-
-fn review_shell(kind: &str, api_version: &str, spec: Value) -> Value {
-    json!({"kind": kind, "apiVersion": api_version, "metadata": {"creationTimestamp": null}, "spec": spec})
-}
-
-fn user_json(u: &UserInfo) -> Value {
-    let mut v = json!({"username": u.user});
-    if !u.uid.is_empty() {
-        v["uid"] = json!(u.uid);
-    }
-    if !u.groups.is_empty() {
-        v["groups"] = json!(u.groups);
-    }
-    if !u.extra.is_empty() {
-        v["extra"] = json!(u.extra);
-    }
-    v
-}
-
-fn token_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
-    let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let token = spec
-        .get("token")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    let mut out = review_shell("TokenReview", "authentication.k8s.io/v1", spec.clone());
-    match rep
-        .shared
-        .auth
-        .tokens
-        .iter()
-        .find(|t| !token.is_empty() && t.token == token)
-    {
-        Some(t) => {
-            let mut groups = t.groups.clone();
-            if !groups.iter().any(|g| g == "system:authenticated") {
-                groups.push("system:authenticated".into());
-            }
-            let u = UserInfo {
-                user: t.user.clone(),
-                uid: t.uid.clone(),
-                groups,
-                extra: Default::default(),
-            };
-            let audiences = spec
-                .get("audiences")
-                .cloned()
-                .unwrap_or(json!(["https://kubernetes.default.svc.cluster.local"]));
-            out["status"] =
-                json!({"authenticated": true, "user": user_json(&u), "audiences": audiences});
-        }
-        None => out["status"] = json!({"user": {}}),
-    }
-    Ok(out)
-}
-
-fn sar_attributes(user: &str, groups: Vec<String>, spec: &Value) -> Result<Attributes, ApiError> {
-    let s = |v: Option<&Value>, k: &str| {
-        v.and_then(|x| x.get(k))
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string()
-    };
-    if let Some(ra) = spec.get("resourceAttributes") {
-        Ok(Attributes {
-            user: user.to_string(),
-            groups,
-            verb: s(Some(ra), "verb"),
-            resource_request: true,
-            group: s(Some(ra), "group"),
-            resource: s(Some(ra), "resource"),
-            subresource: s(Some(ra), "subresource"),
-            namespace: s(Some(ra), "namespace"),
-            name: s(Some(ra), "name"),
-            path: String::new(),
-        })
-    } else if let Some(nr) = spec.get("nonResourceAttributes") {
-        Ok(Attributes {
-            user: user.to_string(),
-            groups,
-            verb: s(Some(nr), "verb"),
-            path: s(Some(nr), "path"),
-            ..Default::default()
-        })
-    } else {
-        Err(invalid_review(
-            "spec.resourceAttributes",
-            "exactly one of nonResourceAttributes or resourceAttributes must be specified",
-        ))
-    }
-}
-
-fn invalid_review(field: &str, detail: &str) -> ApiError {
-    ApiError::new(
-        422,
-        "Invalid",
-        format!(
-            "SubjectAccessReview.authorization.k8s.io \"\" is invalid: {field}: Invalid value: \"null\": {detail}"
-        ),
-        Some(
-            json!({"group": "authorization.k8s.io", "kind": "SubjectAccessReview", "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": field}]}),
-        ),
-    )
-}
-
-fn decide(rep: &ReplicaInner, a: &Attributes) -> Value {
-    if rep.shared.policy.allows(a) {
-        json!({"allowed": true, "reason": "allowed by bulwark-sim policy"})
-    } else {
-        json!({"allowed": false})
-    }
-}
-
-fn subject_access_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result<Value, ApiError> {
-    let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let user = spec
-        .get("user")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
-    let groups: Vec<String> = spec
-        .get("groups")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_str)
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default();
-    if user.is_empty() && groups.is_empty() {
-        return Err(invalid_review(
-            "spec.user",
-            "at least one of user or group must be specified",
-        ));
-    }
-    let a = sar_attributes(&user, groups, &spec)?;
-    let mut out = review_shell("SubjectAccessReview", "authorization.k8s.io/v1", spec);
-    out["status"] = decide(rep, &a);
-    Ok(out)
-}
-
-fn self_subject_access_review(
-    rep: &ReplicaInner,
-    u: &UserInfo,
-    v: Value,
-) -> Result<Value, ApiError> {
-    let spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let a = sar_attributes(&u.user, u.groups.clone(), &spec)?;
-    let mut out = review_shell("SelfSubjectAccessReview", "authorization.k8s.io/v1", spec);
-    out["status"] = decide(rep, &a);
-    Ok(out)
-}
-
-fn self_subject_review(_: &ReplicaInner, u: &UserInfo, _: Value) -> Result<Value, ApiError> {
-    Ok(json!({
-        "kind": "SelfSubjectReview", "apiVersion": "authentication.k8s.io/v1",
-        "metadata": {"creationTimestamp": null},
-        "status": {"userInfo": user_json(u)}
-    }))
 }
 
 #[cfg(test)]

@@ -15,7 +15,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::Role;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{Query, RequestInfo, param, status_response, text};
@@ -148,7 +149,12 @@ async fn ws_echo(io: TokioIo<hyper::upgrade::Upgraded>, protocol: Option<&str>) 
     let mut status = vec![3u8];
     status.extend_from_slice(br#"{"metadata":{},"status":"Success"}"#);
     let _ = ws.send(Message::Binary(status.into())).await;
-    let _ = ws.close(None).await;
+    let _ = ws
+        .close(Some(CloseFrame {
+            code: CloseCode::Normal,
+            reason: "".into(),
+        }))
+        .await;
 }
 
 /// `pods/NAME/log`: a few lines, or with `follow=true` a line every 100 ms until the client

@@ -89,6 +89,9 @@ pub struct ReplicaStats {
     pub last_headers_seen: Vec<(String, String)>,
 }
 
+/// The user and headers of the last request.
+pub(crate) type LastRequest = (Option<String>, Vec<(String, String)>);
+
 /// Live counters of one replica.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -99,7 +102,7 @@ pub struct Counters {
     pub(crate) peak_watches: AtomicU64,
     pub(crate) ooms: AtomicU64,
     pub(crate) by_user: Mutex<HashMap<String, u64>>,
-    pub(crate) last: Mutex<(Option<String>, Vec<(String, String)>)>,
+    pub(crate) last: Mutex<LastRequest>,
 }
 
 /// Which gauge a [`GaugeGuard`] holds.
@@ -140,12 +143,9 @@ impl Counters {
 
 impl Drop for GaugeGuard {
     fn drop(&mut self) {
-        // A stop resets the in-flight gauge while requests of the old connections may still
-        // be ending; those must not wrap it below zero.
-        let _ = self.counters.gauge(self.which).0.fetch_update(
-            Ordering::AcqRel,
-            Ordering::Acquire,
-            |v| Some(v.saturating_sub(1)),
-        );
+        self.counters
+            .gauge(self.which)
+            .0
+            .fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -46,14 +46,7 @@ pub struct HeapGuard {
 
 impl Drop for HeapGuard {
     fn drop(&mut self) {
-        // A restart resets the heap while responses of the old process may still be
-        // dropping their guards; those must not wrap the counter below zero.
-        let _ = self
-            .heap
-            .transient
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                Some(v.saturating_sub(self.bytes))
-            });
+        self.heap.transient.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -109,34 +102,11 @@ impl Heap {
             bytes,
         })
     }
-
-    /// Forgets all transient charges (the process restarted).
-    pub fn reset(&self) {
-        self.transient.store(0, Ordering::Release);
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_guard_dropped_after_a_restart_does_not_wrap_the_heap() {
-        let m = HeapModel {
-            base_bytes: 100,
-            limit_bytes: Some(1000),
-            restart: Duration::ZERO,
-        };
-        let h = Arc::new(Heap::default());
-        let g = h.charge(&m, 0, 500).unwrap();
-        h.reset();
-        drop(g);
-        assert_eq!(h.current(&m, 0), 100);
-        assert!(
-            h.charge(&m, 0, 800).is_ok(),
-            "the replica is usable after its restart"
-        );
-    }
 
     #[test]
     fn charges_are_held_until_dropped_and_limit_is_enforced() {

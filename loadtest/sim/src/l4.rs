@@ -7,19 +7,23 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 use crate::server::Replica;
 
 /// Starts the balancer on 127.0.0.1:0 and returns its address.
-pub async fn start(replicas: Vec<Replica>) -> std::io::Result<SocketAddr> {
+/// It stops accepting when `stop` is cancelled; connections already relayed continue.
+pub async fn start(replicas: Vec<Replica>, stop: CancellationToken) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let next = Arc::new(AtomicUsize::new(0));
     tokio::spawn(async move {
         loop {
-            let Ok((client, _)) = listener.accept().await else {
-                continue;
+            let accepted = tokio::select! {
+                _ = stop.cancelled() => return,
+                a = listener.accept() => a,
             };
+            let Ok((client, _)) = accepted else { continue };
             let _ = client.set_nodelay(true);
             let replicas = replicas.clone();
             let next = next.clone();

@@ -14,10 +14,13 @@ pub mod l4;
 pub mod metrics;
 pub mod pki;
 pub mod policy;
+pub mod proto;
+pub mod reviews;
 pub mod select;
 pub mod server;
 pub mod status;
 pub mod store;
+pub mod table;
 pub mod watch;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -104,6 +107,7 @@ pub struct Fleet {
     shared: Arc<server::Shared>,
     replicas: Vec<Replica>,
     l4: Mutex<Option<SocketAddr>>,
+    l4_stop: tokio_util::sync::CancellationToken,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -132,6 +136,7 @@ impl Fleet {
             shared,
             replicas,
             l4: Mutex::new(None),
+            l4_stop: Default::default(),
         })
     }
 
@@ -201,7 +206,7 @@ impl Fleet {
         if let Some(a) = *self.l4.lock().unwrap_or_else(|p| p.into_inner()) {
             return Ok(a);
         }
-        let addr = l4::start(self.replicas.clone()).await?;
+        let addr = l4::start(self.replicas.clone(), self.l4_stop.clone()).await?;
         *self.l4.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr);
         Ok(addr)
     }
@@ -209,6 +214,7 @@ impl Fleet {
 
 impl Drop for Fleet {
     fn drop(&mut self) {
+        self.l4_stop.cancel();
         for r in &self.replicas {
             r.shutdown_now();
         }

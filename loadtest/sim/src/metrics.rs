@@ -3,13 +3,15 @@
 
 use std::fmt::Write;
 
-use http::Method;
 use prometheus::{Encoder, IntCounterVec, Opts, Registry, TextEncoder};
 
 use crate::server::{Replica, ReplicaInner};
 
 /// At most this many distinct user label values; later users are counted as `other`.
 const MAX_USERS: usize = 50;
+
+/// One per-replica series: name, help, and how to read it from the stats.
+type Row = (&'static str, &'static str, fn(&crate::ReplicaStats) -> u64);
 
 /// Registered once per fleet.
 pub struct SimMetrics {
@@ -44,9 +46,12 @@ impl SimMetrics {
         }
     }
 
-    /// Counts one request.
-    pub fn observe(&self, replica: usize, method: &Method, resource: &str, user: &str, code: u16) {
-        let user = {
+    /// Counts one request (`verb` as the apiserver names it; `user` empty when
+    /// unauthenticated).
+    pub fn observe(&self, replica: usize, verb: &str, resource: &str, user: &str, code: u16) {
+        let user = if user.is_empty() {
+            "none"
+        } else {
             let mut u = self.users.lock().unwrap_or_else(|p| p.into_inner());
             if u.contains(user) || u.len() < MAX_USERS {
                 u.insert(user.to_string());
@@ -66,7 +71,7 @@ impl SimMetrics {
         self.requests
             .with_label_values(&[
                 &replica.to_string(),
-                method.as_str(),
+                verb,
                 resource,
                 user,
                 &code.to_string(),
@@ -75,7 +80,7 @@ impl SimMetrics {
     }
 
     fn gauges(out: &mut String, replicas: &[&ReplicaInner]) {
-        let rows: [(&str, &str, fn(&crate::ReplicaStats) -> u64); 6] = [
+        let rows: [Row; 6] = [
             (
                 "bulwark_sim_in_flight",
                 "Requests in flight (watches excluded)",

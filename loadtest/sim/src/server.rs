@@ -228,8 +228,8 @@ async fn stop_inner(inner: &Arc<ReplicaInner>) {
         // The accept task owns the listener; waiting for it guarantees the port is free.
         let _ = r.accept.await;
     }
-    inner.counters.in_flight.store(0, Ordering::Relaxed);
-    inner.heap.reset();
+    // In-flight counts and heap charges are released as the cancelled connections drop
+    // their response bodies.
 }
 
 async fn start_inner(inner: &Arc<ReplicaInner>) {
@@ -354,6 +354,12 @@ async fn serve_request(
         .iter()
         .any(|p| path == *p || path.starts_with(&format!("{p}/")));
     if probe {
+        // Probes are slowed like everything else but never failed or refused: a replica is
+        // unhealthy only when it is down.
+        let delay = inner.faults.delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         return Ok(crate::api::text(200, "ok"));
     }
     inner.counters.requests.fetch_add(1, Ordering::Relaxed);

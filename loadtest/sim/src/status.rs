@@ -29,9 +29,16 @@ impl ApiError {
         ApiError { code, body }
     }
 
-    /// The body, encoded.
+    /// The body, encoded in the apiserver's field order, with its trailing newline.
     pub fn to_bytes(&self) -> Vec<u8> {
-        serde_json::to_vec(&self.body).unwrap_or_default()
+        to_ordered_bytes(&self.body)
+    }
+
+    /// The body, encoded without the trailing newline (for a watch `ERROR` event).
+    pub fn to_inline_bytes(&self) -> Vec<u8> {
+        let mut b = self.to_bytes();
+        b.pop();
+        b
     }
 }
 
@@ -209,4 +216,130 @@ pub fn injected(code: u16) -> ApiError {
         _ => ("InternalError", format!("Internal error occurred: injected fault {code}")),
     };
     ApiError::new(code, reason, message, Some(json!({})))
+}
+
+/// Key order of the apiserver's Go structs, for objects the simulator builds itself.
+const GLOBAL_ORDER: &[&str] = &[
+    "type",
+    "kind",
+    "apiVersion",
+    "metadata",
+    "name",
+    "singularName",
+    "namespaced",
+    "groupVersion",
+    "version",
+    "versions",
+    "preferredVersion",
+    "serverAddressByClientCIDRs",
+    "clientCIDR",
+    "serverAddress",
+    "resources",
+    "verbs",
+    "shortNames",
+    "storageVersionHash",
+    "object",
+    "spec",
+    "status",
+    "authenticated",
+    "allowed",
+    "denied",
+    "userInfo",
+    "user",
+    "username",
+    "uid",
+    "groups",
+    "extra",
+    "audiences",
+    "message",
+    "reason",
+    "details",
+    "code",
+    "major",
+    "minor",
+    "emulationMajor",
+    "emulationMinor",
+    "minCompatibilityMajor",
+    "minCompatibilityMinor",
+    "gitVersion",
+    "gitCommit",
+    "gitTreeState",
+    "buildDate",
+    "goVersion",
+    "compiler",
+    "platform",
+];
+
+fn order_for(parent: &str) -> &'static [&'static str] {
+    match parent {
+        "details" => &[
+            "name",
+            "group",
+            "kind",
+            "uid",
+            "causes",
+            "retryAfterSeconds",
+        ],
+        "causes" => &["reason", "message", "field"],
+        "resources" => &[
+            "name",
+            "singularName",
+            "namespaced",
+            "group",
+            "version",
+            "kind",
+            "verbs",
+            "shortNames",
+            "categories",
+            "storageVersionHash",
+        ],
+        _ => GLOBAL_ORDER,
+    }
+}
+
+fn write_ordered(out: &mut Vec<u8>, v: &Value, parent: &str) {
+    match v {
+        Value::Object(m) => {
+            let order = order_for(parent);
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort_by_key(|k| {
+                (
+                    order.iter().position(|o| o == k).unwrap_or(usize::MAX),
+                    k.as_str(),
+                )
+            });
+            out.push(b'{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                // Encoding a string into a Vec cannot fail.
+                let _ = serde_json::to_writer(&mut *out, k);
+                out.push(b':');
+                write_ordered(out, &m[k], k);
+            }
+            out.push(b'}');
+        }
+        Value::Array(a) => {
+            out.push(b'[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_ordered(out, x, parent);
+            }
+            out.push(b']');
+        }
+        other => {
+            let _ = serde_json::to_writer(&mut *out, other);
+        }
+    }
+}
+
+/// Encodes a built object with the apiserver's field order and trailing newline.
+pub fn to_ordered_bytes(v: &Value) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    write_ordered(&mut out, v, "");
+    out.push(b'\n');
+    out
 }

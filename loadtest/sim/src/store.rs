@@ -98,6 +98,24 @@ impl Obj {
         b.freeze()
     }
 
+    /// The same object stamped with another resourceVersion (what a watch sends for an
+    /// object that left its selector: the previous state at the change's revision).
+    pub fn with_rv(&self, rv: u64) -> Obj {
+        // metadata is written first and resourceVersion before any user-controlled map, and
+        // quotes inside string values are escaped, so the first match is the real field.
+        let old = format!("\"resourceVersion\":\"{}\"", self.rv);
+        let text = String::from_utf8_lossy(&self.body);
+        let body = text.replacen(&old, &format!("\"resourceVersion\":\"{rv}\""), 1);
+        Obj {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            rv,
+            uid: self.uid.clone(),
+            labels: self.labels.clone(),
+            body: Bytes::from(body),
+        }
+    }
+
     /// The decoded object with kind and apiVersion.
     pub fn to_value(&self, def: &ResourceDef) -> Value {
         serde_json::from_slice(&self.with_kind(def)).unwrap_or(Value::Null)
@@ -139,6 +157,9 @@ pub struct Event {
     pub obj: Arc<Obj>,
     /// The object before the change, so a selector watch can tell an object that left it.
     pub prev: Option<Arc<Obj>>,
+    /// The encoded watch line of this event as it happened, built once and shared by every
+    /// watcher that sends it unchanged.
+    pub line: std::sync::OnceLock<Bytes>,
 }
 
 /// Where a watch starts.
@@ -653,6 +674,7 @@ impl Store {
             resource: resource.to_string(),
             obj,
             prev,
+            line: std::sync::OnceLock::new(),
         });
         g.ring.push_back(ev.clone());
         while g.ring.len() > g.ring_cap {
@@ -724,6 +746,7 @@ impl Store {
         m.insert("uid".into(), json!(new_uid()));
         m.insert("creationTimestamp".into(), json!(now_rfc3339()));
         m.remove("resourceVersion");
+        apply_defaults(def, &mut v);
         let ns = if def.namespaced { namespace } else { "" };
         let mut g = self.lock();
         let key = (ns.to_string(), name.clone());
@@ -1072,6 +1095,32 @@ impl Store {
         g.floor = g.rv;
         self.rv_tx.send_replace(g.rv);
         Ok(())
+    }
+}
+
+/// The apiserver's defaulting for the fields clients commonly leave out.
+fn apply_defaults(def: &ResourceDef, v: &mut Map<String, Value>) {
+    match def.kind {
+        "Secret"
+            if v.get("type")
+                .and_then(Value::as_str)
+                .is_none_or(str::is_empty) =>
+        {
+            v.insert("type".into(), json!("Opaque"));
+        }
+        "Namespace" => {
+            let name = meta_str(v, "name").unwrap_or_default().to_string();
+            if let Some(Value::Object(m)) = v.get_mut("metadata") {
+                let labels = m.entry("labels").or_insert_with(|| json!({}));
+                if let Value::Object(l) = labels {
+                    l.insert("kubernetes.io/metadata.name".into(), json!(name));
+                }
+            }
+            v.entry("spec")
+                .or_insert_with(|| json!({"finalizers": ["kubernetes"]}));
+            v.insert("status".into(), json!({"phase": "Active"}));
+        }
+        _ => {}
     }
 }
 

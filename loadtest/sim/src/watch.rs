@@ -90,7 +90,7 @@ pub fn bookmark_line(out: &mut BytesMut, def: &ResourceDef, rv: u64, initial_end
 /// The one-line stream a watch gets when it cannot start: an ERROR event with a Status.
 pub fn error_line(err: &ApiError) -> Bytes {
     let mut v = b"{\"type\":\"ERROR\",\"object\":".to_vec();
-    v.extend_from_slice(&err.to_bytes());
+    v.extend_from_slice(&err.to_inline_bytes());
     v.extend_from_slice(b"}\n");
     Bytes::from(v)
 }
@@ -126,8 +126,23 @@ impl W {
             EventType::Deleted if before => Some(EventType::Deleted),
             _ => None,
         };
-        if let Some(k) = kind {
-            event_line(out, self.def, k.as_str(), &ev.obj);
+        match kind {
+            Some(k) if k == ev.kind => {
+                let line = ev.line.get_or_init(|| {
+                    let mut b = BytesMut::new();
+                    event_line(&mut b, self.def, k.as_str(), &ev.obj);
+                    b.freeze()
+                });
+                out.extend_from_slice(line);
+            }
+            // An object that left the selector is sent as DELETED with its previous state at
+            // this revision, as the apiserver's watch cache does.
+            Some(EventType::Deleted) => match &ev.prev {
+                Some(p) => event_line(out, self.def, "DELETED", &p.with_rv(ev.rv)),
+                None => event_line(out, self.def, "DELETED", &ev.obj),
+            },
+            Some(k) => event_line(out, self.def, k.as_str(), &ev.obj),
+            None => {}
         }
     }
 

@@ -1,12 +1,13 @@
 //! Response bodies from the apiservers: streamed to the client through a small bounded
 //! channel, reset upstream when the client stalls, and ended the right way when the
-//! upstream stream fails (cleanly for a watch, with an error for anything else).
+//! upstream stream fails (cleanly after the last whole event for a watch, with an error for
+//! anything else).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
@@ -30,10 +31,94 @@ enum Item {
 /// How a failure of the upstream body is shown to the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum OnFailure {
-    /// End the body cleanly: watch clients simply watch again from their last version.
-    End,
+    /// End the body cleanly after the last whole event: watch clients simply watch again
+    /// from the last version they saw, and never get half an event.
+    End(Framing),
     /// End the body with an error so the client sees a reset.
     Error,
+}
+
+/// How the events of a watch stream are delimited, so that a cut stream can end on an
+/// event boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Framing {
+    /// One JSON event per line.
+    Lines,
+    /// Protobuf: each event preceded by its length as 4 big-endian bytes.
+    LengthPrefixed,
+    /// Unknown: bytes pass as they come.
+    Unframed,
+}
+
+impl Framing {
+    /// The framing of a watch response with this `Content-Type`.
+    pub(crate) fn of(content_type: Option<&http::HeaderValue>) -> Self {
+        let content_type = content_type
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        if content_type.contains("protobuf") {
+            Framing::LengthPrefixed
+        } else if content_type.contains("json") {
+            Framing::Lines
+        } else {
+            Framing::Unframed
+        }
+    }
+}
+
+/// Holds back the incomplete last event of a watch stream until the rest arrives.
+struct Framer {
+    framing: Framing,
+    tail: BytesMut,
+}
+
+impl Framer {
+    fn new(framing: Framing) -> Self {
+        Self {
+            framing,
+            tail: BytesMut::new(),
+        }
+    }
+
+    /// The whole events that `data` completes, possibly empty.
+    fn push(&mut self, data: Bytes) -> Bytes {
+        match self.framing {
+            Framing::Unframed => data,
+            Framing::Lines => match data.iter().rposition(|&b| b == b'\n') {
+                // The common case: whole events only, nothing held back, nothing copied.
+                Some(last) if self.tail.is_empty() && last + 1 == data.len() => data,
+                Some(last) => {
+                    self.tail.extend_from_slice(&data[..=last]);
+                    let out = self.tail.split().freeze();
+                    self.tail.extend_from_slice(&data[last + 1..]);
+                    out
+                }
+                None => {
+                    self.tail.extend_from_slice(&data);
+                    Bytes::new()
+                }
+            },
+            Framing::LengthPrefixed => {
+                self.tail.extend_from_slice(&data);
+                let mut end = 0;
+                while let Some(header) = self.tail.get(end..end + 4) {
+                    let len = u32::from_be_bytes([header[0], header[1], header[2], header[3]]);
+                    let next = end + 4 + len as usize;
+                    if next > self.tail.len() {
+                        break;
+                    }
+                    end = next;
+                }
+                self.tail.split_to(end).freeze()
+            }
+        }
+    }
+
+    /// What is still held back, for a stream that ended normally.
+    fn finish(&mut self) -> Bytes {
+        self.tail.split().freeze()
+    }
 }
 
 /// Streams `upstream` to the returned body through a task that gives up (dropping, and so
@@ -78,7 +163,11 @@ async fn pump<B, K>(
     B: HttpBody<Data = Bytes> + Unpin,
     B::Error: Into<BoxError> + Send,
 {
-    loop {
+    let mut framer = Framer::new(match on_failure {
+        OnFailure::End(framing) => framing,
+        OnFailure::Error => Framing::Unframed,
+    });
+    'pump: loop {
         // While waiting for upstream data, also notice a client that went away, so the
         // upstream stream (a quiet watch, say) is reset at once rather than at its next
         // event.
@@ -86,31 +175,50 @@ async fn pump<B, K>(
             frame = upstream.frame() => frame,
             () = tx.closed() => break,
         };
-        let item = match frame {
-            Some(Ok(frame)) => Item::Frame(frame),
-            None => Item::End,
+        let items = match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    let whole = framer.push(data);
+                    if whole.is_empty() {
+                        continue;
+                    }
+                    vec![Item::Frame(Frame::data(whole))]
+                }
+                Err(trailers) => vec![Item::Frame(trailers)],
+            },
+            None => {
+                let rest = framer.finish();
+                if rest.is_empty() {
+                    vec![Item::End]
+                } else {
+                    vec![Item::Frame(Frame::data(rest)), Item::End]
+                }
+            }
             Some(Err(e)) => {
                 let e: BoxError = e.into();
                 tracing::debug!(%replica, error = %e, "upstream response body failed");
                 match on_failure {
-                    OnFailure::End => Item::End,
-                    OnFailure::Error => Item::Error(e),
+                    // The incomplete event held back is dropped with the stream.
+                    OnFailure::End(_) => vec![Item::End],
+                    OnFailure::Error => vec![Item::Error(e)],
                 }
             }
         };
-        let last = !matches!(item, Item::Frame(_));
-        match tx.send_timeout(item, stall_timeout).await {
-            Ok(()) if last => break,
-            Ok(()) => {}
-            Err(SendTimeoutError::Timeout(_)) => {
-                tracing::info!(
-                    %replica,
-                    ?stall_timeout,
-                    "client stopped reading; resetting the upstream stream"
-                );
-                break;
+        for item in items {
+            let last = !matches!(item, Item::Frame(_));
+            match tx.send_timeout(item, stall_timeout).await {
+                Ok(()) if last => break 'pump,
+                Ok(()) => {}
+                Err(SendTimeoutError::Timeout(_)) => {
+                    tracing::info!(
+                        %replica,
+                        ?stall_timeout,
+                        "client stopped reading; resetting the upstream stream"
+                    );
+                    break 'pump;
+                }
+                Err(SendTimeoutError::Closed(_)) => break 'pump,
             }
-            Err(SendTimeoutError::Closed(_)) => break,
         }
     }
     // Dropping the upstream body before it ended resets its stream (CANCEL), which frees
@@ -227,10 +335,81 @@ mod tests {
         assert!(body.collect().await.is_err());
     }
 
+    #[test]
+    fn json_watch_events_are_released_whole() {
+        let mut f = Framer::new(Framing::Lines);
+        assert_eq!(f.push(Bytes::from_static(b"{\"a\":1}\n")), "{\"a\":1}\n");
+        assert_eq!(f.push(Bytes::from_static(b"{\"b\"")), "");
+        assert_eq!(f.push(Bytes::from_static(b":2}\n{\"c\"")), "{\"b\":2}\n");
+        assert_eq!(
+            f.push(Bytes::from_static(b":3}\n{\"d\":4}\n")),
+            "{\"c\":3}\n{\"d\":4}\n"
+        );
+        assert_eq!(f.finish(), "");
+        f.push(Bytes::from_static(b"{\"e\""));
+        assert_eq!(f.finish(), "{\"e\"", "a normal end passes everything on");
+    }
+
+    #[test]
+    fn protobuf_watch_events_are_released_whole() {
+        let mut f = Framer::new(Framing::LengthPrefixed);
+        let event = |body: &[u8]| {
+            let mut e = (body.len() as u32).to_be_bytes().to_vec();
+            e.extend_from_slice(body);
+            e
+        };
+        let (one, two) = (event(b"first"), event(b"second event"));
+        let mut stream = one.clone();
+        stream.extend_from_slice(&two);
+        assert_eq!(f.push(Bytes::copy_from_slice(&stream[..2])), "");
+        assert_eq!(
+            f.push(Bytes::copy_from_slice(&stream[2..12])),
+            Bytes::from(one)
+        );
+        assert_eq!(
+            f.push(Bytes::copy_from_slice(&stream[12..])),
+            Bytes::from(two)
+        );
+        assert_eq!(f.finish(), "");
+    }
+
+    #[test]
+    fn framing_follows_the_content_type() {
+        let of = |v: &'static str| Framing::of(Some(&http::HeaderValue::from_static(v)));
+        assert_eq!(of("application/json"), Framing::Lines);
+        assert_eq!(
+            of("application/vnd.kubernetes.protobuf;stream=watch"),
+            Framing::LengthPrefixed
+        );
+        assert_eq!(of("application/cbor-seq"), Framing::Unframed);
+        assert_eq!(Framing::of(None), Framing::Unframed);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_watch_cut_mid_event_ends_after_the_last_whole_event() {
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (tx, make) = upstream(
+            OnFailure::End(Framing::Lines),
+            Duration::from_secs(60),
+            dropped,
+        );
+        let body = make();
+        tx.send(data("{\"type\":\"ADDED\"}\n{\"type\":\"MOD"))
+            .await
+            .unwrap();
+        tx.send(Err("stream reset".into())).await.unwrap();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, "{\"type\":\"ADDED\"}\n");
+    }
+
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_failure_mid_body_ends_a_watch_cleanly() {
         let dropped = Arc::new(AtomicBool::new(false));
-        let (tx, make) = upstream(OnFailure::End, Duration::from_secs(60), dropped);
+        let (tx, make) = upstream(
+            OnFailure::End(Framing::Lines),
+            Duration::from_secs(60),
+            dropped,
+        );
         let body = make();
         tx.send(data("{\"type\":\"ADDED\"}\n")).await.unwrap();
         tx.send(Err("stream reset".into())).await.unwrap();
@@ -299,7 +478,11 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_client_that_goes_away_releases_a_quiet_upstream_stream() {
         let dropped = Arc::new(AtomicBool::new(false));
-        let (tx, make) = upstream(OnFailure::End, Duration::from_secs(60), dropped.clone());
+        let (tx, make) = upstream(
+            OnFailure::End(Framing::Lines),
+            Duration::from_secs(60),
+            dropped.clone(),
+        );
         let body = make();
         tx.send(data("event\n")).await.unwrap();
         tokio::task::yield_now().await;

@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use base64::Engine;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ListParams, PostParams};
@@ -13,32 +12,9 @@ use crate::harness::{Cluster, Setup};
 
 /// A kube client for `user`, through Bulwark, from a kubeconfig as a user would write it.
 async fn kube_client(cluster: &Cluster, user: &str) -> kube::Client {
-    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     let cert = cluster.pki.client_ca.client_cert(user, &[]);
-    let kubeconfig = format!(
-        r#"
-apiVersion: v1
-kind: Config
-clusters:
-- name: bulwark
-  cluster:
-    server: https://{addr}
-    certificate-authority-data: {ca}
-users:
-- name: {user}
-  user:
-    client-certificate-data: {cert}
-    client-key-data: {key}
-contexts:
-- name: ctx
-  context: {{cluster: bulwark, user: {user}}}
-current-context: ctx
-"#,
-        addr = cluster.bulwark.addr,
-        ca = b64(&cluster.pki.server_ca.cert_pem()),
-        cert = b64(&cert.cert_pem),
-        key = b64(&cert.key_pem),
-    );
+    let server = format!("https://{}", cluster.bulwark.addr);
+    let kubeconfig = bulwark_sim::client::kubeconfig(&cluster.pki, &server, &cert);
     let kubeconfig: Kubeconfig = Kubeconfig::from_yaml(&kubeconfig).expect("kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await

@@ -1,0 +1,538 @@
+//! Rule files: which priority level and flow each request belongs to (DESIGN.md step 5).
+//!
+//! A folder of YAML files (schema in `rules/README.md`) is read, parsed, validated and
+//! compiled into an immutable [`RuleSet`]; [`RuleSet::matches`] picks the first rule by
+//! precedence, the built-in catch-all last. [`Rules`] holds the running set and swaps in a
+//! new one when the folder changes or on SIGHUP, only once it validated.
+//!
+//! The stages stay apart: [`load`] does the I/O (which files, size limits), `validate`
+//! parses and checks them with every problem reported at once as `file:line:column:
+//! message`, `matcher` decides matches, `reload` watches the folder.
+
+mod builtin;
+pub mod load;
+mod matcher;
+mod reload;
+mod schema;
+mod spans;
+pub mod types;
+mod validate;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use http::Method;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+pub use builtin::{CATCH_ALL, EXEMPT};
+pub use reload::Rules;
+pub use types::*;
+
+use crate::classify::{RequestInfo, Verb};
+use crate::identity::User;
+use matcher::Matcher;
+
+/// One problem with the rules: where it is and what is wrong.
+///
+/// Displayed as `file:line:column: message`, or `folder: message` for a problem with the
+/// folder itself (`line` 0).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct RuleProblem {
+    /// The file (or folder) with the problem.
+    pub file: PathBuf,
+    /// 1-based line; 0 when the problem is not in a file.
+    pub line: usize,
+    /// 1-based column; 0 when the problem is not in a file.
+    pub column: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for RuleProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.line == 0 {
+            write!(f, "{}: {}", self.file.display(), self.message)
+        } else {
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file.display(),
+                self.line,
+                self.column,
+                self.message
+            )
+        }
+    }
+}
+
+/// A rule file's name and text, as read from the folder.
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// The file's path, as shown in messages.
+    pub path: PathBuf,
+    /// Its content.
+    pub text: String,
+}
+
+/// A compiled rule.
+#[derive(Debug, Clone)]
+pub(crate) struct CompiledRule {
+    name: Arc<str>,
+    /// Lower first; `u32::MAX` for the catch-all.
+    precedence: u32,
+    /// File and line of its name; `None` when built in.
+    source: Option<(PathBuf, usize)>,
+    matcher: Matcher,
+    level: Arc<LevelSpec>,
+    flow: FlowBy,
+    rate: Option<Rate>,
+    watches: Option<u32>,
+    mode: Mode,
+    staleness: Option<Duration>,
+}
+
+impl CompiledRule {
+    fn matched(&self, user: &User, info: &RequestInfo) -> Matched {
+        let flow = match self.flow {
+            FlowBy::User => format!("{}/{}", self.name, user.username),
+            FlowBy::Namespace => {
+                format!("{}/{}", self.name, info.namespace.as_deref().unwrap_or(""))
+            }
+            FlowBy::None => self.name.to_string(),
+        };
+        Matched {
+            rule: self.name.clone(),
+            level: self.level.clone(),
+            flow,
+            rate: self.rate,
+            watches: self.watches,
+            mode: self.mode,
+            staleness: self.staleness,
+        }
+    }
+
+    /// `precedence 500, team.yaml:7` or `built-in`.
+    fn origin(&self) -> String {
+        let precedence = if self.precedence == u32::MAX {
+            "after all others".to_owned()
+        } else {
+            format!("precedence {}", self.precedence)
+        };
+        match &self.source {
+            Some((path, line)) => {
+                let name = path.file_name().unwrap_or(path.as_os_str());
+                format!("{precedence}, {}:{line}", name.to_string_lossy())
+            }
+            None => format!("{precedence}, built-in"),
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        let mut rule = json!({
+            "name": &*self.name,
+            "precedence": (self.precedence != u32::MAX).then_some(self.precedence),
+            "source": match &self.source {
+                Some((path, line)) => format!("{}:{line}", path.display()),
+                None => builtin::BUILTIN_SOURCE.to_owned(),
+            },
+            "match": self.matcher.to_json(),
+            "level": self.level.name,
+            "flow": flow_name(self.flow),
+            "mode": mode_name(self.mode),
+        });
+        if let Some(rate) = self.rate {
+            rule["rate"] = json!({"qps": rate.qps, "burst": rate.burst});
+        }
+        if let Some(watches) = self.watches {
+            rule["watches"] = json!(watches);
+        }
+        if let Some(staleness) = self.staleness {
+            rule["staleness"] = json!(humantime::format_duration(staleness).to_string());
+        }
+        rule
+    }
+}
+
+fn flow_name(flow: FlowBy) -> &'static str {
+    match flow {
+        FlowBy::User => "user",
+        FlowBy::Namespace => "namespace",
+        FlowBy::None => "none",
+    }
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Enforce => "enforce",
+        Mode::Shadow => "shadow",
+    }
+}
+
+fn level_json(level: &LevelSpec) -> Value {
+    if level.exempt {
+        return json!({"name": level.name, "exempt": true});
+    }
+    json!({
+        "name": level.name,
+        "exempt": false,
+        "seats": level.seats,
+        "queues": level.queues,
+        "handSize": level.hand_size,
+        "queueLength": level.queue_length,
+        "maxWait": humantime::format_duration(level.max_wait).to_string(),
+    })
+}
+
+fn level_text(level: &LevelSpec) -> String {
+    if level.exempt {
+        return format!("{} (exempt: no limits)", level.name);
+    }
+    format!(
+        "{} (seats {}, queues {}, handSize {}, queueLength {}, maxWait {})",
+        level.name,
+        level.seats,
+        level.queues,
+        level.hand_size,
+        level.queue_length,
+        humantime::format_duration(level.max_wait)
+    )
+}
+
+/// An immutable compiled snapshot of the rules.
+#[derive(Debug)]
+pub struct RuleSet {
+    levels: Vec<Arc<LevelSpec>>,
+    /// By precedence, lowest first; the catch-all is not among them.
+    rules: Vec<CompiledRule>,
+    catch_all: CompiledRule,
+    files: Vec<PathBuf>,
+    hash: String,
+    loaded_at: SystemTime,
+}
+
+impl RuleSet {
+    /// Reads, parses and validates every rule file of `dir`; every problem at once.
+    pub fn load_dir(dir: &Path) -> Result<RuleSet, Vec<RuleProblem>> {
+        let (sources, mut problems) = load::read_folder(dir);
+        match RuleSet::from_sources(&sources) {
+            Ok(set) if problems.is_empty() => Ok(set),
+            Ok(_) => Err(problems),
+            Err(more) => {
+                // Problems from unreadable files first, then the rest, in file order.
+                problems.extend(more);
+                problems
+                    .sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
+                Err(problems)
+            }
+        }
+    }
+
+    /// Parses and validates rule files already read (no I/O); every problem at once.
+    pub fn from_sources(sources: &[Source]) -> Result<RuleSet, Vec<RuleProblem>> {
+        let mut problems = Vec::new();
+        let mut parsed = vec![validate::builtin_file()];
+        for source in sources {
+            match validate::parse(source) {
+                Ok(p) => parsed.push(p),
+                Err(problem) => problems.push(problem),
+            }
+        }
+        match validate::build(&parsed, !problems.is_empty()) {
+            Ok(_) if !problems.is_empty() => Err(problems),
+            Ok((levels, rules)) => Ok(RuleSet::new(
+                levels,
+                rules,
+                sources.iter().map(|s| s.path.clone()).collect(),
+            )),
+            Err(more) => {
+                problems.extend(more);
+                Err(problems)
+            }
+        }
+    }
+
+    /// The built-in set alone: `exempt` and `catch-all` levels, the heartbeat rules and the
+    /// catch-all rule.
+    pub fn builtin() -> RuleSet {
+        match validate::build(&[validate::builtin_file()], false) {
+            Ok((levels, rules)) => RuleSet::new(levels, rules, Vec::new()),
+            // The built-in rules are tested to validate; never serve without a catch-all.
+            Err(_) => {
+                let levels = vec![
+                    Arc::new(builtin::exempt_level()),
+                    Arc::new(builtin::catch_all_level()),
+                ];
+                RuleSet::new(levels, Vec::new(), Vec::new())
+            }
+        }
+    }
+
+    fn new(levels: Vec<Arc<LevelSpec>>, rules: Vec<CompiledRule>, files: Vec<PathBuf>) -> Self {
+        let catch_all = validate::catch_all_rule(&levels);
+        let mut set = RuleSet {
+            levels,
+            rules,
+            catch_all,
+            files,
+            hash: String::new(),
+            loaded_at: SystemTime::now(),
+        };
+        let digest = Sha256::digest(set.content_json(false).to_string().as_bytes());
+        set.hash = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        set
+    }
+
+    /// The rule a request matches: the first by precedence, the catch-all last.
+    pub fn matches(&self, user: &User, info: &RequestInfo) -> Matched {
+        self.rule_for(user, info).matched(user, info)
+    }
+
+    fn rule_for(&self, user: &User, info: &RequestInfo) -> &CompiledRule {
+        self.rules
+            .iter()
+            .find(|r| r.matcher.matches(user, info))
+            .unwrap_or(&self.catch_all)
+    }
+
+    /// Every level, the built-in ones included.
+    pub fn levels(&self) -> &[Arc<LevelSpec>] {
+        &self.levels
+    }
+
+    /// A hash of the compiled content (16 hex digits): equal for sets that behave the same.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// When this set was built.
+    pub fn loaded_at(&self) -> SystemTime {
+        self.loaded_at
+    }
+
+    /// The names of the rules, lowest precedence first, the catch-all last.
+    pub fn rule_names(&self) -> Vec<&str> {
+        self.rules
+            .iter()
+            .chain(std::iter::once(&self.catch_all))
+            .map(|r| &*r.name)
+            .collect()
+    }
+
+    /// Why `verb path` by `user` lands where it does: the matching rule, its level and
+    /// flow, and for every rule tried before it, which fields did not match.
+    pub fn explain(&self, user: &User, verb: &str, path: &str) -> String {
+        match request_for(verb, path) {
+            Ok(info) => self.explain_request(user, &info),
+            Err(e) => format!("cannot explain {verb} {path}: {e}\n"),
+        }
+    }
+
+    /// [`RuleSet::explain`] for a classified request.
+    pub fn explain_request(&self, user: &User, info: &RequestInfo) -> String {
+        use std::fmt::Write;
+        let rule = self.rule_for(user, info);
+        let matched = rule.matched(user, info);
+        let mut out = String::new();
+        let query = if info.query.raw.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", info.query.raw)
+        };
+        let _ = writeln!(
+            out,
+            "request: {} {}{query}",
+            matcher::verb_name(&info.verb),
+            info.path
+        );
+        let _ = writeln!(
+            out,
+            "user: {} (groups: {})",
+            user.username,
+            user.groups.join(", ")
+        );
+        let _ = writeln!(out, "matched: rule {} ({})", rule.name, rule.origin());
+        let _ = writeln!(out, "  level: {}", level_text(&rule.level));
+        let _ = writeln!(
+            out,
+            "  flow: {}, key {}",
+            flow_name(rule.flow),
+            matched.flow
+        );
+        if let Some(rate) = rule.rate {
+            let _ = writeln!(out, "  rate: {} qps, burst {}", rate.qps, rate.burst);
+        }
+        if let Some(watches) = rule.watches {
+            let _ = writeln!(out, "  watches: {watches} per flow");
+        }
+        let _ = writeln!(out, "  mode: {}", mode_name(rule.mode));
+        if let Some(staleness) = rule.staleness {
+            let _ = writeln!(
+                out,
+                "  staleness: {}",
+                humantime::format_duration(staleness)
+            );
+        }
+        let tried: Vec<&CompiledRule> = self
+            .rules
+            .iter()
+            .take_while(|r| !std::ptr::eq(*r, rule))
+            .collect();
+        if tried.is_empty() {
+            let _ = writeln!(out, "no rule comes before it");
+        } else {
+            let _ = writeln!(out, "rules tried before it, and why they did not match:");
+            for r in tried {
+                let _ = writeln!(out, "  {} ({}):", r.name, r.origin());
+                for why in r.matcher.mismatches(user, info) {
+                    let _ = writeln!(out, "    {why}");
+                }
+            }
+        }
+        out
+    }
+
+    /// The loaded snapshot for `/debug/rules`: hash, load time, files, levels, rules (each
+    /// with the file and line it came from).
+    pub fn to_json(&self) -> Value {
+        let mut value = self.content_json(true);
+        value["hash"] = json!(self.hash);
+        value["loadedAt"] = json!(humantime::format_rfc3339_seconds(self.loaded_at).to_string());
+        value["files"] = json!(
+            self.files
+                .iter()
+                .map(|f| f.display().to_string())
+                .collect::<Vec<_>>()
+        );
+        value
+    }
+
+    /// Levels and rules; without sources, what the set does whatever file it came from:
+    /// the input of the hash.
+    fn content_json(&self, with_sources: bool) -> Value {
+        let mut rules: Vec<Value> = self.rules.iter().map(CompiledRule::to_json).collect();
+        rules.push(self.catch_all.to_json());
+        if !with_sources {
+            for rule in &mut rules {
+                if let Some(obj) = rule.as_object_mut() {
+                    obj.remove("source");
+                }
+            }
+        }
+        json!({
+            "levels": self.levels.iter().map(|l| level_json(l)).collect::<Vec<_>>(),
+            "rules": rules,
+        })
+    }
+}
+
+/// The method a verb arrives with, for classifying `explain`'s request.
+fn method_for(verb: &str) -> Option<Method> {
+    Some(match verb {
+        "get" | "list" | "watch" => Method::GET,
+        "create" | "post" => Method::POST,
+        "update" | "put" => Method::PUT,
+        "patch" => Method::PATCH,
+        "delete" | "deletecollection" => Method::DELETE,
+        "head" => Method::HEAD,
+        "options" => Method::OPTIONS,
+        _ => return None,
+    })
+}
+
+/// Classifies `verb path` as the request a client would send: `path` may carry a query;
+/// `watch` on a collection is a watch, as `?watch=true` would make it.
+pub fn request_for(verb: &str, path: &str) -> Result<RequestInfo, String> {
+    let method = method_for(verb).ok_or_else(|| {
+        format!(
+            "unknown verb {verb:?}, expected one of {}",
+            matcher::VERBS.join(", ")
+        )
+    })?;
+    let uri: http::Uri = path
+        .parse()
+        .map_err(|e| format!("invalid path {path:?}: {e}"))?;
+    let mut info = crate::classify::classify(&method, &uri).map_err(|e| e.to_string())?;
+    if verb == "watch" && info.verb == Verb::List {
+        info.verb = Verb::Watch;
+    }
+    let got = matcher::verb_name(&info.verb);
+    if info.resource_request && got != verb {
+        return Err(format!(
+            "{path} with {verb} is a {got} request (a list or watch takes a collection path, a get a named object)"
+        ));
+    }
+    Ok(info)
+}
+
+/// `bulwark rules check DIR`: exit code 0 and a summary, or 1 and one line per problem.
+pub fn check(dir: &Path) -> (u8, String) {
+    match RuleSet::load_dir(dir) {
+        Ok(set) => (
+            0,
+            format!(
+                "{}: {} files, {} levels, {} rules, hash {}\n",
+                dir.display(),
+                set.files.len(),
+                set.levels.len(),
+                set.rules.len() + 1,
+                set.hash
+            ),
+        ),
+        Err(problems) => (
+            1,
+            problems
+                .iter()
+                .map(|p| format!("{p}\n"))
+                .collect::<String>(),
+        ),
+    }
+}
+
+/// `bulwark rules explain DIR --user U [--group G]... VERB PATH`. The user gets
+/// `system:authenticated`, and a ServiceAccount user its `system:serviceaccounts` groups,
+/// as authentication would give them.
+pub fn explain_cli(
+    dir: &Path,
+    user: &str,
+    groups: &[String],
+    verb: &str,
+    path: &str,
+) -> Result<String, String> {
+    let set = RuleSet::load_dir(dir).map_err(|problems| {
+        problems
+            .iter()
+            .map(|p| format!("{p}\n"))
+            .collect::<String>()
+    })?;
+    let info = request_for(verb, path)?;
+    Ok(set.explain_request(&cli_user(user, groups), &info))
+}
+
+/// The user `explain` speaks of, with the groups authentication adds.
+pub fn cli_user(name: &str, groups: &[String]) -> User {
+    let mut all: Vec<String> = groups.to_vec();
+    if let Some(namespace) = name
+        .strip_prefix("system:serviceaccount:")
+        .and_then(|rest| rest.split_once(':'))
+        .map(|(ns, _)| ns)
+    {
+        for group in [
+            "system:serviceaccounts".to_owned(),
+            format!("system:serviceaccounts:{namespace}"),
+        ] {
+            if !all.contains(&group) {
+                all.push(group);
+            }
+        }
+    }
+    User {
+        username: name.to_owned(),
+        uid: None,
+        groups: all,
+        extra: Default::default(),
+    }
+    .with_authenticated_group()
+}

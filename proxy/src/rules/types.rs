@@ -1,0 +1,75 @@
+//! The plain data that rules hand to admission: a level's limits, how flows are keyed, and
+//! what a request matched. Shared by `rules` (which builds them) and `admit` (which enforces
+//! them), so it holds data only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A level as written in a rule file (or built in: `exempt`, `catch-all`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LevelSpec {
+    /// The level's name, unique in a rule set.
+    pub name: String,
+    /// Whether the level has no limits at all (the built-in `exempt`): no queue, no seats,
+    /// no rate, no byte budget. The numbers below are meaningless when set.
+    pub exempt: bool,
+    /// Concurrency seats of this Bulwark replica.
+    pub seats: u32,
+    /// Number of fair queues.
+    pub queues: u32,
+    /// Queues dealt to each flow (shuffle sharding); a flow joins the shortest of its hand.
+    pub hand_size: u32,
+    /// Requests one queue may hold before `queue_full`.
+    pub queue_length: u32,
+    /// Longest wait in a queue before `queue_timeout`.
+    pub max_wait: Duration,
+}
+
+/// What a rule's flows are keyed by: each flow gets its own token bucket, fair-queue hand
+/// and watch count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FlowBy {
+    /// One flow per user name.
+    User,
+    /// One flow per namespace of the request (cluster-scoped requests share one).
+    Namespace,
+    /// One flow for the whole rule.
+    None,
+}
+
+/// Whether a rule's limits reject requests or only count what they would have rejected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Refuse with 429.
+    Enforce,
+    /// Let everything through; count and log would-be rejections.
+    Shadow,
+}
+
+/// A per-flow token bucket.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rate {
+    /// Sustained requests per second.
+    pub qps: f64,
+    /// Requests allowed at once on a full bucket.
+    pub burst: u32,
+}
+
+/// The rule a request matched, everything admission needs.
+#[derive(Clone, Debug)]
+pub struct Matched {
+    /// The rule's name.
+    pub rule: Arc<str>,
+    /// The rule's priority level.
+    pub level: Arc<LevelSpec>,
+    /// The flow key: `rule/user`, `rule/namespace` or `rule`.
+    pub flow: String,
+    /// The per-flow token bucket, if the rule has one.
+    pub rate: Option<Rate>,
+    /// Most open watches per flow, if limited.
+    pub watches: Option<u32>,
+    /// Enforce or shadow.
+    pub mode: Mode,
+    /// How stale a cached read may be for this identity, if the rule opts into it.
+    pub staleness: Option<Duration>,
+}

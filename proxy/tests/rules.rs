@@ -1,0 +1,629 @@
+//! Rule files as an operator meets them: the shipped examples load and explain themselves,
+//! every kind of bad file is refused with its `file:line:column`, and reloads (on demand,
+//! on a file change, on a ConfigMap symlink swap, on SIGHUP) swap in good rules and keep
+//! the running ones when the new ones are bad.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bulwark::identity::User;
+use bulwark::metrics::Metrics;
+use bulwark::rules::{self, Mode, RuleSet, Rules};
+
+fn repo_rules() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../rules"))
+}
+
+fn examples() -> PathBuf {
+    repo_rules().join("examples")
+}
+
+fn testdata() -> PathBuf {
+    repo_rules().join("testdata")
+}
+
+/// `check`'s output with the test data folder taken off the paths.
+fn check_output(dir: &Path, base: &Path) -> (u8, String) {
+    let (code, out) = rules::check(dir);
+    (code, out.replace(&format!("{}/", base.display()), ""))
+}
+
+/// Copies the rule files of `from` (not subfolders) into `to`, replacing what is there.
+fn replace_files(from: &Path, to: &Path) {
+    for entry in fs::read_dir(to).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            fs::remove_file(path).unwrap();
+        }
+    }
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.path().is_file() {
+            fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+fn user(name: &str, groups: &[&str]) -> User {
+    let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
+    rules::cli_user(name, &groups)
+}
+
+const BAD_CASES: [&str; 9] = [
+    "unknown-field",
+    "wrong-type",
+    "zero-limits",
+    "missing-level",
+    "duplicate-names",
+    "equal-precedence",
+    "invalid-patterns",
+    "not-yaml",
+    "empty-file",
+];
+
+#[test]
+fn every_bad_rule_folder_gives_its_errors_with_file_line_and_column() {
+    for case in BAD_CASES {
+        let dir = testdata().join(case);
+        let expected = fs::read_to_string(dir.join("expected.txt")).unwrap();
+        let (code, out) = check_output(&dir, &testdata());
+        assert_eq!(code, 1, "{case}");
+        assert_eq!(out, expected, "case {case}");
+    }
+}
+
+#[test]
+fn an_empty_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("notes.txt"), "not a rule file").unwrap();
+    let problems = RuleSet::load_dir(dir.path()).unwrap_err();
+    assert_eq!(problems.len(), 1);
+    assert_eq!(
+        problems[0].to_string(),
+        format!(
+            "{}: no rule files (*.yaml or *.yml) in the folder",
+            dir.path().display()
+        )
+    );
+}
+
+#[test]
+fn a_missing_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope");
+    let problems = RuleSet::load_dir(&missing).unwrap_err();
+    assert!(
+        problems[0].to_string().starts_with(&format!(
+            "{}: cannot read the rules folder",
+            missing.display()
+        )),
+        "{problems:?}"
+    );
+}
+
+#[test]
+fn a_10_mb_file_is_refused_from_its_size() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::copy(
+        examples().join("levels.yaml"),
+        dir.path().join("levels.yaml"),
+    )
+    .unwrap();
+    // A sparse file: 10 MB long, nothing written, so nothing needs reading to refuse it.
+    let big = fs::File::create(dir.path().join("big.yaml")).unwrap();
+    big.set_len(10 * 1024 * 1024).unwrap();
+    let problems = RuleSet::load_dir(dir.path()).unwrap_err();
+    let lines: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        lines,
+        vec![format!(
+            "{}: the file is 10485760 bytes; a rule file may be at most 1048576 bytes (1 MiB)",
+            dir.path().join("big.yaml:1:1").display()
+        )]
+    );
+}
+
+#[test]
+fn other_files_hidden_files_and_subfolders_are_ignored() {
+    let (code, out) = check_output(&testdata().join("ignored-files"), &testdata());
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.starts_with("ignored-files: 1 files, 2 levels, 5 rules, hash "),
+        "{out}"
+    );
+}
+
+/// Lays out `files` like a ConfigMap volume: a timestamped folder, `..data` pointing at it,
+/// and visible symlinks through `..data`.
+#[cfg(unix)]
+fn configmap_update(dir: &Path, stamp: &str, files: &[(&str, String)]) {
+    use std::os::unix::fs::symlink;
+    let real = dir.join(stamp);
+    fs::create_dir(&real).unwrap();
+    for (name, text) in files {
+        fs::write(real.join(name), text).unwrap();
+        let visible = dir.join(name);
+        if fs::symlink_metadata(&visible).is_err() {
+            symlink(Path::new("..data").join(name), &visible).unwrap();
+        }
+    }
+    // As the kubelet does: a new symlink, renamed over `..data` in one step.
+    symlink(stamp, dir.join("..data_tmp")).unwrap();
+    fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn a_configmap_folder_is_read_once_through_its_data_view() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = |name: &str| fs::read_to_string(examples().join(name)).unwrap();
+    configmap_update(
+        dir.path(),
+        "..2026_06_01_12_00_00.000000001",
+        &[
+            ("levels.yaml", text("levels.yaml")),
+            ("kubelets.yaml", text("kubelets.yaml")),
+        ],
+    );
+    // Read twice (through the timestamped folder too), the rules would be duplicates.
+    let set = RuleSet::load_dir(dir.path()).unwrap();
+    assert!(set.rule_names().contains(&"kubelets"));
+}
+
+#[test]
+fn the_examples_load_and_route_their_clients() {
+    let set = RuleSet::load_dir(&examples()).unwrap();
+    let route = |u: &User, verb: &str, path: &str| {
+        let info = rules::request_for(verb, path).unwrap();
+        set.matches(u, &info)
+    };
+
+    let operator = user("system:serviceaccount:ops:secret-sync", &[]);
+    let m = route(&operator, "list", "/api/v1/secrets");
+    assert_eq!(&*m.rule, "secret-operators");
+    assert_eq!(m.level.name, "list-heavy");
+    assert_eq!(m.level.seats, 8);
+    assert_eq!(
+        m.flow,
+        "secret-operators/system:serviceaccount:ops:secret-sync"
+    );
+    assert_eq!(m.rate.map(|r| (r.qps, r.burst)), Some((5.0, 10)));
+    assert_eq!(m.watches, Some(20));
+    assert_eq!(m.mode, Mode::Enforce);
+    assert_eq!(m.staleness, Some(Duration::from_secs(2)));
+
+    let kubelet = user("system:node:node-7", &["system:nodes"]);
+    let heartbeat = route(
+        &kubelet,
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/node-7",
+    );
+    assert_eq!(&*heartbeat.rule, "node-heartbeats");
+    assert!(heartbeat.level.exempt);
+    assert_eq!(heartbeat.flow, "node-heartbeats");
+    let status = route(&kubelet, "patch", "/api/v1/nodes/node-7/status");
+    assert_eq!(&*status.rule, "node-status");
+    let pods = route(&kubelet, "watch", "/api/v1/pods");
+    assert_eq!(&*pods.rule, "kubelets");
+    assert_eq!(pods.flow, "kubelets/system:node:node-7");
+
+    let proxy = user("system:serviceaccount:kube-system:kube-proxy", &[]);
+    assert_eq!(
+        &*route(&proxy, "watch", "/apis/discovery.k8s.io/v1/endpointslices").rule,
+        "kube-proxy"
+    );
+    let controller = user(
+        "system:serviceaccount:kube-system:deployment-controller",
+        &[],
+    );
+    assert_eq!(
+        &*route(&controller, "list", "/apis/apps/v1/deployments").rule,
+        "core-controllers"
+    );
+    let election = route(
+        &user("system:kube-scheduler", &[]),
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-scheduler",
+    );
+    assert_eq!(&*election.rule, "leader-election");
+
+    let admin = user("root", &["system:masters"]);
+    let m = route(&admin, "list", "/api/v1/secrets");
+    assert_eq!(&*m.rule, "cluster-admins");
+    assert!(m.level.exempt);
+
+    let poller = user("system:serviceaccount:monitoring:event-poller", &[]);
+    assert_eq!(
+        &*route(&poller, "list", "/api/v1/events").rule,
+        "monitoring"
+    );
+    let agent = user("system:serviceaccount:logging:fluent-bit", &[]);
+    assert_eq!(
+        &*route(&agent, "get", "/api/v1/namespaces/web/pods/web-1").rule,
+        "logging-agent"
+    );
+
+    let storm = user("storm-17", &["storm"]);
+    let m = route(&storm, "list", "/api/v1/secrets");
+    assert_eq!(&*m.rule, "cluster-wide-secret-lists");
+    assert_eq!(m.level.name, "list-heavy");
+    assert_eq!(m.flow, "cluster-wide-secret-lists/storm-17");
+    assert_eq!(
+        &*route(&storm, "list", "/api/v1/namespaces/ns-1/secrets").rule,
+        "catch-all"
+    );
+
+    let nobody = user("alice", &["devs"]);
+    let m = route(&nobody, "list", "/api/v1/namespaces/web/secrets");
+    assert_eq!(&*m.rule, "catch-all");
+    assert_eq!(m.level.name, "catch-all");
+    assert_eq!(m.flow, "catch-all/alice");
+    assert!(m.rate.is_some());
+    let m = route(&nobody, "get", "/version");
+    assert_eq!(&*m.rule, "catch-all");
+
+    let names: Vec<&str> = set.levels().iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "exempt",
+            "catch-all",
+            "nodes",
+            "controllers",
+            "list-heavy",
+            "agents"
+        ]
+    );
+}
+
+#[test]
+fn flows_are_keyed_by_user_namespace_or_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(
+        dir.path().join("flows.yaml"),
+        "rules:\n\
+         - {name: by-ns, precedence: 100, match: {groups: [a]}, level: catch-all, flow: namespace}\n\
+         - {name: one, precedence: 101, match: {groups: [b]}, level: catch-all, flow: none}\n",
+    )
+    .unwrap();
+    let set = RuleSet::load_dir(dir.path()).unwrap();
+    let list = rules::request_for("list", "/api/v1/namespaces/web/pods").unwrap();
+    let all = rules::request_for("list", "/api/v1/pods").unwrap();
+    let m = set.matches(&user("x", &["a"]), &list);
+    assert_eq!(m.flow, "by-ns/web");
+    let m = set.matches(&user("x", &["a"]), &all);
+    assert_eq!(m.flow, "by-ns/");
+    let m = set.matches(&user("y", &["b"]), &list);
+    assert_eq!(m.flow, "one");
+    let json = set.to_json();
+    let rule = json["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "by-ns")
+        .unwrap();
+    assert_eq!(rule["flow"], "namespace");
+    assert_eq!(
+        rule["source"],
+        format!("{}:2", dir.path().join("flows.yaml").display())
+    );
+}
+
+#[test]
+fn the_builtin_set_has_both_levels_heartbeats_and_the_catch_all() {
+    let set = RuleSet::builtin();
+    let names: Vec<&str> = set.levels().iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["exempt", "catch-all"]);
+    assert_eq!(
+        set.rule_names(),
+        [
+            "node-heartbeats",
+            "node-status",
+            "leader-election",
+            "catch-all"
+        ]
+    );
+    let lease = rules::request_for(
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/n1",
+    )
+    .unwrap();
+    assert!(
+        set.matches(&user("system:node:n1", &["system:nodes"]), &lease)
+            .level
+            .exempt
+    );
+    let json = set.to_json();
+    assert_eq!(json["hash"], set.hash());
+    assert_eq!(json["rules"][3]["precedence"], serde_json::Value::Null);
+    assert_eq!(json["rules"][0]["source"], "built-in");
+    assert!(json["loadedAt"].as_str().unwrap().ends_with('Z'));
+}
+
+#[test]
+fn a_file_rule_named_like_a_heartbeat_rule_replaces_it() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(
+        dir.path().join("heartbeats.yaml"),
+        "rules:\n  - name: leader-election\n    precedence: 12\n    match:\n      users: [ctrl]\n    level: catch-all\n",
+    )
+    .unwrap();
+    let set = RuleSet::load_dir(dir.path()).unwrap();
+    let lease = rules::request_for(
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/x",
+    )
+    .unwrap();
+    assert_eq!(&*set.matches(&user("other", &[]), &lease).rule, "catch-all");
+    let m = set.matches(&user("ctrl", &[]), &lease);
+    assert_eq!(
+        (&*m.rule, m.level.name.as_str()),
+        ("leader-election", "catch-all")
+    );
+}
+
+const EXPLAIN_CASES: [(&str, &str, &[&str], &str, &str); 6] = [
+    (
+        "secret-storm",
+        "storm-17",
+        &["storm"],
+        "list",
+        "/api/v1/secrets",
+    ),
+    (
+        "secret-operator",
+        "system:serviceaccount:ops:secret-sync",
+        &[],
+        "list",
+        "/api/v1/secrets",
+    ),
+    (
+        "node-heartbeat",
+        "system:node:node-1",
+        &["system:nodes"],
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/node-1",
+    ),
+    (
+        "kubelet-watch",
+        "system:node:node-1",
+        &["system:nodes"],
+        "watch",
+        "/api/v1/pods?fieldSelector=spec.nodeName%3Dnode-1",
+    ),
+    (
+        "monitoring-poll",
+        "system:serviceaccount:monitoring:event-poller",
+        &[],
+        "list",
+        "/api/v1/events",
+    ),
+    (
+        "unknown-user",
+        "alice",
+        &["devs"],
+        "get",
+        "/api/v1/namespaces/default/pods/web-1",
+    ),
+];
+
+#[test]
+fn explain_on_the_examples_prints_the_expected_text() {
+    let update = std::env::var_os("UPDATE_GOLDEN").is_some();
+    for (name, user, groups, verb, path) in EXPLAIN_CASES {
+        let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
+        let out = rules::explain_cli(&examples(), user, &groups, verb, path).unwrap();
+        let golden = testdata().join("explain").join(format!("{name}.txt"));
+        if update {
+            fs::write(&golden, &out).unwrap();
+        }
+        let expected = fs::read_to_string(&golden).unwrap();
+        assert_eq!(out, expected, "explain {name}");
+    }
+}
+
+#[test]
+fn explain_refuses_a_bad_request_and_a_bad_folder() {
+    let err = rules::explain_cli(&examples(), "u", &[], "lsit", "/api/v1/pods").unwrap_err();
+    assert!(err.starts_with("unknown verb \"lsit\""), "{err}");
+    let err = rules::explain_cli(&examples(), "u", &[], "get", "/api/v1/pods").unwrap_err();
+    assert!(err.contains("is a list request"), "{err}");
+    let err = rules::explain_cli(&examples(), "u", &[], "get", "/api/v1/%2e%2e/x").unwrap_err();
+    assert!(err.contains("encoded"), "{err}");
+    let bad = testdata().join("missing-level");
+    let err = rules::explain_cli(&bad, "u", &[], "get", "/version").unwrap_err();
+    assert!(err.contains("list-hevy"), "{err}");
+}
+
+#[test]
+fn check_summarises_a_good_folder() {
+    let (code, out) = rules::check(&examples());
+    assert_eq!(code, 0);
+    let set = RuleSet::load_dir(&examples()).unwrap();
+    assert_eq!(
+        out,
+        format!(
+            "{}: 11 files, 6 levels, 12 rules, hash {}\n",
+            examples().display(),
+            set.hash()
+        )
+    );
+}
+
+fn reloads(metrics: &Metrics, result: &str) -> u64 {
+    metrics
+        .rules_reload_total
+        .with_label_values(&[result])
+        .get()
+}
+
+fn loaded_hash(metrics: &Metrics) -> Vec<String> {
+    metrics
+        .registry()
+        .gather()
+        .iter()
+        .filter(|family| family.name() == "bulwark_rules_loaded_info")
+        .flat_map(|family| family.get_metric().to_vec())
+        .filter(|m| m.get_gauge().get_value() == 1.0)
+        .flat_map(|m| m.get_label().to_vec())
+        .map(|l| l.value().to_owned())
+        .collect()
+}
+
+#[test]
+fn a_bad_reload_keeps_the_running_rules_and_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    replace_files(&examples(), dir.path());
+    let metrics = Metrics::new();
+    let rules = Rules::new(
+        RuleSet::load_dir(dir.path()).unwrap(),
+        Some(dir.path().to_owned()),
+        metrics.clone(),
+    );
+    let running = rules.current().hash().to_owned();
+    assert_eq!(loaded_hash(&metrics), vec![running.clone()]);
+
+    for (n, case) in BAD_CASES.iter().enumerate() {
+        replace_files(&testdata().join(case), dir.path());
+        let problems = rules.reload().unwrap_err();
+        assert!(!problems.is_empty(), "{case}");
+        assert_eq!(rules.current().hash(), running, "{case} replaced the rules");
+        assert_eq!(reloads(&metrics, "error"), n as u64 + 1);
+        assert_eq!(loaded_hash(&metrics), vec![running.clone()]);
+    }
+    // A 10 MB file and an emptied folder, too.
+    replace_files(&examples(), dir.path());
+    fs::File::create(dir.path().join("big.yaml"))
+        .unwrap()
+        .set_len(10 << 20)
+        .unwrap();
+    assert!(rules.reload().is_err());
+    for entry in fs::read_dir(dir.path()).unwrap() {
+        fs::remove_file(entry.unwrap().path()).unwrap();
+    }
+    assert!(rules.reload().is_err());
+    assert_eq!(rules.current().hash(), running);
+    assert_eq!(reloads(&metrics, "success"), 0);
+
+    // Good rules again, changed: swapped in, counted, announced.
+    replace_files(&examples(), dir.path());
+    fs::remove_file(dir.path().join("monitoring.yaml")).unwrap();
+    let mut changes = rules.subscribe();
+    rules.reload().unwrap();
+    assert_ne!(rules.current().hash(), running);
+    assert!(!rules.current().rule_names().contains(&"monitoring"));
+    assert_eq!(reloads(&metrics, "success"), 1);
+    assert_eq!(loaded_hash(&metrics), [rules.current().hash().to_owned()]);
+    assert!(changes.has_changed().unwrap());
+    assert_eq!(changes.borrow_and_update().hash(), rules.current().hash());
+}
+
+/// Waits (real time, bounded) until a new rule set is announced.
+async fn next_set(changes: &mut tokio::sync::watch::Receiver<Arc<RuleSet>>) -> Arc<RuleSet> {
+    tokio::time::timeout(Duration::from_secs(10), changes.changed())
+        .await
+        .expect("a reload within 10 s")
+        .expect("rules alive");
+    changes.borrow_and_update().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_file_is_reloaded_and_a_bad_one_is_not() {
+    let dir = tempfile::tempdir().unwrap();
+    replace_files(&examples(), dir.path());
+    let metrics = Metrics::new();
+    let rules = Rules::new(
+        RuleSet::load_dir(dir.path()).unwrap(),
+        Some(dir.path().to_owned()),
+        metrics.clone(),
+    );
+    let mut changes = rules.subscribe();
+    rules.spawn_watch();
+
+    fs::write(
+        dir.path().join("team.yaml"),
+        "rules:\n  - {name: team, precedence: 900, match: {groups: [team]}, level: agents}\n",
+    )
+    .unwrap();
+    let set = next_set(&mut changes).await;
+    assert!(set.rule_names().contains(&"team"));
+    assert_eq!(rules.current().hash(), set.hash());
+
+    // A bad edit: counted as an error, the running rules stay.
+    let errors = reloads(&metrics, "error");
+    fs::write(
+        dir.path().join("team.yaml"),
+        "rules:\n  - {name: team, level: nope}\n",
+    )
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while reloads(&metrics, "error") == errors {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the bad edit is seen within 10 s");
+    assert_eq!(rules.current().hash(), set.hash());
+    assert!(!changes.has_changed().unwrap());
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_symlink_swap_is_picked_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = |name: &str| fs::read_to_string(examples().join(name)).unwrap();
+    let files = |kubelet_qps: u32| {
+        vec![
+            ("levels.yaml", text("levels.yaml")),
+            (
+                "kubelets.yaml",
+                text("kubelets.yaml").replace("qps: 50", &format!("qps: {kubelet_qps}")),
+            ),
+        ]
+    };
+    configmap_update(dir.path(), "..2026_06_01_12_00_00.000000001", &files(50));
+    let rules = Rules::new(
+        RuleSet::load_dir(dir.path()).unwrap(),
+        Some(dir.path().to_owned()),
+        Metrics::new(),
+    );
+    let mut changes = rules.subscribe();
+    rules.spawn_watch();
+
+    configmap_update(dir.path(), "..2026_06_01_12_05_00.000000002", &files(7));
+    let set = next_set(&mut changes).await;
+    let info = rules::request_for("list", "/api/v1/pods").unwrap();
+    let m = set.matches(&user("system:node:n", &["system:nodes"]), &info);
+    assert_eq!(m.rate.map(|r| r.qps), Some(7.0));
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    replace_files(&examples(), dir.path());
+    let rules = Rules::new(
+        RuleSet::load_dir(dir.path()).unwrap(),
+        Some(dir.path().to_owned()),
+        Metrics::new(),
+    );
+    let mut changes = rules.subscribe();
+    // Written before the watch starts, so only the signal can pick it up.
+    fs::remove_file(dir.path().join("monitoring.yaml")).unwrap();
+    rules.spawn_watch();
+    // Through kill(1): the workspace forbids `unsafe`, and tokio handles SIGHUP by now.
+    assert_eq!(send_sighup_to_self(), 0);
+    let set = next_set(&mut changes).await;
+    assert!(!set.rule_names().contains(&"monitoring"));
+}
+
+#[cfg(unix)]
+fn send_sighup_to_self() -> i32 {
+    std::process::Command::new("kill")
+        .args(["-HUP", &std::process::id().to_string()])
+        .status()
+        .map(|s| s.code().unwrap_or(-1))
+        .unwrap_or(-1)
+}

@@ -9,12 +9,18 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 fn run_scenario(scenario: &str, extra: &[&str]) -> Value {
+    run_with(scenario, &["--scale", "0.01", "--duration", "3s"], extra)
+}
+
+fn run_with(scenario: &str, sizing: &[&str], extra: &[&str]) -> Value {
     let json = std::env::temp_dir().join(format!(
         "bulwark-loadtest-smoke-{scenario}-{}.json",
         std::process::id()
     ));
     let out = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
-        .args([scenario, "--scale", "0.01", "--duration", "3s", "--json"])
+        .arg(scenario)
+        .args(sizing)
+        .arg("--json")
         .arg(&json)
         .args(extra)
         .output()
@@ -25,10 +31,12 @@ fn run_scenario(scenario: &str, extra: &[&str]) -> Value {
         out.status.success(),
         "{scenario} failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
-    assert!(
-        stdout.contains("direct") && stdout.contains("bulwark"),
-        "the table compares both runs:\n{stdout}"
-    );
+    if extra.is_empty() {
+        assert!(
+            stdout.contains("direct") && stdout.contains("bulwark"),
+            "the table compares both runs:\n{stdout}"
+        );
+    }
     let text = std::fs::read_to_string(&json).expect("the JSON report is written");
     let _ = std::fs::remove_file(&json);
     serde_json::from_str(&text).expect("the report is JSON")
@@ -113,6 +121,40 @@ fn informers_fill_both_runs_with_event_delivery() {
             "{run} matched events to writes: {r}"
         );
     }
+}
+
+#[test]
+fn the_oom_model_fires_in_a_direct_list_storm() {
+    let report = run_with(
+        "list-storm",
+        &["--scale", "0.3", "--duration", "4s"],
+        &["--only", "direct"],
+    );
+    let api = &report["runs"]["direct"]["apiserver"];
+    assert!(
+        api["ooms"].as_u64().unwrap() > 0,
+        "replicas ran out of memory: {api}"
+    );
+    assert_eq!(api["peak_heap_bytes"], api["heap_limit_bytes"]);
+}
+
+#[test]
+fn a_direct_skew_run_shows_the_skew_after_the_restart() {
+    let report = run_with(
+        "skew",
+        &["--scale", "0.1", "--duration", "8s"],
+        &["--only", "direct"],
+    );
+    let api = &report["runs"]["direct"]["apiserver"];
+    let per: Vec<u64> = api["replica_requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    // Replica 0 restarts at 1/3 of the run; its clients move to the others and stay there.
+    let others = per[1].min(per[2]);
+    assert!(per[0] * 2 < others, "replica 0 served far less: {per:?}");
 }
 
 #[test]

@@ -71,9 +71,8 @@ pub fn debug_token(admin: &config::Admin) -> std::io::Result<DebugAccess> {
     }
     match &admin.token_file {
         Some(path) => {
-            let token = std::fs::read_to_string(path).map_err(|e| {
-                std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
-            })?;
+            let token = std::fs::read_to_string(path)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
             Ok(DebugAccess::Token(token.trim().to_string()))
         }
         None => Ok(DebugAccess::Closed),

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use bulwark::config::{Config, ConfigError};
+use bulwark::serve::StartError;
 use clap::{Parser, Subcommand, ValueEnum};
 
 /// A TLS-terminating reverse proxy that keeps kube-apiservers alive.
@@ -36,6 +37,37 @@ enum Command {
         /// The configuration file.
         config: PathBuf,
     },
+    /// Check or explain a folder of rule files.
+    Rules {
+        #[command(subcommand)]
+        command: RulesCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum RulesCommand {
+    /// Exit 0 when the folder is valid; else print every problem as `file:line:column:
+    /// message` and exit 1.
+    Check {
+        /// The folder of rule files.
+        dir: PathBuf,
+    },
+    /// Print the rule a request matches, its level and flow, and why each rule of lower
+    /// precedence did not match.
+    Explain {
+        /// The folder of rule files.
+        dir: PathBuf,
+        /// The user name.
+        #[arg(long)]
+        user: String,
+        /// A group of the user (repeatable); `system:authenticated` is added.
+        #[arg(long = "group")]
+        groups: Vec<String>,
+        /// The apiserver verb (get, list, watch, create, ...).
+        verb: String,
+        /// The request path, e.g. /api/v1/namespaces/default/secrets.
+        path: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -55,6 +87,12 @@ fn main() -> ExitCode {
             };
             match runtime.block_on(bulwark::serve::run(config)) {
                 Ok(()) => ExitCode::SUCCESS,
+                Err(StartError::Rules(problems)) => {
+                    for problem in problems {
+                        eprintln!("{problem}");
+                    }
+                    ExitCode::from(2)
+                }
                 Err(e) => {
                     eprintln!("bulwark: {e}");
                     ExitCode::from(2)
@@ -64,6 +102,36 @@ fn main() -> ExitCode {
         Command::CheckConfig { config } => match load(&config) {
             Some(_) => ExitCode::SUCCESS,
             None => ExitCode::from(2),
+        },
+        Command::Rules {
+            command: RulesCommand::Check { dir },
+        } => {
+            let (code, report) = bulwark::rules::check(&dir);
+            if code == 0 {
+                print!("{report}");
+            } else {
+                eprint!("{report}");
+            }
+            ExitCode::from(code)
+        }
+        Command::Rules {
+            command:
+                RulesCommand::Explain {
+                    dir,
+                    user,
+                    groups,
+                    verb,
+                    path,
+                },
+        } => match bulwark::rules::explain_cli(&dir, &user, &groups, &verb, &path) {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(why) => {
+                eprintln!("bulwark: {why}");
+                ExitCode::from(1)
+            }
         },
     }
 }

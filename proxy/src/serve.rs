@@ -24,16 +24,16 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceBuilder};
 
+use crate::admit::{Admission, Permit};
 use crate::classify::{self, ClassifyError, RequestInfo};
 use crate::config::{self, Config};
+use crate::identity::User;
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, UpstreamReviewer};
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
 use crate::metrics::{Metrics, ServedBy};
-use crate::status::{Reason, Refusal};
-use crate::admit::{Admission, Permit};
-use crate::identity::User;
 use crate::rules::{RuleProblem, RuleSet, Rules};
+use crate::status::{Reason, Refusal};
 use crate::upstream::{PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
 use crate::{Body, admin};
 
@@ -445,7 +445,7 @@ where
                 permit.release_seats();
             }
             let learn = (info.is_list() && response.status() == StatusCode::OK)
-                .then(|| (admission, info));
+                .then_some((admission, info));
             Ok(response.map(|body| {
                 Guarded {
                     body,

@@ -38,7 +38,20 @@ pub struct Setup {
     pub mode: IdentityMode,
     pub seed: Vec<&'static str>,
     pub tweak: fn(&mut Config),
+    /// The rule file Bulwark loads; the default lets every test client through unlimited,
+    /// so that tests of balancing and identity measure those alone.
+    pub rules: &'static str,
 }
+
+/// Every authenticated client goes to the `exempt` level.
+pub const UNLIMITED_RULES: &str = r#"
+rules:
+  - name: test-clients
+    precedence: 100
+    match:
+      groups: ["system:authenticated"]
+    level: exempt
+"#;
 
 impl Default for Setup {
     fn default() -> Self {
@@ -47,6 +60,7 @@ impl Default for Setup {
             mode: IdentityMode::FrontProxy,
             seed: Vec::new(),
             tweak: |_| {},
+            rules: UNLIMITED_RULES,
         }
     }
 }
@@ -145,6 +159,8 @@ impl Cluster {
             IdentityMode::Impersonate => "impersonate",
             IdentityMode::Passthrough => "passthrough",
         };
+        std::fs::create_dir(dir.path().join("rules")).unwrap();
+        std::fs::write(dir.path().join("rules/test.yaml"), setup.rules).unwrap();
         let d = dir.path().display();
         let yaml = format!(
             r#"
@@ -168,6 +184,8 @@ upstream:
   timeouts: {{connect: 1s, read: 10s, list: 30s, write: 10s}}
 identity:
   mode: {mode}
+rules:
+  folder: {d}/rules
 "#,
             replicas = replicas.join("\n")
         );

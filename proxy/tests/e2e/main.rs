@@ -2,6 +2,7 @@
 
 mod bad_input;
 mod balance;
+mod fairness;
 mod harness;
 mod identity;
 mod kube_client;

@@ -1,0 +1,113 @@
+//! Rules and admission in the request path: every classified answer names its rule and
+//! level, and a refusal says why, when to come back, and is counted.
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::{Cluster, Setup};
+
+const RULES: &str = r#"
+levels:
+  - name: tight
+    seats: 1
+    queues: 4
+    handSize: 2
+    queueLength: 1
+    maxWait: 200ms
+rules:
+  - name: alice-limited
+    precedence: 100
+    match:
+      users: ["alice"]
+    level: tight
+    flow: user
+    rate: {qps: 1, burst: 2}
+  - name: everyone-else
+    precedence: 200
+    match:
+      groups: ["system:authenticated"]
+    level: exempt
+"#;
+
+const SECRETS: &str = "/api/v1/namespaces/default/secrets";
+
+async fn admin_get(cluster: &Cluster, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(cluster.bulwark.admin_addr)
+        .await
+        .unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n");
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_others_pass() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        rules: RULES,
+        ..Setup::default()
+    })
+    .await;
+    let mut alice = cluster.client("alice", &[]).await;
+    let mut statuses = Vec::new();
+    let mut refused = None;
+    for _ in 0..5 {
+        let answer = alice.get(SECRETS).await;
+        assert_eq!(answer.headers["x-bulwark-rule"], "alice-limited");
+        assert_eq!(answer.headers["x-bulwark-level"], "tight");
+        statuses.push(answer.status.as_u16());
+        if answer.status == 429 {
+            refused = Some(answer);
+        }
+    }
+    assert_eq!(&statuses[..2], [200, 200], "the burst passes: {statuses:?}");
+    assert!(statuses[2..].iter().all(|s| *s == 429), "{statuses:?}");
+    let refused = refused.unwrap();
+    assert_eq!(
+        refused.headers["retry-after"], "1",
+        "an innocent flow's first 429 says 1 s"
+    );
+    assert_eq!(refused.headers["x-bulwark-reason"], "rate_limited");
+    let status = refused.json();
+    assert_eq!(status["reason"], "TooManyRequests");
+    assert!(status["details"]["retryAfterSeconds"].as_u64().unwrap() >= 1);
+    let message = status["message"].as_str().unwrap();
+    assert!(
+        message.contains("alice-limited")
+            && message.contains("tight")
+            && message.contains("rate_limited"),
+        "{message}"
+    );
+
+    // Another identity is not touched by alice's limit.
+    let mut carol = cluster.client("carol", &[]).await;
+    for _ in 0..5 {
+        let answer = carol.get(SECRETS).await;
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.headers["x-bulwark-rule"], "everyone-else");
+    }
+
+    let metrics = admin_get(&cluster, "/metrics").await;
+    let line = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("bulwark_rejected_requests_total")
+                && l.contains(r#"rule="alice-limited""#)
+                && l.contains(r#"reason="rate_limited""#)
+        })
+        .unwrap_or_else(|| panic!("no rejection counted:\n{metrics}"));
+    assert!(line.ends_with(" 3"), "{line}");
+    assert!(metrics.contains(r#"bulwark_requests_total{code="429",resource="secrets",served_by="bulwark",verb="list"} 3"#), "{metrics}");
+
+    let levels = admin_get(&cluster, "/debug/levels").await;
+    assert!(
+        levels.starts_with("HTTP/1.1 200") && levels.contains("\"tight\""),
+        "{levels}"
+    );
+    let rules = admin_get(&cluster, "/debug/rules").await;
+    assert!(
+        rules.contains("alice-limited") && rules.contains("hash"),
+        "{rules}"
+    );
+}

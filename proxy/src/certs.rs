@@ -609,5 +609,37 @@ fn write_atomically(path: &Path, contents: &[u8], secret: bool) -> std::io::Resu
     std::fs::rename(&tmp, path)
 }
 
+/// Keeps private keys and tokens held in memory out of core dumps: sets `RLIMIT_CORE` to 0
+/// and marks the process non-dumpable (which also stops other processes of the same user
+/// from reading its memory through `/proc` or ptrace). Call once at start, before any key is
+/// loaded.
+#[cfg(target_os = "linux")]
+pub fn disable_core_dumps() -> std::io::Result<()> {
+    use rustix::process::{DumpableBehavior, Resource, Rlimit, set_dumpable_behavior, setrlimit};
+    setrlimit(
+        Resource::Core,
+        Rlimit {
+            current: Some(0),
+            maximum: Some(0),
+        },
+    )?;
+    set_dumpable_behavior(DumpableBehavior::NotDumpable)?;
+    Ok(())
+}
+
+/// Keeps private keys out of core dumps: sets `RLIMIT_CORE` to 0.
+#[cfg(all(unix, not(target_os = "linux")))]
+pub fn disable_core_dumps() -> std::io::Result<()> {
+    use rustix::process::{Resource, Rlimit, setrlimit};
+    setrlimit(
+        Resource::Core,
+        Rlimit {
+            current: Some(0),
+            maximum: Some(0),
+        },
+    )?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests;

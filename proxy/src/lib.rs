@@ -11,6 +11,7 @@ pub mod classify;
 pub mod config;
 pub mod identity;
 pub mod listen;
+pub mod logs;
 pub mod metrics;
 pub mod serve;
 pub mod status;

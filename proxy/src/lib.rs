@@ -7,10 +7,12 @@
 
 pub mod admin;
 pub mod admit;
+pub mod certs;
 pub mod classify;
 pub mod config;
 pub mod identity;
 pub mod listen;
+pub mod logs;
 pub mod metrics;
 pub mod rules;
 pub mod serve;

@@ -1,0 +1,217 @@
+//! Rate-limited log lines for refusals: one line per identity, rule and reason per interval,
+//! and a bounded number of lines per interval overall, so a storm of 429s cannot flood the
+//! log (the metrics count every refusal; the log names who and why).
+//!
+//! A line carries the identity's user name, rule, level, reason and how many refusals were
+//! left unlogged since the last line — never a token, a header or a body.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::status::Reason;
+
+/// Rate limiting of refusal log lines. Shared by every request (`Arc` it).
+#[derive(Debug)]
+pub struct RejectionLog {
+    interval: Duration,
+    max_lines: u32,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// When the current interval started.
+    window_start: Instant,
+    /// Lines written in the current interval.
+    lines: u32,
+    /// Keys already logged in the current interval, with refusals left unlogged since.
+    seen: HashMap<Key, u64>,
+    /// Refusals left unlogged in earlier intervals, reported on the next line.
+    carried: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Key {
+    identity: String,
+    rule: String,
+    reason: Reason,
+}
+
+/// One refusal to log.
+#[derive(Debug, Clone, Copy)]
+pub struct Rejection<'a> {
+    /// The user name (`Identity::name`), never a credential.
+    pub identity: &'a str,
+    /// The rule that matched, or "" when none did.
+    pub rule: &'a str,
+    /// The priority level, or "".
+    pub level: &'a str,
+    /// Why.
+    pub reason: Reason,
+}
+
+impl RejectionLog {
+    /// At most one line per identity, rule and reason per `interval`, and at most
+    /// `max_lines` lines per `interval` in all.
+    pub fn new(interval: Duration, max_lines: u32) -> RejectionLog {
+        RejectionLog {
+            interval,
+            max_lines,
+            state: Mutex::new(State {
+                window_start: Instant::now(),
+                lines: 0,
+                seen: HashMap::new(),
+                carried: 0,
+            }),
+        }
+    }
+
+    /// Logs the refusal at `info` unless its line is rate-limited.
+    pub fn rejected(&self, rejection: Rejection<'_>) {
+        if let Some(suppressed) = self.admit(&rejection) {
+            tracing::info!(
+                identity = rejection.identity,
+                rule = rejection.rule,
+                level = rejection.level,
+                reason = rejection.reason.as_str(),
+                suppressed,
+                "request rejected"
+            );
+        }
+    }
+
+    /// Whether to write a line now; `Some(n)` with the number of refusals (of any identity)
+    /// left unlogged since the previous line.
+    fn admit(&self, rejection: &Rejection<'_>) -> Option<u64> {
+        let now = Instant::now();
+        // A poisoned lock only means another thread panicked mid-update; the counts are
+        // still usable for rate limiting.
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if now.duration_since(state.window_start) >= self.interval {
+            let unlogged: u64 = state.seen.values().sum();
+            state.carried += unlogged;
+            state.seen.clear();
+            state.lines = 0;
+            state.window_start = now;
+        }
+        let key = Key {
+            identity: rejection.identity.to_string(),
+            rule: rejection.rule.to_string(),
+            reason: rejection.reason,
+        };
+        if let Some(unlogged) = state.seen.get_mut(&key) {
+            *unlogged += 1;
+            return None;
+        }
+        if state.lines >= self.max_lines {
+            state.carried += 1;
+            return None;
+        }
+        state.lines += 1;
+        state.seen.insert(key, 0);
+        Some(std::mem::take(&mut state.carried))
+    }
+}
+
+impl Default for RejectionLog {
+    /// One line per identity, rule and reason per 10 s; at most 100 lines per 10 s.
+    fn default() -> Self {
+        RejectionLog::new(Duration::from_secs(10), 100)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rejection<'a>(identity: &'a str, reason: Reason) -> Rejection<'a> {
+        Rejection {
+            identity,
+            rule: "secret-lists",
+            level: "list-heavy",
+            reason,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_line_per_identity_rule_and_reason_per_interval() {
+        let log = RejectionLog::new(Duration::from_secs(10), 100);
+        assert_eq!(log.admit(&rejection("alice", Reason::QueueFull)), Some(0));
+        for _ in 0..50 {
+            assert_eq!(log.admit(&rejection("alice", Reason::QueueFull)), None);
+        }
+        // Another identity or reason gets its own line.
+        assert_eq!(log.admit(&rejection("bob", Reason::QueueFull)), Some(0));
+        assert_eq!(log.admit(&rejection("alice", Reason::RateLimited)), Some(0));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        // The next line reports the 50 refusals that were not logged.
+        assert_eq!(log.admit(&rejection("alice", Reason::QueueFull)), Some(50));
+        assert_eq!(log.admit(&rejection("bob", Reason::QueueFull)), Some(0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_identities_share_a_bounded_number_of_lines() {
+        let log = RejectionLog::new(Duration::from_secs(10), 3);
+        let names: Vec<String> = (0..1000).map(|i| format!("node-{i}")).collect();
+        let written = names
+            .iter()
+            .filter(|n| log.admit(&rejection(n, Reason::RateLimited)).is_some())
+            .count();
+        assert_eq!(written, 3);
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(
+            log.admit(&rejection("node-0", Reason::RateLimited)),
+            Some(997)
+        );
+    }
+
+    /// The line itself: names identity, rule and reason, and nothing else of the request.
+    #[test]
+    fn the_line_names_identity_rule_and_reason() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .with_writer(move || writer.clone())
+            .finish();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        tracing::subscriber::with_default(subscriber, || {
+            runtime.block_on(async {
+                let log = RejectionLog::default();
+                log.rejected(rejection("system:node:n1", Reason::QueueTimeout));
+                log.rejected(rejection("system:node:n1", Reason::QueueTimeout));
+            })
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("JSON line"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        let fields = &lines[0]["fields"];
+        assert_eq!(fields["message"], "request rejected");
+        assert_eq!(fields["identity"], "system:node:n1");
+        assert_eq!(fields["rule"], "secret-lists");
+        assert_eq!(fields["level"], "list-heavy");
+        assert_eq!(fields["reason"], "queue_timeout");
+        assert_eq!(fields["suppressed"], 0);
+    }
+}

@@ -1,0 +1,1176 @@
+//! Checks of what `deploy/` and `certs` ship, against a running Bulwark: the manifests'
+//! cross-references (ports, names, mounted paths, probe paths), the alerts and the dashboard
+//! against the metrics Bulwark exports (a live `/metrics` plus DESIGN.md's contract),
+//! `promtool check metrics` on a live scrape, certificates from `certs init` used by real
+//! clients, and logs that never hold a token, a key or Secret data.
+
+#[path = "e2e/harness.rs"]
+#[allow(dead_code)]
+mod harness;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use bulwark::config::Config;
+use http::Request;
+use http_body_util::Full;
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use harness::{BAD_TOKEN, Cluster, GOOD_TOKEN, Setup};
+
+// ---------------------------------------------------------------------------------------
+// Files
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every YAML document of a file, as JSON values.
+fn yaml_docs(path: &Path) -> Vec<Value> {
+    let text = read(path);
+    serde_norway::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn yaml(path: &Path) -> Value {
+    let mut docs = yaml_docs(path);
+    assert_eq!(docs.len(), 1, "{}: one document expected", path.display());
+    docs.remove(0)
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A kustomization and every object it includes, with its generators, recursively.
+#[derive(Default)]
+struct Kustomized {
+    objects: Vec<Value>,
+    /// Generated ConfigMaps and Secrets: (kind, name) → data keys.
+    generated: BTreeMap<(String, String), BTreeSet<String>>,
+    namespaces: BTreeSet<String>,
+}
+
+fn kustomize(dir: &Path, out: &mut Kustomized) {
+    let file = dir.join("kustomization.yaml");
+    let k = yaml(&file);
+    if let Some(ns) = k["namespace"].as_str() {
+        out.namespaces.insert(ns.to_string());
+    }
+    for resource in strings(&k["resources"]) {
+        let path = dir.join(&resource);
+        assert!(
+            path.exists(),
+            "{}: resource {resource} does not exist",
+            file.display()
+        );
+        if path.is_dir() {
+            kustomize(&path, out);
+        } else {
+            out.objects.extend(yaml_docs(&path));
+        }
+    }
+    for (field, kind) in [
+        ("configMapGenerator", "ConfigMap"),
+        ("secretGenerator", "Secret"),
+    ] {
+        for generator in k[field].as_array().into_iter().flatten() {
+            let name = generator["name"].as_str().expect("generator name");
+            let mut keys = BTreeSet::new();
+            for entry in strings(&generator["files"]) {
+                let (key, source) = match entry.split_once('=') {
+                    Some((key, source)) => (key.to_string(), source.to_string()),
+                    None => (
+                        Path::new(&entry)
+                            .file_name()
+                            .unwrap()
+                            .to_string_lossy()
+                            .into_owned(),
+                        entry.clone(),
+                    ),
+                };
+                // Secret sources are generated (`certs init`) and git-ignored; the rest ship.
+                if kind == "ConfigMap" {
+                    assert!(
+                        dir.join(&source).is_file(),
+                        "{}: {source} does not exist",
+                        file.display()
+                    );
+                }
+                keys.insert(key);
+            }
+            out.generated
+                .insert((kind.to_string(), name.to_string()), keys);
+        }
+    }
+}
+
+fn object<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+fn only<'a>(objects: &'a [Value], kind: &str) -> &'a Value {
+    let found: Vec<_> = objects.iter().filter(|o| o["kind"] == kind).collect();
+    assert_eq!(found.len(), 1, "one {kind} expected");
+    found[0]
+}
+
+fn port_of(address: &SocketAddr) -> u64 {
+    u64::from(address.port())
+}
+
+fn deploy_config() -> Config {
+    read(&repo("deploy/base/bulwark.yaml"))
+        .parse()
+        .unwrap_or_else(|e| panic!("deploy/base/bulwark.yaml is not a valid configuration: {e}"))
+}
+
+/// Does the label selector `selector` (matchLabels or a plain map) select `labels`?
+fn selects(selector: &Value, labels: &Value) -> bool {
+    let wanted = selector
+        .get("matchLabels")
+        .unwrap_or(selector)
+        .as_object()
+        .expect("a selector map");
+    !wanted.is_empty() && wanted.iter().all(|(k, v)| labels[k] == *v)
+}
+
+// ---------------------------------------------------------------------------------------
+// Manifests
+
+#[test]
+fn manifests_agree_with_each_other_and_with_the_configuration() {
+    let mut all = Kustomized::default();
+    kustomize(&repo("deploy/overlays/dev"), &mut all);
+    let objects = &all.objects;
+    let config = deploy_config();
+    assert_eq!(all.namespaces, BTreeSet::from(["bulwark".to_string()]));
+    let namespace = object(objects, "Namespace", "bulwark");
+    assert_eq!(
+        namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"], "privileged",
+        "host networking needs the privileged Pod Security level"
+    );
+    for o in objects {
+        if let Some(ns) = o["metadata"]["namespace"].as_str() {
+            assert_eq!(ns, "bulwark", "{} {}", o["kind"], o["metadata"]["name"]);
+        }
+    }
+
+    // Topology: beside each apiserver, independent of kube-proxy and cluster DNS.
+    let ds = object(objects, "DaemonSet", "bulwark");
+    let pod = &ds["spec"]["template"]["spec"];
+    let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
+    assert!(selects(&ds["spec"]["selector"], pod_labels));
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["dnsPolicy"], "Default", "never cluster DNS");
+    assert!(
+        pod["nodeSelector"]
+            .as_object()
+            .unwrap()
+            .contains_key("node-role.kubernetes.io/control-plane")
+    );
+    assert!(
+        pod["tolerations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["key"] == "node-role.kubernetes.io/control-plane")
+    );
+    let anti =
+        &pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0];
+    assert_eq!(anti["topologyKey"], "kubernetes.io/hostname");
+    assert!(selects(&anti["labelSelector"], pod_labels));
+
+    // Graceful termination outlasts the drain.
+    let drain = config.listen.shutdown.pause + config.listen.shutdown.grace;
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        Duration::from_secs(grace) > drain,
+        "terminationGracePeriodSeconds {grace} must exceed pause + grace {drain:?}"
+    );
+
+    // Ports: the container declares the configured listen and admin ports.
+    let container = &pod["containers"][0];
+    let ports: BTreeMap<String, &Value> = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap().to_string(), p))
+        .collect();
+    assert_eq!(
+        ports["https"]["containerPort"],
+        port_of(&config.listen.address)
+    );
+    assert_eq!(
+        ports["admin"]["containerPort"],
+        port_of(&config.admin.address)
+    );
+    for port in ports.values() {
+        assert_eq!(
+            port["hostPort"], port["containerPort"],
+            "host networking: hostPort = containerPort"
+        );
+    }
+    assert!(
+        !config.admin.address.ip().is_loopback(),
+        "the kubelet probes and Prometheus scrape the node address"
+    );
+    assert!(container["resources"]["requests"]["cpu"].is_string());
+    assert!(container["resources"]["requests"]["memory"].is_string());
+    let security = &container["securityContext"];
+    assert_eq!(security["allowPrivilegeEscalation"], false);
+    assert_eq!(security["readOnlyRootFilesystem"], true);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+
+    // Probes on the admin port, on paths the admin listener serves (checked live in
+    // `probe_paths_answer_on_the_admin_listener`).
+    for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        let get = &container[probe]["httpGet"];
+        assert_eq!(get["port"], "admin", "{probe}");
+        assert!(
+            PROBE_PATHS.contains(&get["path"].as_str().unwrap()),
+            "{probe}"
+        );
+    }
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+
+    // The config file the container is started with is the one the ConfigMap mounts.
+    let args = strings(&container["args"]);
+    let config_path = args
+        .iter()
+        .position(|a| a == "--config")
+        .map(|i| PathBuf::from(&args[i + 1]))
+        .expect("--config argument");
+    let mounts = Mounts::new(pod, container, &all);
+    mounts.assert_file(&config_path);
+    assert_eq!(config_path.file_name().unwrap(), "bulwark.yaml");
+
+    // Every file of the configuration is where a volume puts it.
+    mounts.assert_file(&config.listen.cert);
+    mounts.assert_file(&config.listen.key);
+    mounts.assert_file(config.listen.client_ca.as_ref().unwrap());
+    mounts.assert_file(&config.upstream.ca);
+    let front_proxy = config.upstream.front_proxy.as_ref().unwrap();
+    mounts.assert_file(&front_proxy.cert);
+    mounts.assert_file(&front_proxy.key);
+    mounts.assert_file(config.upstream.own.token_file.as_ref().unwrap());
+    let rules = config.rules.folder.as_ref().unwrap();
+    let rules_volume = mounts
+        .volume_at(rules)
+        .expect("the rules folder is mounted");
+    assert_eq!(
+        rules_volume["configMap"]["name"], "bulwark-rules",
+        "the rules folder is the rules ConfigMap"
+    );
+    let audit_dir = config.audit.path.as_ref().unwrap().parent().unwrap();
+    let audit_volume = mounts
+        .volume_at(audit_dir)
+        .expect("the audit log is mounted");
+    assert!(
+        audit_volume.get("emptyDir").is_some() || audit_volume.get("hostPath").is_some(),
+        "the audit log needs a writable volume"
+    );
+
+    // The ServiceAccount, its RBAC and its FlowSchema.
+    let sa_name = pod["serviceAccountName"].as_str().unwrap();
+    let sa = object(objects, "ServiceAccount", sa_name);
+    assert_ne!(sa["automountServiceAccountToken"], false);
+    let binding = only(objects, "ClusterRoleBinding");
+    assert_eq!(binding["subjects"][0]["kind"], "ServiceAccount");
+    assert_eq!(binding["subjects"][0]["name"], sa_name);
+    assert_eq!(binding["subjects"][0]["namespace"], "bulwark");
+    let role = object(
+        objects,
+        "ClusterRole",
+        binding["roleRef"]["name"].as_str().unwrap(),
+    );
+    let grants = |group: &str, resource: &str, verb: &str| {
+        role["rules"].as_array().unwrap().iter().any(|r| {
+            strings(&r["apiGroups"]).iter().any(|g| g == group)
+                && strings(&r["resources"]).iter().any(|x| x == resource)
+                && strings(&r["verbs"]).iter().any(|v| v == verb)
+        })
+    };
+    assert!(grants("authentication.k8s.io", "tokenreviews", "create"));
+    assert!(grants(
+        "authorization.k8s.io",
+        "subjectaccessreviews",
+        "create"
+    ));
+    for cached in &config.cache.resources {
+        let (resource, group) = cached.split_once('.').unwrap_or((cached, ""));
+        for verb in ["list", "watch"] {
+            assert!(
+                grants(group, resource, verb),
+                "RBAC: {verb} {cached} for the cache"
+            );
+        }
+    }
+    let schema = only(objects, "FlowSchema");
+    let level = schema["spec"]["priorityLevelConfiguration"]["name"]
+        .as_str()
+        .unwrap();
+    object(objects, "PriorityLevelConfiguration", level);
+    let subject = &schema["spec"]["rules"][0]["subjects"][0];
+    assert_eq!(subject["serviceAccount"]["name"], sa_name);
+    assert_eq!(subject["serviceAccount"]["namespace"], "bulwark");
+
+    // Disruption budget, metrics Service and ServiceMonitor select the pods.
+    let pdb = only(objects, "PodDisruptionBudget");
+    assert!(selects(&pdb["spec"]["selector"], pod_labels));
+    let service = object(objects, "Service", "bulwark-metrics");
+    assert!(selects(&service["spec"]["selector"], pod_labels));
+    let service_port = &service["spec"]["ports"][0];
+    assert_eq!(service_port["targetPort"], "admin");
+    assert_eq!(
+        service_port["port"],
+        port_of(&config.admin.address),
+        "Service port"
+    );
+    let monitor = only(objects, "ServiceMonitor");
+    assert!(selects(
+        &monitor["spec"]["selector"],
+        &service["metadata"]["labels"]
+    ));
+    assert_eq!(
+        monitor["spec"]["endpoints"][0]["port"],
+        service_port["name"]
+    );
+    assert_eq!(monitor["spec"]["endpoints"][0]["path"], "/metrics");
+
+    // The PrometheusRule carries exactly the rules file's groups.
+    let rule = only(objects, "PrometheusRule");
+    let file = yaml(&repo("deploy/prometheus/bulwark.rules.yml"));
+    assert_eq!(
+        rule["spec"]["groups"], file["groups"],
+        "prometheusrule.yaml and bulwark.rules.yml differ"
+    );
+    assert!(
+        all.generated
+            .contains_key(&("ConfigMap".to_string(), "bulwark-dashboard".to_string())),
+        "the dashboard ConfigMap"
+    );
+}
+
+/// The paths the admin listener answers for probes.
+const PROBE_PATHS: [&str; 3] = ["/healthz", "/livez", "/readyz"];
+
+/// The container's volume mounts and what each volume holds.
+struct Mounts<'a> {
+    mounts: Vec<(PathBuf, &'a Value)>,
+    generated: &'a BTreeMap<(String, String), BTreeSet<String>>,
+    service_account: bool,
+}
+
+impl<'a> Mounts<'a> {
+    fn new(pod: &'a Value, container: &'a Value, all: &'a Kustomized) -> Mounts<'a> {
+        let volumes: BTreeMap<&str, &Value> = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| (v["name"].as_str().unwrap(), v))
+            .collect();
+        let mounts = container["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let name = m["name"].as_str().unwrap();
+                let volume = volumes
+                    .get(name)
+                    .unwrap_or_else(|| panic!("volumeMount {name} has no volume"));
+                assert!(m.get("subPath").is_none(), "{name}: subPath stops updates");
+                (PathBuf::from(m["mountPath"].as_str().unwrap()), *volume)
+            })
+            .collect();
+        Mounts {
+            mounts,
+            generated: &all.generated,
+            service_account: pod["automountServiceAccountToken"] != false,
+        }
+    }
+
+    fn volume_at(&self, dir: &Path) -> Option<&'a Value> {
+        self.mounts
+            .iter()
+            .find(|(at, _)| at == dir)
+            .map(|(_, volume)| *volume)
+    }
+
+    /// The file is in a mounted ConfigMap or Secret that has that key, or in the
+    /// ServiceAccount mount.
+    fn assert_file(&self, path: &Path) {
+        let dir = path.parent().unwrap();
+        let key = path.file_name().unwrap().to_string_lossy().into_owned();
+        if dir == Path::new("/var/run/secrets/kubernetes.io/serviceaccount") {
+            assert!(
+                self.service_account,
+                "{}: the ServiceAccount token is not mounted",
+                path.display()
+            );
+            assert!(["token", "ca.crt", "namespace"].contains(&key.as_str()));
+            return;
+        }
+        let volume = self.volume_at(dir).unwrap_or_else(|| {
+            panic!(
+                "{}: no volume is mounted at {}",
+                path.display(),
+                dir.display()
+            )
+        });
+        let (kind, name) = if let Some(name) = volume["configMap"]["name"].as_str() {
+            ("ConfigMap", name)
+        } else if let Some(name) = volume["secret"]["secretName"].as_str() {
+            ("Secret", name)
+        } else {
+            panic!(
+                "{}: volume {} holds no files",
+                path.display(),
+                volume["name"]
+            );
+        };
+        let keys = self
+            .generated
+            .get(&(kind.to_string(), name.to_string()))
+            .unwrap_or_else(|| panic!("{}: {kind} {name} is never made", path.display()));
+        assert!(
+            keys.contains(&key),
+            "{}: {kind} {name} has no key {key} (it has {keys:?})",
+            path.display()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Metrics: the contract, a live scrape, the alerts and the dashboard
+
+/// DESIGN.md's metrics table: `bulwark_NAME` → its labels.
+fn contract() -> BTreeMap<String, BTreeSet<String>> {
+    let design = read(&repo("../shared/DESIGN.md"));
+    let section = design
+        .split("**Metrics**")
+        .nth(1)
+        .expect("DESIGN.md has a Metrics contract");
+    let mut out = BTreeMap::new();
+    for line in section.lines().skip_while(|l| !l.starts_with('|')) {
+        if !line.starts_with('|') {
+            break;
+        }
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let (names, labels) = (cells[1], cells[2]);
+        if !names.starts_with('`') {
+            continue;
+        }
+        // Label values in parentheses are documentation, not label names.
+        let mut plain = String::new();
+        let mut depth = 0;
+        for c in labels.chars() {
+            match c {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                _ if depth == 0 => plain.push(c),
+                _ => {}
+            }
+        }
+        let labels: BTreeSet<String> = plain
+            .split(',')
+            .map(|l| l.trim().to_string())
+            .filter(|l| !l.is_empty())
+            .collect();
+        for name in names.split('`').skip(1).step_by(2) {
+            let name = name.split_whitespace().next().unwrap();
+            out.insert(format!("bulwark_{name}"), labels.clone());
+        }
+    }
+    assert!(out.len() >= 20, "the contract table was not found: {out:?}");
+    out
+}
+
+/// Metric families in a Prometheus text exposition.
+fn families(exposition: &str) -> BTreeSet<String> {
+    exposition
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Plain HTTP/1.1 GET on the admin listener: (status, body).
+async fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
+    try_admin_get(admin, path)
+        .await
+        .unwrap_or_else(|| panic!("GET {path} on the admin listener {admin} failed"))
+}
+
+/// [`admin_get`], or `None` when the listener is not there (yet) or the answer is not HTTP.
+async fn try_admin_get(admin: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(admin).await.ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut response))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8(response).ok()?;
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_string()))
+}
+
+/// A Bulwark in front of the simulator, after some traffic of each kind: served, refused,
+/// token-authenticated. Its live `/metrics` text.
+async fn live_scrape(cluster: &Cluster) -> String {
+    let mut alice = cluster.client("alice", &[]).await;
+    assert_eq!(
+        alice.get("/api/v1/namespaces/default/secrets").await.status,
+        200
+    );
+    assert_eq!(alice.get("/api/v1/pods").await.status, 403);
+    let mut anonymous = cluster.anonymous_client().await;
+    assert_eq!(anonymous.get("/api/v1/pods").await.status, 401);
+    let with_token = Request::get("https://127.0.0.1/api/v1/namespaces")
+        .header("authorization", format!("Bearer {GOOD_TOKEN}"))
+        .body(Full::default())
+        .unwrap();
+    assert_eq!(anonymous.send(with_token).await.status, 200);
+    let (status, body) = admin_get(cluster.bulwark.admin_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    body
+}
+
+/// Metric names and the label names an expression uses, with the labels of `by`, `on`,
+/// `ignoring` and `without` clauses.
+struct Expression {
+    metrics: Vec<String>,
+    selector_labels: Vec<(String, String)>,
+    grouping_labels: Vec<String>,
+}
+
+fn parse_expression(expr: &str) -> Expression {
+    let bytes = expr.as_bytes();
+    let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
+    let mut out = Expression {
+        metrics: Vec::new(),
+        selector_labels: Vec::new(),
+        grouping_labels: Vec::new(),
+    };
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'"' {
+            // Skip string literals: label values are not names.
+            i += 1;
+            while i < bytes.len() && bytes[i] != b'"' {
+                i += if bytes[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            continue;
+        }
+        if !is_ident(bytes[i]) || (i > 0 && is_ident(bytes[i - 1])) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < bytes.len() && is_ident(bytes[i]) {
+            i += 1;
+        }
+        let word = &expr[start..i];
+        let rest = expr[i..].trim_start();
+        if word.starts_with("bulwark_") {
+            out.metrics.push(word.to_string());
+            if let Some(body) = rest.strip_prefix('{') {
+                let end = body.find('}').expect("closed selector");
+                for matcher in split_outside_quotes(&body[..end]) {
+                    let name: String = matcher
+                        .trim()
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    if !name.is_empty() {
+                        out.selector_labels.push((word.to_string(), name));
+                    }
+                }
+            }
+        } else if ["by", "on", "ignoring", "without"].contains(&word) && rest.starts_with('(') {
+            let end = rest.find(')').expect("closed grouping");
+            out.grouping_labels.extend(
+                rest[1..end]
+                    .split(',')
+                    .map(|l| l.trim().to_string())
+                    .filter(|l| !l.is_empty()),
+            );
+        }
+    }
+    out
+}
+
+fn split_outside_quotes(s: &str) -> Vec<String> {
+    let mut parts = vec![String::new()];
+    let mut quoted = false;
+    for c in s.chars() {
+        match c {
+            '"' => {
+                quoted = !quoted;
+                parts.last_mut().unwrap().push(c);
+            }
+            ',' if !quoted => parts.push(String::new()),
+            _ => parts.last_mut().unwrap().push(c),
+        }
+    }
+    parts
+}
+
+/// The family a series name belongs to (histogram series end in _bucket, _sum, _count).
+fn family_of<'a>(name: &'a str, known: &BTreeMap<String, BTreeSet<String>>) -> &'a str {
+    if known.contains_key(name) {
+        return name;
+    }
+    for suffix in ["_bucket", "_sum", "_count"] {
+        if let Some(base) = name.strip_suffix(suffix)
+            && known.contains_key(base)
+        {
+            return base;
+        }
+    }
+    name
+}
+
+/// Every metric of the expression is exported (live or by contract) and every label it
+/// names belongs to one of its metrics (or is a target label Prometheus adds).
+fn check_expression(
+    what: &str,
+    expr: &str,
+    exported: &BTreeMap<String, BTreeSet<String>>,
+) -> Vec<String> {
+    const TARGET_LABELS: [&str; 2] = ["job", "instance"];
+    let parsed = parse_expression(expr);
+    let mut problems = Vec::new();
+    if parsed.metrics.is_empty() {
+        problems.push(format!("{what}: no Bulwark metric in {expr:?}"));
+    }
+    let mut labels: BTreeSet<String> = TARGET_LABELS.iter().map(|s| s.to_string()).collect();
+    for metric in &parsed.metrics {
+        let family = family_of(metric, exported);
+        match exported.get(family) {
+            Some(l) => labels.extend(l.iter().cloned()),
+            None => problems.push(format!("{what}: {metric} is not a metric Bulwark exports")),
+        }
+        if metric.ends_with("_bucket") {
+            labels.insert("le".into());
+        }
+    }
+    for (metric, label) in &parsed.selector_labels {
+        let family = family_of(metric, exported);
+        let own = exported.get(family).cloned().unwrap_or_default();
+        let bucket_bound = label == "le" && metric.ends_with("_bucket");
+        if !own.contains(label) && !TARGET_LABELS.contains(&label.as_str()) && !bucket_bound {
+            problems.push(format!("{what}: {metric} has no label {label}"));
+        }
+    }
+    for label in &parsed.grouping_labels {
+        if !labels.contains(label) {
+            problems.push(format!(
+                "{what}: no metric of the expression has label {label}"
+            ));
+        }
+    }
+    problems
+}
+
+/// Every alert expression of the rules file.
+fn alert_expressions() -> Vec<(String, String)> {
+    let file = yaml(&repo("deploy/prometheus/bulwark.rules.yml"));
+    file["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap().iter())
+        .map(|r| {
+            (
+                r["alert"].as_str().unwrap().to_string(),
+                r["expr"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+fn dashboard() -> Value {
+    serde_json::from_str(&read(&repo("deploy/grafana/bulwark.json"))).expect("dashboard JSON")
+}
+
+/// Every (panel title, expression) of the dashboard, rows included.
+fn dashboard_expressions(dashboard: &Value) -> Vec<(String, String)> {
+    fn walk(panels: &Value, out: &mut Vec<(String, String)>) {
+        for panel in panels.as_array().into_iter().flatten() {
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                out.push((
+                    panel["title"].as_str().unwrap_or("?").to_string(),
+                    target["expr"].as_str().unwrap_or_default().to_string(),
+                ));
+            }
+            walk(&panel["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_and_alerts_use_only_metrics_bulwark_exports() {
+    let cluster = Cluster::start(Setup::default()).await;
+    let scrape = live_scrape(&cluster).await;
+    let live = families(&scrape);
+    let contract = contract();
+    // What Bulwark exports: the live scrape, plus contract metrics that only appear once
+    // their stage has something to count. Live metrics must be in the contract too, so a
+    // renamed metric in the code fails here before it breaks a dashboard.
+    for name in &live {
+        if name.starts_with("bulwark_") {
+            assert!(
+                contract.contains_key(name),
+                "{name} is exported but not in DESIGN.md's contract"
+            );
+        }
+    }
+    for name in [
+        "bulwark_requests_total",
+        "bulwark_request_duration_seconds",
+        "bulwark_rejected_requests_total",
+        "bulwark_upstream_responses_total",
+        "bulwark_upstream_healthy",
+    ] {
+        assert!(live.contains(name), "{name} missing from a live scrape");
+    }
+    let exported = contract;
+
+    let dashboard = dashboard();
+    let expressions = dashboard_expressions(&dashboard);
+    assert!(expressions.len() >= 10, "{expressions:?}");
+    let mut problems = Vec::new();
+    for (title, expr) in &expressions {
+        problems.extend(check_expression(
+            &format!("panel {title:?}"),
+            expr,
+            &exported,
+        ));
+    }
+    for (alert, expr) in alert_expressions() {
+        problems.extend(check_expression(
+            &format!("alert {alert}"),
+            &expr,
+            &exported,
+        ));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+
+    // What the issue asks the dashboard to show.
+    let all: String = expressions
+        .iter()
+        .map(|(_, e)| e.as_str())
+        .collect::<Vec<_>>()
+        .join("\n");
+    for needle in [
+        "by (served_by) (rate(bulwark_requests_total",
+        "by (rule, reason) (rate(bulwark_rejected_requests_total",
+        "code_class=\"5xx\"",
+        "bulwark_queue_wait_seconds_bucket",
+        "bulwark_level_executing_seats",
+        "result=\"hit\"",
+        "bulwark_cache_lag_seconds",
+        "by (replica) (rate(bulwark_upstream_responses_total",
+    ] {
+        assert!(all.contains(needle), "the dashboard lacks {needle}");
+    }
+}
+
+#[test]
+fn the_dashboard_datasource_is_a_variable() {
+    let dashboard = dashboard();
+    let variables = dashboard["templating"]["list"].as_array().unwrap();
+    let datasource = variables
+        .iter()
+        .find(|v| v["type"] == "datasource")
+        .expect("a datasource variable");
+    assert_eq!(datasource["query"], "prometheus");
+    let reference = format!("${{{}}}", datasource["name"].as_str().unwrap());
+    fn walk(panels: &Value, reference: &str) {
+        for panel in panels.as_array().into_iter().flatten() {
+            if panel["type"] != "row" {
+                assert_eq!(panel["datasource"]["uid"], reference, "{}", panel["title"]);
+                for target in panel["targets"].as_array().unwrap() {
+                    assert_eq!(target["datasource"]["uid"], reference, "{}", panel["title"]);
+                }
+            }
+            walk(&panel["panels"], reference);
+        }
+    }
+    walk(&dashboard["panels"], &reference);
+}
+
+#[test]
+fn expression_checks_catch_unknown_metrics_and_labels() {
+    let contract = contract();
+    assert!(
+        check_expression(
+            "ok",
+            "sum by (rule) (rate(bulwark_rejected_requests_total{reason=\"a,b\"}[5m]))",
+            &contract
+        )
+        .is_empty()
+    );
+    let problems = check_expression(
+        "bad",
+        "sum by (rul) (rate(bulwark_rejected_request_total{reasn=\"x\"}[5m])) + bulwark_queue_wait_seconds_bucket{le=\"1\"}",
+        &contract,
+    );
+    assert_eq!(problems.len(), 3, "{problems:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_paths_answer_on_the_admin_listener() {
+    let cluster = Cluster::start(Setup::default()).await;
+    let ds = yaml_docs(&repo("deploy/base/daemonset.yaml"));
+    let container = &ds[0]["spec"]["template"]["spec"]["containers"][0];
+    // The upstream probes make the replicas healthy shortly after start.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        let path = container[probe]["httpGet"]["path"].as_str().unwrap();
+        loop {
+            let (status, body) = admin_get(cluster.bulwark.admin_addr, path).await;
+            if status == 200 {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{probe} {path}: {status} {body}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// promtool
+
+/// promtool, or `None` (with a note) when it is not installed and not required.
+fn promtool() -> Option<&'static str> {
+    let found = std::process::Command::new("promtool")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if found {
+        return Some("promtool");
+    }
+    assert!(
+        std::env::var_os("BULWARK_REQUIRE_PROMTOOL").is_none(),
+        "promtool is required (apt-get install -y prometheus)"
+    );
+    eprintln!("promtool not installed: skipped (deploy/prometheus/test.sh requires it)");
+    None
+}
+
+fn run_promtool(promtool: &str, args: &[&str], stdin: &str) -> (bool, String) {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(promtool)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool runs");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn promtool_check_metrics_passes_on_a_live_scrape() {
+    let Some(promtool) = promtool() else { return };
+    let cluster = Cluster::start(Setup::default()).await;
+    let scrape = live_scrape(&cluster).await;
+    let (ok, output) = run_promtool(promtool, &["check", "metrics"], &scrape);
+    assert!(
+        ok,
+        "promtool check metrics:\n{output}\n--- scrape:\n{scrape}"
+    );
+    // And promtool is not a rubber stamp: a counter without _total is refused.
+    let bad = "# HELP bulwark_things Things.\n# TYPE bulwark_things counter\nbulwark_things 1\n";
+    assert!(!run_promtool(promtool, &["check", "metrics"], bad).0);
+}
+
+#[test]
+fn promtool_accepts_every_dashboard_expression() {
+    let Some(promtool) = promtool() else { return };
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, (_, expr)) in dashboard_expressions(&dashboard()).iter().enumerate() {
+        // Grafana's variables, as Grafana substitutes them.
+        let expr = expr
+            .replace("$__rate_interval", "5m")
+            .replace("$job", ".*")
+            .replace("$instance", ".*");
+        rules.push_str(&format!(
+            "      - record: dashboard:panel_{i}\n        expr: {}\n",
+            serde_json::to_string(&expr).unwrap()
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dashboard.rules.yml");
+    std::fs::write(&path, rules).unwrap();
+    let (ok, output) = run_promtool(promtool, &["check", "rules", path.to_str().unwrap()], "");
+    assert!(ok, "{output}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Certificates from `certs init`, used by real clients
+
+static CERTS_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+/// Serves clients with the serving certificate and client CA that `certs init` minted.
+fn use_minted_certificates(config: &mut Config) {
+    let dir = CERTS_DIR.get().expect("certs minted before start");
+    config.listen.cert = dir.join("bulwark.crt");
+    config.listen.key = dir.join("bulwark.key");
+    config.listen.client_ca = Some(dir.join("client-ca.crt"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minted_kubeconfigs_work_through_bulwark() {
+    use k8s_openapi::api::core::v1::Secret;
+    use kube::api::{Api, ListParams};
+    use kube::config::{KubeConfigOptions, Kubeconfig};
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut options = bulwark::certs::InitOptions::new(dir.path(), &["127.0.0.1", "localhost"]);
+    bulwark::certs::init(&options).expect("certs init");
+    CERTS_DIR.set(dir.path().to_path_buf()).unwrap();
+    let cluster = Cluster::start(Setup {
+        seed: vec!["secrets=3x1KiB@team"],
+        tweak: use_minted_certificates,
+        ..Setup::default()
+    })
+    .await;
+
+    // Now that Bulwark's port is known: kubeconfigs pointing at it (the CAs are reused).
+    options.server = Some(format!("https://{}", cluster.bulwark.addr));
+    options.identities = vec![
+        "alice:dev".parse().unwrap(),
+        "mallory:system:masters".parse().unwrap(),
+    ];
+    bulwark::certs::init(&options).expect("certs init again");
+    let client = |user: &str| {
+        let path = dir.path().join(format!("kubeconfig-{user}"));
+        async move {
+            let kubeconfig = Kubeconfig::read_from(&path).expect("kubeconfig parses");
+            let config =
+                kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                    .await
+                    .expect("kube config");
+            kube::Client::try_from(config).expect("kube client")
+        }
+    };
+    let secrets: Api<Secret> = Api::namespaced(client("alice").await, "team");
+    let listed = secrets
+        .list(&ListParams::default())
+        .await
+        .expect("alice lists secrets");
+    assert_eq!(listed.items.len(), 3);
+
+    // Whoever holds the CA Bulwark trusts for clients can mint any identity, and Bulwark
+    // forwards it with its front-proxy certificate: a certificate claiming system:masters
+    // gets the apiserver's full power. This is why listen.clientCA must be the cluster's
+    // own client CA (or one the apiserver already trusts) — then no new power is minted
+    // (certs/README.md).
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client("mallory").await);
+    nodes
+        .list(&ListParams::default())
+        .await
+        .expect("a system:masters certificate from the trusted CA is all-powerful");
+}
+
+// ---------------------------------------------------------------------------------------
+// Logs
+
+/// Secret data written and read through Bulwark, in plain text.
+const SECRET_VALUE: &str = "correct-horse-battery-staple-4711";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
+    use base64::Engine as _;
+    let cluster = Cluster::start(Setup::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pki = &cluster.pki;
+    let write = |name: &str, pem: &str| std::fs::write(d.join(name), pem).unwrap();
+    write("upstream-ca.crt", &pki.server_ca.cert_pem());
+    write("client-ca.crt", &pki.client_ca.cert_pem());
+    let serving = pki.server_ca.server_cert(&["127.0.0.1"]);
+    let front_proxy = pki.front_proxy_ca.client_cert(harness::FRONT_PROXY_CN, &[]);
+    let own = pki.client_ca.client_cert("bulwark", &["bulwark:proxies"]);
+    serving.write(d, "serving").unwrap();
+    front_proxy.write(d, "front-proxy").unwrap();
+    own.write(d, "self").unwrap();
+    let port = harness::free_port();
+    let admin = harness::free_port();
+    let replicas: Vec<String> = cluster
+        .fleet
+        .addrs()
+        .iter()
+        .map(|a| format!("    - \"{a}\""))
+        .collect();
+    let p = d.display();
+    let yaml = format!(
+        "listen:\n  address: 127.0.0.1:{port}\n  cert: {p}/serving.crt\n  key: {p}/serving.key\n  clientCA: {p}/client-ca.crt\n  shutdown: {{pause: 0s, grace: 1s}}\nadmin:\n  address: 127.0.0.1:{admin}\nupstream:\n  replicas:\n{}\n  ca: {p}/upstream-ca.crt\n  frontProxy: {{cert: {p}/front-proxy.crt, key: {p}/front-proxy.key}}\n  self: {{cert: {p}/self.crt, key: {p}/self.key}}\n  probeInterval: 200ms\nidentity:\n  mode: front-proxy\naudit:\n  path: {p}/audit.jsonl\n",
+        replicas.join("\n")
+    );
+    let config = d.join("bulwark.yaml");
+    std::fs::write(&config, yaml).unwrap();
+
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
+        .args(["--log-format", "json", "serve", "--config"])
+        .arg(&config)
+        // Everything logged, at every level, by Bulwark and the libraries it uses.
+        .env("RUST_LOG", "trace")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("bulwark starts");
+    let mut stderr = child.stderr.take().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let logs = tokio::spawn(async move {
+        let mut out = Vec::new();
+        let _ = stderr.read_to_end(&mut out).await;
+        let _ = stdout.read_to_end(&mut out).await;
+        out
+    });
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let admin_addr: SocketAddr = format!("127.0.0.1:{admin}").parse().unwrap();
+    while try_admin_get(admin_addr, "/readyz").await.map(|r| r.0) != Some(200) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "bulwark never ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Secret data goes in and out through Bulwark; tokens good and bad; refusals.
+    let secret_b64 = base64::engine::general_purpose::STANDARD.encode(SECRET_VALUE);
+    let alice_cert = pki.client_ca.client_cert("alice", &[]);
+    let mut alice = harness::Client::connect(addr, pki, Some(&alice_cert)).await;
+    let body = serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "db-password", "namespace": "default"},
+        "data": {"password": secret_b64},
+    });
+    let create = Request::post("https://127.0.0.1/api/v1/namespaces/default/secrets")
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body.to_string())))
+        .unwrap();
+    assert_eq!(alice.send(create).await.status, 201);
+    let got = alice
+        .get("/api/v1/namespaces/default/secrets/db-password")
+        .await;
+    assert_eq!(got.status, 200);
+    assert!(String::from_utf8_lossy(&got.body).contains(&secret_b64));
+    let listed = alice.get("/api/v1/namespaces/default/secrets").await;
+    assert!(String::from_utf8_lossy(&listed.body).contains(&secret_b64));
+    let mut anonymous = harness::Client::connect(addr, pki, None).await;
+    for (token, expected) in [(GOOD_TOKEN, 200), (BAD_TOKEN, 401)] {
+        let request = Request::get("https://127.0.0.1/api/v1/namespaces/default/secrets")
+            .header("authorization", format!("Bearer {token}"))
+            .body(Full::default())
+            .unwrap();
+        assert_eq!(anonymous.send(request).await.status, expected, "{token}");
+    }
+    assert_eq!(anonymous.get("/api/v1/secrets").await.status, 401);
+    let bad_path = alice.get("/api/v1/namespaces/default/secrets/%2E%2E").await;
+    assert_eq!(bad_path.status, 400);
+
+    drop(alice);
+    drop(anonymous);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let logs = String::from_utf8(logs.await.unwrap()).expect("UTF-8 logs");
+    let audit = std::fs::read_to_string(d.join("audit.jsonl")).unwrap_or_default();
+
+    // Structured: every line is a JSON object; refusals are logged with their reason.
+    let lines: Vec<Value> = logs
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(lines.len() > 5, "{logs}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["reason"] == "unauthenticated"),
+        "no refusal logged with its reason:\n{logs}"
+    );
+
+    // Never a token, a key or Secret data.
+    let key_material = |pem: &str| -> Vec<String> {
+        pem.lines()
+            .filter(|l| !l.starts_with("-----"))
+            .map(|l| l.chars().take(40).collect())
+            .collect()
+    };
+    let mut forbidden: Vec<(String, String)> = vec![
+        ("the good token".into(), GOOD_TOKEN.into()),
+        ("the bad token".into(), BAD_TOKEN.into()),
+        ("a PEM key".into(), "PRIVATE KEY".into()),
+        ("the Secret's value".into(), SECRET_VALUE.into()),
+        ("the Secret's value, base64".into(), secret_b64.clone()),
+    ];
+    for (what, pem) in [
+        ("the serving key", &serving.key_pem),
+        ("the front-proxy key", &front_proxy.key_pem),
+        ("Bulwark's own key", &own.key_pem),
+        ("alice's key", &alice_cert.key_pem),
+    ] {
+        for line in key_material(pem) {
+            forbidden.push((what.to_string(), line));
+        }
+    }
+    for (name, text) in [("log", &logs), ("audit log", &audit)] {
+        for (what, needle) in &forbidden {
+            assert!(
+                !text.contains(needle.as_str()),
+                "the {name} contains {what}"
+            );
+        }
+    }
+}

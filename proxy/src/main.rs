@@ -37,6 +37,11 @@ enum Command {
         /// The configuration file.
         config: PathBuf,
     },
+    /// Mint certificates and kubeconfigs.
+    Certs {
+        #[command(subcommand)]
+        command: bulwark::certs::CertsCommand,
+    },
     /// Check or explain a folder of rule files.
     Rules {
         #[command(subcommand)]
@@ -75,6 +80,10 @@ fn main() -> ExitCode {
     init_logging(cli.log_format);
     match cli.command {
         Command::Serve { config } => {
+            // Keys and Secrets live in this process's memory: never write them to a core file.
+            if let Err(e) = bulwark::certs::disable_core_dumps() {
+                eprintln!("bulwark: cannot disable core dumps: {e}");
+            }
             let Some(config) = load(&config) else {
                 return ExitCode::from(2);
             };
@@ -102,6 +111,16 @@ fn main() -> ExitCode {
         Command::CheckConfig { config } => match load(&config) {
             Some(_) => ExitCode::SUCCESS,
             None => ExitCode::from(2),
+        },
+        Command::Certs { command } => match bulwark::certs::run(&command) {
+            Ok(minted) => {
+                print!("{minted}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("bulwark: {e}");
+                ExitCode::FAILURE
+            }
         },
         Command::Rules {
             command: RulesCommand::Check { dir },

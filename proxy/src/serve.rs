@@ -31,6 +31,7 @@ use crate::identity::User;
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, UpstreamReviewer};
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
+use crate::logs::{Rejection, RejectionLog};
 use crate::metrics::{Metrics, ServedBy};
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::status::{Reason, Refusal};
@@ -91,12 +92,17 @@ struct Labels {
 
 type LabelSlot = Arc<OnceLock<Labels>>;
 
+/// The user name of a request once identity knows it, for the rejection log.
+#[derive(Clone, Default)]
+struct WhoSlot(Arc<OnceLock<String>>);
+
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
 /// Maps every [`ProxyError`] to its response and counts every response.
 #[derive(Clone)]
 pub struct RescueLayer {
     metrics: Metrics,
+    log: Arc<RejectionLog>,
 }
 
 /// See [`RescueLayer`].
@@ -104,6 +110,7 @@ pub struct RescueLayer {
 pub struct Rescue<S> {
     inner: S,
     metrics: Metrics,
+    log: Arc<RejectionLog>,
 }
 
 impl<S> Layer<S> for RescueLayer {
@@ -112,6 +119,7 @@ impl<S> Layer<S> for RescueLayer {
         Rescue {
             inner,
             metrics: self.metrics.clone(),
+            log: self.log.clone(),
         }
     }
 }
@@ -133,6 +141,9 @@ where
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let slot = LabelSlot::default();
         request.extensions_mut().insert(slot.clone());
+        let who = WhoSlot::default();
+        request.extensions_mut().insert(who.clone());
+        let log = self.log.clone();
         let method = request.method().as_str().to_ascii_lowercase();
         let started = Instant::now();
         let metrics = self.metrics.clone();
@@ -149,7 +160,13 @@ where
                 }
                 Err(error) => {
                     let refusal = error.refusal();
-                    tracing::info!(reason = %refusal.reason, error = %error, "refused");
+                    tracing::debug!(reason = %refusal.reason, error = %error, "refused");
+                    log.rejected(Rejection {
+                        identity: who.0.get().map_or("-", String::as_str),
+                        rule: refusal.rule.as_deref().unwrap_or(""),
+                        level: refusal.level.as_deref().unwrap_or(""),
+                        reason: refusal.reason,
+                    });
                     metrics.reject(
                         refusal.rule.as_deref().unwrap_or(""),
                         refusal.level.as_deref().unwrap_or(""),
@@ -320,6 +337,9 @@ where
                 &anonymous,
             )
             .await?;
+            if let Some(who) = request.extensions().get::<WhoSlot>() {
+                let _ = who.0.set(identity.name().to_string());
+            }
             request.extensions_mut().insert(identity);
             inner.call(request).await
         })
@@ -612,7 +632,10 @@ pub fn stack(
 + 'static {
     ServiceBuilder::new()
         // One place that turns errors into statuses and counts every response.
-        .layer(RescueLayer { metrics })
+        .layer(RescueLayer {
+            metrics,
+            log: Arc::new(RejectionLog::default()),
+        })
         // Malformed paths never reach identity or upstream.
         .layer(ClassifyLayer)
         // Certificate, token review or the anonymous allowlist; 401 otherwise.

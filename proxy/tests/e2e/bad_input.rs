@@ -142,7 +142,14 @@ async fn garbage_and_foreign_certificates_are_cut_off_while_others_are_served() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drain_fails_readyz_first_then_stops_taking_connections() {
-    let cluster = one_replica().await;
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        seed: vec!["secrets=3x1KiB@default"],
+        // A pause long enough that a loaded machine still sees it.
+        tweak: |c| c.listen.shutdown.pause = Duration::from_secs(2),
+        ..Setup::default()
+    })
+    .await;
     let admin = cluster.bulwark.admin_addr;
     let readyz = || async move {
         let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
@@ -168,7 +175,7 @@ async fn sigterm_drain_fails_readyz_first_then_stops_taking_connections() {
         alice.get("/api/v1/namespaces/default/secrets").await.status,
         200
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
         tokio::net::TcpStream::connect(addr).await.is_err(),
         "still accepting connections after GOAWAY"

@@ -424,6 +424,10 @@ pub struct Cache {
     /// How long a SubjectAccessReview answer for a cache read is reused.
     #[serde(with = "humantime_serde")]
     pub access_review_ttl: Duration,
+    /// How often a watch served from the cache that allows bookmarks gets one (the
+    /// apiserver sends about one a minute).
+    #[serde(with = "humantime_serde")]
+    pub bookmark_interval: Duration,
 }
 
 impl Default for Cache {
@@ -445,6 +449,7 @@ impl Default for Cache {
             watcher_buffer: 1_000,
             reauthorize_interval: Duration::from_secs(300),
             access_review_ttl: Duration::from_secs(10),
+            bookmark_interval: Duration::from_secs(60),
         }
     }
 }
@@ -874,6 +879,7 @@ impl Config {
         p.nonzero("cache.watcherBuffer", cache.watcher_buffer as u64);
         p.positive("cache.reauthorizeInterval", cache.reauthorize_interval);
         p.positive("cache.accessReviewTtl", cache.access_review_ttl);
+        p.positive("cache.bookmarkInterval", cache.bookmark_interval);
     }
 }
 

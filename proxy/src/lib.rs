@@ -6,6 +6,7 @@
 //! that turns a refusal into a response.
 
 pub mod admin;
+pub mod cache;
 pub mod classify;
 pub mod config;
 pub mod identity;

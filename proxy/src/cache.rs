@@ -68,7 +68,7 @@ pub enum CacheError {
     /// An answer in the apiserver's own words: 403 Forbidden, or 504 with cause
     /// `ResourceVersionTooLarge`.
     #[error("{}", .0.message)]
-    Status(Status),
+    Status(Box<Status>),
     /// No SubjectAccessReview could be made: the request gets an error, never data.
     #[error("the access review for a cached read could not be made: {0}")]
     ReviewFailed(String),
@@ -90,18 +90,21 @@ impl CacheError {
     pub fn into_response(self) -> Response<Body> {
         let reason = self.reason();
         let mut response = match self {
-            CacheError::Status(status) => status.into_response(&audit::new_audit_id()),
-            CacheError::ReviewFailed(why) => {
-                crate::status::Refusal::new(Reason::UpstreamError, format!("the access review could not be made: {why}"))
-                    .retry_after(Duration::from_secs(1))
-                    .into_response()
-            }
+            CacheError::Status(status) => (*status).into_response(&audit::new_audit_id()),
+            CacheError::ReviewFailed(why) => crate::status::Refusal::new(
+                Reason::UpstreamError,
+                format!("the access review could not be made: {why}"),
+            )
+            .retry_after(Duration::from_secs(1))
+            .into_response(),
         };
         response.headers_mut().insert(
             "x-bulwark-reason",
             HeaderValue::from_static(reason.as_str()),
         );
-        response.extensions_mut().insert(crate::metrics::ServedBy::Cache);
+        response
+            .extensions_mut()
+            .insert(crate::metrics::ServedBy::Cache);
         response
     }
 }
@@ -180,7 +183,12 @@ pub struct Cache {
 
 impl Drop for Cache {
     fn drop(&mut self) {
-        for task in self.tasks.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for task in self
+            .tasks
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
             task.abort();
         }
     }
@@ -267,7 +275,11 @@ impl Cache {
         Arc::new(Cache {
             cfg: cfg.clone(),
             slots,
-            access: Arc::new(AccessCache::new(reviewer, cfg.access_review_ttl, metrics.clone())),
+            access: Arc::new(AccessCache::new(
+                reviewer,
+                cfg.access_review_ttl,
+                metrics.clone(),
+            )),
             audit,
             lists: Mutex::new(Lists {
                 entries: lru::LruCache::unbounded(),
@@ -459,7 +471,8 @@ impl Cache {
         }
         let hit = cfg.exclude_names.iter().any(|entry| {
             let (ens, ename) = entry.split_once('/').unwrap_or(("", entry.as_str()));
-            namespace.is_none_or(|ns| ens.is_empty() || ns == ens) && name.is_none_or(|n| n == ename)
+            namespace.is_none_or(|ns| ens.is_empty() || ns == ens)
+                && name.is_none_or(|n| n == ename)
         });
         hit.then_some("an excluded name")
     }
@@ -495,7 +508,12 @@ impl Cache {
     }
 
     /// Asks the apiserver, through the decision cache, whether the user may do this.
-    async fn authorize(&self, request: &Request<'_>, verb: &str, name: &str) -> Result<Attributes, CacheError> {
+    async fn authorize(
+        &self,
+        request: &Request<'_>,
+        verb: &str,
+        name: &str,
+    ) -> Result<Attributes, CacheError> {
         let kind = &request.store.kind;
         let attrs = Attributes {
             verb: verb.to_owned(),
@@ -507,7 +525,11 @@ impl Cache {
         };
         match self.access.check(request.user, &attrs).await {
             Ok(Decision::Allowed) => Ok(attrs),
-            Ok(Decision::Denied(reason)) => Err(CacheError::Status(forbidden(request.user, &attrs, &reason))),
+            Ok(Decision::Denied(reason)) => Err(CacheError::Status(Box::new(forbidden(
+                request.user,
+                &attrs,
+                &reason,
+            )))),
             Err(e) => Err(CacheError::ReviewFailed(e)),
         }
     }
@@ -542,7 +564,12 @@ impl Cache {
         });
     }
 
-    async fn get(&self, request: Request<'_>, rv: Option<u64>, staleness: Option<Duration>) -> Result<Outcome, CacheError> {
+    async fn get(
+        &self,
+        request: Request<'_>,
+        rv: Option<u64>,
+        staleness: Option<Duration>,
+    ) -> Result<Outcome, CacheError> {
         let q = &request.info.query;
         if q.resource_version_match.is_some() {
             return Ok(Outcome::Bypass("resourceVersionMatch on a get"));
@@ -567,7 +594,10 @@ impl Cache {
             let status = Status::failure(
                 404,
                 "NotFound",
-                format!("{} not found", respond::qualified(&kind.group, &kind.resource, &name)),
+                format!(
+                    "{} not found",
+                    respond::qualified(&kind.group, &kind.resource, &name)
+                ),
                 Some(Details {
                     name: name.clone(),
                     group: kind.group.clone(),
@@ -582,7 +612,12 @@ impl Cache {
         Ok(Outcome::Hit(self.respond(&request, pieces).await))
     }
 
-    async fn list(&self, request: Request<'_>, rv: Option<u64>, staleness: Option<Duration>) -> Result<Outcome, CacheError> {
+    async fn list(
+        &self,
+        request: Request<'_>,
+        rv: Option<u64>,
+        staleness: Option<Duration>,
+    ) -> Result<Outcome, CacheError> {
         let q = &request.info.query;
         let ns = request.info.namespace.as_deref();
         if let Some(token) = &q.continue_token {
@@ -598,16 +633,36 @@ impl Cache {
             let Some(all) = request.store.list_at(ns, at) else {
                 return Ok(Outcome::Miss("a continue older than the ring"));
             };
-            let name = request.info.field_selector_name().unwrap_or_default().to_owned();
+            let name = request
+                .info
+                .field_selector_name()
+                .unwrap_or_default()
+                .to_owned();
             self.authorize(&request, "list", &name).await?;
-            let start = all.partition_point(|o| (o.namespace.as_str(), o.name.as_str()) <= (after.0.as_str(), after.1.as_str()));
-            let items: Vec<Arc<Obj>> = all[start..].iter().filter(|o| request.filter.matches(o)).cloned().collect();
-            let total_after = if request.filter.selects() { None } else { Some(items.len() as u64) };
-            return Ok(Outcome::Hit(self.page(&request, at, items, total_after).await));
+            let start = all.partition_point(|o| {
+                (o.namespace.as_str(), o.name.as_str()) <= (after.0.as_str(), after.1.as_str())
+            });
+            let items: Vec<Arc<Obj>> = all[start..]
+                .iter()
+                .filter(|o| request.filter.matches(o))
+                .cloned()
+                .collect();
+            let total_after = if request.filter.selects() {
+                None
+            } else {
+                Some(items.len() as u64)
+            };
+            return Ok(Outcome::Hit(
+                self.page(&request, at, items, total_after).await,
+            ));
         }
         let need = match (rv, q.resource_version_match.as_deref()) {
             (None, None) => Need::Consistent,
-            (None, Some(_)) => return Ok(Outcome::Bypass("resourceVersionMatch without resourceVersion")),
+            (None, Some(_)) => {
+                return Ok(Outcome::Bypass(
+                    "resourceVersionMatch without resourceVersion",
+                ));
+            }
             (Some(_), Some("Exact")) => return Ok(Outcome::Bypass("an exact list")),
             (Some(0), Some("NotOlderThan") | None) => Need::Any,
             (Some(n), Some("NotOlderThan")) => Need::AtLeast(n),
@@ -618,13 +673,19 @@ impl Cache {
         if !self.fresh(&request, need, staleness).await {
             return Ok(Outcome::Miss("not fresh enough"));
         }
-        let name = request.info.field_selector_name().unwrap_or_default().to_owned();
+        let name = request
+            .info
+            .field_selector_name()
+            .unwrap_or_default()
+            .to_owned();
         self.authorize(&request, "list", &name).await?;
         let (items, list_rv) = request.store.list(ns, |o| request.filter.matches(o));
         if q.limit.is_some() {
             let count = items.len() as u64;
             let total = (!request.filter.selects()).then_some(count);
-            return Ok(Outcome::Hit(self.page(&request, list_rv, items, total).await));
+            return Ok(Outcome::Hit(
+                self.page(&request, list_rv, items, total).await,
+            ));
         }
         self.audit(&request, "list", None, 200);
         let gzip = wants_gzip(request.headers);
@@ -636,7 +697,11 @@ impl Cache {
             rv: list_rv,
             gzip,
         };
-        let cached = self.lists.lock().unwrap_or_else(|p| p.into_inner()).get(&key);
+        let cached = self
+            .lists
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key);
         if let Some(pieces) = cached {
             return Ok(Outcome::Hit(self.send(&request, pieces, gzip)));
         }
@@ -651,9 +716,19 @@ impl Cache {
     }
 
     /// One page of `items` (those after the previous page), `total` of them if known.
-    async fn page(&self, request: &Request<'_>, rv: u64, items: Vec<Arc<Obj>>, total: Option<u64>) -> Response<Body> {
+    async fn page(
+        &self,
+        request: &Request<'_>,
+        rv: u64,
+        items: Vec<Arc<Obj>>,
+        total: Option<u64>,
+    ) -> Response<Body> {
         self.audit(request, "list", None, 200);
-        let limit = request.info.query.limit.map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
+        let limit = request
+            .info
+            .query
+            .limit
+            .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
         let next = (items.len() > limit).then(|| {
             let last = &items[limit - 1];
             Continue {
@@ -673,16 +748,26 @@ impl Cache {
     }
 
     fn send(&self, request: &Request<'_>, pieces: Arc<[Bytes]>, gzipped: bool) -> Response<Body> {
-        let mut response = respond::json_response(StatusCode::OK, respond::chain_body(pieces), &request.audit_id);
+        let mut response = respond::json_response(
+            StatusCode::OK,
+            respond::chain_body(pieces),
+            &request.audit_id,
+        );
         if gzipped {
-            response
-                .headers_mut()
-                .insert(http::header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+            response.headers_mut().insert(
+                http::header::CONTENT_ENCODING,
+                HeaderValue::from_static("gzip"),
+            );
         }
         response
     }
 
-    async fn watch(&self, request: Request<'_>, rv: Option<u64>, staleness: Option<Duration>) -> Result<Outcome, CacheError> {
+    async fn watch(
+        &self,
+        request: Request<'_>,
+        rv: Option<u64>,
+        staleness: Option<Duration>,
+    ) -> Result<Outcome, CacheError> {
         let q = &request.info.query;
         let watch_list = match q.send_initial_events {
             None => false,
@@ -692,7 +777,11 @@ impl Cache {
             {
                 true
             }
-            Some(_) => return Ok(Outcome::Bypass("sendInitialEvents the cache does not answer")),
+            Some(_) => {
+                return Ok(Outcome::Bypass(
+                    "sendInitialEvents the cache does not answer",
+                ));
+            }
         };
         if !watch_list && q.resource_version_match.is_some() {
             return Ok(Outcome::Bypass("resourceVersionMatch on a watch"));
@@ -704,7 +793,11 @@ impl Cache {
             (Some(n), true) => (Need::AtLeast(n), None),
             (Some(n), false) => (Need::AtLeast(n), Some(n)),
         };
-        let name = request.info.field_selector_name().unwrap_or_default().to_owned();
+        let name = request
+            .info
+            .field_selector_name()
+            .unwrap_or_default()
+            .to_owned();
         if !self.fresh(&request, need, staleness).await {
             let Need::AtLeast(n) = need else {
                 return Ok(Outcome::Miss("not fresh enough"));
@@ -716,7 +809,10 @@ impl Cache {
                 Err(_) => return Ok(Outcome::Miss("the apiserver's version is unknown")),
             }
             self.authorize(&request, "watch", &name).await?;
-            return Err(CacheError::Status(too_large(n, request.store.rv())));
+            return Err(CacheError::Status(Box::new(too_large(
+                n,
+                request.store.rv(),
+            ))));
         }
         let attrs = self.authorize(&request, "watch", &name).await?;
         self.audit(&request, "watch", None, 200);
@@ -726,10 +822,18 @@ impl Cache {
                 let status = Status::failure(
                     410,
                     "Expired",
-                    format!("too old resource version: {} ({})", from.unwrap_or_default(), expired.oldest),
+                    format!(
+                        "too old resource version: {} ({})",
+                        from.unwrap_or_default(),
+                        expired.oldest
+                    ),
                     None,
                 );
-                let response = respond::json_response(StatusCode::OK, crate::full(status.error_line()), &request.audit_id);
+                let response = respond::json_response(
+                    StatusCode::OK,
+                    crate::full(status.error_line()),
+                    &request.audit_id,
+                );
                 return Ok(Outcome::Hit(response));
             }
         };
@@ -741,7 +845,9 @@ impl Cache {
         };
         let options = watch::Options {
             filter: request.filter.clone(),
-            bookmarks: q.allow_watch_bookmarks.then_some(self.cfg.bookmark_interval),
+            bookmarks: q
+                .allow_watch_bookmarks
+                .then_some(self.cfg.bookmark_interval),
             initial_events_end: watch_list,
             timeout,
             from,
@@ -752,8 +858,18 @@ impl Cache {
             attrs,
             every: self.cfg.reauthorize_interval,
         };
-        let body = watch::body(request.store.clone(), start, options, Some(reauth), self.metrics.clone());
-        Ok(Outcome::Hit(respond::json_response(StatusCode::OK, body, &request.audit_id)))
+        let body = watch::body(
+            request.store.clone(),
+            start,
+            options,
+            Some(reauth),
+            self.metrics.clone(),
+        );
+        Ok(Outcome::Hit(respond::json_response(
+            StatusCode::OK,
+            body,
+            &request.audit_id,
+        )))
     }
 }
 
@@ -894,7 +1010,10 @@ fn upstream_probe(upstream: Upstream, kind: &Kind) -> Probe {
                 watch: false,
                 timeout: Some(Duration::from_secs(5)),
             };
-            let response = upstream.send(request, route).await.map_err(|e| e.to_string())?;
+            let response = upstream
+                .send(request, route)
+                .await
+                .map_err(|e| e.to_string())?;
             let status = response.status();
             let body = crate::read_to_limit(response.into_body(), 16 * 1024 * 1024)
                 .await

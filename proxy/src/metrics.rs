@@ -140,11 +140,7 @@ impl Metrics {
             "Watch streams open to the replica.",
             &["replica"],
         );
-        let cache_objects = gauge(
-            "cache_objects",
-            "Objects in the cache.",
-            &["resource"],
-        );
+        let cache_objects = gauge("cache_objects", "Objects in the cache.", &["resource"]);
         let cache_bytes = gauge(
             "cache_bytes",
             "Bytes of the cached objects' JSON.",

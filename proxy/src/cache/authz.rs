@@ -51,7 +51,11 @@ pub enum Decision {
 /// Something that answers SubjectAccessReviews: the apiserver, or a test double.
 pub trait AccessReviewer: Send + Sync + 'static {
     /// Reviews one request. `Err` means no answer could be had.
-    fn review(&self, user: &User, attrs: &Attributes) -> BoxFuture<'static, Result<Decision, String>>;
+    fn review(
+        &self,
+        user: &User,
+        attrs: &Attributes,
+    ) -> BoxFuture<'static, Result<Decision, String>>;
 }
 
 /// Reviews with `POST /apis/authorization.k8s.io/v1/subjectaccessreviews` upstream.
@@ -107,7 +111,11 @@ pub fn review_body(user: &User, attrs: &Attributes) -> serde_json::Value {
 }
 
 impl AccessReviewer for UpstreamAccessReviewer {
-    fn review(&self, user: &User, attrs: &Attributes) -> BoxFuture<'static, Result<Decision, String>> {
+    fn review(
+        &self,
+        user: &User,
+        attrs: &Attributes,
+    ) -> BoxFuture<'static, Result<Decision, String>> {
         let upstream = self.upstream.clone();
         let own_token = self.own_token.clone();
         let body = review_body(user, attrs);
@@ -319,7 +327,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn allowed_is_cached_for_the_ttl_and_concurrent_checks_share_a_review() {
         let (reviewer, cache) = cache(Ok(Decision::Allowed));
-        let all = futures::future::join_all((0..10).map(|_| cache.check(&user(), &attrs()))).await;
+        let (u, a) = (user(), attrs());
+        let all = futures::future::join_all((0..10).map(|_| cache.check(&u, &a))).await;
         assert!(all.iter().all(|d| *d == Ok(Decision::Allowed)));
         assert_eq!(reviewer.calls.load(Ordering::SeqCst), 1);
         tokio::time::advance(Duration::from_secs(9)).await;

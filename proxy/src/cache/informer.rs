@@ -126,7 +126,13 @@ pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, I
         .as_str()
         .ok_or_else(|| bad("no kind".into()))?;
     let namespaced = resource["namespaced"].as_bool().unwrap_or(false);
-    Ok(Kind::new(&gr.group, &version, &gr.resource, kind, namespaced))
+    Ok(Kind::new(
+        &gr.group,
+        &version,
+        &gr.resource,
+        kind,
+        namespaced,
+    ))
 }
 
 #[derive(Deserialize)]
@@ -264,7 +270,8 @@ fn handle_line(line: &[u8], store: &ResourceStore) -> Result<(), InformerError> 
         .map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
     let raw = event.object.get().as_bytes();
     if let Some(kind) = EventType::parse(&event.kind) {
-        let obj = Obj::parse(raw).map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
+        let obj =
+            Obj::parse(raw).map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
         store.apply(kind, obj);
         return Ok(());
     }
@@ -322,7 +329,10 @@ pub async fn run(
             Ok((objects, rv)) => {
                 tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
                 if listed {
-                    metrics.cache_relists_total.with_label_values(&[&label]).inc();
+                    metrics
+                        .cache_relists_total
+                        .with_label_values(&[&label])
+                        .inc();
                 }
                 listed = true;
                 store.replace(objects, rv);

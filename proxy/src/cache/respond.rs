@@ -66,7 +66,9 @@ impl http_body::Body for Chain {
         }
         let mut frame = BytesMut::with_capacity(FRAME);
         while let Some(piece) = this.pieces.get(this.next) {
-            if !frame.is_empty() && (piece.len() >= ZERO_COPY_MIN || frame.len() + piece.len() > FRAME) {
+            if !frame.is_empty()
+                && (piece.len() >= ZERO_COPY_MIN || frame.len() + piece.len() > FRAME)
+            {
                 break;
             }
             frame.put_slice(piece);
@@ -132,7 +134,12 @@ pub fn decode_continue(token: &str) -> Option<(u64, (String, String))> {
 
 /// A LIST response: `{"kind":"SecretList","apiVersion":"v1","metadata":{…},"items":[…]}\n`,
 /// the items being the objects' own bytes.
-pub fn list_pieces(kind: &Kind, rv: u64, next: Option<&Continue>, items: &[Arc<Obj>]) -> Arc<[Bytes]> {
+pub fn list_pieces(
+    kind: &Kind,
+    rv: u64,
+    next: Option<&Continue>,
+    items: &[Arc<Obj>],
+) -> Arc<[Bytes]> {
     let mut meta = format!("{{\"resourceVersion\":\"{rv}\"");
     if let Some(next) = next {
         meta.push_str(&format!(
@@ -173,8 +180,10 @@ pub async fn gzip(pieces: Arc<[Bytes]>) -> Result<Bytes, String> {
     tokio::task::spawn_blocking(move || {
         use std::io::Write;
         let total: usize = pieces.iter().map(Bytes::len).sum();
-        let mut encoder =
-            flate2::write::GzEncoder::new(Vec::with_capacity(total / 4), flate2::Compression::fast());
+        let mut encoder = flate2::write::GzEncoder::new(
+            Vec::with_capacity(total / 4),
+            flate2::Compression::fast(),
+        );
         for piece in pieces.iter() {
             encoder.write_all(piece).map_err(|e| e.to_string())?;
         }
@@ -200,7 +209,9 @@ pub fn json_response(status: StatusCode, body: Body, audit_id: &str) -> Response
     if let Ok(id) = HeaderValue::from_str(audit_id) {
         headers.insert("audit-id", id);
     }
-    response.extensions_mut().insert(crate::metrics::ServedBy::Cache);
+    response
+        .extensions_mut()
+        .insert(crate::metrics::ServedBy::Cache);
     response
 }
 
@@ -317,7 +328,11 @@ pub fn qualified(group: &str, resource: &str, name: &str) -> String {
 
 /// Chunks of a watch stream's initial state: ADDED lines copied into frames of about
 /// [`FRAME`] bytes.
-pub fn added_frames(kind: &Kind, objects: &mut VecDeque<Arc<Obj>>, keep: impl Fn(&Obj) -> bool) -> Option<Bytes> {
+pub fn added_frames(
+    kind: &Kind,
+    objects: &mut VecDeque<Arc<Obj>>,
+    keep: impl Fn(&Obj) -> bool,
+) -> Option<Bytes> {
     let mut out = BytesMut::new();
     while let Some(obj) = objects.pop_front() {
         if !keep(&obj) {
@@ -365,17 +380,25 @@ mod tests {
     #[test]
     fn continue_tokens_round_trip_in_the_apiserver_format() {
         let token = encode_continue(42, &("ns".into(), "a".into()));
-        assert_eq!(decode_continue(&token), Some((42, ("ns".into(), "a".into()))));
+        assert_eq!(
+            decode_continue(&token),
+            Some((42, ("ns".into(), "a".into())))
+        );
         assert_eq!(decode_continue("garbage"), None);
     }
 
     #[test]
     fn statuses_keep_the_apiserver_field_order() {
-        let status = Status::failure(403, "Forbidden", "no".into(), Some(Details {
-            name: "a".into(),
-            kind: "secrets".into(),
-            ..Details::default()
-        }));
+        let status = Status::failure(
+            403,
+            "Forbidden",
+            "no".into(),
+            Some(Details {
+                name: "a".into(),
+                kind: "secrets".into(),
+                ..Details::default()
+            }),
+        );
         assert_eq!(
             String::from_utf8(status.to_bytes()).unwrap(),
             "{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"metadata\":{},\"status\":\"Failure\",\"message\":\"no\",\"reason\":\"Forbidden\",\"details\":{\"name\":\"a\",\"kind\":\"secrets\"},\"code\":403}"

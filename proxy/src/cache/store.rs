@@ -126,10 +126,12 @@ impl Obj {
         if meta.name.is_empty() {
             return Err("the object has no metadata.name".into());
         }
-        let rv = meta
-            .resource_version
-            .parse::<u64>()
-            .map_err(|_| format!("resourceVersion {:?} is not a number", meta.resource_version))?;
+        let rv = meta.resource_version.parse::<u64>().map_err(|_| {
+            format!(
+                "resourceVersion {:?} is not a number",
+                meta.resource_version
+            )
+        })?;
         Ok(Obj {
             namespace: meta.namespace,
             name: meta.name,
@@ -569,7 +571,11 @@ impl ResourceStore {
 
     /// Every object in scope (all namespaces when `None`) that `keep` accepts, sorted by
     /// namespace and name, with the cache's version.
-    pub fn list(&self, namespace: Option<&str>, keep: impl Fn(&Obj) -> bool) -> (Vec<Arc<Obj>>, u64) {
+    pub fn list(
+        &self,
+        namespace: Option<&str>,
+        keep: impl Fn(&Obj) -> bool,
+    ) -> (Vec<Arc<Obj>>, u64) {
         let state = self.read();
         let items = scope(&state.objects, namespace)
             .filter(|o| keep(o))
@@ -726,7 +732,10 @@ mod tests {
     #[test]
     fn sizes_follow_the_objects() {
         let s = store();
-        s.replace(vec![secret("a", "x", 5, "web"), secret("b", "y", 5, "web")], 5);
+        s.replace(
+            vec![secret("a", "x", 5, "web"), secret("b", "y", 5, "web")],
+            5,
+        );
         let (count, bytes) = s.size(None);
         assert_eq!(count, 2);
         assert_eq!(s.size(Some("a")).0, 1);

@@ -36,7 +36,9 @@ pub struct Filter {
 impl Filter {
     /// Whether the object is in scope and matches both selectors.
     pub fn matches(&self, obj: &Obj) -> bool {
-        self.namespace.as_deref().is_none_or(|ns| ns == obj.namespace)
+        self.namespace
+            .as_deref()
+            .is_none_or(|ns| ns == obj.namespace)
             && self.labels.matches(&obj.labels)
             && self.fields.matches(&obj.namespace, &obj.name)
     }
@@ -225,14 +227,11 @@ impl Watcher {
                 }
                 decided = async { self.review.as_mut().expect("guarded").await }, if self.review.is_some() => {
                     self.review = None;
-                    match decided {
-                        Ok(Ok(Decision::Denied(_))) => {
-                            tracing::info!(resource = %resource_label(&self.store), "access revoked; closing a cached watch");
-                            self.done = true;
-                            return None;
-                        }
-                        // Allowed, or no answer: a review that fails keeps the watch open.
-                        _ => {}
+                    // Allowed, or no answer: a review that fails keeps the watch open.
+                    if let Ok(Ok(Decision::Denied(_))) = decided {
+                        tracing::info!(resource = %resource_label(&self.store), "access revoked; closing a cached watch");
+                        self.done = true;
+                        return None;
                     }
                     self.next_reauth = self.reauth.as_ref().map(|r| Instant::now() + jittered(r.every));
                 }

@@ -107,25 +107,36 @@ fn policy() -> Policy {
     }
 }
 
+/// A simulated fleet with the stack's policy.
+pub async fn fleet(options: &Options) -> (Fleet, Arc<Pki>) {
+    let pki = Arc::new(Pki::new());
+    let fleet = Fleet::start(SimConfig {
+        replicas: options.replicas,
+        pki: pki.clone(),
+        front_proxy_allowed_names: vec![FRONT_PROXY_CN.into()],
+        policy: policy(),
+        seed: options
+            .seed
+            .iter()
+            .map(|s| s.parse().expect("seed"))
+            .collect(),
+        event_ring: options.event_ring,
+        bookmark_interval: Duration::from_millis(200),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator starts");
+    (fleet, pki)
+}
+
 impl Stack {
     pub async fn start(options: Options) -> Stack {
-        let pki = Arc::new(Pki::new());
-        let fleet = Fleet::start(SimConfig {
-            replicas: options.replicas,
-            pki: pki.clone(),
-            front_proxy_allowed_names: vec![FRONT_PROXY_CN.into()],
-            policy: policy(),
-            seed: options
-                .seed
-                .iter()
-                .map(|s| s.parse().expect("seed"))
-                .collect(),
-            event_ring: options.event_ring,
-            bookmark_interval: Duration::from_millis(200),
-            ..SimConfig::default()
-        })
-        .await
-        .expect("simulator starts");
+        let (fleet, pki) = fleet(&options).await;
+        Stack::with_fleet(fleet, pki, options).await
+    }
+
+    /// The cache and listener in front of a fleet made by [`fleet`].
+    pub async fn with_fleet(fleet: Fleet, pki: Arc<Pki>, options: Options) -> Stack {
         let dir = tempfile::tempdir().expect("temp dir");
         let write = |name: &str, pem: &str| std::fs::write(dir.path().join(name), pem).unwrap();
         write("upstream-ca.crt", &pki.server_ca.cert_pem());

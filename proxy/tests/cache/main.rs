@@ -420,3 +420,48 @@ async fn a_watch_list_informer_completes_its_initial_sync() {
         "the WatchList was served from the cache"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_watchers_share_one_upstream_watch_per_resource() {
+    let stack = Stack::start(Options {
+        replicas: 2,
+        seed: vec!["secrets=5x256B@team"],
+        ..Options::default()
+    })
+    .await;
+    let mut senders = Vec::new();
+    for _ in 0..4 {
+        senders.push(client(&stack, "alice").await);
+    }
+    let mut bodies = Vec::new();
+    for i in 0..200 {
+        let mut sender = senders[i % senders.len()].clone();
+        let request = http::Request::get(
+            "https://127.0.0.1/api/v1/namespaces/team/secrets?watch=1&resourceVersion=0",
+        )
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+        sender.ready().await.unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        bodies.push(response.into_body());
+    }
+    create(&stack, "team", "fan-out", "djE=");
+    for body in &mut bodies {
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains("\"name\":\"fan-out\"") {
+            let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+                .await
+                .expect("the event arrives")
+                .expect("the stream is open")
+                .unwrap();
+            if let Ok(data) = frame.into_data() {
+                seen.extend_from_slice(&data);
+            }
+        }
+    }
+    // The apiservers see the cache's watches (one per cached resource), not 200.
+    let watches: u64 = stack.fleet.stats().iter().map(|s| s.open_watches).sum();
+    assert_eq!(watches, 3, "secrets, endpoints, endpointslices");
+    assert!(stack.upstream_requests_of("alice").is_empty());
+}

@@ -234,12 +234,18 @@ impl Cache {
             let mut tasks = Vec::new();
             for slot in &cache.slots {
                 let (ring, buffer) = (cfg.ring_size, cfg.watcher_buffer);
+                let relists = cache
+                    .metrics
+                    .cache_relists_total
+                    .with_label_values(&[&slot.label]);
                 tasks.push(tokio::spawn(informer::run(
                     upstream.clone(),
                     slot.gr.clone(),
                     slot.store.clone(),
-                    move |kind| Arc::new(ResourceStore::new(kind, ring, buffer)),
-                    cache.metrics.clone(),
+                    move |kind| {
+                        Arc::new(ResourceStore::new(kind, ring, buffer).counting_relists(relists))
+                    },
+                    cfg.watch_list,
                 )));
             }
             tasks.push(tokio::spawn(gauges(Arc::downgrade(&cache))));

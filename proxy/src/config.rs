@@ -428,6 +428,10 @@ pub struct Cache {
     /// apiserver sends about one a minute).
     #[serde(with = "humantime_serde")]
     pub bookmark_interval: Duration,
+    /// Whether the informers start (and relist) with a WatchList (`sendInitialEvents`),
+    /// which spares the apiserver a LIST; an upstream that refuses it gets a paginated
+    /// LIST instead.
+    pub watch_list: bool,
 }
 
 impl Default for Cache {
@@ -450,6 +454,7 @@ impl Default for Cache {
             reauthorize_interval: Duration::from_secs(300),
             access_review_ttl: Duration::from_secs(10),
             bookmark_interval: Duration::from_secs(60),
+            watch_list: true,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! One upstream informer per cached resource, with Bulwark's own identity: discovery of the
-//! resource's kind, a paginated LIST, then a WATCH with bookmarks from the list's version;
+//! resource's kind, a WatchList (or, where the upstream refuses it, a paginated LIST), then
+//! a WATCH with bookmarks from the state's version;
 //! a re-watch from the last version when the stream ends, a relist on 410, backoff on
 //! errors. Events at or below the cache's version are duplicates of a re-watch and dropped,
 //! so none is missed, doubled or reordered.
@@ -14,7 +15,6 @@ use serde_json::value::RawValue;
 
 use super::store::{EventType, Kind, Obj, ResourceStore};
 use crate::config::GroupResource;
-use crate::metrics::Metrics;
 use crate::upstream::{Credential, RetryPolicy, Route, Upstream};
 
 /// Items per LIST page.
@@ -25,6 +25,8 @@ const MAX_PAGE_BYTES: usize = 512 * 1024 * 1024;
 const LIST_TIMEOUT: Duration = Duration::from_secs(120);
 /// Backoff between failed attempts: from the first to the last, doubling.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(30));
+/// A watch that lasted this long was healthy; the backoff starts over after it.
+const HEALTHY_WATCH: Duration = Duration::from_secs(5);
 /// Longest line of a watch stream (one object) read.
 const MAX_LINE: usize = 64 * 1024 * 1024;
 
@@ -207,38 +209,81 @@ struct Bookmark {
 #[serde(rename_all = "camelCase")]
 struct BookmarkMeta {
     resource_version: String,
+    #[serde(default)]
+    annotations: Option<std::collections::HashMap<String, String>>,
 }
 
-/// Follows the upstream watch from the store's version until it ends. `Ok` for a clean
-/// end (watch again), `Expired` for a 410 (relist), another error for backoff.
-pub async fn watch(upstream: &Upstream, store: &ResourceStore) -> Result<(), InformerError> {
+/// How a watch begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// Events after the store's version.
+    Resume,
+    /// A WatchList: the current state as ADDED events up to the `initial-events-end`
+    /// bookmark, which replaces the store (a relist without a LIST), then events.
+    WatchList,
+}
+
+/// Why a WatchList could not even start: the upstream does not offer it.
+#[derive(Debug)]
+pub struct NoWatchList;
+
+/// Follows an upstream watch until it ends. `Ok` for a clean end (watch again), `Expired`
+/// for a 410 (relist), another error for backoff; a WatchList the upstream refuses with
+/// a 4xx is `Err(Ok(NoWatchList))`.
+pub async fn watch(
+    upstream: &Upstream,
+    store: &ResourceStore,
+    start: Start,
+) -> Result<(), Result<NoWatchList, InformerError>> {
     let timeout = 300 + rand::random_range(0..300u32);
-    let path = format!(
-        "{}?watch=1&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={timeout}",
-        collection_path(&store.kind),
-        store.rv()
-    );
-    let response = get(upstream, &path, true).await?;
+    let base = collection_path(&store.kind);
+    let path = match start {
+        Start::Resume => format!(
+            "{base}?watch=1&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={timeout}",
+            store.rv()
+        ),
+        Start::WatchList => format!(
+            "{base}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds={timeout}"
+        ),
+    };
+    let response = get(upstream, &path, true).await.map_err(Err)?;
     let status = response.status();
     if status == http::StatusCode::GONE {
-        return Err(InformerError::Expired);
+        return Err(Err(InformerError::Expired));
     }
     if !status.is_success() {
         let body = crate::read_to_limit(response.into_body(), 64 * 1024)
             .await
             .unwrap_or_default();
-        return Err(InformerError::Upstream(format!(
+        if start == Start::WatchList
+            && status.is_client_error()
+            && status != http::StatusCode::TOO_MANY_REQUESTS
+        {
+            tracing::info!(%status, "the upstream refuses WatchList; listing instead");
+            return Err(Ok(NoWatchList));
+        }
+        return Err(Err(InformerError::Upstream(format!(
             "{path} answered {status}: {}",
             String::from_utf8_lossy(&body)
-        )));
+        ))));
     }
     store.set_connected(true);
-    let result = follow(response.into_body(), store).await;
+    let mut initial = (start == Start::WatchList).then(Vec::new);
+    let result = follow(response.into_body(), store, &mut initial).await;
     store.set_connected(false);
-    result
+    match (result, initial) {
+        (Ok(()), Some(_)) => Err(Err(InformerError::Upstream(
+            "the WatchList ended before its initial-events-end bookmark".into(),
+        ))),
+        (result, _) => result.map_err(Err),
+    }
 }
 
-async fn follow(mut body: crate::Body, store: &ResourceStore) -> Result<(), InformerError> {
+async fn follow(
+    mut body: crate::Body,
+    store: &ResourceStore,
+    initial: &mut Option<Vec<Obj>>,
+) -> Result<(), InformerError> {
     let mut buffer = BytesMut::new();
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame
@@ -252,7 +297,7 @@ async fn follow(mut body: crate::Body, store: &ResourceStore) -> Result<(), Info
             let line = buffer.split_to(end + 1);
             let line = &line[..end];
             if !line.iter().all(u8::is_ascii_whitespace) {
-                handle_line(line, store)?;
+                handle_line(line, store, initial)?;
             }
         }
         if buffer.len() > MAX_LINE {
@@ -260,27 +305,59 @@ async fn follow(mut body: crate::Body, store: &ResourceStore) -> Result<(), Info
         }
     }
     if buffer.has_remaining() && !buffer.iter().all(u8::is_ascii_whitespace) {
-        handle_line(&buffer, store)?;
+        handle_line(&buffer, store, initial)?;
     }
     Ok(())
 }
 
-fn handle_line(line: &[u8], store: &ResourceStore) -> Result<(), InformerError> {
+/// One line of a watch stream. While `initial` holds a WatchList's state, ADDED events
+/// gather there until the `initial-events-end` bookmark replaces the store with them.
+fn handle_line(
+    line: &[u8],
+    store: &ResourceStore,
+    initial: &mut Option<Vec<Obj>>,
+) -> Result<(), InformerError> {
     let event: WatchLine<'_> = serde_json::from_slice(line)
         .map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
     let raw = event.object.get().as_bytes();
     if let Some(kind) = EventType::parse(&event.kind) {
         let obj =
             Obj::parse(raw).map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
-        store.apply(kind, obj);
+        match initial {
+            Some(objects) if kind == EventType::Added => objects.push(obj),
+            Some(_) => {
+                return Err(InformerError::Upstream(format!(
+                    "a {} event before the end of a WatchList's initial events",
+                    event.kind
+                )));
+            }
+            None => {
+                store.apply(kind, obj);
+            }
+        }
         return Ok(());
     }
     match event.kind.as_str() {
         "BOOKMARK" => {
             let bookmark: Bookmark = serde_json::from_slice(raw)
                 .map_err(|e| InformerError::Upstream(format!("a bookmark: {e}")))?;
-            if let Ok(rv) = bookmark.metadata.resource_version.parse::<u64>() {
-                store.advance(rv);
+            let rv = bookmark.metadata.resource_version.parse::<u64>().ok();
+            let end = bookmark.metadata.annotations.as_ref().is_some_and(|a| {
+                a.get("k8s.io/initial-events-end")
+                    .is_some_and(|v| v == "true")
+            });
+            match (initial.is_some(), end, rv) {
+                (true, true, Some(rv)) => {
+                    let objects = initial.take().unwrap_or_default();
+                    store.replace(objects, rv);
+                }
+                (true, true, None) => {
+                    return Err(InformerError::Upstream(
+                        "the initial-events-end bookmark has no numeric resourceVersion".into(),
+                    ));
+                }
+                (false, _, Some(rv)) => store.advance(rv),
+                _ => {}
             }
             Ok(())
         }
@@ -307,7 +384,7 @@ pub async fn run(
     gr: GroupResource,
     slot: Arc<std::sync::OnceLock<Arc<ResourceStore>>>,
     make: impl FnOnce(Kind) -> Arc<ResourceStore> + Send,
-    metrics: Metrics,
+    watch_list: bool,
 ) {
     let label = gr.to_string();
     let mut backoff = BACKOFF.0;
@@ -323,36 +400,69 @@ pub async fn run(
     };
     let store = slot.get_or_init(|| make(kind)).clone();
     backoff = BACKOFF.0;
-    let mut listed = false;
+    let mut use_watch_list = watch_list;
     loop {
-        match list_all(&upstream, &store.kind).await {
-            Ok((objects, rv)) => {
-                tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
-                if listed {
-                    metrics
-                        .cache_relists_total
-                        .with_label_values(&[&label])
-                        .inc();
-                }
-                listed = true;
-                store.replace(objects, rv);
+        // A full state: a WatchList when the upstream offers it, else a paginated LIST.
+        if use_watch_list {
+            let relists = store.generation();
+            let started = tokio::time::Instant::now();
+            let result = watch(&upstream, &store, Start::WatchList).await;
+            if started.elapsed() >= HEALTHY_WATCH {
                 backoff = BACKOFF.0;
             }
-            Err(e) => {
-                tracing::warn!(resource = %label, error = %e, "cache list failed; retrying");
-                tokio::time::sleep(jitter(backoff)).await;
-                backoff = (backoff * 2).min(BACKOFF.1);
-                continue;
+            match result {
+                Err(Ok(NoWatchList)) => use_watch_list = false,
+                result => {
+                    if store.generation() != relists {
+                        tracing::info!(resource = %label, rv = store.rv(), "cache synced by WatchList");
+                    }
+                    match result {
+                        Ok(()) => backoff = BACKOFF.0,
+                        Err(Err(InformerError::Expired)) => continue,
+                        Err(Err(e)) => {
+                            tracing::warn!(resource = %label, error = %e, "cache WatchList failed; retrying");
+                            tokio::time::sleep(jitter(backoff)).await;
+                            backoff = (backoff * 2).min(BACKOFF.1);
+                        }
+                        Err(Ok(NoWatchList)) => use_watch_list = false,
+                    }
+                    if store.generation() == relists {
+                        continue;
+                    }
+                }
+            }
+        }
+        if !use_watch_list {
+            match list_all(&upstream, &store.kind).await {
+                Ok((objects, rv)) => {
+                    tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
+                    store.replace(objects, rv);
+                    backoff = BACKOFF.0;
+                }
+                Err(e) => {
+                    tracing::warn!(resource = %label, error = %e, "cache list failed; retrying");
+                    tokio::time::sleep(jitter(backoff)).await;
+                    backoff = (backoff * 2).min(BACKOFF.1);
+                    continue;
+                }
             }
         }
         loop {
-            match watch(&upstream, &store).await {
+            let started = tokio::time::Instant::now();
+            let result = watch(&upstream, &store, Start::Resume).await;
+            if started.elapsed() >= HEALTHY_WATCH {
+                // A watch that ran a while was healthy: a failure now starts over.
+                backoff = BACKOFF.0;
+            }
+            match result {
                 Ok(()) => backoff = BACKOFF.0,
-                Err(InformerError::Expired) => {
+                Err(Err(InformerError::Expired)) => {
                     tracing::info!(resource = %label, "cache watch expired; relisting");
                     break;
                 }
-                Err(e) => {
+                // Only a WatchList is refused that way; a resumed watch never is.
+                Err(Ok(NoWatchList)) => break,
+                Err(Err(e)) => {
                     tracing::warn!(resource = %label, error = %e, "cache watch failed; retrying");
                     tokio::time::sleep(jitter(backoff)).await;
                     backoff = (backoff * 2).min(BACKOFF.1);

@@ -402,6 +402,7 @@ pub struct ResourceStore {
     generation: watch::Sender<u64>,
     /// Event encodings made, for the fan-out efficiency check.
     pub encodings: AtomicU64,
+    relists: Option<prometheus::IntCounter>,
 }
 
 impl ResourceStore {
@@ -426,7 +427,14 @@ impl ResourceStore {
             rv_tx: watch::channel(0).0,
             generation: watch::channel(0).0,
             encodings: AtomicU64::new(0),
+            relists: None,
         }
+    }
+
+    /// Counts every full state after the first in `counter` (`cache_relists_total`).
+    pub fn counting_relists(mut self, counter: prometheus::IntCounter) -> ResourceStore {
+        self.relists = Some(counter);
+        self
     }
 
     fn read(&self) -> RwLockReadGuard<'_, State> {
@@ -453,6 +461,11 @@ impl ResourceStore {
         state.ring.clear();
         state.rv = rv;
         state.floor = rv;
+        if state.synced
+            && let Some(counter) = &self.relists
+        {
+            counter.inc();
+        }
         state.synced = true;
         self.generation.send_modify(|g| *g += 1);
         self.rv_tx.send_replace(rv);
@@ -518,6 +531,11 @@ impl ResourceStore {
         self.read()
             .disconnected_since
             .map_or(std::time::Duration::ZERO, |since| since.elapsed())
+    }
+
+    /// How many times the store was replaced by a full state.
+    pub fn generation(&self) -> u64 {
+        *self.generation.borrow()
     }
 
     /// Whether the first full list is in.

@@ -1,6 +1,8 @@
 //! Figures for the watch-fed cache (a program, not a timed test; it asserts nothing):
 //! - memory: growth of this process's RSS, from the OS, when the cache syncs 10,000
 //!   secrets of 10 KiB, against their JSON size;
+//! - fan-out: N watchers (2,000 by default) through the listener, events created in the
+//!   simulator at a steady rate: upstream watches the simulator sees, delivery p99, RSS;
 //! - LIST `resourceVersion=0` of 5,000 secrets: requests per second and p99 from the cache
 //!   (through the TLS listener, authorized), from the simulator directly, and from a plain
 //!   hyper server sending the same pre-encoded bytes over TLS (the limit of this machine).
@@ -148,6 +150,120 @@ async fn plain_server(pki: &bulwark_sim::Pki, body: Bytes) -> anyhow::Result<Soc
     Ok(addr)
 }
 
+/// Watchers through the stack, events at a steady rate, delivery latency from the write in
+/// the simulator's store to the line arriving at each watcher.
+async fn fan_out() -> anyhow::Result<()> {
+    let watchers: usize = std::env::var("WATCHERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
+    let events: usize = std::env::var("EVENTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50);
+    let stack = Stack::start(Options {
+        replicas: 2,
+        seed: vec!["endpoints=100x1KiB@default"],
+        ..Options::default()
+    })
+    .await;
+    let rss_before = rss_bytes();
+    let per_connection = 100;
+    let mut senders = Vec::new();
+    for _ in 0..watchers.div_ceil(per_connection) {
+        senders.push(connect(stack.addr, &stack.pki, "alice").await?);
+    }
+    let created: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> = Arc::default();
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Duration>>();
+    for i in 0..watchers {
+        let mut sender = senders[i / per_connection].clone();
+        let request = http::Request::get(
+            "https://127.0.0.1/api/v1/namespaces/default/endpoints?watch=1&resourceVersion=0",
+        )
+        .body(Full::new(Bytes::new()))?;
+        sender.ready().await?;
+        let response = sender.send_request(request).await?;
+        anyhow::ensure!(
+            response.status() == 200,
+            "watch status {}",
+            response.status()
+        );
+        let mut body = response.into_body();
+        let created = created.clone();
+        let done = done_tx.clone();
+        tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut buffer = Vec::new();
+            while latencies.len() < events {
+                let Some(Ok(frame)) = body.frame().await else {
+                    break;
+                };
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                let now = Instant::now();
+                buffer.extend_from_slice(&data);
+                while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = buffer.drain(..=end).collect();
+                    let text = String::from_utf8_lossy(&line);
+                    if let Some(at) = text
+                        .split("\"name\":\"")
+                        .nth(1)
+                        .and_then(|r| r.split('"').next())
+                        && at.starts_with("bench-")
+                        && let Some(t) = created.lock().unwrap().get(at).copied()
+                    {
+                        latencies.push(now - t);
+                    }
+                }
+            }
+            let _ = done.send(latencies);
+        });
+    }
+    drop(done_tx);
+    let upstream_watches: u64 = stack.fleet.stats().iter().map(|s| s.open_watches).sum();
+    let started = Instant::now();
+    for i in 0..events {
+        let name = format!("bench-{i}");
+        created.lock().unwrap().insert(name.clone(), Instant::now());
+        stack.fleet.store().create(
+            "endpoints",
+            "default",
+            serde_json::json!({"metadata": {"name": name}, "subsets": [{"addresses": [{"ip": "10.0.0.1"}], "ports": [{"port": 80}]}]}),
+        )?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut all = Vec::new();
+    while let Some(latencies) = done_rx.recv().await {
+        all.extend(latencies);
+    }
+    let rss_after = rss_bytes();
+    all.sort();
+    let p = |q: usize| {
+        all.get(all.len() * q / 100)
+            .copied()
+            .unwrap_or_default()
+            .as_secs_f64()
+            * 1000.0
+    };
+    println!("## fan-out: {watchers} watchers of endpoints, {events} events at 20/s");
+    println!(
+        "| upstream watches | deliveries | expected | p50 ms | p99 ms | RSS growth | elapsed |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| {upstream_watches} | {} | {} | {:.1} | {:.1} | {:.1} MB | {:.1} s |",
+        all.len(),
+        watchers * events,
+        p(50),
+        p(99),
+        rss_after.saturating_sub(rss_before) as f64 / 1e6,
+        started.elapsed().as_secs_f64()
+    );
+    println!();
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let seconds: u64 = std::env::var("BENCH_SECONDS")
@@ -183,6 +299,8 @@ async fn main() -> anyhow::Result<()> {
         sync.as_secs_f64()
     );
     drop(stack);
+
+    fan_out().await?;
 
     // Throughput of LIST resourceVersion=0 of 5,000 secrets.
     let stack = Stack::start(Options {

@@ -169,13 +169,15 @@ async fn fan_out() -> anyhow::Result<()> {
     .await;
     let rss_before = rss_bytes();
     let per_connection = 100;
-    let mut senders = Vec::new();
-    for _ in 0..watchers.div_ceil(per_connection) {
-        senders.push(connect(stack.addr, &stack.pki, "alice").await?);
-    }
+    // Each connection is opened just before its first watch: the listener closes a
+    // connection that sends no request within its header timeout.
+    let mut senders: Vec<Sender> = Vec::new();
     let created: Arc<std::sync::Mutex<std::collections::HashMap<String, Instant>>> = Arc::default();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Duration>>();
     for i in 0..watchers {
+        if i % per_connection == 0 {
+            senders.push(connect(stack.addr, &stack.pki, "alice").await?);
+        }
         let mut sender = senders[i / per_connection].clone();
         let request = http::Request::get(
             "https://127.0.0.1/api/v1/namespaces/default/endpoints?watch=1&resourceVersion=0",

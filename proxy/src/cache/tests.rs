@@ -424,6 +424,13 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
             .unwrap()
             .is_none()
     );
+    // A watch of one object by its path name goes upstream.
+    assert!(
+        ask(&s, "alice", "/api/v1/watch/namespaces/ns-a/secrets/one")
+            .await
+            .unwrap()
+            .is_none()
+    );
     // An exact list goes upstream.
     assert!(
         ask(&s, "alice", "/api/v1/secrets?resourceVersion=10&limit=5")

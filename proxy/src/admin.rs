@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::admit::Admission;
+use crate::cache::Cache;
 use crate::config;
 use crate::metrics::Metrics;
 use crate::rules::Rules;
@@ -34,6 +35,8 @@ pub struct State {
     pub rules: Arc<Rules>,
     /// Admission, for `/debug/levels`.
     pub admission: Arc<Admission>,
+    /// The cache, whose first sync `/readyz` waits for (up to its cap).
+    pub cache: Option<Arc<Cache>>,
     /// What `/debug/*` requires: `Open` on loopback, else the token (or nothing is served).
     pub debug_token: DebugAccess,
     /// Set when SIGTERM arrived: `/readyz` fails from then on.
@@ -48,6 +51,9 @@ impl State {
         }
         if self.upstream.healthy_replicas() == 0 {
             return Err("no healthy upstream replica".into());
+        }
+        if self.cache.as_ref().is_some_and(|c| !c.synced()) {
+            return Err("the cache has not finished its first list".into());
         }
         Ok(())
     }

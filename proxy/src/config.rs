@@ -424,12 +424,20 @@ pub struct Cache {
     /// How long a SubjectAccessReview answer for a cache read is reused.
     #[serde(with = "humantime_serde")]
     pub access_review_ttl: Duration,
+    /// How often a watch served from the cache that allows bookmarks gets one (the
+    /// apiserver sends about one a minute).
+    #[serde(with = "humantime_serde")]
+    pub bookmark_interval: Duration,
+    /// Whether the informers start (and relist) with a WatchList (`sendInitialEvents`),
+    /// which spares the apiserver a LIST; an upstream that refuses it gets a paginated
+    /// LIST instead.
+    pub watch_list: bool,
 }
 
 impl Default for Cache {
     fn default() -> Self {
         Self {
-            enabled: false,
+            enabled: true,
             resources: vec![
                 "secrets".into(),
                 "endpoints".into(),
@@ -445,6 +453,8 @@ impl Default for Cache {
             watcher_buffer: 1_000,
             reauthorize_interval: Duration::from_secs(300),
             access_review_ttl: Duration::from_secs(10),
+            bookmark_interval: Duration::from_secs(60),
+            watch_list: true,
         }
     }
 }
@@ -874,6 +884,7 @@ impl Config {
         p.nonzero("cache.watcherBuffer", cache.watcher_buffer as u64);
         p.positive("cache.reauthorizeInterval", cache.reauthorize_interval);
         p.positive("cache.accessReviewTtl", cache.access_review_ttl);
+        p.positive("cache.bookmarkInterval", cache.bookmark_interval);
     }
 }
 

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod admit;
+pub mod cache;
 pub mod certs;
 pub mod classify;
 pub mod config;

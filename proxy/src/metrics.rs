@@ -4,7 +4,8 @@
 //! (resources known or `other`, replicas from config, reasons from [`Reason`]).
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::status::Reason;
@@ -71,6 +72,22 @@ pub struct Metrics {
     pub rules_reload_total: IntCounterVec,
     /// `bulwark_rules_loaded_info{hash}`: 1 for the content hash of the loaded rules.
     pub rules_loaded_info: IntGaugeVec,
+    /// `bulwark_cache_objects{resource}`.
+    pub cache_objects: IntGaugeVec,
+    /// `bulwark_cache_bytes{resource}`: bytes of the cached objects' JSON.
+    pub cache_bytes: IntGaugeVec,
+    /// `bulwark_cache_watchers{resource}`: watches served from the cache.
+    pub cache_watchers: IntGaugeVec,
+    /// `bulwark_cache_lag_seconds{resource}`: 0 while the upstream watch runs, else the
+    /// time since it stopped.
+    pub cache_lag_seconds: GaugeVec,
+    /// `bulwark_cache_relists_total{resource}`: full lists after the first.
+    pub cache_relists_total: IntCounterVec,
+    /// `bulwark_cache_requests_total{resource, verb, result}` (hit, miss, bypass).
+    pub cache_requests_total: IntCounterVec,
+    /// `bulwark_cache_slow_watchers_total{resource}`: watchers disconnected for falling
+    /// behind.
+    pub cache_slow_watchers_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -114,6 +131,21 @@ impl Metrics {
             "rules_reload_total",
             "Reloads of the rule files, by result (success, error); a failed one keeps the running rules.",
             &["result"],
+        );
+        let cache_relists_total = counter(
+            "cache_relists_total",
+            "Full lists of a cached resource after the first (410 or a lost watch).",
+            &["resource"],
+        );
+        let cache_requests_total = counter(
+            "cache_requests_total",
+            "Requests for cached resources, by result: hit (the cache answered), miss (not synced or not provably fresh), bypass (not cacheable).",
+            &["resource", "verb", "result"],
+        );
+        let cache_slow_watchers_total = counter(
+            "cache_slow_watchers_total",
+            "Watchers disconnected because they fell further behind than their buffer.",
+            &["resource"],
         );
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g = IntGaugeVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
@@ -183,6 +215,28 @@ impl Metrics {
         registry
             .register(Box::new(queue_wait_seconds.clone()))
             .expect("metric registered once");
+        let cache_objects = gauge("cache_objects", "Objects in the cache.", &["resource"]);
+        let cache_bytes = gauge(
+            "cache_bytes",
+            "Bytes of the cached objects' JSON.",
+            &["resource"],
+        );
+        let cache_watchers = gauge(
+            "cache_watchers",
+            "Watches served from the cache.",
+            &["resource"],
+        );
+        let cache_lag_seconds = GaugeVec::new(
+            Opts::new(
+                "bulwark_cache_lag_seconds",
+                "0 while the cache's upstream watch runs, else the seconds since it stopped.",
+            ),
+            &["resource"],
+        )
+        .expect("valid metric definition");
+        registry
+            .register(Box::new(cache_lag_seconds.clone()))
+            .expect("metric registered once");
         let request_duration_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "bulwark_request_duration_seconds",
@@ -217,6 +271,13 @@ impl Metrics {
             list_bytes_budget,
             rules_reload_total,
             rules_loaded_info,
+            cache_objects,
+            cache_bytes,
+            cache_watchers,
+            cache_lag_seconds,
+            cache_relists_total,
+            cache_requests_total,
+            cache_slow_watchers_total,
         }
     }
 

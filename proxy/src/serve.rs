@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tower::{Layer, Service, ServiceBuilder};
 
 use crate::admit::{Admission, Permit};
+use crate::cache::{AuditLog, Cache};
 use crate::classify::{self, ClassifyError, RequestInfo};
 use crate::config::{self, Config};
 use crate::identity::User;
@@ -33,6 +34,7 @@ use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, Ups
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
 use crate::logs::{Rejection, RejectionLog};
 use crate::metrics::{Metrics, ServedBy};
+use crate::rules::Matched;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::status::{Reason, Refusal};
 use crate::upstream::{PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
@@ -379,10 +381,15 @@ async fn identify(
 /// Matches the request to its rule and waits for admission (DESIGN.md steps 5–6): the
 /// permit is held until the response body ends, or until the response head for
 /// long-running requests. Every classified response names its rule and level.
+///
+/// A read the watch-fed cache can answer (authorized for this reader, fresh enough) is
+/// answered before admission: it costs the apiservers nothing, so it takes no seat, no
+/// LIST bytes and no place in a queue.
 #[derive(Clone)]
 pub struct AdmitLayer {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
+    cache: Option<Arc<Cache>>,
 }
 
 /// See [`AdmitLayer`].
@@ -391,6 +398,7 @@ pub struct Admit<S> {
     inner: S,
     rules: Arc<Rules>,
     admission: Arc<Admission>,
+    cache: Option<Arc<Cache>>,
 }
 
 impl<S> Layer<S> for AdmitLayer {
@@ -400,6 +408,20 @@ impl<S> Layer<S> for AdmitLayer {
             inner,
             rules: self.rules.clone(),
             admission: self.admission.clone(),
+            cache: self.cache.clone(),
+        }
+    }
+}
+
+/// Names the rule and level on a response.
+fn name_rule(response: &mut Response<Body>, matched: &Matched) {
+    let headers = response.headers_mut();
+    for (name, value) in [
+        ("x-bulwark-rule", &*matched.rule),
+        ("x-bulwark-level", matched.level.name.as_str()),
+    ] {
+        if let Ok(value) = HeaderValue::from_str(value) {
+            headers.insert(name, value);
         }
     }
 }
@@ -430,6 +452,7 @@ where
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let rules = self.rules.current();
         let admission = self.admission.clone();
+        let cache = self.cache.clone();
         let mut inner = self.inner.clone();
         Box::pin(async move {
             let info = request
@@ -437,11 +460,26 @@ where
                 .get::<Arc<RequestInfo>>()
                 .cloned()
                 .expect("classified before admission");
-            let user = match request.extensions().get::<Identity>() {
-                Some(Identity::User { user, .. }) => user.clone(),
-                _ => anonymous_user(),
+            let (user, authenticated) = match request.extensions().get::<Identity>() {
+                Some(Identity::User { user, .. }) => (user.clone(), true),
+                _ => (anonymous_user(), false),
             };
             let matched = rules.matches(&user, &info);
+            if let Some(cache) = cache.filter(|_| authenticated) {
+                let answer = match cache
+                    .serve(&info, &user, request.headers(), matched.staleness)
+                    .await
+                {
+                    Ok(Some(response)) => Some(response),
+                    Ok(None) => None,
+                    Err(refused) => Some(refused.into_response()),
+                };
+                if let Some(mut response) = answer {
+                    response.extensions_mut().insert(ServedBy::Cache);
+                    name_rule(&mut response, &matched);
+                    return Ok(response);
+                }
+            }
             let mut permit = admission
                 .admit(&matched, &info, &user)
                 .await
@@ -452,15 +490,7 @@ where
                     .insert(PreferReplica(Arc::from(replica)));
             }
             let mut response = inner.call(request).await?;
-            let headers = response.headers_mut();
-            for (name, value) in [
-                ("x-bulwark-rule", &*matched.rule),
-                ("x-bulwark-level", matched.level.name.as_str()),
-            ] {
-                if let Ok(value) = HeaderValue::from_str(value) {
-                    headers.insert(name, value);
-                }
-            }
+            name_rule(&mut response, &matched);
             if info.is_long_running() {
                 permit.release_seats();
             }
@@ -703,13 +733,31 @@ impl Running {
         let forwarding = Forwarding::new(
             config.identity.mode,
             config.upstream.front_proxy.as_ref(),
-            own_token,
+            own_token.clone(),
         )?;
         let forward = Forward {
             upstream: upstream.clone(),
             forwarding: Arc::new(forwarding),
             timeouts: config.upstream.timeouts.clone(),
         };
+        let audit = match &config.audit.path {
+            Some(path) => Some(AuditLog::open(path).map_err(|e| {
+                StartError::Admin(std::io::Error::new(
+                    e.kind(),
+                    format!("audit log {}: {e}", path.display()),
+                ))
+            })?),
+            None => None,
+        };
+        let cache = config.cache.enabled.then(|| {
+            Cache::start(
+                &config.cache,
+                upstream.clone(),
+                own_token.clone(),
+                metrics.clone(),
+                audit,
+            )
+        });
         let rule_set = match &config.rules.folder {
             Some(folder) => RuleSet::load_dir(folder).map_err(StartError::Rules)?,
             None => RuleSet::builtin(),
@@ -734,6 +782,7 @@ impl Running {
             AdmitLayer {
                 rules: rules.clone(),
                 admission: admission.clone(),
+                cache: cache.clone(),
             },
             forward,
         );
@@ -753,6 +802,7 @@ impl Running {
             upstream,
             rules,
             admission,
+            cache,
             debug_token: admin::debug_token(&config.admin)?,
             draining: AtomicBool::new(false),
         });

@@ -83,7 +83,7 @@ upstream:
     cert: ../certs/dev/bulwark-client.crt
     key: ../certs/dev/bulwark-client.key
 rules:
-  folder: ../rules/example
+  folder: ../rules/examples
 audit:
   path: ../var/bulwark-audit.jsonl
 "

@@ -41,6 +41,9 @@ pub struct Setup {
     /// The rule file Bulwark loads; the default lets every test client through unlimited,
     /// so that tests of balancing and identity measure those alone.
     pub rules: &'static str,
+    /// Whether Bulwark's watch-fed cache runs (off where a test watches what reaches the
+    /// apiservers).
+    pub cache: bool,
 }
 
 /// Every authenticated client goes to the `exempt` level.
@@ -61,6 +64,7 @@ impl Default for Setup {
             seed: Vec::new(),
             tweak: |_| {},
             rules: UNLIMITED_RULES,
+            cache: false,
         }
     }
 }
@@ -186,7 +190,11 @@ identity:
   mode: {mode}
 rules:
   folder: {d}/rules
+cache:
+  enabled: {cache}
+  syncCap: 5s
 "#,
+            cache = setup.cache,
             replicas = replicas.join("\n")
         );
         let mut config: Config = yaml.parse().expect("test config is valid");

@@ -2,6 +2,7 @@
 
 mod bad_input;
 mod balance;
+mod cache;
 mod fairness;
 mod harness;
 mod identity;

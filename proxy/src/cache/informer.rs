@@ -1,0 +1,478 @@
+//! One upstream informer per cached resource, with Bulwark's own identity: discovery of the
+//! resource's kind, a WatchList (or, where the upstream refuses it, a paginated LIST), then
+//! a WATCH with bookmarks from the state's version;
+//! a re-watch from the last version when the stream ends, a relist on 410, backoff on
+//! errors. Events at or below the cache's version are duplicates of a re-watch and dropped,
+//! so none is missed, doubled or reordered.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use http_body_util::BodyExt;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::store::{EventType, Kind, Obj, ResourceStore};
+use crate::config::GroupResource;
+use crate::upstream::{Credential, RetryPolicy, Route, Upstream};
+
+/// Items per LIST page.
+const PAGE: u64 = 500;
+/// Largest LIST page or discovery document read.
+const MAX_PAGE_BYTES: usize = 512 * 1024 * 1024;
+/// Time allowed for a LIST page.
+const LIST_TIMEOUT: Duration = Duration::from_secs(120);
+/// Backoff between failed attempts: from the first to the last, doubling.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(30));
+/// A watch that lasted this long was healthy; the backoff starts over after it.
+const HEALTHY_WATCH: Duration = Duration::from_secs(5);
+/// Longest line of a watch stream (one object) read.
+const MAX_LINE: usize = 64 * 1024 * 1024;
+
+/// Why an informer step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum InformerError {
+    /// The apiserver could not be reached or answered badly.
+    #[error("{0}")]
+    Upstream(String),
+    /// The stored history is gone: relist.
+    #[error("resource version expired")]
+    Expired,
+}
+
+/// The path of the collection, e.g. `/api/v1/secrets`.
+pub fn collection_path(kind: &Kind) -> String {
+    if kind.group.is_empty() {
+        format!("/api/{}/{}", kind.version, kind.resource)
+    } else {
+        format!("/apis/{}/{}/{}", kind.group, kind.version, kind.resource)
+    }
+}
+
+/// A GET with Bulwark's own identity.
+async fn get(
+    upstream: &Upstream,
+    path: &str,
+    long_running: bool,
+) -> Result<http::Response<crate::Body>, InformerError> {
+    let request = http::Request::get(path)
+        .header(http::header::ACCEPT, "application/json")
+        .body(crate::empty())
+        .map_err(|e| InformerError::Upstream(e.to_string()))?;
+    let route = Route {
+        credential: Credential::Own,
+        retry: RetryPolicy::Read,
+        long_running,
+        watch: long_running,
+        timeout: (!long_running).then_some(LIST_TIMEOUT),
+    };
+    upstream
+        .send(request, route)
+        .await
+        .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))
+}
+
+/// A whole JSON answer; a non-2xx is an error (410 is [`InformerError::Expired`]).
+async fn get_json(upstream: &Upstream, path: &str) -> Result<bytes::Bytes, InformerError> {
+    let response = get(upstream, path, false).await?;
+    let status = response.status();
+    let body = crate::read_to_limit(response.into_body(), MAX_PAGE_BYTES)
+        .await
+        .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))?;
+    if status == http::StatusCode::GONE {
+        return Err(InformerError::Expired);
+    }
+    if !status.is_success() {
+        return Err(InformerError::Upstream(format!(
+            "{path} answered {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(300)])
+        )));
+    }
+    Ok(body)
+}
+
+/// Finds the preferred version, kind and scope of a configured resource.
+pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, InformerError> {
+    let bad = |what: String| InformerError::Upstream(format!("discovery of {gr}: {what}"));
+    let version = if gr.group.is_empty() {
+        "v1".to_owned()
+    } else {
+        let group: serde_json::Value =
+            serde_json::from_slice(&get_json(upstream, &format!("/apis/{}", gr.group)).await?)
+                .map_err(|e| bad(e.to_string()))?;
+        group["preferredVersion"]["version"]
+            .as_str()
+            .ok_or_else(|| bad("no preferredVersion".into()))?
+            .to_owned()
+    };
+    let path = if gr.group.is_empty() {
+        "/api/v1".to_owned()
+    } else {
+        format!("/apis/{}/{version}", gr.group)
+    };
+    let list: serde_json::Value = serde_json::from_slice(&get_json(upstream, &path).await?)
+        .map_err(|e| bad(e.to_string()))?;
+    let resource = list["resources"]
+        .as_array()
+        .and_then(|all| all.iter().find(|r| r["name"] == gr.resource.as_str()))
+        .ok_or_else(|| bad(format!("{path} does not list {}", gr.resource)))?;
+    let verbs: Vec<&str> = resource["verbs"]
+        .as_array()
+        .map(|v| v.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    if !verbs.contains(&"list") || !verbs.contains(&"watch") {
+        return Err(bad("the resource does not support list and watch".into()));
+    }
+    let kind = resource["kind"]
+        .as_str()
+        .ok_or_else(|| bad("no kind".into()))?;
+    let namespaced = resource["namespaced"].as_bool().unwrap_or(false);
+    Ok(Kind::new(
+        &gr.group,
+        &version,
+        &gr.resource,
+        kind,
+        namespaced,
+    ))
+}
+
+#[derive(Deserialize)]
+struct ListPage<'a> {
+    #[serde(default)]
+    metadata: ListMeta,
+    #[serde(borrow, default)]
+    items: Vec<&'a RawValue>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct ListMeta {
+    #[serde(default)]
+    resource_version: String,
+    #[serde(default, rename = "continue")]
+    continue_token: Option<String>,
+}
+
+/// Lists every object, page by page, and returns them with the list's version.
+pub async fn list_all(upstream: &Upstream, kind: &Kind) -> Result<(Vec<Obj>, u64), InformerError> {
+    let base = collection_path(kind);
+    let mut objects = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let path = match &token {
+            None => format!("{base}?limit={PAGE}"),
+            Some(t) => format!(
+                "{base}?limit={PAGE}&continue={}",
+                percent_encoding::utf8_percent_encode(t, percent_encoding::NON_ALPHANUMERIC)
+            ),
+        };
+        let body = get_json(upstream, &path).await?;
+        let page: ListPage<'_> = serde_json::from_slice(&body)
+            .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))?;
+        for item in page.items {
+            objects.push(
+                Obj::parse(item.get().as_bytes())
+                    .map_err(|e| InformerError::Upstream(format!("{path}: an item: {e}")))?,
+            );
+        }
+        match page.metadata.continue_token.filter(|t| !t.is_empty()) {
+            Some(next) => token = Some(next),
+            None => {
+                let rv = page.metadata.resource_version.parse::<u64>().map_err(|_| {
+                    InformerError::Upstream(format!(
+                        "{path}: list resourceVersion {:?} is not a number",
+                        page.metadata.resource_version
+                    ))
+                })?;
+                return Ok((objects, rv));
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct WatchLine<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(borrow)]
+    object: &'a RawValue,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Bookmark {
+    metadata: BookmarkMeta,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct BookmarkMeta {
+    resource_version: String,
+    #[serde(default)]
+    annotations: Option<std::collections::HashMap<String, String>>,
+}
+
+/// How a watch begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// Events after the store's version.
+    Resume,
+    /// A WatchList: the current state as ADDED events up to the `initial-events-end`
+    /// bookmark, which replaces the store (a relist without a LIST), then events.
+    WatchList,
+}
+
+/// Why a WatchList could not even start: the upstream does not offer it.
+#[derive(Debug)]
+pub struct NoWatchList;
+
+/// Follows an upstream watch until it ends. `Ok` for a clean end (watch again), `Expired`
+/// for a 410 (relist), another error for backoff; a WatchList the upstream refuses with
+/// a 4xx is `Err(Ok(NoWatchList))`.
+pub async fn watch(
+    upstream: &Upstream,
+    store: &ResourceStore,
+    start: Start,
+) -> Result<(), Result<NoWatchList, InformerError>> {
+    let timeout = 300 + rand::random_range(0..300u32);
+    let base = collection_path(&store.kind);
+    let path = match start {
+        Start::Resume => format!(
+            "{base}?watch=1&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={timeout}",
+            store.rv()
+        ),
+        Start::WatchList => format!(
+            "{base}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds={timeout}"
+        ),
+    };
+    let response = get(upstream, &path, true).await.map_err(Err)?;
+    let status = response.status();
+    if status == http::StatusCode::GONE {
+        return Err(Err(InformerError::Expired));
+    }
+    if !status.is_success() {
+        let body = crate::read_to_limit(response.into_body(), 64 * 1024)
+            .await
+            .unwrap_or_default();
+        if start == Start::WatchList
+            && status.is_client_error()
+            && status != http::StatusCode::TOO_MANY_REQUESTS
+        {
+            tracing::info!(%status, "the upstream refuses WatchList; listing instead");
+            return Err(Ok(NoWatchList));
+        }
+        return Err(Err(InformerError::Upstream(format!(
+            "{path} answered {status}: {}",
+            String::from_utf8_lossy(&body)
+        ))));
+    }
+    store.set_connected(true);
+    let mut initial = (start == Start::WatchList).then(Vec::new);
+    let result = follow(response.into_body(), store, &mut initial).await;
+    store.set_connected(false);
+    match (result, initial) {
+        (Ok(()), Some(_)) => Err(Err(InformerError::Upstream(
+            "the WatchList ended before its initial-events-end bookmark".into(),
+        ))),
+        (result, _) => result.map_err(Err),
+    }
+}
+
+async fn follow(
+    mut body: crate::Body,
+    store: &ResourceStore,
+    initial: &mut Option<Vec<Obj>>,
+) -> Result<(), InformerError> {
+    let mut buffer = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame
+            .map_err(|e| InformerError::Upstream(format!("watch stream: {e}")))?
+            .into_data()
+        else {
+            continue;
+        };
+        buffer.extend_from_slice(&data);
+        while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
+            let line = buffer.split_to(end + 1);
+            let line = &line[..end];
+            if !line.iter().all(u8::is_ascii_whitespace) {
+                handle_line(line, store, initial)?;
+            }
+        }
+        if buffer.len() > MAX_LINE {
+            return Err(InformerError::Upstream("a watch event is too long".into()));
+        }
+    }
+    if buffer.has_remaining() && !buffer.iter().all(u8::is_ascii_whitespace) {
+        handle_line(&buffer, store, initial)?;
+    }
+    Ok(())
+}
+
+/// One line of a watch stream. While `initial` holds a WatchList's state, ADDED events
+/// gather there until the `initial-events-end` bookmark replaces the store with them.
+fn handle_line(
+    line: &[u8],
+    store: &ResourceStore,
+    initial: &mut Option<Vec<Obj>>,
+) -> Result<(), InformerError> {
+    let event: WatchLine<'_> = serde_json::from_slice(line)
+        .map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
+    let raw = event.object.get().as_bytes();
+    if let Some(kind) = EventType::parse(&event.kind) {
+        let obj =
+            Obj::parse(raw).map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
+        match initial {
+            Some(objects) if kind == EventType::Added => objects.push(obj),
+            Some(_) => {
+                return Err(InformerError::Upstream(format!(
+                    "a {} event before the end of a WatchList's initial events",
+                    event.kind
+                )));
+            }
+            None => {
+                store.apply(kind, obj);
+            }
+        }
+        return Ok(());
+    }
+    match event.kind.as_str() {
+        "BOOKMARK" => {
+            let bookmark: Bookmark = serde_json::from_slice(raw)
+                .map_err(|e| InformerError::Upstream(format!("a bookmark: {e}")))?;
+            let rv = bookmark.metadata.resource_version.parse::<u64>().ok();
+            let end = bookmark.metadata.annotations.as_ref().is_some_and(|a| {
+                a.get("k8s.io/initial-events-end")
+                    .is_some_and(|v| v == "true")
+            });
+            match (initial.is_some(), end, rv) {
+                (true, true, Some(rv)) => {
+                    let objects = initial.take().unwrap_or_default();
+                    store.replace(objects, rv);
+                }
+                (true, true, None) => {
+                    return Err(InformerError::Upstream(
+                        "the initial-events-end bookmark has no numeric resourceVersion".into(),
+                    ));
+                }
+                (false, _, Some(rv)) => store.advance(rv),
+                _ => {}
+            }
+            Ok(())
+        }
+        "ERROR" => {
+            let status: serde_json::Value = serde_json::from_slice(raw).unwrap_or_default();
+            if status["code"] == 410 {
+                Err(InformerError::Expired)
+            } else {
+                Err(InformerError::Upstream(format!(
+                    "watch error: {}",
+                    status["message"].as_str().unwrap_or("unknown")
+                )))
+            }
+        }
+        other => Err(InformerError::Upstream(format!(
+            "unknown watch event type {other:?}"
+        ))),
+    }
+}
+
+/// Runs one resource's informer forever: discover, list, watch, and again.
+pub async fn run(
+    upstream: Upstream,
+    gr: GroupResource,
+    slot: Arc<std::sync::OnceLock<Arc<ResourceStore>>>,
+    make: impl FnOnce(Kind) -> Arc<ResourceStore> + Send,
+    watch_list: bool,
+) {
+    let label = gr.to_string();
+    let mut backoff = BACKOFF.0;
+    let kind = loop {
+        match discover(&upstream, &gr).await {
+            Ok(kind) => break kind,
+            Err(e) => {
+                tracing::warn!(resource = %label, error = %e, "cache discovery failed; retrying");
+                tokio::time::sleep(jitter(backoff)).await;
+                backoff = (backoff * 2).min(BACKOFF.1);
+            }
+        }
+    };
+    let store = slot.get_or_init(|| make(kind)).clone();
+    backoff = BACKOFF.0;
+    let mut use_watch_list = watch_list;
+    loop {
+        // A full state: a WatchList when the upstream offers it, else a paginated LIST.
+        if use_watch_list {
+            let relists = store.generation();
+            let started = tokio::time::Instant::now();
+            let result = watch(&upstream, &store, Start::WatchList).await;
+            if started.elapsed() >= HEALTHY_WATCH {
+                backoff = BACKOFF.0;
+            }
+            match result {
+                Err(Ok(NoWatchList)) => use_watch_list = false,
+                result => {
+                    if store.generation() != relists {
+                        tracing::info!(resource = %label, rv = store.rv(), "cache synced by WatchList");
+                    }
+                    match result {
+                        Ok(()) => backoff = BACKOFF.0,
+                        Err(Err(InformerError::Expired)) => continue,
+                        Err(Err(e)) => {
+                            tracing::warn!(resource = %label, error = %e, "cache WatchList failed; retrying");
+                            tokio::time::sleep(jitter(backoff)).await;
+                            backoff = (backoff * 2).min(BACKOFF.1);
+                        }
+                        Err(Ok(NoWatchList)) => use_watch_list = false,
+                    }
+                    if store.generation() == relists {
+                        continue;
+                    }
+                }
+            }
+        }
+        if !use_watch_list {
+            match list_all(&upstream, &store.kind).await {
+                Ok((objects, rv)) => {
+                    tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
+                    store.replace(objects, rv);
+                    backoff = BACKOFF.0;
+                }
+                Err(e) => {
+                    tracing::warn!(resource = %label, error = %e, "cache list failed; retrying");
+                    tokio::time::sleep(jitter(backoff)).await;
+                    backoff = (backoff * 2).min(BACKOFF.1);
+                    continue;
+                }
+            }
+        }
+        loop {
+            let started = tokio::time::Instant::now();
+            let result = watch(&upstream, &store, Start::Resume).await;
+            if started.elapsed() >= HEALTHY_WATCH {
+                // A watch that ran a while was healthy: a failure now starts over.
+                backoff = BACKOFF.0;
+            }
+            match result {
+                Ok(()) => backoff = BACKOFF.0,
+                Err(Err(InformerError::Expired)) => {
+                    tracing::info!(resource = %label, "cache watch expired; relisting");
+                    break;
+                }
+                // Only a WatchList is refused that way; a resumed watch never is.
+                Err(Ok(NoWatchList)) => break,
+                Err(Err(e)) => {
+                    tracing::warn!(resource = %label, error = %e, "cache watch failed; retrying");
+                    tokio::time::sleep(jitter(backoff)).await;
+                    backoff = (backoff * 2).min(BACKOFF.1);
+                }
+            }
+        }
+    }
+}
+
+/// Up to a quarter more, so that many informers do not retry in step.
+fn jitter(base: Duration) -> Duration {
+    base + base.mul_f64(rand::random_range(0.0..0.25))
+}

@@ -1,0 +1,407 @@
+//! The bytes of cache answers, shaped like the apiserver's: LIST responses as a chain of
+//! the objects' own `Bytes`, GET objects with `kind` and `apiVersion` in front, `Status`
+//! errors with the apiserver's fields in its order, and gzip above its threshold.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderValue, Response, StatusCode};
+use http_body::{Frame, SizeHint};
+use serde::Serialize;
+
+use super::store::{Kind, Obj};
+use crate::{Body, BoxError};
+
+/// Responses at least this large are gzipped for clients that accept it (the apiserver's
+/// threshold).
+pub const GZIP_THRESHOLD: usize = 128 * 1024;
+
+/// A piece at least this large is sent as its own frame; smaller ones are gathered into
+/// frames of up to [`FRAME`] bytes so that a LIST of small objects is not a frame per comma.
+const ZERO_COPY_MIN: usize = 16 * 1024;
+/// The size of a gathered frame.
+const FRAME: usize = 64 * 1024;
+
+/// A response body that is a chain of shared pieces.
+pub struct Chain {
+    pieces: Arc<[Bytes]>,
+    next: usize,
+    remaining: u64,
+}
+
+impl Chain {
+    /// A body over `pieces`.
+    pub fn new(pieces: Arc<[Bytes]>) -> Chain {
+        let remaining = pieces.iter().map(|p| p.len() as u64).sum();
+        Chain {
+            pieces,
+            next: 0,
+            remaining,
+        }
+    }
+}
+
+impl http_body::Body for Chain {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        while this.next < this.pieces.len() && this.pieces[this.next].is_empty() {
+            this.next += 1;
+        }
+        let Some(first) = this.pieces.get(this.next) else {
+            return Poll::Ready(None);
+        };
+        if first.len() >= ZERO_COPY_MIN {
+            this.next += 1;
+            this.remaining -= first.len() as u64;
+            return Poll::Ready(Some(Ok(Frame::data(first.clone()))));
+        }
+        let mut frame = BytesMut::with_capacity(FRAME);
+        while let Some(piece) = this.pieces.get(this.next) {
+            if !frame.is_empty()
+                && (piece.len() >= ZERO_COPY_MIN || frame.len() + piece.len() > FRAME)
+            {
+                break;
+            }
+            frame.put_slice(piece);
+            this.next += 1;
+        }
+        this.remaining -= frame.len() as u64;
+        Poll::Ready(Some(Ok(Frame::data(frame.freeze()))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.remaining == 0
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.remaining)
+    }
+}
+
+/// Where a list continues: the version and the last key of the page.
+#[derive(Debug, Clone)]
+pub struct Continue {
+    /// The version the list is a snapshot of.
+    pub rv: u64,
+    /// Namespace and name of the last item sent.
+    pub after: (String, String),
+    /// Items after this page when the list has no selector (else unknown).
+    pub remaining: Option<u64>,
+}
+
+/// The apiserver's continue token: base64 of `{"v":"meta.k8s.io/v1","rv":N,"start":K}`,
+/// where `start` is the storage key after the last item, `ns/name\0` (so either Bulwark or
+/// the apiserver can continue it).
+pub fn encode_continue(rv: u64, after: &(String, String)) -> String {
+    use base64::Engine;
+    let start = if after.0.is_empty() {
+        format!("{}\u{0}", after.1)
+    } else {
+        format!("{}/{}\u{0}", after.0, after.1)
+    };
+    let token = serde_json::json!({"v": "meta.k8s.io/v1", "rv": rv, "start": start});
+    base64::engine::general_purpose::URL_SAFE.encode(token.to_string())
+}
+
+/// The version and last key of a continue token; `None` if it is not one.
+pub fn decode_continue(token: &str) -> Option<(u64, (String, String))> {
+    use base64::Engine;
+    let raw = base64::engine::general_purpose::URL_SAFE
+        .decode(token)
+        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token))
+        .ok()?;
+    let value: serde_json::Value = serde_json::from_slice(&raw).ok()?;
+    if value["v"] != "meta.k8s.io/v1" {
+        return None;
+    }
+    let rv = value["rv"].as_u64().filter(|rv| *rv > 0)?;
+    let start = value["start"].as_str()?.trim_end_matches('\u{0}');
+    let key = match start.split_once('/') {
+        Some((ns, name)) => (ns.to_owned(), name.to_owned()),
+        None => (String::new(), start.to_owned()),
+    };
+    Some((rv, key))
+}
+
+/// A LIST response: `{"kind":"SecretList","apiVersion":"v1","metadata":{…},"items":[…]}\n`,
+/// the items being the objects' own bytes.
+pub fn list_pieces(
+    kind: &Kind,
+    rv: u64,
+    next: Option<&Continue>,
+    items: &[Arc<Obj>],
+) -> Arc<[Bytes]> {
+    let mut meta = format!("{{\"resourceVersion\":\"{rv}\"");
+    if let Some(next) = next {
+        meta.push_str(&format!(
+            ",\"continue\":\"{}\"",
+            encode_continue(next.rv, &next.after)
+        ));
+        if let Some(remaining) = next.remaining {
+            meta.push_str(&format!(",\"remainingItemCount\":{remaining}"));
+        }
+    }
+    meta.push('}');
+    let head = format!(
+        "{{\"kind\":\"{}List\",\"apiVersion\":\"{}\",\"metadata\":{meta},\"items\":[",
+        kind.kind,
+        kind.api_version()
+    );
+    let comma = Bytes::from_static(b",");
+    let mut pieces = Vec::with_capacity(items.len() * 2 + 2);
+    pieces.push(Bytes::from(head));
+    for (i, obj) in items.iter().enumerate() {
+        if i > 0 {
+            pieces.push(comma.clone());
+        }
+        pieces.push(obj.body.clone());
+    }
+    pieces.push(Bytes::from_static(b"]}\n"));
+    pieces.into()
+}
+
+/// A GET response's pieces: the object with kind and apiVersion, and a newline.
+pub fn object_pieces(kind: &Kind, obj: &Obj) -> Arc<[Bytes]> {
+    let [prefix, rest] = kind.full_object(obj);
+    Arc::from([prefix, rest, Bytes::from_static(b"\n")])
+}
+
+/// Gzips pieces (on a blocking thread: it is CPU work).
+pub async fn gzip(pieces: Arc<[Bytes]>) -> Result<Bytes, String> {
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let total: usize = pieces.iter().map(Bytes::len).sum();
+        let mut encoder = flate2::write::GzEncoder::new(
+            Vec::with_capacity(total / 4),
+            flate2::Compression::fast(),
+        );
+        for piece in pieces.iter() {
+            encoder.write_all(piece).map_err(|e| e.to_string())?;
+        }
+        encoder.finish().map(Bytes::from).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// A JSON response with the headers every cache answer carries.
+pub fn json_response(status: StatusCode, body: Body, audit_id: &str) -> Response<Body> {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache, private"),
+    );
+    if let Ok(id) = HeaderValue::from_str(audit_id) {
+        headers.insert("audit-id", id);
+    }
+    response
+        .extensions_mut()
+        .insert(crate::metrics::ServedBy::Cache);
+    response
+}
+
+/// A chain as a body.
+pub fn chain_body(pieces: Arc<[Bytes]>) -> Body {
+    use http_body_util::BodyExt;
+    Chain::new(pieces).boxed_unsync()
+}
+
+/// The `details` of a `Status`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Details {
+    /// Object name.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub name: String,
+    /// API group.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub group: String,
+    /// Resource (the apiserver writes the resource here).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub kind: String,
+    /// Causes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub causes: Vec<Cause>,
+    /// Seconds to wait before retrying.
+    #[serde(rename = "retryAfterSeconds", skip_serializing_if = "Option::is_none")]
+    pub retry_after_seconds: Option<u32>,
+}
+
+/// One cause of a `Status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cause {
+    /// Machine-readable reason.
+    pub reason: String,
+    /// Human-readable message.
+    pub message: String,
+}
+
+/// A failure `Status`, serialized with the apiserver's field order.
+#[derive(Debug, Clone, Serialize)]
+pub struct Status {
+    kind: &'static str,
+    #[serde(rename = "apiVersion")]
+    api_version: &'static str,
+    metadata: serde_json::Map<String, serde_json::Value>,
+    status: &'static str,
+    /// Message.
+    pub message: String,
+    /// Reason, e.g. `Forbidden`.
+    pub reason: String,
+    /// Details.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub details: Option<Details>,
+    /// HTTP status code.
+    pub code: u16,
+}
+
+impl Status {
+    /// A failure with a code, reason and message.
+    pub fn failure(code: u16, reason: &str, message: String, details: Option<Details>) -> Status {
+        Status {
+            kind: "Status",
+            api_version: "v1",
+            metadata: serde_json::Map::new(),
+            status: "Failure",
+            message,
+            reason: reason.to_owned(),
+            details,
+            code,
+        }
+    }
+
+    /// The encoded body, without a newline.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// The response, with the newline the apiserver ends bodies with.
+    pub fn into_response(self, audit_id: &str) -> Response<Body> {
+        let mut bytes = self.to_bytes();
+        bytes.push(b'\n');
+        let status = StatusCode::from_u16(self.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = json_response(status, crate::full(bytes), audit_id);
+        if let Some(after) = self.details.as_ref().and_then(|d| d.retry_after_seconds) {
+            response
+                .headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(after));
+        }
+        response
+    }
+
+    /// The watch `ERROR` event carrying this status.
+    pub fn error_line(&self) -> Bytes {
+        let mut line = b"{\"type\":\"ERROR\",\"object\":".to_vec();
+        line.extend_from_slice(&self.to_bytes());
+        line.extend_from_slice(b"}\n");
+        Bytes::from(line)
+    }
+}
+
+/// `secrets "x"` or `endpointslices.discovery.k8s.io` as the apiserver names a target.
+pub fn qualified(group: &str, resource: &str, name: &str) -> String {
+    let resource = if group.is_empty() {
+        resource.to_owned()
+    } else {
+        format!("{resource}.{group}")
+    };
+    if name.is_empty() {
+        resource
+    } else {
+        format!("{resource} \"{name}\"")
+    }
+}
+
+/// Chunks of a watch stream's initial state: ADDED lines copied into frames of about
+/// [`FRAME`] bytes.
+pub fn added_frames(
+    kind: &Kind,
+    objects: &mut VecDeque<Arc<Obj>>,
+    keep: impl Fn(&Obj) -> bool,
+) -> Option<Bytes> {
+    let mut out = BytesMut::new();
+    while let Some(obj) = objects.pop_front() {
+        if !keep(&obj) {
+            continue;
+        }
+        out.put_slice(b"{\"type\":\"ADDED\",\"object\":");
+        out.put_slice(&kind.prefix);
+        out.put_slice(obj.body.get(1..).unwrap_or_default());
+        out.put_slice(b"}\n");
+        if out.len() >= FRAME {
+            break;
+        }
+    }
+    (!out.is_empty()).then(|| out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    fn obj(name: &str, size: usize) -> Arc<Obj> {
+        let raw = format!(
+            "{{\"metadata\":{{\"name\":\"{name}\",\"namespace\":\"ns\",\"resourceVersion\":\"3\"}},\"data\":{{\"k\":\"{}\"}}}}",
+            "x".repeat(size)
+        );
+        Arc::new(Obj::parse(raw.as_bytes()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_list_is_the_apiserver_shape_and_shares_the_object_bytes() {
+        let kind = Kind::new("", "v1", "secrets", "Secret", true);
+        let items = vec![obj("a", 10), obj("b", 40_000), obj("c", 10)];
+        let pieces = list_pieces(&kind, 9, None, &items);
+        assert!(pieces.iter().any(|p| p.as_ptr() == items[1].body.as_ptr()));
+        let body = Chain::new(pieces).collect().await.unwrap().to_bytes();
+        assert!(body.starts_with(b"{\"kind\":\"SecretList\",\"apiVersion\":\"v1\",\"metadata\":{\"resourceVersion\":\"9\"},\"items\":[{\"metadata\""));
+        assert!(body.ends_with(b"]}\n"));
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["items"].as_array().unwrap().len(), 3);
+        assert!(value["items"][0].get("kind").is_none());
+    }
+
+    #[test]
+    fn continue_tokens_round_trip_in_the_apiserver_format() {
+        let token = encode_continue(42, &("ns".into(), "a".into()));
+        assert_eq!(
+            decode_continue(&token),
+            Some((42, ("ns".into(), "a".into())))
+        );
+        assert_eq!(decode_continue("garbage"), None);
+    }
+
+    #[test]
+    fn statuses_keep_the_apiserver_field_order() {
+        let status = Status::failure(
+            403,
+            "Forbidden",
+            "no".into(),
+            Some(Details {
+                name: "a".into(),
+                kind: "secrets".into(),
+                ..Details::default()
+            }),
+        );
+        assert_eq!(
+            String::from_utf8(status.to_bytes()).unwrap(),
+            "{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"metadata\":{},\"status\":\"Failure\",\"message\":\"no\",\"reason\":\"Forbidden\",\"details\":{\"name\":\"a\",\"kind\":\"secrets\"},\"code\":403}"
+        );
+    }
+}

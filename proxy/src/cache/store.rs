@@ -1,0 +1,764 @@
+//! One resource's cached state: the objects as raw JSON bytes with their resourceVersion,
+//! a ring of recent events that keeps each event's previous object, and the broadcast that
+//! fans new events out to open watches.
+//!
+//! One writer (the informer), many readers (requests). Readers take the read lock only long
+//! enough to clone `Arc`s; a watch subscribes to the broadcast under the same lock that
+//! writers send under, so its snapshot and its live feed neither overlap nor leave a gap.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::Deserialize;
+use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
+
+/// What the cache knows about a resource's type, from discovery.
+#[derive(Debug, Clone)]
+pub struct Kind {
+    /// API group; `""` for the core group.
+    pub group: String,
+    /// API version served from the cache (the group's preferred one).
+    pub version: String,
+    /// Plural resource name.
+    pub resource: String,
+    /// Kind, e.g. `Secret`.
+    pub kind: String,
+    /// Whether objects live in namespaces.
+    pub namespaced: bool,
+    /// `{"kind":"Secret","apiVersion":"v1",`: put before an item's bytes (without their `{`)
+    /// to make the object as GET and watch events carry it.
+    pub prefix: Bytes,
+}
+
+impl Kind {
+    /// A kind with its object prefix.
+    pub fn new(group: &str, version: &str, resource: &str, kind: &str, namespaced: bool) -> Kind {
+        let api_version = Kind::api_version_of(group, version);
+        Kind {
+            group: group.to_owned(),
+            version: version.to_owned(),
+            resource: resource.to_owned(),
+            kind: kind.to_owned(),
+            namespaced,
+            prefix: Bytes::from(format!(
+                "{{\"kind\":\"{kind}\",\"apiVersion\":\"{api_version}\","
+            )),
+        }
+    }
+
+    fn api_version_of(group: &str, version: &str) -> String {
+        if group.is_empty() {
+            version.to_owned()
+        } else {
+            format!("{group}/{version}")
+        }
+    }
+
+    /// `v1`, `discovery.k8s.io/v1`.
+    pub fn api_version(&self) -> String {
+        Kind::api_version_of(&self.group, &self.version)
+    }
+
+    /// The fields the apiserver's encoder writes for the zero value of this kind, after
+    /// `metadata` (a BOOKMARK carries such an object).
+    pub fn zero_fields(&self) -> &'static str {
+        match self.kind.as_str() {
+            "Pod" => ",\"spec\":{\"containers\":null},\"status\":{}",
+            "Namespace" | "Node" | "Service" => ",\"spec\":{},\"status\":{}",
+            "Lease" => ",\"spec\":{}",
+            "EndpointSlice" => ",\"addressType\":\"\",\"endpoints\":null",
+            _ => "",
+        }
+    }
+
+    /// The object with `kind` and `apiVersion` first, as GET returns it: two pieces, no
+    /// copy of the object.
+    pub fn full_object(&self, obj: &Obj) -> [Bytes; 2] {
+        [self.prefix.clone(), obj.body.slice(1..)]
+    }
+}
+
+/// One cached object.
+#[derive(Debug)]
+pub struct Obj {
+    /// Namespace; `""` for cluster-scoped objects.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// `metadata.resourceVersion`.
+    pub rv: u64,
+    /// `metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+    /// The object as a LIST item carries it: `{"metadata":…}` without kind and apiVersion,
+    /// in an allocation of its own (never a slice of a larger network buffer, which it
+    /// would keep alive).
+    pub body: Bytes,
+}
+
+#[derive(Deserialize)]
+struct Shape {
+    #[serde(default)]
+    metadata: Meta,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Meta {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    namespace: String,
+    #[serde(default)]
+    resource_version: String,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+}
+
+impl Obj {
+    /// Reads an object as the apiserver encodes it, with or without `kind` and
+    /// `apiVersion` in front; keeps the bytes of the item form.
+    pub fn parse(raw: &[u8]) -> Result<Obj, String> {
+        let shape: Shape = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
+        let meta = shape.metadata;
+        if meta.name.is_empty() {
+            return Err("the object has no metadata.name".into());
+        }
+        let rv = meta.resource_version.parse::<u64>().map_err(|_| {
+            format!(
+                "resourceVersion {:?} is not a number",
+                meta.resource_version
+            )
+        })?;
+        Ok(Obj {
+            namespace: meta.namespace,
+            name: meta.name,
+            rv,
+            labels: meta.labels.unwrap_or_default(),
+            body: item_bytes(raw)?,
+        })
+    }
+
+    /// The store key.
+    pub fn key(&self) -> (String, String) {
+        (self.namespace.clone(), self.name.clone())
+    }
+
+    /// The same object with its `metadata.resourceVersion` replaced: what a selector watch
+    /// sends as DELETED when an object leaves it (the previous object at the event's
+    /// version, as the apiserver's cacher does).
+    fn at_version(&self, rv: u64) -> Bytes {
+        let old = format!("\"resourceVersion\":\"{}\"", self.rv);
+        let new = format!("\"resourceVersion\":\"{rv}\"");
+        // `metadata` comes first and `resourceVersion` precedes every free-form field of
+        // it (labels, annotations), and a quote inside a string is escaped: the first
+        // occurrence is the real one.
+        match find(&self.body, old.as_bytes()) {
+            Some(at) => {
+                let mut out = BytesMut::with_capacity(self.body.len() + 8);
+                out.put_slice(&self.body[..at]);
+                out.put_slice(new.as_bytes());
+                out.put_slice(&self.body[at + old.len()..]);
+                out.freeze()
+            }
+            None => self.body.clone(),
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The item form of an encoded object: `kind` and `apiVersion` taken off the front when
+/// they are there (the Go encoder writes them first), copied into an exact allocation.
+fn item_bytes(raw: &[u8]) -> Result<Bytes, String> {
+    if let Some(rest) = strip_type_meta(raw) {
+        let mut out = BytesMut::with_capacity(rest.len() + 1);
+        out.put_u8(b'{');
+        out.put_slice(rest);
+        return Ok(out.freeze());
+    }
+    if raw.starts_with(b"{\"kind\"") || raw.starts_with(b"{\"apiVersion\"") {
+        // Not in the Go encoder's order: rebuild without them (key order then follows
+        // serde_json's map, which is the only thing that changes).
+        let mut value: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(raw).map_err(|e| e.to_string())?;
+        value.remove("kind");
+        value.remove("apiVersion");
+        return serde_json::to_vec(&value)
+            .map(Bytes::from)
+            .map_err(|e| e.to_string());
+    }
+    Ok(Bytes::copy_from_slice(raw))
+}
+
+/// `{"kind":"K","apiVersion":"V",REST` → `REST`.
+fn strip_type_meta(raw: &[u8]) -> Option<&[u8]> {
+    let rest = raw.strip_prefix(b"{\"kind\":\"")?;
+    let end = rest.iter().position(|b| *b == b'"')?;
+    let rest = rest[end + 1..].strip_prefix(b",\"apiVersion\":\"")?;
+    let end = rest.iter().position(|b| *b == b'"')?;
+    rest[end + 1..].strip_prefix(b",")
+}
+
+/// A watch event type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventType {
+    /// Created.
+    Added,
+    /// Changed.
+    Modified,
+    /// Deleted.
+    Deleted,
+}
+
+impl EventType {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventType::Added => "ADDED",
+            EventType::Modified => "MODIFIED",
+            EventType::Deleted => "DELETED",
+        }
+    }
+
+    /// Parses a wire name.
+    pub fn parse(s: &str) -> Option<EventType> {
+        match s {
+            "ADDED" => Some(EventType::Added),
+            "MODIFIED" => Some(EventType::Modified),
+            "DELETED" => Some(EventType::Deleted),
+            _ => None,
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One change, kept in the ring and sent to every watch. Its wire form is encoded once,
+/// on first use, and shared by every watcher.
+#[derive(Debug)]
+pub struct Event {
+    /// The version of the change.
+    pub rv: u64,
+    /// What happened.
+    pub kind: EventType,
+    /// The object after the change (for a delete, the deleted object).
+    pub obj: Arc<Obj>,
+    /// The object before the change, if the cache had it.
+    pub prev: Option<Arc<Obj>>,
+    lines: [OnceLock<Bytes>; 3],
+    left: OnceLock<Bytes>,
+}
+
+impl Event {
+    fn new(rv: u64, kind: EventType, obj: Arc<Obj>, prev: Option<Arc<Obj>>) -> Event {
+        Event {
+            rv,
+            kind,
+            obj,
+            prev,
+            lines: Default::default(),
+            left: OnceLock::new(),
+        }
+    }
+
+    /// The line `{"type":T,"object":{kind,apiVersion,…}}\n` for this event's object sent
+    /// as `as_type` (a selector watch may see a MODIFIED as ADDED). Encoded at most once
+    /// per type; `counter` counts encodings.
+    pub fn line(&self, kind: &Kind, as_type: EventType, counter: &AtomicU64) -> Bytes {
+        self.lines[as_type.index()]
+            .get_or_init(|| {
+                counter.fetch_add(1, Ordering::Relaxed);
+                event_line(kind, as_type, &self.obj.body)
+            })
+            .clone()
+    }
+
+    /// The DELETED line for a selector watch the object left: the previous object at this
+    /// event's version.
+    pub fn left_line(&self, kind: &Kind, counter: &AtomicU64) -> Bytes {
+        let Some(prev) = &self.prev else {
+            return self.line(kind, EventType::Deleted, counter);
+        };
+        self.left
+            .get_or_init(|| {
+                counter.fetch_add(1, Ordering::Relaxed);
+                event_line(kind, EventType::Deleted, &prev.at_version(self.rv))
+            })
+            .clone()
+    }
+}
+
+/// `{"type":T,"object":` + prefix + item without `{` + `}\n`, in one allocation.
+pub fn event_line(kind: &Kind, as_type: EventType, item: &[u8]) -> Bytes {
+    let head = b"{\"type\":\"";
+    let mid = b"\",\"object\":";
+    let ty = as_type.as_str().as_bytes();
+    let body = item.get(1..).unwrap_or_default();
+    let mut out = BytesMut::with_capacity(
+        head.len() + ty.len() + mid.len() + kind.prefix.len() + body.len() + 2,
+    );
+    out.put_slice(head);
+    out.put_slice(ty);
+    out.put_slice(mid);
+    out.put_slice(&kind.prefix);
+    out.put_slice(body);
+    out.put_slice(b"}\n");
+    out.freeze()
+}
+
+/// A BOOKMARK line at `rv`, annotated as the end of a WatchList's initial events when asked.
+pub fn bookmark_line(kind: &Kind, rv: u64, initial_events_end: bool) -> Bytes {
+    let annotation = if initial_events_end {
+        ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}"
+    } else {
+        ""
+    };
+    Bytes::from(format!(
+        "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotation}}}{}}}}}\n",
+        kind.kind,
+        kind.api_version(),
+        kind.zero_fields()
+    ))
+}
+
+/// Object count and bytes of a scope.
+#[derive(Debug, Default, Clone, Copy)]
+struct Size {
+    count: u64,
+    bytes: u64,
+}
+
+struct State {
+    objects: BTreeMap<(String, String), Arc<Obj>>,
+    ring: VecDeque<Arc<Event>>,
+    /// The version the cache has reached.
+    rv: u64,
+    /// History after this version is complete in the ring.
+    floor: u64,
+    synced: bool,
+    total: Size,
+    namespaces: HashMap<String, Size>,
+    /// Since when the upstream watch is down (`None` while it runs).
+    disconnected_since: Option<Instant>,
+}
+
+impl State {
+    fn account(&mut self, obj: &Obj, sign: i64) {
+        let bytes = obj.body.len() as u64;
+        let apply = |size: &mut Size| {
+            if sign > 0 {
+                size.count += 1;
+                size.bytes += bytes;
+            } else {
+                size.count = size.count.saturating_sub(1);
+                size.bytes = size.bytes.saturating_sub(bytes);
+            }
+        };
+        apply(&mut self.total);
+        let ns = self.namespaces.entry(obj.namespace.clone()).or_default();
+        apply(ns);
+        if ns.count == 0 {
+            self.namespaces.remove(&obj.namespace);
+        }
+    }
+}
+
+/// What a new watch starts from.
+pub struct WatchStart {
+    /// Current objects, when the watch begins with the state (synthetic ADDED).
+    pub initial: Vec<Arc<Obj>>,
+    /// Events after the requested version already in the ring.
+    pub backlog: Vec<Arc<Event>>,
+    /// New events.
+    pub rx: broadcast::Receiver<Arc<Event>>,
+    /// The cache's version at subscription.
+    pub rv: u64,
+    /// The relist generation at subscription; a change ends the watch.
+    pub generation: watch::Receiver<u64>,
+}
+
+/// Why a watch cannot start from the version it asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expired {
+    /// The oldest version a watch can start after.
+    pub oldest: u64,
+}
+
+/// One resource's store.
+pub struct ResourceStore {
+    /// The resource's type.
+    pub kind: Kind,
+    state: RwLock<State>,
+    ring_size: usize,
+    tx: broadcast::Sender<Arc<Event>>,
+    rv_tx: watch::Sender<u64>,
+    generation: watch::Sender<u64>,
+    /// Event encodings made, for the fan-out efficiency check.
+    pub encodings: AtomicU64,
+    relists: Option<prometheus::IntCounter>,
+}
+
+impl ResourceStore {
+    /// An empty, unsynced store. A watcher may fall `watcher_buffer` events behind before it
+    /// is disconnected.
+    pub fn new(kind: Kind, ring_size: usize, watcher_buffer: usize) -> ResourceStore {
+        let (tx, _) = broadcast::channel(watcher_buffer.max(1));
+        ResourceStore {
+            kind,
+            state: RwLock::new(State {
+                objects: BTreeMap::new(),
+                ring: VecDeque::new(),
+                rv: 0,
+                floor: 0,
+                synced: false,
+                total: Size::default(),
+                namespaces: HashMap::new(),
+                disconnected_since: Some(Instant::now()),
+            }),
+            ring_size: ring_size.max(1),
+            tx,
+            rv_tx: watch::channel(0).0,
+            generation: watch::channel(0).0,
+            encodings: AtomicU64::new(0),
+            relists: None,
+        }
+    }
+
+    /// Counts every full state after the first in `counter` (`cache_relists_total`).
+    pub fn counting_relists(mut self, counter: prometheus::IntCounter) -> ResourceStore {
+        self.relists = Some(counter);
+        self
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, State> {
+        // Every mutation is a few map operations that leave the state consistent, so a
+        // poisoned lock is still usable.
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Replaces everything with a full list at `rv`. Ends every open watch (they
+    /// re-watch) and forgets the ring: history before the list is unknown.
+    pub fn replace(&self, objects: Vec<Obj>, rv: u64) {
+        let mut state = self.write();
+        state.objects.clear();
+        state.total = Size::default();
+        state.namespaces.clear();
+        for obj in objects {
+            state.account(&obj, 1);
+            state.objects.insert(obj.key(), Arc::new(obj));
+        }
+        state.ring.clear();
+        state.rv = rv;
+        state.floor = rv;
+        if state.synced
+            && let Some(counter) = &self.relists
+        {
+            counter.inc();
+        }
+        state.synced = true;
+        self.generation.send_modify(|g| *g += 1);
+        self.rv_tx.send_replace(rv);
+    }
+
+    /// Applies one event from the upstream watch. Events at or below the cache's version
+    /// are duplicates (a re-watch overlaps) and are dropped; false then.
+    pub fn apply(&self, kind: EventType, obj: Obj) -> bool {
+        let mut state = self.write();
+        if obj.rv <= state.rv {
+            return false;
+        }
+        let rv = obj.rv;
+        let key = obj.key();
+        let obj = Arc::new(obj);
+        let prev = if kind == EventType::Deleted {
+            state.objects.remove(&key)
+        } else {
+            state.objects.insert(key, obj.clone())
+        };
+        if let Some(prev) = &prev {
+            state.account(prev, -1);
+        }
+        if kind != EventType::Deleted {
+            state.account(&obj, 1);
+        }
+        let event = Arc::new(Event::new(rv, kind, obj, prev));
+        state.ring.push_back(event.clone());
+        while state.ring.len() > self.ring_size {
+            if let Some(old) = state.ring.pop_front() {
+                state.floor = old.rv;
+            }
+        }
+        state.rv = rv;
+        // No receivers is fine: nobody watches.
+        let _ = self.tx.send(event);
+        self.rv_tx.send_replace(rv);
+        true
+    }
+
+    /// A BOOKMARK from upstream: the cache has every event up to `rv`.
+    pub fn advance(&self, rv: u64) {
+        let mut state = self.write();
+        if rv > state.rv {
+            state.rv = rv;
+            self.rv_tx.send_replace(rv);
+        }
+    }
+
+    /// Records whether the upstream watch runs (for bounded staleness and the lag metric).
+    pub fn set_connected(&self, connected: bool) {
+        let mut state = self.write();
+        match (connected, state.disconnected_since) {
+            (true, Some(_)) => state.disconnected_since = None,
+            (false, None) => state.disconnected_since = Some(Instant::now()),
+            _ => {}
+        }
+    }
+
+    /// How far behind the apiserver the cache may be: zero while the upstream watch runs,
+    /// else the time since it stopped.
+    pub fn lag(&self) -> std::time::Duration {
+        self.read()
+            .disconnected_since
+            .map_or(std::time::Duration::ZERO, |since| since.elapsed())
+    }
+
+    /// How many times the store was replaced by a full state.
+    pub fn generation(&self) -> u64 {
+        *self.generation.borrow()
+    }
+
+    /// Whether the first full list is in.
+    pub fn synced(&self) -> bool {
+        self.read().synced
+    }
+
+    /// The version the cache has reached.
+    pub fn rv(&self) -> u64 {
+        self.read().rv
+    }
+
+    /// The oldest version a watch can start after.
+    #[cfg(test)]
+    pub fn floor(&self) -> u64 {
+        self.read().floor
+    }
+
+    /// Objects and bytes cached, in all or one namespace.
+    pub fn size(&self, namespace: Option<&str>) -> (u64, u64) {
+        let state = self.read();
+        let size = match namespace {
+            None => state.total,
+            Some(ns) => state.namespaces.get(ns).copied().unwrap_or_default(),
+        };
+        (size.count, size.bytes)
+    }
+
+    /// Open watches of this resource.
+    pub fn watchers(&self) -> usize {
+        self.tx.receiver_count()
+    }
+
+    /// Waits until the cache reaches `rv`, at most `limit`; true when it did.
+    pub async fn wait_for(&self, rv: u64, limit: std::time::Duration) -> bool {
+        let mut rx = self.rv_tx.subscribe();
+        tokio::time::timeout(limit, rx.wait_for(|current| *current >= rv))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// The object under `namespace/name`, with the cache's version.
+    pub fn get(&self, namespace: &str, name: &str) -> (Option<Arc<Obj>>, u64) {
+        let state = self.read();
+        let obj = state
+            .objects
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned();
+        (obj, state.rv)
+    }
+
+    /// Every object in scope (all namespaces when `None`) that `keep` accepts, sorted by
+    /// namespace and name, with the cache's version.
+    pub fn list(
+        &self,
+        namespace: Option<&str>,
+        keep: impl Fn(&Obj) -> bool,
+    ) -> (Vec<Arc<Obj>>, u64) {
+        let state = self.read();
+        let items = scope(&state.objects, namespace)
+            .filter(|o| keep(o))
+            .cloned()
+            .collect();
+        (items, state.rv)
+    }
+
+    /// The objects in scope as of version `at` (rolled back through the ring), for a
+    /// continued list; `None` when `at` is older than the ring or newer than the cache.
+    pub fn list_at(&self, namespace: Option<&str>, at: u64) -> Option<Vec<Arc<Obj>>> {
+        let state = self.read();
+        if at < state.floor || at > state.rv {
+            return None;
+        }
+        let mut items: BTreeMap<(String, String), Arc<Obj>> = scope(&state.objects, namespace)
+            .map(|o| (o.key(), o.clone()))
+            .collect();
+        for event in state.ring.iter().rev().take_while(|e| e.rv > at) {
+            if namespace.is_some_and(|ns| ns != event.obj.namespace) {
+                continue;
+            }
+            match &event.prev {
+                Some(prev) => items.insert(prev.key(), prev.clone()),
+                None => items.remove(&event.obj.key()),
+            };
+        }
+        Some(items.into_values().collect())
+    }
+
+    /// Subscribes a watch. `after: None` starts with the current objects (synthetic
+    /// ADDED); `Some(n)` with the ring's events after `n`, or [`Expired`] when they are
+    /// gone. The caller has made sure the cache reached `n`.
+    pub fn watch(&self, after: Option<u64>) -> Result<WatchStart, Expired> {
+        let state = self.read();
+        let rx = self.tx.subscribe();
+        let generation = self.generation.subscribe();
+        match after {
+            None => Ok(WatchStart {
+                initial: state.objects.values().cloned().collect(),
+                backlog: Vec::new(),
+                rx,
+                rv: state.rv,
+                generation,
+            }),
+            Some(n) if n < state.floor => Err(Expired {
+                oldest: state.floor,
+            }),
+            Some(n) => Ok(WatchStart {
+                initial: Vec::new(),
+                backlog: state
+                    .ring
+                    .iter()
+                    .skip_while(|e| e.rv <= n)
+                    .cloned()
+                    .collect(),
+                rx,
+                rv: state.rv,
+                generation,
+            }),
+        }
+    }
+}
+
+fn scope<'a>(
+    objects: &'a BTreeMap<(String, String), Arc<Obj>>,
+    namespace: Option<&str>,
+) -> Box<dyn Iterator<Item = &'a Arc<Obj>> + 'a> {
+    match namespace {
+        Some(ns) => {
+            let ns = ns.to_owned();
+            Box::new(
+                objects
+                    .range((ns.clone(), String::new())..)
+                    .take_while(move |((n, _), _)| *n == ns)
+                    .map(|(_, o)| o),
+            )
+        }
+        None => Box::new(objects.values()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(ns: &str, name: &str, rv: u64, app: &str) -> Obj {
+        let raw = format!(
+            "{{\"kind\":\"Secret\",\"apiVersion\":\"v1\",\"metadata\":{{\"name\":\"{name}\",\"namespace\":\"{ns}\",\"resourceVersion\":\"{rv}\",\"labels\":{{\"app\":\"{app}\"}}}},\"type\":\"Opaque\"}}"
+        );
+        Obj::parse(raw.as_bytes()).unwrap()
+    }
+
+    fn store() -> ResourceStore {
+        ResourceStore::new(Kind::new("", "v1", "secrets", "Secret", true), 3, 16)
+    }
+
+    #[test]
+    fn objects_keep_the_item_form_and_rebuild_the_full_one() {
+        let obj = secret("ns", "a", 7, "web");
+        assert!(obj.body.starts_with(b"{\"metadata\":{\"name\":\"a\""));
+        let kind = Kind::new("", "v1", "secrets", "Secret", true);
+        let full: Vec<u8> = kind.full_object(&obj).concat();
+        let value: serde_json::Value = serde_json::from_slice(&full).unwrap();
+        assert_eq!(value["kind"], "Secret");
+        assert_eq!(value["apiVersion"], "v1");
+        assert_eq!(value["type"], "Opaque");
+        assert!(full.starts_with(b"{\"kind\":\"Secret\",\"apiVersion\":\"v1\",\"metadata\""));
+    }
+
+    #[test]
+    fn duplicates_are_dropped_and_the_ring_is_bounded() {
+        let s = store();
+        s.replace(vec![secret("ns", "a", 5, "web")], 5);
+        assert!(!s.apply(EventType::Modified, secret("ns", "a", 5, "web")));
+        for rv in 6..10 {
+            assert!(s.apply(EventType::Modified, secret("ns", "a", rv, "web")));
+        }
+        assert_eq!(s.rv(), 9);
+        assert_eq!(s.floor(), 6);
+        assert!(s.watch(Some(5)).is_err());
+        let start = s.watch(Some(6)).ok().unwrap();
+        let rvs: Vec<u64> = start.backlog.iter().map(|e| e.rv).collect();
+        assert_eq!(rvs, [7, 8, 9]);
+    }
+
+    #[test]
+    fn a_continued_list_sees_the_state_at_its_version() {
+        let s = store();
+        s.replace(vec![secret("ns", "a", 5, "web")], 5);
+        s.apply(EventType::Added, secret("ns", "b", 6, "web"));
+        s.apply(EventType::Deleted, secret("ns", "a", 7, "web"));
+        let names = |v: Vec<Arc<Obj>>| v.iter().map(|o| o.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(s.list_at(None, 5).unwrap()), ["a"]);
+        assert_eq!(names(s.list_at(None, 6).unwrap()), ["a", "b"]);
+        assert_eq!(names(s.list_at(Some("ns"), 7).unwrap()), ["b"]);
+        assert!(s.list_at(None, 8).is_none());
+    }
+
+    #[test]
+    fn an_object_leaving_a_selector_is_deleted_at_the_event_version() {
+        let s = store();
+        s.replace(vec![secret("ns", "a", 5, "web")], 5);
+        s.apply(EventType::Modified, secret("ns", "a", 6, "db"));
+        let start = s.watch(Some(5)).ok().unwrap();
+        let counter = AtomicU64::new(0);
+        let line = start.backlog[0].left_line(&s.kind, &counter);
+        let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(value["type"], "DELETED");
+        assert_eq!(value["object"]["metadata"]["labels"]["app"], "web");
+        assert_eq!(value["object"]["metadata"]["resourceVersion"], "6");
+    }
+
+    #[test]
+    fn sizes_follow_the_objects() {
+        let s = store();
+        s.replace(
+            vec![secret("a", "x", 5, "web"), secret("b", "y", 5, "web")],
+            5,
+        );
+        let (count, bytes) = s.size(None);
+        assert_eq!(count, 2);
+        assert_eq!(s.size(Some("a")).0, 1);
+        s.apply(EventType::Deleted, secret("a", "x", 6, "web"));
+        assert_eq!(s.size(Some("a")), (0, 0));
+        assert!(s.size(None).1 < bytes);
+    }
+}

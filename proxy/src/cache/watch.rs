@@ -1,0 +1,300 @@
+//! Watch streams served from the cache: the initial state when asked (WatchList ends it
+//! with the `k8s.io/initial-events-end` bookmark), the ring's backlog, then live events
+//! from the broadcast, each event's line encoded once and shared. Selector transitions
+//! follow the apiserver's cacher (an object leaving the selector is DELETED); bookmarks
+//! when asked; the stream ends at `timeoutSeconds`, on a relist, when the watcher falls
+//! further behind than its buffer, or when a periodic re-authorization says no.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use http_body_util::{BodyExt, StreamBody};
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::authz::{AccessCache, Attributes, Decision};
+use super::select::{FieldSelector, LabelSelector};
+use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
+use crate::identity::User;
+use crate::metrics::Metrics;
+
+/// Which objects a watch (or list) sees.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// Namespace scope; `None` for all.
+    pub namespace: Option<String>,
+    /// `labelSelector`.
+    pub labels: LabelSelector,
+    /// `fieldSelector`.
+    pub fields: FieldSelector,
+}
+
+impl Filter {
+    /// Whether the object is in scope and matches both selectors.
+    pub fn matches(&self, obj: &Obj) -> bool {
+        self.namespace
+            .as_deref()
+            .is_none_or(|ns| ns == obj.namespace)
+            && self.labels.matches(&obj.labels)
+            && self.fields.matches(&obj.namespace, &obj.name)
+    }
+
+    /// Whether the filter selects anything beyond the namespace.
+    pub fn selects(&self) -> bool {
+        !self.labels.is_empty() || !self.fields.is_empty()
+    }
+}
+
+/// How one watch behaves.
+pub struct Options {
+    /// Objects and events it sees.
+    pub filter: Filter,
+    /// Send bookmarks this often (`None`: the client did not allow them).
+    pub bookmarks: Option<Duration>,
+    /// End the initial state with the `initial-events-end` bookmark (WatchList).
+    pub initial_events_end: bool,
+    /// When the stream ends.
+    pub timeout: Duration,
+    /// The version the client asked to start after, if any.
+    pub from: Option<u64>,
+}
+
+/// Periodic re-authorization of an open watch.
+pub struct Reauthorize {
+    /// The decision cache.
+    pub access: Arc<AccessCache>,
+    /// Who watches.
+    pub user: User,
+    /// What they watch.
+    pub attrs: Attributes,
+    /// About how often (with jitter).
+    pub every: Duration,
+}
+
+struct Watcher {
+    store: Arc<ResourceStore>,
+    options: Options,
+    initial: VecDeque<Arc<Obj>>,
+    end_bookmark: Option<u64>,
+    backlog: VecDeque<Arc<Event>>,
+    rx: tokio::sync::broadcast::Receiver<Arc<Event>>,
+    generation: tokio::sync::watch::Receiver<u64>,
+    last_rv: u64,
+    next_bookmark: Option<Instant>,
+    deadline: Instant,
+    reauth: Option<Reauthorize>,
+    next_reauth: Option<Instant>,
+    review: Option<JoinHandle<Result<Decision, String>>>,
+    metrics: Metrics,
+    done: bool,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(review) = self.review.take() {
+            review.abort();
+        }
+    }
+}
+
+/// Up to ±20 %, so that watches opened together are not re-authorized together.
+fn jittered(every: Duration) -> Duration {
+    every.mul_f64(rand::random_range(0.8..1.2))
+}
+
+impl Watcher {
+    fn convert(&mut self, out: &mut BytesMut, event: &Event) {
+        self.last_rv = self.last_rv.max(event.rv);
+        let filter = &self.options.filter;
+        let counter = &self.store.encodings;
+        let kind = &self.store.kind;
+        let now = event.kind != EventType::Deleted && filter.matches(&event.obj);
+        let before = match (&event.prev, event.kind) {
+            (Some(prev), _) => filter.matches(prev),
+            // A delete of an object the cache did not have: judge by the object itself.
+            (None, EventType::Deleted) => filter.matches(&event.obj),
+            (None, _) => false,
+        };
+        let line = match (now, before) {
+            (true, false) => event.line(kind, EventType::Added, counter),
+            (true, true) => event.line(kind, EventType::Modified, counter),
+            (false, true) if event.kind == EventType::Deleted => {
+                event.line(kind, EventType::Deleted, counter)
+            }
+            (false, true) => event.left_line(kind, counter),
+            (false, false) => return,
+        };
+        out.extend_from_slice(&line);
+    }
+
+    fn slow(&mut self) -> Option<Bytes> {
+        self.metrics
+            .cache_slow_watchers_total
+            .with_label_values(&[&resource_label(&self.store)])
+            .inc();
+        self.done = true;
+        None
+    }
+
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        if self.done {
+            return None;
+        }
+        let kind = self.store.kind.clone();
+        if let Some(chunk) = {
+            let filter = &self.options.filter;
+            super::respond::added_frames(&kind, &mut self.initial, |o| filter.matches(o))
+        } {
+            return Some(chunk);
+        }
+        let mut out = BytesMut::new();
+        if let Some(rv) = self.end_bookmark.take() {
+            out.extend_from_slice(&bookmark_line(&kind, rv, true));
+        }
+        while let Some(event) = self.backlog.pop_front() {
+            self.convert(&mut out, &event);
+            if out.len() >= 64 * 1024 {
+                return Some(out.freeze());
+            }
+        }
+        if !out.is_empty() {
+            return Some(out.freeze());
+        }
+        loop {
+            let bookmark = self.next_bookmark;
+            let reauth_at = self.next_reauth;
+            tokio::select! {
+                received = self.rx.recv() => match received {
+                    Ok(event) => {
+                        self.convert(&mut out, &event);
+                        // Take whatever else is already queued into the same frame.
+                        loop {
+                            match self.rx.try_recv() {
+                                Ok(event) => self.convert(&mut out, &event),
+                                Err(TryRecvError::Empty) => break,
+                                Err(TryRecvError::Lagged(_)) => return self.slow(),
+                                Err(TryRecvError::Closed) => { self.done = true; break; }
+                            }
+                            if out.len() >= 64 * 1024 {
+                                break;
+                            }
+                        }
+                        if !out.is_empty() {
+                            return Some(out.freeze());
+                        }
+                    }
+                    // Too far behind: the broadcast dropped events for this watcher. Close
+                    // it, as the apiserver closes slow watchers; the client re-watches.
+                    Err(RecvError::Lagged(_)) => return self.slow(),
+                    Err(RecvError::Closed) => {
+                        self.done = true;
+                        return None;
+                    }
+                },
+                _ = self.generation.changed() => {
+                    // The cache relisted: history may have been lost, every watch ends.
+                    self.done = true;
+                    return None;
+                }
+                _ = sleep_until(bookmark) => {
+                    let rv = self.store.rv();
+                    // Deliver every event up to that version before vouching for it.
+                    loop {
+                        match self.rx.try_recv() {
+                            Ok(event) => self.convert(&mut out, &event),
+                            Err(TryRecvError::Empty) => break,
+                            Err(TryRecvError::Lagged(_)) => return self.slow(),
+                            Err(TryRecvError::Closed) => break,
+                        }
+                    }
+                    self.last_rv = self.last_rv.max(rv);
+                    out.extend_from_slice(&bookmark_line(&kind, self.last_rv, false));
+                    self.next_bookmark = self.options.bookmarks.map(|every| Instant::now() + every);
+                    return Some(out.freeze());
+                }
+                _ = sleep_until(reauth_at), if self.review.is_none() => {
+                    if let Some(reauth) = &self.reauth {
+                        let access = reauth.access.clone();
+                        let user = reauth.user.clone();
+                        let attrs = reauth.attrs.clone();
+                        self.review = Some(tokio::spawn(async move { access.check(&user, &attrs).await }));
+                    }
+                    self.next_reauth = None;
+                }
+                decided = async { self.review.as_mut().expect("guarded").await }, if self.review.is_some() => {
+                    self.review = None;
+                    // Allowed, or no answer: a review that fails keeps the watch open.
+                    if let Ok(Ok(Decision::Denied(_))) = decided {
+                        tracing::info!(resource = %resource_label(&self.store), "access revoked; closing a cached watch");
+                        self.done = true;
+                        return None;
+                    }
+                    self.next_reauth = self.reauth.as_ref().map(|r| Instant::now() + jittered(r.every));
+                }
+                _ = tokio::time::sleep_until(self.deadline) => {
+                    self.done = true;
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn resource_label(store: &ResourceStore) -> String {
+    crate::config::GroupResource {
+        group: store.kind.group.clone(),
+        resource: store.kind.resource.clone(),
+    }
+    .to_string()
+}
+
+/// The body of a watch that has subscribed.
+pub fn body(
+    store: Arc<ResourceStore>,
+    start: WatchStart,
+    options: Options,
+    reauth: Option<Reauthorize>,
+    metrics: Metrics,
+) -> crate::Body {
+    let now = Instant::now();
+    let WatchStart {
+        initial,
+        backlog,
+        rx,
+        rv,
+        generation,
+    } = start;
+    let watcher = Watcher {
+        initial: initial.into(),
+        end_bookmark: options.initial_events_end.then_some(rv),
+        backlog: backlog.into(),
+        rx,
+        generation,
+        last_rv: options.from.unwrap_or(rv),
+        next_bookmark: options.bookmarks.map(|every| now + every),
+        deadline: now + options.timeout,
+        next_reauth: reauth.as_ref().map(|r| now + jittered(r.every)),
+        reauth,
+        review: None,
+        store,
+        options,
+        metrics,
+        done: false,
+    };
+    let stream = futures::stream::unfold(watcher, |mut w| async move {
+        w.next_chunk().await.map(|chunk| (chunk, w))
+    })
+    .map(|chunk| Ok::<_, crate::BoxError>(http_body::Frame::data(chunk)));
+    StreamBody::new(stream).boxed_unsync()
+}

@@ -1,0 +1,500 @@
+//! The watch-fed cache over real sockets: the simulated fleet as the one upstream, the
+//! cache's informers with Bulwark's own certificate, SubjectAccessReviews answered by the
+//! simulator's policy, and real clients (raw HTTP/2 and the `kube` crate) in front.
+
+mod stack;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use http_body_util::BodyExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use serde_json::{Value, json};
+
+use stack::{Options, Stack};
+
+/// An HTTP/2 client with a certificate for `user`.
+async fn client(
+    stack: &Stack,
+    user: &str,
+) -> hyper::client::conn::http2::SendRequest<http_body_util::Full<bytes::Bytes>> {
+    let cert = stack.pki.client_ca.client_cert(user, &[]);
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(stack.pki.server_ca.cert_der()).unwrap();
+    let chain = rustls_pemfile::certs(&mut cert.cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls_pemfile::private_key(&mut cert.key_pem.as_bytes())
+        .unwrap()
+        .unwrap();
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(chain, key)
+    .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(stack.addr).await.unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+async fn get(stack: &Stack, user: &str, path: &str) -> (http::StatusCode, Value) {
+    let mut sender = client(stack, user).await;
+    let request = http::Request::get(format!("https://127.0.0.1{path}"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+fn names(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .map(|items| {
+            items
+                .iter()
+                .map(|i| {
+                    i["metadata"]["name"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn create(stack: &Stack, ns: &str, name: &str, value: &str) {
+    stack
+        .fleet
+        .store()
+        .create(
+            "secrets",
+            ns,
+            json!({"metadata": {"name": name, "labels": {"app": "churn"}}, "data": {"k": value}}),
+        )
+        .unwrap();
+}
+
+/// The simulator's secrets as name → resourceVersion.
+fn truth(stack: &Stack) -> BTreeMap<String, String> {
+    let (_, objects) = stack.fleet.store().list("secrets", None, None).unwrap();
+    objects
+        .iter()
+        .map(|o| (format!("{}/{}", o.namespace, o.name), o.rv.to_string()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
+    let stack = Stack::start(Options {
+        seed: vec!["secrets=20x1KiB@team,other"],
+        ..Options::default()
+    })
+    .await;
+    stack
+        .fleet
+        .store()
+        .create(
+            "secrets",
+            "team",
+            json!({"metadata": {"name": "n1-secret"}}),
+        )
+        .unwrap();
+    // Wait until the cache has the new secret.
+    let rv = stack.fleet.store().resource_version();
+    while stack.cache.scope_size("secrets", Some("team")).map(|s| s.0) != Some(11) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let (status, list) = get(
+        &stack,
+        "alice",
+        "/api/v1/namespaces/team/secrets?resourceVersion=0",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(list["kind"], "SecretList");
+    assert_eq!(names(&list).len(), 11);
+    assert!(
+        list["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= rv
+    );
+    let (status, secret) = get(
+        &stack,
+        "alice",
+        "/api/v1/namespaces/team/secrets/secret-0?resourceVersion=0",
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(secret["kind"], "Secret");
+    // None of alice's reads reached the apiservers: the cache answered, after a review.
+    assert!(
+        stack.upstream_requests_of("alice").is_empty(),
+        "{:?}",
+        stack.upstream_requests_of("alice")
+    );
+    assert!(
+        stack
+            .upstream_requests_of("bulwark")
+            .iter()
+            .any(|p| p.contains("subjectaccessreviews"))
+    );
+
+    // A user without access gets 403 and never the data, for every read.
+    for path in [
+        "/api/v1/namespaces/team/secrets/secret-0?resourceVersion=0",
+        "/api/v1/namespaces/team/secrets?resourceVersion=0",
+        "/api/v1/secrets?resourceVersion=0",
+        "/api/v1/namespaces/team/secrets?watch=1&resourceVersion=0",
+    ] {
+        let (status, body) = get(&stack, "mallory", path).await;
+        assert_eq!(status, 403, "{path}");
+        assert_eq!(body["reason"], "Forbidden");
+        assert!(body.get("items").is_none() && body.get("data").is_none());
+    }
+
+    // A node reads its own secret by name, and no other.
+    let own =
+        "/api/v1/namespaces/team/secrets?resourceVersion=0&fieldSelector=metadata.name%3Dn1-secret";
+    let (status, list) = get(&stack, "system:node:n1", own).await;
+    assert_eq!(status, 200);
+    assert_eq!(names(&list), ["n1-secret"]);
+    let (status, _) = get(
+        &stack,
+        "system:node:n1",
+        "/api/v1/namespaces/team/secrets/n1-secret?resourceVersion=0",
+    )
+    .await;
+    assert_eq!(status, 200);
+    for other in [
+        "/api/v1/namespaces/team/secrets?resourceVersion=0&fieldSelector=metadata.name%3Dsecret-0",
+        "/api/v1/namespaces/team/secrets?resourceVersion=0",
+        "/api/v1/namespaces/team/secrets/secret-0?resourceVersion=0",
+    ] {
+        assert_eq!(get(&stack, "system:node:n1", other).await.0, 403, "{other}");
+    }
+
+    // Every Secret read the cache answered is in the audit log.
+    let log = std::fs::read_to_string(&stack.audit_path).unwrap();
+    let events: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), 4, "{log}");
+    assert!(events.iter().all(|e| e["apiVersion"] == "audit.k8s.io/v1"));
+    assert_eq!(events[0]["user"]["username"], "alice");
+    assert_eq!(events[2]["user"]["username"], "system:node:n1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pagination_works_across_pages() {
+    let stack = Stack::start(Options {
+        seed: vec!["secrets=25x512B@team"],
+        ..Options::default()
+    })
+    .await;
+    let mut seen = Vec::new();
+    let mut path = "/api/v1/namespaces/team/secrets?resourceVersion=0&limit=10".to_owned();
+    loop {
+        let (status, page) = get(&stack, "alice", &path).await;
+        assert_eq!(status, 200, "{page}");
+        seen.extend(names(&page));
+        match page["metadata"]["continue"].as_str() {
+            Some(token) => {
+                path = format!("/api/v1/namespaces/team/secrets?limit=10&continue={token}")
+            }
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 25);
+    assert!(stack.upstream_requests_of("alice").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kube_reflector_stays_equal_to_the_store_when_the_cache_syncs_by_watch_list() {
+    reflector_across_breaks_relists_and_restarts("  watchList: true", "sendInitialEvents=true")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kube_reflector_stays_equal_to_the_store_when_the_cache_syncs_by_list() {
+    reflector_across_breaks_relists_and_restarts("  watchList: false", "limit=500").await;
+}
+
+/// A kube reflector through the stack against the simulator's store, under churn, across
+/// an upstream watch break, a 410 relist and a replica restart; the cache's informers sync
+/// as `cache_yaml` says, and their sync requests contain `sync_marker`.
+async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, sync_marker: &str) {
+    let stack = Stack::start(Options {
+        replicas: 2,
+        event_ring: 30,
+        seed: vec!["secrets=30x256B@team,other"],
+        cache_yaml,
+    })
+    .await;
+    let client = stack.kube_client("alice").await;
+    let api: Api<Secret> = Api::all(client);
+    let (reader, writer) = reflector::store();
+    let stream = reflector(
+        writer,
+        watcher(api, watcher::Config::default().any_semantic()),
+    )
+    .default_backoff()
+    .applied_objects();
+    let task = tokio::spawn(async move {
+        let mut stream = stream.boxed();
+        // Errors (a 410, a refused request) are retried by the watcher after its backoff.
+        while stream.next().await.is_some() {}
+    });
+    let view = || -> BTreeMap<String, String> {
+        reader
+            .state()
+            .iter()
+            .map(|s| {
+                let m = &s.metadata;
+                (
+                    format!(
+                        "{}/{}",
+                        m.namespace.clone().unwrap_or_default(),
+                        m.name.clone().unwrap_or_default()
+                    ),
+                    m.resource_version.clone().unwrap_or_default(),
+                )
+            })
+            .collect()
+    };
+    let converge = |what: &'static str| {
+        let view = &view;
+        let stack = &stack;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                if view() == truth(stack) {
+                    return;
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    let (v, t) = (view(), truth(stack));
+                    let missing: Vec<_> = t
+                        .iter()
+                        .filter(|(k, r)| v.get(*k) != Some(r))
+                        .take(5)
+                        .collect();
+                    let extra: Vec<_> = v
+                        .iter()
+                        .filter(|(k, r)| t.get(*k) != Some(r))
+                        .take(5)
+                        .collect();
+                    panic!(
+                        "{what}: the reflector never caught up: {} vs {} objects; missing {missing:?}; extra {extra:?}; cache {:?}\n{}",
+                        v.len(),
+                        t.len(),
+                        stack.cache.scope_size("secrets", None),
+                        stack
+                            .metrics
+                            .render()
+                            .lines()
+                            .filter(|l| l.contains("cache"))
+                            .collect::<Vec<_>>()
+                            .join("\n")
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    converge("initial sync").await;
+
+    // Churn: creates, updates and deletes.
+    for i in 0..20 {
+        create(&stack, "team", &format!("churn-{i}"), "djE=");
+        stack
+            .fleet
+            .store()
+            .patch(
+                "secrets",
+                "other",
+                &format!("secret-{}", (i * 2 + 1) % 30),
+                &json!({"data": {"k": "djI="}}),
+            )
+            .unwrap();
+        if i % 3 == 0 && i < 15 {
+            stack
+                .fleet
+                .store()
+                .delete("secrets", "team", &format!("secret-{}", i * 2))
+                .unwrap();
+        }
+    }
+    converge("churn").await;
+
+    // An upstream watch break: every replica resets its streams for a moment.
+    for replica in stack.fleet.replicas() {
+        replica.set_reset_mid_body(Some(0));
+    }
+    create(&stack, "team", "during-break", "djM=");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for replica in stack.fleet.replicas() {
+        replica.set_reset_mid_body(None);
+    }
+    converge("watch break").await;
+
+    // A 410 relist: the fleet goes away while more changes than its window happen.
+    let relists = stack
+        .metrics
+        .cache_relists_total
+        .with_label_values(&["secrets"])
+        .get();
+    for replica in stack.fleet.replicas() {
+        replica.stop().await;
+    }
+    for i in 0..40 {
+        create(&stack, "other", &format!("offline-{i}"), "djQ=");
+    }
+    for replica in stack.fleet.replicas() {
+        replica.start().await;
+    }
+    converge("relist").await;
+    // The reflector may have caught up through the apiserver (a watch the cache could not
+    // yet answer goes upstream); the cache relists on its own schedule, within its backoff.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while stack
+        .metrics
+        .cache_relists_total
+        .with_label_values(&["secrets"])
+        .get()
+        == relists
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cache never relisted; its requests: {:#?}",
+            stack
+                .upstream_requests_of("bulwark")
+                .iter()
+                .filter(|p| p.contains("secrets"))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    converge("after the cache's relist").await;
+
+    // A replica restart under churn.
+    stack.fleet.replica(0).stop().await;
+    for i in 0..10 {
+        create(&stack, "team", &format!("restart-{i}"), "djU=");
+    }
+    stack.fleet.replica(0).start().await;
+    converge("replica restart").await;
+    assert!(
+        stack.hits("list") + stack.hits("watch") > 0,
+        "the reflector was served from the cache"
+    );
+    let syncs = stack
+        .upstream_requests_of("bulwark")
+        .into_iter()
+        .filter(|p| p.starts_with("/api/v1/secrets?") && p.contains(sync_marker))
+        .count();
+    assert!(syncs >= 2, "the first sync and the relist: {syncs}");
+    task.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_list_informer_completes_its_initial_sync() {
+    let stack = Stack::start(Options {
+        seed: vec!["secrets=15x256B@team"],
+        ..Options::default()
+    })
+    .await;
+    let client = stack.kube_client("alice").await;
+    let api: Api<Secret> = Api::namespaced(client, "team");
+    let mut events = watcher(api, watcher::Config::default().streaming_lists()).boxed();
+    let mut initial = 0;
+    let done = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(event) = events.try_next().await.expect("watch event") {
+            match event {
+                watcher::Event::InitApply(_) => initial += 1,
+                watcher::Event::InitDone => return true,
+                _ => {}
+            }
+        }
+        false
+    })
+    .await
+    .expect("the initial sync ends");
+    assert!(done);
+    assert_eq!(initial, 15);
+    assert!(
+        stack.hits("watch") >= 1,
+        "the WatchList was served from the cache"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_watchers_share_one_upstream_watch_per_resource() {
+    let stack = Stack::start(Options {
+        replicas: 2,
+        seed: vec!["secrets=5x256B@team"],
+        ..Options::default()
+    })
+    .await;
+    let mut senders = Vec::new();
+    for _ in 0..4 {
+        senders.push(client(&stack, "alice").await);
+    }
+    let mut bodies = Vec::new();
+    for i in 0..200 {
+        let mut sender = senders[i % senders.len()].clone();
+        let request = http::Request::get(
+            "https://127.0.0.1/api/v1/namespaces/team/secrets?watch=1&resourceVersion=0",
+        )
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+        sender.ready().await.unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), 200);
+        bodies.push(response.into_body());
+    }
+    create(&stack, "team", "fan-out", "djE=");
+    for body in &mut bodies {
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains("\"name\":\"fan-out\"") {
+            let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+                .await
+                .expect("the event arrives")
+                .expect("the stream is open")
+                .unwrap();
+            if let Ok(data) = frame.into_data() {
+                seen.extend_from_slice(&data);
+            }
+        }
+    }
+    // The apiservers see the cache's watches (one per cached resource), not 200.
+    let watches: u64 = stack.fleet.stats().iter().map(|s| s.open_watches).sum();
+    assert_eq!(watches, 3, "secrets, endpoints, endpointslices");
+    assert!(stack.upstream_requests_of("alice").is_empty());
+}

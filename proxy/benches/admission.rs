@@ -71,7 +71,7 @@ fn bench(c: &mut Criterion) {
         let mut held = Vec::new();
         for (i, m) in flows.iter().enumerate() {
             let permit = admission.admit(m, &get, &user).await.expect("admitted");
-            if i % 2 == 0 {
+            if i.is_multiple_of(2) {
                 held.push(permit);
             }
         }
@@ -88,7 +88,7 @@ fn bench(c: &mut Criterion) {
                 for _ in 0..iters {
                     let m = &flows[next % FLOWS];
                     // One LIST in ten: the cost model and the byte budget too.
-                    let info = if next % 10 == 0 { &list } else { &get };
+                    let info = if next.is_multiple_of(10) { &list } else { &get };
                     next += 1;
                     let started = Instant::now();
                     let permit = admission.admit(m, info, &user).await;

@@ -471,7 +471,8 @@ impl Admission {
         let shared = &self.shared;
         let mut levels: Vec<(bool, Arc<Level>)> = {
             let current = shared.levels.read().unwrap_or_else(|p| p.into_inner());
-            let draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+            let mut draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+            draining.retain(|level| !level.idle());
             current
                 .values()
                 .map(|l| (false, l.clone()))

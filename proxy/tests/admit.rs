@@ -126,3 +126,70 @@ async fn list_bytes_are_held_on_the_replica_with_room_and_its_budget_holds() {
             .contains("bulwark_list_bytes_in_flight{replica=\"b:2\"} 0")
     );
 }
+
+/// Many threads admitting, giving up half-way and finishing at random: when all is done,
+/// nothing is left waiting, executing or counted against a replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_admissions_and_cancellations_leave_nothing_behind() {
+    use bulwark::admit::{AdmissionConfig, LocalBudget};
+    let level = Arc::new(LevelSpec {
+        name: "busy".into(),
+        exempt: false,
+        seats: 4,
+        queues: 16,
+        hand_size: 3,
+        queue_length: 20,
+        max_wait: Duration::from_millis(50),
+    });
+    let budget = Arc::new(LocalBudget::new(2, 10_000));
+    let config = AdmissionConfig {
+        seat_unit_bytes: Some(1_000),
+        ..AdmissionConfig::default()
+    };
+    let admission = Admission::with_budget(
+        std::slice::from_ref(&level),
+        budget.clone(),
+        config,
+        Metrics::new(),
+    );
+    let list = classify(
+        &http::Method::GET,
+        &"/api/v1/namespaces/a/secrets".parse().unwrap(),
+    )
+    .unwrap();
+    let get = classify(
+        &http::Method::GET,
+        &"/api/v1/namespaces/a/secrets/s".parse().unwrap(),
+    )
+    .unwrap();
+    admission.observe_list(&list, 3_000, Some(3));
+    let mut tasks = Vec::new();
+    for i in 0..64u64 {
+        let (admission, level, list, get) =
+            (admission.clone(), level.clone(), list.clone(), get.clone());
+        tasks.push(tokio::spawn(async move {
+            for j in 0..50u64 {
+                let m = matched(&level, &format!("operators/{}", (i * 7 + j) % 23));
+                let info = if (i + j) % 3 == 0 { &list } else { &get };
+                let user = User::default();
+                let attempt = admission.admit(&m, info, &user);
+                if (i + j) % 5 == 0 {
+                    // The client gives up before it is admitted, or just after.
+                    let _ = tokio::time::timeout(Duration::from_micros(200), attempt).await;
+                } else if let Ok(permit) = attempt.await {
+                    tokio::task::yield_now().await;
+                    drop(permit);
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let levels = admission.levels_json();
+    let busy = &levels["levels"][0];
+    assert_eq!(busy["waiting"], 0, "{levels}");
+    assert_eq!(busy["executingSeats"], 0, "{levels}");
+    assert_eq!(busy["executingRequests"], 0, "{levels}");
+    assert_eq!(budget.in_flight(), vec![0, 0]);
+}

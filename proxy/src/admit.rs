@@ -1,16 +1,23 @@
 //! Admission (DESIGN.md step 6): decides whether, and when, a classified and matched request
 //! may run.
 //!
-//! In order: the flow's token bucket ([`flows`]), the rule's per-flow watch limit, the cost
-//! of the request ([`cost`]: seats, and bytes for a LIST), then the level's shuffle-sharded
-//! fair queues ([`queue`]) until both the seats and, for a LIST, the bytes on a replica
-//! ([`budget`]) are free — holding neither while it waits. A refusal is a [`Refusal`] with
+//! In order: the flow's token bucket (`flows`), the rule's per-flow watch limit, the cost
+//! of the request (`cost`: seats, and bytes for a LIST), then the level's shuffle-sharded
+//! fair queues (`queue`) until both the seats and, for a LIST, the bytes on a replica
+//! (`budget`) are free — holding neither while it waits. A refusal is a [`Refusal`] with
 //! the rule, the level, the reason and the flow's own `Retry-After`. Shadow-mode rules
 //! refuse nothing: they count and log what they would have refused. Exempt levels have no
 //! limits at all.
 //!
 //! Refusals are counted in `bulwark_rejected_requests_total` by the layer that answers them
 //! (`serve::Rescue`), not here, so that each is counted once.
+//!
+//! Wiring: build one [`Admission`] from the rule set's levels and the [`Upstream`], call
+//! [`Admission::update_levels`] with the levels of every new rule set, and for each matched
+//! request `admit` it. Keep the [`Permit`] alive until the response body ends; for a
+//! long-running request call [`Permit::release_seats`] at the response head, and for a watch
+//! keep [`Permit::watch_guard`] with the stream. After a LIST, report its body size (and
+//! item count) with [`Admission::observe_list`] so that costs follow the collection.
 
 mod budget;
 mod cost;
@@ -471,7 +478,8 @@ impl Admission {
         let shared = &self.shared;
         let mut levels: Vec<(bool, Arc<Level>)> = {
             let current = shared.levels.read().unwrap_or_else(|p| p.into_inner());
-            let draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+            let mut draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+            draining.retain(|level| !level.idle());
             current
                 .values()
                 .map(|l| (false, l.clone()))

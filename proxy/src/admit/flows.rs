@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -144,8 +144,10 @@ pub(crate) struct Flows {
     shards: Box<[Shard]>,
     clock: TokioClock,
     idle_after: Duration,
-    /// Next sweep, as nanoseconds since the clock's origin, and the shard it sweeps.
+    /// Next sweep, as time since the clock's origin, and the shard it sweeps.
     sweep: Mutex<(Duration, usize)>,
+    /// The next sweep's time in nanoseconds, read without the lock on every request.
+    next_sweep: AtomicU64,
     len: AtomicUsize,
 }
 
@@ -159,6 +161,7 @@ impl Flows {
             clock: TokioClock::new(),
             idle_after,
             sweep: Mutex::new((Duration::ZERO, 0)),
+            next_sweep: AtomicU64::new(0),
             len: AtomicUsize::new(0),
         }
     }
@@ -249,13 +252,22 @@ impl Flows {
     /// `idle_after`, a bounded amount of work per call.
     pub(crate) fn maybe_sweep(&self, now: Instant) {
         let at = now.saturating_duration_since(self.clock.origin);
+        let at_nanos = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX);
+        if at_nanos < self.next_sweep.load(Ordering::Relaxed) {
+            return;
+        }
         let shard = {
             let mut sweep = self.sweep.lock().unwrap_or_else(|p| p.into_inner());
             if at < sweep.0 {
                 return;
             }
-            let step = (self.idle_after / self.shards.len() as u32).max(Duration::from_millis(10));
+            let shards = u32::try_from(self.shards.len()).unwrap_or(u32::MAX);
+            let step = (self.idle_after / shards).max(Duration::from_millis(10));
             sweep.0 = at + step;
+            self.next_sweep.store(
+                u64::try_from(sweep.0.as_nanos()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
             sweep.1 = (sweep.1 + 1) % self.shards.len();
             sweep.1
         };

@@ -366,7 +366,10 @@ impl Level {
     /// delivered are pushed to `returned`, to be dropped once the lock is released.
     fn dispatch(self: &Arc<Self>, state: &mut State, returned: &mut Vec<Grant>) {
         let limit = self.seats_limit();
-        self.limit_gauge.set(i64::from(limit));
+        if !self.draining.load(Ordering::Relaxed) {
+            // The gauge belongs to the level in force; a draining one shares its label.
+            self.limit_gauge.set(i64::from(limit));
+        }
         let mut passed_over: Vec<usize> = Vec::new();
         let mut bytes_short = false;
         loop {

@@ -288,3 +288,26 @@ async fn a_reflector_converges_to_the_store_under_churn() {
     );
     task.abort();
 }
+
+#[tokio::test]
+async fn kube_discovery_finds_the_served_resources() {
+    let fleet = fleet("secrets=1x256B", 100).await;
+    let d = kube::discovery::Discovery::new(client(&fleet).await)
+        .run()
+        .await
+        .unwrap();
+    let mut found = Vec::new();
+    for g in d.groups() {
+        for (ar, caps) in g.recommended_resources() {
+            found.push(format!("{}/{} {:?}", ar.group, ar.plural, caps.scope));
+        }
+    }
+    for want in [
+        "/secrets Namespaced",
+        "/namespaces Cluster",
+        "discovery.k8s.io/endpointslices Namespaced",
+        "coordination.k8s.io/leases Namespaced",
+    ] {
+        assert!(found.iter().any(|f| f == want), "{want} not in {found:?}");
+    }
+}

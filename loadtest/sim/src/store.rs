@@ -98,6 +98,24 @@ impl Obj {
         b.freeze()
     }
 
+    /// The same object stamped with another resourceVersion (what a watch sends for an
+    /// object that left its selector: the previous state at the change's revision).
+    pub fn with_rv(&self, rv: u64) -> Obj {
+        // metadata is written first and resourceVersion before any user-controlled map, and
+        // quotes inside string values are escaped, so the first match is the real field.
+        let old = format!("\"resourceVersion\":\"{}\"", self.rv);
+        let text = String::from_utf8_lossy(&self.body);
+        let body = text.replacen(&old, &format!("\"resourceVersion\":\"{rv}\""), 1);
+        Obj {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            rv,
+            uid: self.uid.clone(),
+            labels: self.labels.clone(),
+            body: Bytes::from(body),
+        }
+    }
+
     /// The decoded object with kind and apiVersion.
     pub fn to_value(&self, def: &ResourceDef) -> Value {
         serde_json::from_slice(&self.with_kind(def)).unwrap_or(Value::Null)

@@ -135,6 +135,12 @@ impl W {
                 });
                 out.extend_from_slice(line);
             }
+            // An object that left the selector is sent as DELETED with its previous state at
+            // this revision, as the apiserver's watch cache does.
+            Some(EventType::Deleted) => match &ev.prev {
+                Some(p) => event_line(out, self.def, "DELETED", &p.with_rv(ev.rv)),
+                None => event_line(out, self.def, "DELETED", &ev.obj),
+            },
             Some(k) => event_line(out, self.def, k.as_str(), &ev.obj),
             None => {}
         }

@@ -429,23 +429,6 @@ async fn another_connection_opens_when_the_streams_of_one_are_taken() -> Result<
 }
 
 #[tokio::test]
-async fn the_replicas_own_stream_limit_opens_connections_sooner() -> Result<()> {
-    // The replica allows 100 streams per connection; the config would allow 150.
-    let s = setup(1, vec![], "streamsPerConnection: 150").await?;
-    s.fleet.replica(0).set_delay(Duration::from_millis(500));
-    // One request first, so the connection has the replica's SETTINGS before the burst.
-    drain(s.upstream.send(get("/api/v1/namespaces"), read()).await?).await?;
-    let sends: Vec<_> = (0..120)
-        .map(|_| s.upstream.send(get("/api/v1/namespaces"), read()))
-        .collect();
-    for r in futures::future::join_all(sends).await {
-        drain(r?).await?;
-    }
-    assert_eq!(s.upstream.snapshot()[0].connections, 2);
-    Ok(())
-}
-
-#[tokio::test]
 async fn slow_reading_large_lists_do_not_stall_other_streams() -> Result<()> {
     // About 16 MiB each: far more than one stream's window.
     let s = setup(

@@ -23,8 +23,10 @@ const PAGE: u64 = 500;
 const MAX_PAGE_BYTES: usize = 512 * 1024 * 1024;
 /// Time allowed for a LIST page.
 const LIST_TIMEOUT: Duration = Duration::from_secs(120);
-/// Backoff between failed attempts: from the first to the last, doubling.
-const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(30));
+/// Backoff between failed attempts: from the first to the last, doubling. The cap is short
+/// because a stale cache answers nobody consistently, and a Bulwark runs only a handful of
+/// informers (one per cached resource), so their retries cannot load an apiserver.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 /// A watch that lasted this long was healthy; the backoff starts over after it.
 const HEALTHY_WATCH: Duration = Duration::from_secs(5);
 /// Longest line of a watch stream (one object) read.

@@ -5,8 +5,6 @@
 //! connection, which is how one replica ends up with most of the load; this pool counts
 //! streams itself.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -27,10 +25,6 @@ use super::{Credential, UpstreamError};
 
 /// The request body type on upstream connections: buffered, so that a retry can replay it.
 pub(crate) type ReqBody = Full<Bytes>;
-
-/// The driver of one HTTP/2 connection; shared so that the pool can read the replica's
-/// current stream limit from it.
-type Driver = http2::Connection<TokioIo<TlsStream<TcpStream>>, ReqBody, TokioExecutor>;
 
 /// Receive window of one stream. With the connection window at least the sum of all stream
 /// windows, a stream whose reader stalls fills only its own window and never starves the
@@ -55,10 +49,6 @@ pub(crate) struct Conn {
     sender: http2::SendRequest<ReqBody>,
     /// Streams currently using the connection (requests sent, responses not yet finished).
     in_use: AtomicU32,
-    /// Read for the replica's `SETTINGS_MAX_CONCURRENT_STREAMS`: when it is below
-    /// `streamsPerConnection`, hyper would queue the excess silently instead of the pool
-    /// opening another connection.
-    driver: Arc<Mutex<Driver>>,
     /// When `in_use` last dropped to zero.
     idle_since: Mutex<Instant>,
 }
@@ -173,11 +163,10 @@ impl Pool {
             return Err(error.clone());
         }
         match self.connect_h2(replica, index, credential).await {
-            Ok((sender, driver)) => {
+            Ok(sender) => {
                 let conn = Arc::new(Conn {
                     sender: sender.clone(),
                     in_use: AtomicU32::new(1),
-                    driver,
                     idle_since: Mutex::new(Instant::now()),
                 });
                 lock(&set.conns).push(conn.clone());
@@ -206,12 +195,7 @@ impl Pool {
         });
         let conn = conns
             .iter()
-            .filter(|c| {
-                let limit = lock(&c.driver)
-                    .current_max_send_streams()
-                    .min(self.streams_per_connection as usize);
-                (c.in_use.load(Ordering::Acquire) as usize) < limit
-            })
+            .filter(|c| c.in_use.load(Ordering::Acquire) < self.streams_per_connection)
             .min_by_key(|c| c.in_use.load(Ordering::Acquire))?
             .clone();
         conn.in_use.fetch_add(1, Ordering::AcqRel);
@@ -260,7 +244,7 @@ impl Pool {
         replica: &Replica,
         index: usize,
         credential: Credential,
-    ) -> Result<(http2::SendRequest<ReqBody>, Arc<Mutex<Driver>>), UpstreamError> {
+    ) -> Result<http2::SendRequest<ReqBody>, UpstreamError> {
         let connect = async {
             let tls = self
                 .connect_tls(replica, index, credential, Alpn::H2)
@@ -282,16 +266,12 @@ impl Pool {
                 .await
                 .map_err(|e| UpstreamError::Protocol(format!("{}: {e}", replica.name)))?;
             let name = replica.name.clone();
-            let driver = Arc::new(Mutex::new(connection));
-            let driving = driver.clone();
             tokio::spawn(async move {
-                let ended =
-                    std::future::poll_fn(|cx| Pin::new(&mut *lock(&driving)).poll(cx)).await;
-                if let Err(e) = ended {
+                if let Err(e) = connection.await {
                     tracing::debug!(replica = %name, error = %e, "upstream connection ended");
                 }
             });
-            Ok((sender, driver))
+            Ok(sender)
         };
         tokio::time::timeout(self.connect_timeout, connect)
             .await

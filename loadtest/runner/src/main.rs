@@ -65,6 +65,9 @@ enum Command {
         /// Folder for the kubeconfigs, certificates and the `ready` file.
         #[arg(long)]
         dir: PathBuf,
+        /// Bulwark's rules folder (default: the shipped `rules/examples`, built in).
+        #[arg(long)]
+        rules: Option<PathBuf>,
     },
     /// Runs Bulwark itself (used by the scenarios, which start it as its own process).
     #[command(name = "__bulwark", hide = true)]
@@ -111,7 +114,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 .init();
             return proxy_process::serve(&config).await;
         }
-        Command::Sandbox { dir } => return sandbox::run(&dir).await,
+        Command::Sandbox { dir, rules } => return sandbox::run(&dir, rules).await,
         Command::ListStorm(c) => (scenario::run(&ListStorm, &opts(&c)).await?, c),
         Command::Skew(c) => (scenario::run(&Skew, &opts(&c)).await?, c),
         Command::Informers(c) => (scenario::run(&Informers, &opts(&c)).await?, c),

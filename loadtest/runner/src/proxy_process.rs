@@ -18,6 +18,55 @@ use crate::report::ProxyCost;
 /// The name of the hidden subcommand that runs Bulwark in this binary.
 pub const SUBCOMMAND: &str = "__bulwark";
 
+/// The shipped example rules (`rules/examples/*.yaml`), compiled in so that no path is
+/// baked into the binary; every run writes them into its own folder unless told otherwise.
+pub const EXAMPLE_RULES: [(&str, &str); 11] = [
+    (
+        "catch-all.yaml",
+        include_str!("../../../rules/examples/catch-all.yaml"),
+    ),
+    (
+        "cluster-admins.yaml",
+        include_str!("../../../rules/examples/cluster-admins.yaml"),
+    ),
+    (
+        "controllers.yaml",
+        include_str!("../../../rules/examples/controllers.yaml"),
+    ),
+    (
+        "heartbeats.yaml",
+        include_str!("../../../rules/examples/heartbeats.yaml"),
+    ),
+    (
+        "kube-proxy.yaml",
+        include_str!("../../../rules/examples/kube-proxy.yaml"),
+    ),
+    (
+        "kubelets.yaml",
+        include_str!("../../../rules/examples/kubelets.yaml"),
+    ),
+    (
+        "levels.yaml",
+        include_str!("../../../rules/examples/levels.yaml"),
+    ),
+    (
+        "logging-agent.yaml",
+        include_str!("../../../rules/examples/logging-agent.yaml"),
+    ),
+    (
+        "monitoring.yaml",
+        include_str!("../../../rules/examples/monitoring.yaml"),
+    ),
+    (
+        "secret-lists.yaml",
+        include_str!("../../../rules/examples/secret-lists.yaml"),
+    ),
+    (
+        "secret-operator.yaml",
+        include_str!("../../../rules/examples/secret-operator.yaml"),
+    ),
+];
+
 /// How long Bulwark may take to become ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -36,6 +85,9 @@ pub struct Upstream<'a> {
     pub own_group: &'a str,
     /// Heap headroom of one replica, for Bulwark's in-flight LIST byte budget.
     pub heap_headroom: Option<u64>,
+    /// Bulwark's `rules.folder`: `None` writes [`EXAMPLE_RULES`] into the run's folder and
+    /// uses that.
+    pub rules: Option<PathBuf>,
 }
 
 /// A running Bulwark process.
@@ -96,6 +148,11 @@ pub fn write_config(
     if let Some(headroom) = upstream.heap_headroom {
         upstream_cfg["replicaHeapHeadroom"] = headroom.into();
     }
+    let rules = match &upstream.rules {
+        Some(folder) => std::path::absolute(folder)
+            .with_context(|| format!("locating the rules folder {}", folder.display()))?,
+        None => write_example_rules(&dir.join("rules"))?,
+    };
     let config = serde_json::json!({
         "listen": {
             "address": addr.to_string(),
@@ -107,6 +164,7 @@ pub fn write_config(
         "admin": {"address": admin.to_string()},
         "upstream": upstream_cfg,
         "identity": {"mode": "front-proxy"},
+        "rules": {"folder": path_str(&rules)},
     });
     // JSON is YAML; serde_norway writes it in block style, which reads better in a file.
     let yaml = serde_norway::to_string(&config)?;
@@ -117,6 +175,16 @@ pub fn write_config(
         ca_pem: serving_ca.cert_pem(),
     };
     Ok((path, target, admin))
+}
+
+/// Writes [`EXAMPLE_RULES`] into `folder` and returns it.
+pub fn write_example_rules(folder: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
+    for (name, text) in EXAMPLE_RULES {
+        let path = folder.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(folder.to_path_buf())
 }
 
 impl ProxyProcess {
@@ -275,6 +343,46 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_shipped_example_rule_file_is_embedded() {
+        let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/../../rules/examples");
+        let mut shipped: Vec<String> = std::fs::read_dir(folder)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
+            .collect();
+        shipped.sort();
+        let embedded: Vec<&str> = EXAMPLE_RULES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(embedded, shipped);
+        for (name, text) in EXAMPLE_RULES {
+            assert_eq!(
+                std::fs::read_to_string(format!("{folder}/{name}")).unwrap(),
+                text
+            );
+        }
+    }
+
+    #[test]
+    fn the_generated_config_loads_the_rules_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = Pki::new();
+        let upstream = Upstream {
+            replicas: vec!["127.0.0.1:1".parse().unwrap()],
+            pki: &pki,
+            front_proxy_user: "fp",
+            own_user: "bulwark",
+            own_group: "bulwark:proxies",
+            heap_headroom: None,
+            rules: None,
+        };
+        let (path, _, _) = write_config(dir.path(), &upstream).unwrap();
+        let config = bulwark::config::Config::load(&path).unwrap();
+        let folder = config.rules.folder.unwrap();
+        assert_eq!(folder, dir.path().join("rules"));
+        let written = std::fs::read_dir(&folder).unwrap().count();
+        assert_eq!(written, EXAMPLE_RULES.len());
+    }
 
     #[test]
     fn reads_peak_rss_from_proc_status() {

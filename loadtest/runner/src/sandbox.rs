@@ -3,7 +3,7 @@
 //! kubectl at Bulwark at once. Runs until interrupted.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -135,7 +135,8 @@ fn write_kubeconfig(
 }
 
 /// Runs the sandbox until Ctrl-C or SIGTERM.
-pub async fn run(dir: &Path) -> anyhow::Result<()> {
+/// Bulwark loads the rules in `rules`, or the built-in copy of `rules/examples` without it.
+pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let ready = dir.join("ready");
     let _ = std::fs::remove_file(&ready);
@@ -179,6 +180,7 @@ pub async fn run(dir: &Path) -> anyhow::Result<()> {
         own_user: "bulwark",
         own_group: "bulwark:proxies",
         heap_headroom: None,
+        rules,
     };
     let proxy = ProxyProcess::start(&dir.join("bulwark"), &upstream).await?;
     let server = proxy.target.addr;

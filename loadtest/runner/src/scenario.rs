@@ -144,20 +144,18 @@ impl Setup {
     }
 }
 
-/// The policy of every scenario: each class (a group) may do everything, Bulwark's own
-/// identity may review and read everything.
-fn policy(classes: &[&str]) -> Policy {
+/// The policy of every scenario: every client (group `system:authenticated`) may do
+/// everything, since the scenarios measure load, not authorization; Bulwark's own identity
+/// may review and read everything.
+fn policy() -> Policy {
     let all = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-    let mut rules: Vec<PolicyRule> = classes
-        .iter()
-        .map(|class| PolicyRule {
-            groups: vec![class.to_string()],
-            verbs: all(&["*"]),
-            resources: all(&["*"]),
-            non_resource_urls: all(&["*"]),
-            ..PolicyRule::default()
-        })
-        .collect();
+    let mut rules = vec![PolicyRule {
+        groups: all(&["system:authenticated"]),
+        verbs: all(&["*"]),
+        resources: all(&["*"]),
+        non_resource_urls: all(&["*"]),
+        ..PolicyRule::default()
+    }];
     rules.push(PolicyRule {
         groups: vec![BULWARK_GROUP.into()],
         verbs: all(&["create"]),
@@ -179,15 +177,96 @@ fn policy(classes: &[&str]) -> Policy {
 
 /// Mints `n` identities of a class: users `CLASS-0`…, each with the class as its group.
 pub fn identities(pki: &Pki, class: &str, n: usize) -> Vec<Identity> {
+    minted(pki, n, |i| {
+        (format!("{class}-{i}"), vec![class.to_string()])
+    })
+}
+
+/// Mints `n` identities, the `i`-th with the user name and groups `who(i)` says.
+fn minted(pki: &Pki, n: usize, who: impl Fn(usize) -> (String, Vec<String>)) -> Vec<Identity> {
     (0..n)
         .map(|i| {
-            let ck = pki.client_ca.client_cert(&format!("{class}-{i}"), &[class]);
+            let (user, groups) = who(i);
+            let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+            let ck = pki.client_ca.client_cert(&user, &groups);
             Identity {
                 cert_pem: ck.cert_pem,
                 key_pem: ck.key_pem,
             }
         })
         .collect()
+}
+
+/// Who a class's clients are, named as a real cluster names them, so that Bulwark's rules
+/// see the same users and groups they would see in production. Both runs (direct and
+/// through Bulwark) use the same identities.
+#[derive(Clone, Copy, Debug)]
+pub enum Persona<'a> {
+    /// People or plain apps: users `PREFIX-N` in `group`.
+    Users {
+        /// User name prefix.
+        prefix: &'a str,
+        /// Their one group besides `system:authenticated`.
+        group: &'a str,
+    },
+    /// One ServiceAccount `name` per namespace `NAMESPACE_PREFIX-N` (tenant operators or
+    /// controllers): user `system:serviceaccount:NS:NAME`, groups `system:serviceaccounts`
+    /// and `system:serviceaccounts:NS`.
+    ServiceAccounts {
+        /// Namespace prefix, one namespace per identity.
+        namespace_prefix: &'a str,
+        /// The ServiceAccount's name.
+        name: &'a str,
+    },
+    /// ServiceAccounts `NAME_PREFIX-N` of one namespace.
+    ServiceAccountsIn {
+        /// The namespace.
+        namespace: &'a str,
+        /// Name prefix.
+        name_prefix: &'a str,
+    },
+    /// Kubelets: `system:node:node-N` in `system:nodes`.
+    Nodes,
+}
+
+impl Persona<'_> {
+    /// The user name and groups of identity `i`.
+    pub fn who(self, i: usize) -> (String, Vec<String>) {
+        let sa = |ns: &str, name: &str| {
+            (
+                format!("system:serviceaccount:{ns}:{name}"),
+                vec![
+                    "system:serviceaccounts".to_string(),
+                    format!("system:serviceaccounts:{ns}"),
+                ],
+            )
+        };
+        match self {
+            Persona::Users { prefix, group } => (format!("{prefix}-{i}"), vec![group.to_string()]),
+            Persona::ServiceAccounts {
+                namespace_prefix,
+                name,
+            } => sa(&format!("{namespace_prefix}-{i}"), name),
+            Persona::ServiceAccountsIn {
+                namespace,
+                name_prefix,
+            } => sa(namespace, &format!("{name_prefix}-{i}")),
+            Persona::Nodes => (
+                format!("system:node:{}", node_name(i)),
+                vec!["system:nodes".to_string()],
+            ),
+        }
+    }
+
+    /// Mints `n` identities of this persona.
+    pub fn mint(self, pki: &Pki, n: usize) -> Vec<Identity> {
+        minted(pki, n, |i| self.who(i))
+    }
+}
+
+/// The name of node `i`, as [`Persona::Nodes`] names its kubelet.
+pub fn node_name(i: usize) -> String {
+    format!("node-{i}")
 }
 
 /// One run's world: a fresh fleet and the target clients use.
@@ -207,19 +286,14 @@ pub struct Env {
 
 impl Env {
     /// Starts a fresh fleet and, for [`Mode::Bulwark`], Bulwark in front of it.
-    pub async fn start(
-        mode: Mode,
-        setup: &Setup,
-        pki: Arc<Pki>,
-        classes: &[&str],
-    ) -> anyhow::Result<Env> {
+    pub async fn start(mode: Mode, setup: &Setup, pki: Arc<Pki>) -> anyhow::Result<Env> {
         let (heap, headroom) = setup.heap()?;
         let heap_limit = heap.limit_bytes.unwrap_or(0);
         let config = SimConfig {
             replicas: setup.replicas,
             pki: pki.clone(),
             front_proxy_allowed_names: vec![FRONT_PROXY_USER.into()],
-            policy: policy(classes),
+            policy: policy(),
             seed: setup.seeds()?,
             heap,
             bookmark_interval: setup.bookmark_interval,
@@ -255,6 +329,7 @@ impl Env {
                     own_user: BULWARK_USER,
                     own_group: BULWARK_GROUP,
                     heap_headroom: headroom,
+                    rules: None,
                 };
                 let proxy = ProxyProcess::start(&dir, &upstream).await?;
                 (proxy.target.clone(), Some(Proxy::Bulwark(proxy)))
@@ -521,8 +596,6 @@ pub trait Scenario {
     fn name(&self) -> &'static str;
     /// The fleet it needs.
     fn setup(&self, opts: &Options) -> Setup;
-    /// The classes of clients (the simulator's policy lets each do everything).
-    fn classes(&self) -> Vec<&'static str>;
     /// The targets, in the order they run.
     fn modes(&self) -> Vec<Mode> {
         vec![Mode::Direct, Mode::Bulwark]
@@ -540,7 +613,6 @@ pub trait Scenario {
 pub async fn run<S: Scenario + Sync>(scenario: &S, opts: &Options) -> anyhow::Result<Report> {
     let pki = Arc::new(Pki::new());
     let setup = scenario.setup(opts);
-    let classes = scenario.classes();
     let mut runs = Vec::new();
     for mode in scenario.modes() {
         if opts
@@ -551,7 +623,7 @@ pub async fn run<S: Scenario + Sync>(scenario: &S, opts: &Options) -> anyhow::Re
             continue;
         }
         eprintln!("== {} ({}): starting", scenario.name(), mode.name());
-        let env = Env::start(mode, &setup, pki.clone(), &classes).await?;
+        let env = Env::start(mode, &setup, pki.clone()).await?;
         let driven = scenario.drive(&env, &pki, opts).await?;
         let run = env.finish(driven).await?;
         eprintln!("== {} ({}): done", scenario.name(), mode.name());

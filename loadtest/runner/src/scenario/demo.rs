@@ -50,12 +50,6 @@ impl Scenario for Demo {
         }
     }
 
-    fn classes(&self) -> Vec<&'static str> {
-        let mut c = list_storm::CLASSES.to_vec();
-        c.push(skew::CLASS);
-        c
-    }
-
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
         let duration = opts.duration_or(DEFAULT_DURATION);
         let (s, skew_clients) = sizes(opts);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bulwark_sim::pki::Pki;
 
-use super::{Driven, Env, Load, Options, Req, Scenario, Setup, identities};
+use super::{Driven, Env, Load, Options, Persona, Req, Scenario, Setup};
 
 /// The scenario.
 pub struct EventsPoll;
@@ -27,15 +27,15 @@ impl Scenario for EventsPoll {
         }
     }
 
-    fn classes(&self) -> Vec<&'static str> {
-        vec!["agents"]
-    }
-
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
         let duration = opts.duration_or(Duration::from_secs(60));
         let agents = Load {
             class: "agents".into(),
-            identities: identities(pki, "agents", opts.scaled(2_000, 2)),
+            identities: Persona::ServiceAccountsIn {
+                namespace: "monitoring",
+                name_prefix: "agent",
+            }
+            .mint(pki, opts.scaled(2_000, 2)),
             think: POLL_EVERY,
             next: Arc::new(|_, _| Req::get("/api/v1/events".into(), Duration::from_secs(30))),
         };

@@ -14,7 +14,7 @@ use http::Method;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::{Driven, Env, Options, Scenario, Setup, identities};
+use super::{Driven, Env, Options, Persona, Scenario, Setup};
 use crate::client::{ClassStats, Client, Identity, Outcome, Read, Tally, Target, new_histogram};
 
 /// The steady-state scenario.
@@ -282,8 +282,13 @@ async fn drive_nodes(
     join_window: Duration,
 ) -> anyhow::Result<Driven> {
     let target: &Target = &env.target;
-    let node_ids: Vec<Identity> = identities(pki, "nodes", s.nodes);
-    let churn_id = identities(pki, "churn", 1);
+    let node_ids: Vec<Identity> = Persona::Nodes.mint(pki, s.nodes);
+    // The EndpointSlice controller of kube-controller-manager.
+    let churn_id = Persona::ServiceAccountsIn {
+        namespace: "kube-system",
+        name_prefix: "endpointslice-controller",
+    }
+    .mint(pki, 1);
     let nodes = ClassStats::new();
     let churner = ClassStats::new();
     let acks = Arc::new(Acks::default());
@@ -348,10 +353,6 @@ impl Scenario for Informers {
         }
     }
 
-    fn classes(&self) -> Vec<&'static str> {
-        vec!["nodes", "churn"]
-    }
-
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
         let duration = opts.duration_or(Duration::from_secs(60));
         // Nodes come up over the first few seconds, as a running cluster's already have.
@@ -371,10 +372,6 @@ impl Scenario for NodeJoin {
             bookmark_interval: Duration::from_secs(5),
             ..Setup::default()
         }
-    }
-
-    fn classes(&self) -> Vec<&'static str> {
-        vec!["nodes", "churn"]
     }
 
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {

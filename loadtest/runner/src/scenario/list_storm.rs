@@ -9,7 +9,7 @@ use bulwark_sim::pki::Pki;
 use bytes::Bytes;
 use http::Method;
 
-use super::{Driven, Env, Load, Options, Req, Scenario, Setup, identities};
+use super::{Driven, Env, Load, Options, Persona, Req, Scenario, Setup, node_name};
 use crate::client::Read;
 
 /// The scenario.
@@ -51,21 +51,30 @@ impl Sizes {
     }
 }
 
-/// The class names.
-pub const CLASSES: [&str; 3] = ["storm", "innocent", "heartbeat"];
+/// Storm clients: one tenant operator per namespace, each listing every Secret of the
+/// cluster (a cluster-wide informer without a resourceVersion).
+pub const STORM: Persona<'static> = Persona::ServiceAccounts {
+    namespace_prefix: "tenant",
+    name: "secret-reader",
+};
+/// Innocent clients: people reading single objects and small lists.
+pub const INNOCENT: Persona<'static> = Persona::Users {
+    prefix: "user",
+    group: "developers",
+};
 
 /// The loads of the three classes.
 pub fn loads(pki: &Pki, sizes: &Sizes) -> Vec<Load> {
     let secrets = sizes.secrets;
     let storm = Load {
         class: "storm".into(),
-        identities: identities(pki, "storm", sizes.storm),
+        identities: STORM.mint(pki, sizes.storm),
         think: Duration::from_millis(10),
         next: Arc::new(|_, _| Req::get("/api/v1/secrets".into(), Duration::from_secs(60))),
     };
     let innocent = Load {
         class: "innocent".into(),
-        identities: identities(pki, "innocent", sizes.innocent),
+        identities: INNOCENT.mint(pki, sizes.innocent),
         think: Duration::from_millis(100),
         next: Arc::new(move |i, n| {
             let pick = (i as u64 * 7919 + n * 104_729) as usize % secrets;
@@ -79,7 +88,7 @@ pub fn loads(pki: &Pki, sizes: &Sizes) -> Vec<Load> {
     };
     let heartbeat = Load {
         class: "heartbeat".into(),
-        identities: identities(pki, "heartbeat", sizes.heartbeat),
+        identities: Persona::Nodes.mint(pki, sizes.heartbeat),
         think: Duration::from_secs(1),
         next: Arc::new(|i, n| Req {
             method: Method::PATCH,
@@ -88,7 +97,8 @@ pub fn loads(pki: &Pki, sizes: &Sizes) -> Vec<Load> {
             ),
             body: Some((
                 Bytes::from(format!(
-                    r#"{{"spec":{{"leaseDurationSeconds":40,"holderIdentity":"heartbeat-{i}","leaseTransitions":{n}}}}}"#
+                    r#"{{"spec":{{"leaseDurationSeconds":40,"holderIdentity":"{}","leaseTransitions":{n}}}}}"#,
+                    node_name(i)
                 )),
                 "application/merge-patch+json",
             )),
@@ -110,10 +120,6 @@ impl Scenario for ListStorm {
             lists_to_oom: Some(3),
             ..Setup::default()
         }
-    }
-
-    fn classes(&self) -> Vec<&'static str> {
-        CLASSES.to_vec()
     }
 
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {

@@ -244,10 +244,6 @@ impl Scenario for Passthrough {
         }
     }
 
-    fn classes(&self) -> Vec<&'static str> {
-        vec!["fixed_rate", "saturation"]
-    }
-
     fn modes(&self) -> Vec<Mode> {
         self.modes.clone()
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use bulwark_sim::Fleet;
 use bulwark_sim::pki::Pki;
 
-use super::{Driven, Env, Load, Options, Req, Scenario, Setup, identities};
+use super::{Driven, Env, Load, Options, Persona, Req, Scenario, Setup};
 
 /// The scenario.
 pub struct Skew;
@@ -25,12 +25,17 @@ pub fn seed(opts: &Options) -> Vec<String> {
     ]
 }
 
-/// `n` clients, each on its own connection, alternating a GET of one Secret with a LIST of
+/// `n` clients (apps: the default ServiceAccount of one namespace each), each on its own
+/// connection, alternating a GET of one Secret with a LIST of
 /// one namespace's ConfigMaps.
 pub fn load(pki: &Pki, n: usize, secrets: usize) -> Load {
     Load {
         class: CLASS.into(),
-        identities: identities(pki, CLASS, n),
+        identities: Persona::ServiceAccounts {
+            namespace_prefix: "app",
+            name: "default",
+        }
+        .mint(pki, n),
         think: Duration::from_millis(100),
         next: Arc::new(move |i, k| {
             let pick = (i as u64 * 7919 + k * 104_729) as usize % secrets.max(1);
@@ -64,10 +69,6 @@ impl Scenario for Skew {
             seed: seed(opts),
             ..Setup::default()
         }
-    }
-
-    fn classes(&self) -> Vec<&'static str> {
-        vec![CLASS]
     }
 
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {

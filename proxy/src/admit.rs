@@ -273,29 +273,31 @@ impl Admission {
             .clone()
     }
 
-    /// Waits (fair queue) until the request may run, or refuses it.
+    /// Waits (fair queue) until the request may run, or refuses it: the flow's token
+    /// bucket, then [`Admission::admit_rated`].
     pub async fn admit(
         &self,
         m: &Matched,
         info: &RequestInfo,
         user: &User,
     ) -> Result<Permit, Refusal> {
-        if m.level.exempt {
-            return Ok(Permit {
-                level: Some(m.level.name.clone()),
-                ..Permit::default()
-            });
-        }
+        self.check_rate(m, user)?;
+        self.admit_rated(m, user, info).await
+    }
+
+    /// The flow's token bucket alone (the first step of admission). Requests the cache
+    /// answers pass it too: a rate is a promise about an identity, wherever the answer
+    /// comes from; seats, queues and LIST bytes guard the apiservers and are skipped.
+    pub fn check_rate(&self, m: &Matched, user: &User) -> Result<(), Refusal> {
+        let Some(rate) = m.rate.filter(|_| !m.level.exempt) else {
+            return Ok(());
+        };
         let shared = &self.shared;
         let now = Instant::now();
         shared.flows.maybe_sweep(now);
         let level = self.level(&m.level);
         let hash = flow_hash(&m.flow);
-        let shadow = m.mode == Mode::Shadow;
-
-        if let Some(rate) = m.rate
-            && let Err(wait) = shared.flows.check_rate(&m.flow, hash, rate, now)
-        {
+        if let Err(wait) = shared.flows.check_rate(&m.flow, hash, rate, now) {
             self.verdict(
                 m,
                 &level,
@@ -312,6 +314,28 @@ impl Admission {
                 },
             )?;
         }
+        Ok(())
+    }
+
+    /// Everything after the token bucket: the watch limit, the fair queue, seats and the
+    /// replica's LIST bytes.
+    pub async fn admit_rated(
+        &self,
+        m: &Matched,
+        user: &User,
+        info: &RequestInfo,
+    ) -> Result<Permit, Refusal> {
+        if m.level.exempt {
+            return Ok(Permit {
+                level: Some(m.level.name.clone()),
+                ..Permit::default()
+            });
+        }
+        let shared = &self.shared;
+        let now = Instant::now();
+        let level = self.level(&m.level);
+        let hash = flow_hash(&m.flow);
+        let shadow = m.mode == Mode::Shadow;
 
         let mut permit = Permit {
             level: Some(level.spec.name.clone()),

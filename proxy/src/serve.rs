@@ -382,9 +382,9 @@ async fn identify(
 /// permit is held until the response body ends, or until the response head for
 /// long-running requests. Every classified response names its rule and level.
 ///
-/// A read the watch-fed cache can answer (authorized for this reader, fresh enough) is
-/// answered before admission: it costs the apiservers nothing, so it takes no seat, no
-/// LIST bytes and no place in a queue.
+/// Every request passes its flow's token bucket. A read the watch-fed cache can then answer
+/// (authorized for this reader, fresh enough) costs the apiservers nothing, so it takes no
+/// seat, no LIST bytes and no place in a queue.
 #[derive(Clone)]
 pub struct AdmitLayer {
     rules: Arc<Rules>,
@@ -465,6 +465,9 @@ where
                 _ => (anonymous_user(), false),
             };
             let matched = rules.matches(&user, &info);
+            admission
+                .check_rate(&matched, &user)
+                .map_err(ProxyError::Refused)?;
             if let Some(cache) = cache.filter(|_| authenticated) {
                 let answer = match cache
                     .serve(&info, &user, request.headers(), matched.staleness)
@@ -481,7 +484,7 @@ where
                 }
             }
             let mut permit = admission
-                .admit(&matched, &info, &user)
+                .admit_rated(&matched, &user, &info)
                 .await
                 .map_err(ProxyError::Refused)?;
             if let Some(replica) = permit.replica() {

@@ -73,3 +73,49 @@ async fn secret_reads_come_from_the_cache_for_readers_the_apiserver_would_allow(
         "no request counted as served by the cache"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_rate_applies_to_answers_from_the_cache_too() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        seed: vec!["secrets=3x1KiB@team"],
+        cache: true,
+        rules: r#"
+rules:
+  - name: alice-slow
+    precedence: 100
+    match:
+      users: ["alice"]
+    level: catch-all
+    flow: user
+    rate: {qps: 1, burst: 2}
+"#,
+        ..Setup::default()
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.bulwark.admin.ready().is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut alice = cluster.client("alice", &[]).await;
+    let path = "/api/v1/namespaces/team/secrets?resourceVersion=0";
+    let statuses: Vec<u16> = futures::future::join_all((0..4).map(|_| async {
+        let mut c = cluster.client("alice", &[]).await;
+        c.get(path).await.status.as_u16()
+    }))
+    .await;
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        2,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        2,
+        "{statuses:?}"
+    );
+    let answer = alice.get(path).await;
+    assert_eq!(answer.status, 429);
+    assert_eq!(answer.headers["x-bulwark-reason"], "rate_limited");
+}

@@ -9,7 +9,7 @@
 # Needs: promtool's `prometheus` (Debian package `prometheus`), curl, base64, and
 #   - fairness in Bulwark (rules that reject), and
 #   - `bulwark-loadtest sandbox --rules DIR`, which puts DIR in Bulwark's `rules.folder`.
-# Not wired into .ci/run until both exist; the script says which one is missing.
+# Run by .ci/run after the tests.
 #
 # Usage: deploy/prometheus/fire-test.sh   (from anywhere; builds what it needs)
 set -euo pipefail

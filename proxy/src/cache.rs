@@ -588,6 +588,12 @@ impl Cache {
             return Ok(Outcome::Bypass("a get without a name"));
         };
         let need = match rv {
+            // One key read costs the apiserver little; proving the cache fresh can cost the
+            // client up to the freshness wait. Only an identity that accepts staleness
+            // gets a consistent GET from the cache.
+            None if staleness.is_none() => {
+                return Ok(Outcome::Bypass("a consistent get (one key read upstream)"));
+            }
             None => Need::Consistent,
             Some(0) => Need::Any,
             Some(n) => Need::AtLeast(n),

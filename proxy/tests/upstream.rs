@@ -194,8 +194,12 @@ async fn requests_reach_the_replicas_with_their_path_and_identity() -> Result<()
 #[tokio::test]
 async fn a_stopped_replica_moves_reads_without_failing() -> Result<()> {
     let s = setup(3, vec![seed("secrets", 5, 100)], "").await?;
-    // Warm connections to every replica.
-    for _ in 0..12 {
+    // Warm connections to every replica (the pick is random among idle replicas, so keep
+    // going until each has been picked).
+    for _ in 0..200 {
+        if s.upstream.snapshot().iter().all(|r| r.connections >= 1) {
+            break;
+        }
         let r = s
             .upstream
             .send(get("/api/v1/namespaces/ns-0/secrets/secret-0"), read())

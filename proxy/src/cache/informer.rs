@@ -21,6 +21,8 @@ use crate::upstream::{Credential, RetryPolicy, Route, Upstream};
 const PAGE: u64 = 500;
 /// Largest LIST page or discovery document read.
 const MAX_PAGE_BYTES: usize = 512 * 1024 * 1024;
+/// Time allowed for a watch's response head.
+const WATCH_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time allowed for a LIST page.
 const LIST_TIMEOUT: Duration = Duration::from_secs(120);
 /// Backoff between failed attempts: from the first to the last, doubling. The cap is short
@@ -62,12 +64,19 @@ async fn get(
         .header(http::header::ACCEPT, "application/json")
         .body(crate::empty())
         .map_err(|e| InformerError::Upstream(e.to_string()))?;
+    // A watch's response head comes at once; only its body is long-running. Bounding the
+    // wait for the head keeps an informer from hanging on a replica that took the request
+    // and never answered (the pool's timeout ends at the head).
     let route = Route {
         credential: Credential::Own,
         retry: RetryPolicy::Read,
-        long_running,
+        long_running: false,
         watch: long_running,
-        timeout: (!long_running).then_some(LIST_TIMEOUT),
+        timeout: Some(if long_running {
+            WATCH_HEAD_TIMEOUT
+        } else {
+            LIST_TIMEOUT
+        }),
     };
     upstream
         .send(request, route)

@@ -27,13 +27,16 @@ mod queue;
 mod tests;
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use governor::{Quota, RateLimiter};
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::Body;
 use crate::classify::{RequestInfo, Verb};
 use crate::identity::User;
 use crate::metrics::Metrics;
@@ -287,7 +290,8 @@ impl Admission {
 
     /// The flow's token bucket alone (the first step of admission). Requests the cache
     /// answers pass it too: a rate is a promise about an identity, wherever the answer
-    /// comes from; seats, queues and LIST bytes guard the apiservers and are skipped.
+    /// comes from. They then go through [`Admission::admit_cached`], the rest through
+    /// [`Admission::admit_rated`].
     pub fn check_rate(&self, m: &Matched, user: &User) -> Result<(), Refusal> {
         let Some(rate) = m.rate.filter(|_| !m.level.exempt) else {
             return Ok(());
@@ -317,13 +321,43 @@ impl Admission {
         Ok(())
     }
 
-    /// Everything after the token bucket: the watch limit, the fair queue, seats and the
-    /// replica's LIST bytes.
+    /// Everything after the token bucket for a request to the apiservers: the watch limit,
+    /// the fair queue, seats and the replica's LIST bytes.
     pub async fn admit_rated(
         &self,
         m: &Matched,
         user: &User,
         info: &RequestInfo,
+    ) -> Result<Permit, Refusal> {
+        let bytes = self.shared.cost.bytes(info);
+        self.admit_cost(m, user, info, bytes, bytes).await
+    }
+
+    /// Everything after the token bucket for an answer Bulwark gives itself from its cache,
+    /// `answer_bytes` long (0 for a watch): the watch limit, then seats by those bytes in
+    /// the level's fair queue. Such an answer costs no apiserver memory, so it holds no
+    /// replica's LIST bytes; it costs Bulwark's CPU and network, which the level's seats
+    /// share fairly between flows (a storm of cluster-wide LISTs answered from the cache
+    /// would otherwise take every core from the small requests of other levels).
+    pub async fn admit_cached(
+        &self,
+        m: &Matched,
+        user: &User,
+        info: &RequestInfo,
+        answer_bytes: u64,
+    ) -> Result<Permit, Refusal> {
+        self.admit_cost(m, user, info, answer_bytes, 0).await
+    }
+
+    /// The watch limit and the fair queue for a request of `seat_bytes` (its seats) that
+    /// must also hold `budget_bytes` of LIST budget on a replica.
+    async fn admit_cost(
+        &self,
+        m: &Matched,
+        user: &User,
+        info: &RequestInfo,
+        seat_bytes: u64,
+        budget_bytes: u64,
     ) -> Result<Permit, Refusal> {
         if m.level.exempt {
             return Ok(Permit {
@@ -365,8 +399,8 @@ impl Admission {
             }
         }
 
-        let bytes = shared.cost.bytes(info);
-        let seats = shared.cost.seats(bytes, level.spec.seats);
+        let seats = shared.cost.seats(seat_bytes, level.spec.seats);
+        let bytes = budget_bytes;
         permit.expected_bytes = bytes;
 
         if shadow {
@@ -545,5 +579,65 @@ fn queue_full(m: &Matched, level: &Level) -> Verdict {
             m.flow, level.spec.name, level.spec.queue_length
         ),
         at_least: Duration::ZERO,
+    }
+}
+
+/// The response body of an admitted request: it holds `permit` until it ends (or is
+/// dropped), and with `learn` reports the LIST's size to the cost model when it ends.
+pub fn hold(body: Body, permit: Permit, learn: Option<(Arc<Admission>, Arc<RequestInfo>)>) -> Body {
+    use http_body_util::BodyExt;
+    Guarded {
+        body,
+        _permit: permit,
+        learn,
+        bytes: 0,
+    }
+    .boxed_unsync()
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that holds its admission permit until it ends, and teaches
+    /// admission what a LIST cost.
+    struct Guarded {
+        #[pin]
+        body: Body,
+        _permit: Permit,
+        learn: Option<(Arc<Admission>, Arc<RequestInfo>)>,
+        bytes: u64,
+    }
+}
+
+impl http_body::Body for Guarded {
+    type Data = bytes::Bytes;
+    type Error = crate::BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        let this = self.project();
+        let polled = this.body.poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    *this.bytes += data.len() as u64;
+                }
+            }
+            Poll::Ready(None) => {
+                if let Some((admission, info)) = this.learn.take() {
+                    admission.observe_list(&info, *this.bytes, None);
+                }
+            }
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }

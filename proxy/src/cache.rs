@@ -45,12 +45,14 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Body;
+use crate::admit::Admission;
 use crate::classify::{RequestInfo, Verb};
 use crate::config::{self, GroupResource};
 use crate::identity::User;
 use crate::identity::forward::OwnToken;
 use crate::metrics::Metrics;
-use crate::status::Reason;
+use crate::rules::Matched;
+use crate::status::{Reason, Refusal};
 use crate::upstream::Upstream;
 
 pub use audit::AuditLog;
@@ -72,6 +74,9 @@ pub enum CacheError {
     /// No SubjectAccessReview could be made: the request gets an error, never data.
     #[error("the access review for a cached read could not be made: {0}")]
     ReviewFailed(String),
+    /// The reader's admission ([`Gate`]) refused the answer: 429 like any refusal.
+    #[error("{}", .0.message)]
+    Refused(Refusal),
 }
 
 impl CacheError {
@@ -82,6 +87,7 @@ impl CacheError {
             CacheError::Status(status) if status.code == 504 => Reason::UpstreamTimeout,
             CacheError::Status(_) => Reason::BadRequest,
             CacheError::ReviewFailed(_) => Reason::UpstreamError,
+            CacheError::Refused(refusal) => refusal.reason,
         }
     }
 
@@ -97,6 +103,7 @@ impl CacheError {
             )
             .retry_after(Duration::from_secs(1))
             .into_response(),
+            CacheError::Refused(refusal) => refusal.into_response(),
         };
         response.headers_mut().insert(
             "x-bulwark-reason",
@@ -107,6 +114,18 @@ impl CacheError {
             .insert(crate::metrics::ServedBy::Cache);
         response
     }
+}
+
+/// What a cache answer passes once it is authorized and before any of it is given or
+/// audited: the reader's admission (DESIGN.md step 6 comes before step 7) — its flow's
+/// watch limit and seats in its level's fair queue, sized by the answer's bytes. Without a
+/// gate every answer is given at once.
+#[derive(Clone, Copy)]
+pub struct Gate<'a> {
+    /// The admission controller.
+    pub admission: &'a Arc<Admission>,
+    /// The reader's rule, level and flow.
+    pub matched: &'a Matched,
 }
 
 /// One configured resource: its store appears once discovery has found its kind.
@@ -339,12 +358,15 @@ impl Cache {
         user: &User,
         headers: &HeaderMap,
         staleness: Option<Duration>,
+        gate: Option<Gate<'_>>,
     ) -> Result<Option<Response<Body>>, CacheError> {
         let Some(slot) = self.slot_for(info) else {
             return Ok(None);
         };
         let verb = info.verb.to_string();
-        let result = self.answer(slot, info, user, headers, staleness).await;
+        let result = self
+            .answer(slot, info, user, headers, staleness, gate)
+            .await;
         let label = match &result {
             Ok(Outcome::Hit(_)) | Err(_) => "hit",
             Ok(Outcome::Miss(why)) => {
@@ -382,6 +404,7 @@ impl Cache {
         user: &User,
         headers: &HeaderMap,
         staleness: Option<Duration>,
+        gate: Option<Gate<'_>>,
     ) -> Result<Outcome, CacheError> {
         if let Some(why) = self.bypass(info, headers) {
             return Ok(Outcome::Bypass(why));
@@ -429,6 +452,7 @@ impl Cache {
             headers,
             filter,
             audit_id,
+            gate,
         };
         match info.verb {
             Verb::Get => self.get(request, rv, staleness).await,
@@ -606,7 +630,6 @@ impl Cache {
         let namespace = request.info.namespace.as_deref().unwrap_or_default();
         let (obj, _) = request.store.get(namespace, &name);
         let Some(obj) = obj else {
-            self.audit(&request, "get", Some(&name), 404);
             let status = Status::failure(
                 404,
                 "NotFound",
@@ -621,11 +644,45 @@ impl Cache {
                     ..Details::default()
                 }),
             );
-            return Ok(Outcome::Hit(status.into_response(&request.audit_id)));
+            let response = status.into_response(&request.audit_id);
+            return self
+                .give(&request, ("get", Some(&name), 404), response)
+                .await;
         };
-        self.audit(&request, "get", Some(&name), 200);
         let pieces = respond::object_pieces(kind, &obj);
-        Ok(Outcome::Hit(self.respond(&request, pieces).await))
+        let response = self.respond(&request, pieces).await;
+        self.give(&request, ("get", Some(&name), 200), response)
+            .await
+    }
+
+    /// Gives an authorized answer: the reader's admission first ([`Gate`]: seats held until
+    /// the body ends, a watch's only until its head), then the audit line `(verb, name,
+    /// code)`, then the answer. A refused answer is neither given nor audited.
+    async fn give(
+        &self,
+        request: &Request<'_>,
+        (verb, name, code): (&str, Option<&str>, u16),
+        response: Response<Body>,
+    ) -> Result<Outcome, CacheError> {
+        let response = match request.gate {
+            None => response,
+            Some(gate) => {
+                let bytes = http_body::Body::size_hint(response.body())
+                    .exact()
+                    .unwrap_or(0);
+                let mut permit = gate
+                    .admission
+                    .admit_cached(gate.matched, request.user, request.info, bytes)
+                    .await
+                    .map_err(CacheError::Refused)?;
+                if request.info.is_long_running() {
+                    permit.release_seats();
+                }
+                response.map(|body| crate::admit::hold(body, permit, None))
+            }
+        };
+        self.audit(request, verb, name, code);
+        Ok(Outcome::Hit(response))
     }
 
     async fn list(
@@ -668,9 +725,8 @@ impl Cache {
             } else {
                 Some(items.len() as u64)
             };
-            return Ok(Outcome::Hit(
-                self.page(&request, at, items, total_after).await,
-            ));
+            let response = self.page(&request, at, items, total_after).await;
+            return self.give(&request, ("list", None, 200), response).await;
         }
         let need = match (rv, q.resource_version_match.as_deref()) {
             (None, None) => Need::Consistent,
@@ -699,11 +755,9 @@ impl Cache {
         if q.limit.is_some() {
             let count = items.len() as u64;
             let total = (!request.filter.selects()).then_some(count);
-            return Ok(Outcome::Hit(
-                self.page(&request, list_rv, items, total).await,
-            ));
+            let response = self.page(&request, list_rv, items, total).await;
+            return self.give(&request, ("list", None, 200), response).await;
         }
-        self.audit(&request, "list", None, 200);
         let gzip = wants_gzip(request.headers);
         let key = ListKey {
             resource: request.slot.label.clone(),
@@ -719,7 +773,8 @@ impl Cache {
             .unwrap_or_else(|p| p.into_inner())
             .get(&key);
         if let Some(pieces) = cached {
-            return Ok(Outcome::Hit(self.send(&request, pieces, gzip)));
+            let response = self.send(&request, pieces, gzip);
+            return self.give(&request, ("list", None, 200), response).await;
         }
         let pieces = respond::list_pieces(&request.store.kind, list_rv, None, &items);
         drop(items);
@@ -728,7 +783,8 @@ impl Cache {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .put(key, pieces.clone());
-        Ok(Outcome::Hit(self.send(&request, pieces, gzipped)))
+        let response = self.send(&request, pieces, gzipped);
+        self.give(&request, ("list", None, 200), response).await
     }
 
     /// One page of `items` (those after the previous page), `total` of them if known.
@@ -739,7 +795,6 @@ impl Cache {
         items: Vec<Arc<Obj>>,
         total: Option<u64>,
     ) -> Response<Body> {
-        self.audit(request, "list", None, 200);
         let limit = request
             .info
             .query
@@ -831,7 +886,6 @@ impl Cache {
             ))));
         }
         let attrs = self.authorize(&request, "watch", &name).await?;
-        self.audit(&request, "watch", None, 200);
         let start = match request.store.watch(from) {
             Ok(start) => start,
             Err(expired) => {
@@ -850,7 +904,7 @@ impl Cache {
                     crate::full(status.error_line()),
                     &request.audit_id,
                 );
-                return Ok(Outcome::Hit(response));
+                return self.give(&request, ("watch", None, 200), response).await;
             }
         };
         let timeout = match q.timeout_seconds {
@@ -881,11 +935,8 @@ impl Cache {
             Some(reauth),
             self.metrics.clone(),
         );
-        Ok(Outcome::Hit(respond::json_response(
-            StatusCode::OK,
-            body,
-            &request.audit_id,
-        )))
+        let response = respond::json_response(StatusCode::OK, body, &request.audit_id);
+        self.give(&request, ("watch", None, 200), response).await
     }
 }
 
@@ -913,6 +964,7 @@ struct Request<'a> {
     headers: &'a HeaderMap,
     filter: watch::Filter,
     audit_id: String,
+    gate: Option<Gate<'a>>,
 }
 
 /// The apiserver's 403 for a denied request.

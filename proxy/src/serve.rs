@@ -24,8 +24,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceBuilder};
 
-use crate::admit::{Admission, Permit};
-use crate::cache::{AuditLog, Cache};
+use crate::admit::Admission;
+use crate::cache::{AuditLog, Cache, CacheError, Gate};
 use crate::classify::{self, ClassifyError, RequestInfo};
 use crate::config::{self, Config};
 use crate::identity::User;
@@ -383,8 +383,9 @@ async fn identify(
 /// long-running requests. Every classified response names its rule and level.
 ///
 /// Every request passes its flow's token bucket. A read the watch-fed cache can then answer
-/// (authorized for this reader, fresh enough) costs the apiservers nothing, so it takes no
-/// seat, no LIST bytes and no place in a queue.
+/// (authorized for this reader, fresh enough) costs the apiservers nothing, so it holds no
+/// replica's LIST bytes; it still waits in its level's fair queue for seats sized by its
+/// bytes, because it costs Bulwark's own CPU and network ([`Gate`]).
 #[derive(Clone)]
 pub struct AdmitLayer {
     rules: Arc<Rules>,
@@ -469,12 +470,23 @@ where
                 .check_rate(&matched, &user)
                 .map_err(ProxyError::Refused)?;
             if let Some(cache) = cache.filter(|_| authenticated) {
+                let gate = Gate {
+                    admission: &admission,
+                    matched: &matched,
+                };
                 let answer = match cache
-                    .serve(&info, &user, request.headers(), matched.staleness)
+                    .serve(
+                        &info,
+                        &user,
+                        request.headers(),
+                        matched.staleness,
+                        Some(gate),
+                    )
                     .await
                 {
                     Ok(Some(response)) => Some(response),
                     Ok(None) => None,
+                    Err(CacheError::Refused(refusal)) => return Err(ProxyError::Refused(refusal)),
                     Err(refused) => Some(refused.into_response()),
                 };
                 if let Some(mut response) = answer {
@@ -499,63 +511,8 @@ where
             }
             let learn = (info.is_list() && response.status() == StatusCode::OK)
                 .then_some((admission, info));
-            Ok(response.map(|body| {
-                Guarded {
-                    body,
-                    _permit: permit,
-                    learn,
-                    bytes: 0,
-                }
-                .boxed_unsync()
-            }))
+            Ok(response.map(|body| crate::admit::hold(body, permit, learn)))
         })
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A response body that holds its admission permit until it ends, and teaches
-    /// admission what a LIST cost.
-    struct Guarded {
-        #[pin]
-        body: Body,
-        _permit: Permit,
-        learn: Option<(Arc<Admission>, Arc<RequestInfo>)>,
-        bytes: u64,
-    }
-}
-
-impl http_body::Body for Guarded {
-    type Data = bytes::Bytes;
-    type Error = crate::BoxError;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
-        let this = self.project();
-        let polled = this.body.poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    *this.bytes += data.len() as u64;
-                }
-            }
-            Poll::Ready(None) => {
-                if let Some((admission, info)) = this.learn.take() {
-                    admission.observe_list(&info, *this.bytes, None);
-                }
-            }
-            _ => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
     }
 }
 

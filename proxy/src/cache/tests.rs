@@ -139,7 +139,7 @@ fn info(path_and_query: &str) -> RequestInfo {
 
 async fn ask(s: &Setup, who: &str, uri: &str) -> Result<Option<Response<Body>>, CacheError> {
     s.cache
-        .serve(&info(uri), &user(who), &HeaderMap::new(), None)
+        .serve(&info(uri), &user(who), &HeaderMap::new(), None, None)
         .await
 }
 
@@ -369,7 +369,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     headers.insert("impersonate-user", "bob".parse().unwrap());
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None)
+            .serve(&info(uri), &user("alice"), &headers, None, None)
             .await
             .unwrap()
             .is_none()
@@ -383,7 +383,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None)
+            .serve(&info(uri), &user("alice"), &headers, None, None)
             .await
             .unwrap()
             .is_none()
@@ -394,7 +394,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None)
+            .serve(&info(uri), &user("alice"), &headers, None, None)
             .await
             .unwrap()
             .is_none()
@@ -407,7 +407,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None)
+            .serve(&info(uri), &user("alice"), &headers, None, None)
             .await
             .unwrap()
             .is_some()
@@ -419,7 +419,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     .unwrap();
     assert!(
         s.cache
-            .serve(&post, &user("alice"), &HeaderMap::new(), None)
+            .serve(&post, &user("alice"), &HeaderMap::new(), None, None)
             .await
             .unwrap()
             .is_none()
@@ -584,7 +584,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
     s.store.set_connected(true);
     assert!(
         s.cache
-            .serve(&request, &user("alice"), &HeaderMap::new(), staleness)
+            .serve(&request, &user("alice"), &HeaderMap::new(), staleness, None)
             .await
             .unwrap()
             .is_some()
@@ -593,7 +593,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
     tokio::time::advance(Duration::from_secs(1)).await;
     assert!(
         s.cache
-            .serve(&request, &user("alice"), &HeaderMap::new(), staleness)
+            .serve(&request, &user("alice"), &HeaderMap::new(), staleness, None)
             .await
             .unwrap()
             .is_some()
@@ -601,7 +601,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
     tokio::time::advance(Duration::from_secs(2)).await;
     assert!(
         s.cache
-            .serve(&request, &user("alice"), &HeaderMap::new(), staleness)
+            .serve(&request, &user("alice"), &HeaderMap::new(), staleness, None)
             .await
             .unwrap()
             .is_none()
@@ -879,6 +879,7 @@ async fn gzip_is_honoured_for_large_answers() {
             &user("alice"),
             &headers,
             None,
+            None,
         )
         .await
         .unwrap()
@@ -896,6 +897,7 @@ async fn gzip_is_honoured_for_large_answers() {
             &info("/api/v1/secrets?resourceVersion=0"),
             &user("alice"),
             &headers,
+            None,
             None,
         )
         .await
@@ -921,6 +923,7 @@ async fn secret_reads_are_audited() {
             &info("/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0"),
             &user("alice"),
             &headers,
+            None,
             None,
         )
         .await
@@ -1011,7 +1014,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     store.replace(items, rv);
     let request = info("/api/v1/namespaces/kube-system/pods?resourceVersion=0");
     let response = cache
-        .serve(&request, &user("alice"), &HeaderMap::new(), None)
+        .serve(&request, &user("alice"), &HeaderMap::new(), None, None)
         .await
         .unwrap()
         .unwrap();
@@ -1027,7 +1030,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     let their_lines: Vec<&str> = stream.lines().collect();
     let uri = "/api/v1/namespaces/kube-system/pods?&allowWatchBookmarks=true&resourceVersion=0&resourceVersionMatch=NotOlderThan&sendInitialEvents=true&watch=true";
     let mut body = cache
-        .serve(&info(uri), &user("alice"), &HeaderMap::new(), None)
+        .serve(&info(uri), &user("alice"), &HeaderMap::new(), None, None)
         .await
         .unwrap()
         .unwrap()

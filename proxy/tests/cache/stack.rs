@@ -326,7 +326,10 @@ async fn handle(
     else {
         return refuse(StatusCode::UNAUTHORIZED, "no client certificate".into());
     };
-    match cache.serve(&info, &user, request.headers(), None).await {
+    match cache
+        .serve(&info, &user, request.headers(), None, None)
+        .await
+    {
         Ok(Some(response)) => return response,
         Err(e) => return e.into_response(),
         Ok(None) => {}

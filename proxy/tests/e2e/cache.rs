@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use http_body_util::BodyExt;
+
 use crate::harness::{Cluster, Setup};
 
 async fn cached_cluster() -> Cluster {
@@ -118,4 +120,144 @@ rules:
     let answer = alice.get(path).await;
     assert_eq!(answer.status, 429);
     assert_eq!(answer.headers["x-bulwark-reason"], "rate_limited");
+}
+
+/// A cached answer costs Bulwark's CPU and network rather than the apiservers' memory, and
+/// it takes its seats in the reader's level like any request: while one reader holds the
+/// level's only seat with a large cached LIST it has not finished reading, another flow
+/// of that level (carol) waits and is refused at `maxWait`; once the LIST is read, it is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_answers_hold_seats_in_the_readers_level_until_their_body_ends() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        // 20 MiB: more than the HTTP/2 windows between the reader and Bulwark hold.
+        seed: vec!["secrets=200x100KiB@team"],
+        cache: true,
+        rules: r#"
+levels:
+  - name: one-seat
+    seats: 1
+    queues: 8
+    handSize: 2
+    queueLength: 5
+    maxWait: 500ms
+rules:
+  - name: readers
+    precedence: 100
+    match:
+      users: ["alice", "carol"]
+    level: one-seat
+    flow: user
+"#,
+        ..Setup::default()
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.bulwark.admin.ready().is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let list = "/api/v1/namespaces/team/secrets?resourceVersion=0";
+    let one = "/api/v1/namespaces/team/secrets/secret-3?resourceVersion=0";
+    cluster.fleet.clear_seen();
+
+    let mut alice = cluster.client("alice", &[]).await;
+    let unread = alice.start(crate::harness::get(list)).await;
+    assert_eq!(unread.status(), 200);
+    assert_eq!(unread.headers()["x-bulwark-level"], "one-seat");
+
+    let mut carol = cluster.client("carol", &[]).await;
+    let refused = carol.get(one).await;
+    assert_eq!(
+        refused.status, 429,
+        "carol was answered while alice held the seat"
+    );
+    assert_eq!(refused.headers["x-bulwark-reason"], "queue_timeout");
+    assert_eq!(refused.headers["x-bulwark-level"], "one-seat");
+
+    let body = unread.into_body().collect().await.unwrap().to_bytes();
+    let items = serde_json::from_slice::<serde_json::Value>(&body).unwrap()["items"]
+        .as_array()
+        .map_or(0, Vec::len);
+    assert_eq!(items, 200);
+    let answered = carol.get(one).await;
+    assert_eq!(answered.status, 200);
+    assert_eq!(answered.json()["metadata"]["name"], "secret-3");
+    assert!(
+        cluster
+            .fleet
+            .seen_requests()
+            .iter()
+            .all(|s| s.user != "alice" && s.user != "carol"),
+        "the reads were meant to come from the cache"
+    );
+}
+
+/// A watch answered from the cache counts against its flow's watch limit while it is
+/// open, as one the apiserver answers does, and takes no seat once started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_watches_count_against_the_flows_watch_limit() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        seed: vec!["secrets=3x1KiB@team"],
+        cache: true,
+        rules: r#"
+levels:
+  - name: one-seat
+    seats: 1
+    queues: 8
+    handSize: 2
+    queueLength: 5
+    maxWait: 500ms
+rules:
+  - name: watchers
+    precedence: 100
+    match:
+      users: ["alice"]
+    level: one-seat
+    flow: user
+    watches: 1
+"#,
+        ..Setup::default()
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.bulwark.admin.ready().is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let watch = "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0";
+    cluster.fleet.clear_seen();
+    let mut alice = cluster.client("alice", &[]).await;
+    let open = alice.start(crate::harness::get(watch)).await;
+    assert_eq!(open.status(), 200);
+
+    let second = alice.get(watch).await;
+    assert_eq!(second.status, 429);
+    assert_eq!(second.headers["x-bulwark-reason"], "watch_limit");
+    // The open watch holds no seat: a GET of the same level is answered.
+    let one = alice
+        .get("/api/v1/namespaces/team/secrets/secret-1?resourceVersion=0")
+        .await;
+    assert_eq!(one.status, 200);
+
+    drop(open);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let reopened = loop {
+        let mut again = cluster.client("alice", &[]).await;
+        let response = again.start(crate::harness::get(watch)).await;
+        if response.status() == 200 || tokio::time::Instant::now() > deadline {
+            break response;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(reopened.status(), 200, "the closed watch still counted");
+    assert!(
+        cluster
+            .fleet
+            .seen_requests()
+            .iter()
+            .all(|s| s.user != "alice"),
+        "the watches were meant to come from the cache"
+    );
 }

@@ -1108,13 +1108,38 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
     assert!(String::from_utf8_lossy(&got.body).contains(&secret_b64));
     let listed = alice.get("/api/v1/namespaces/default/secrets").await;
     assert!(String::from_utf8_lossy(&listed.body).contains(&secret_b64));
+    // The same Secret answered by Bulwark's cache (which writes the audit log) once its
+    // informer has seen the create.
+    let cached = "/api/v1/namespaces/default/secrets/db-password?resourceVersion=0";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = alice.get(cached).await;
+        if got.status == 200 {
+            assert!(String::from_utf8_lossy(&got.body).contains(&secret_b64));
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cache never had the Secret: {}",
+            got.status
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let mut anonymous = harness::Client::connect(addr, pki, None).await;
-    for (token, expected) in [(GOOD_TOKEN, 200), (BAD_TOKEN, 401)] {
-        let request = Request::get("https://127.0.0.1/api/v1/namespaces/default/secrets")
+    for (token, path, expected) in [
+        (GOOD_TOKEN, "/api/v1/namespaces/default/secrets", 200),
+        (GOOD_TOKEN, "/api/v1/secrets?resourceVersion=0", 200),
+        (BAD_TOKEN, "/api/v1/namespaces/default/secrets", 401),
+    ] {
+        let request = Request::get(format!("https://127.0.0.1{path}"))
             .header("authorization", format!("Bearer {token}"))
             .body(Full::default())
             .unwrap();
-        assert_eq!(anonymous.send(request).await.status, expected, "{token}");
+        let answer = anonymous.send(request).await;
+        assert_eq!(answer.status, expected, "{token} {path}");
+        if expected == 200 {
+            assert!(String::from_utf8_lossy(&answer.body).contains(&secret_b64));
+        }
     }
     assert_eq!(anonymous.get("/api/v1/secrets").await.status, 401);
     let bad_path = alice.get("/api/v1/namespaces/default/secrets/%2E%2E").await;
@@ -1139,6 +1164,27 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
             .iter()
             .any(|l| l["fields"]["reason"] == "unauthenticated"),
         "no refusal logged with its reason:\n{logs}"
+    );
+
+    // The cached reads are in the audit log, by user, with what was read and no data.
+    let events: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let audited = |user: &str, verb: &str| {
+        events.iter().any(|e| {
+            e["user"]["username"] == user
+                && e["verb"] == verb
+                && e["objectRef"]["resource"] == "secrets"
+        })
+    };
+    assert!(
+        audited("alice", "get"),
+        "alice's cached get is not audited:\n{audit}"
+    );
+    assert!(
+        audited("tina", "list"),
+        "tina's cached list is not audited:\n{audit}"
     );
 
     // Never a token, a key or Secret data.

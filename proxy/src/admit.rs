@@ -291,8 +291,14 @@ impl Admission {
     /// The flow's token bucket alone (the first step of admission). Requests the cache
     /// answers pass it too: a rate is a promise about an identity, wherever the answer
     /// comes from. They then go through [`Admission::admit_cached`], the rest through
-    /// [`Admission::admit_rated`].
+    /// [`Admission::admit_rated`]. Each request is counted here, once, under its rule
+    /// (`bulwark_rule_requests_total`).
     pub fn check_rate(&self, m: &Matched, user: &User) -> Result<(), Refusal> {
+        self.shared
+            .metrics
+            .rule_requests_total
+            .with_label_values(&[&*m.rule, m.level.name.as_str()])
+            .inc();
         let Some(rate) = m.rate.filter(|_| !m.level.exempt) else {
             return Ok(());
         };

@@ -42,6 +42,9 @@ pub struct Metrics {
     pub request_duration_seconds: HistogramVec,
     /// `bulwark_rejected_requests_total{rule, level, reason}`.
     pub rejected_requests_total: IntCounterVec,
+    /// `bulwark_rule_requests_total{rule, level}`: requests each rule matched, whatever
+    /// became of them — the denominator of a rule's rejection share.
+    pub rule_requests_total: IntCounterVec,
     /// `bulwark_upstream_responses_total{replica, code_class}`.
     pub upstream_responses_total: IntCounterVec,
     /// `bulwark_upstream_healthy{replica}`: 1 when the replica takes traffic.
@@ -111,6 +114,11 @@ impl Metrics {
             "rejected_requests_total",
             "Requests Bulwark refused, by rule, priority level and reason.",
             &["rule", "level", "reason"],
+        );
+        let rule_requests_total = counter(
+            "rule_requests_total",
+            "Requests each rule matched (answered, queued or refused), by rule and priority level.",
+            &["rule", "level"],
         );
         let upstream_responses_total = counter(
             "upstream_responses_total",
@@ -257,6 +265,7 @@ impl Metrics {
             requests_total,
             request_duration_seconds,
             rejected_requests_total,
+            rule_requests_total,
             upstream_responses_total,
             upstream_healthy,
             upstream_in_flight,

@@ -743,7 +743,13 @@ async fn dashboard_and_alerts_use_only_metrics_bulwark_exports() {
     let cluster = Cluster::start(Setup::default()).await;
     let scrape = live_scrape(&cluster).await;
     let live = families(&scrape);
-    let contract = contract();
+    let mut contract = contract();
+    // Beyond the contract: the per-rule request counter, the denominator of the
+    // rejection-share alert.
+    contract.insert(
+        "bulwark_rule_requests_total".into(),
+        ["rule", "level"].map(String::from).into(),
+    );
     // What Bulwark exports: the live scrape, plus contract metrics that only appear once
     // their stage has something to count. Live metrics must be in the contract too, so a
     // renamed metric in the code fails here before it breaks a dashboard.

@@ -99,6 +99,15 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
         .unwrap_or_else(|| panic!("no rejection counted:\n{metrics}"));
     assert!(line.ends_with(" 3"), "{line}");
     assert!(metrics.contains(r#"bulwark_requests_total{code="429",resource="secrets",served_by="bulwark",verb="list"} 3"#), "{metrics}");
+    // Every request is counted under its rule, the denominator of the rejection share.
+    assert!(
+        metrics.contains(r#"bulwark_rule_requests_total{level="tight",rule="alice-limited"} 5"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"bulwark_rule_requests_total{level="exempt",rule="everyone-else"} 5"#),
+        "{metrics}"
+    );
 
     let levels = admin_get(&cluster, "/debug/levels").await;
     assert!(

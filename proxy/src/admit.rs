@@ -521,6 +521,12 @@ impl Admission {
         self.shared.cost.observe(info, bytes, objects);
     }
 
+    /// Learns the whole size of the scope a LIST reads from the watch-fed cache's counts
+    /// (DESIGN.md step 6: "once the cache exists, from the cache's counts").
+    pub fn observe_scope(&self, info: &RequestInfo, bytes: u64) {
+        self.shared.cost.observe_scope(info, bytes);
+    }
+
     /// The LIST bytes admission expects for a request now (0 for anything but a LIST).
     pub fn expected_bytes(&self, info: &RequestInfo) -> u64 {
         self.shared.cost.bytes(info)

@@ -162,11 +162,28 @@ impl CostModel {
         } else {
             known.map_or(bytes, |k| k.max(bytes))
         };
-        state.scopes.put(scope.clone(), size);
         if shape.label_selector.is_some() || shape.field_selector.is_some() {
             state.shapes.put(shape, bytes);
         }
-        let stats = state
+        state.set_scope(scope, size);
+    }
+
+    /// Learns the whole size of the scope a LIST reads from a count that does not need
+    /// a LIST: the watch-fed cache's bytes for that resource in that namespace (or the
+    /// cluster). It follows every create and delete, not only the LISTs seen.
+    pub(crate) fn observe_scope(&self, info: &RequestInfo, bytes: u64) {
+        if !info.resource_request || !info.is_list() {
+            return;
+        }
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.set_scope(scope(info), bytes);
+    }
+}
+
+impl State {
+    fn set_scope(&mut self, scope: Scope, size: u64) {
+        self.scopes.put(scope.clone(), size);
+        let stats = self
             .resources
             .entry((scope.group, scope.resource))
             .or_default();
@@ -223,6 +240,28 @@ mod tests {
         );
         // The same selector read from etcd still reads every pod.
         assert_eq!(model.bytes(&info(by_node)), 900_000);
+    }
+
+    #[test]
+    fn the_caches_counts_set_a_scope_before_any_list_and_follow_its_growth() {
+        let model = CostModel::new(1000, 50_000, 100);
+        let all = info("/api/v1/secrets");
+        model.observe_scope(&all, 2_000_000);
+        assert_eq!(model.bytes(&all), 2_000_000);
+        // Ten times as many Secrets a moment later: the next LIST costs the new size.
+        model.observe_scope(&all, 20_000_000);
+        assert_eq!(model.bytes(&all), 20_000_000);
+        assert_eq!(
+            model.bytes(&info("/api/v1/secrets?labelSelector=a%3Db")),
+            20_000_000,
+            "an etcd LIST reads the whole scope, selector or not"
+        );
+        let ns = info("/api/v1/namespaces/a/secrets");
+        model.observe_scope(&ns, 7_000);
+        assert_eq!(model.bytes(&ns), 7_000);
+        // Not a LIST: nothing learned.
+        model.observe_scope(&info("/api/v1/namespaces/b/secrets/x"), 1);
+        assert_eq!(model.bytes(&info("/api/v1/namespaces/b/secrets")), 7_000);
     }
 
     #[test]

@@ -92,6 +92,8 @@ pub struct Setup {
     pub lists_to_oom: Option<u64>,
     /// The replicas' watch bookmark interval.
     pub bookmark_interval: Duration,
+    /// Rule files `(name, YAML)` Bulwark gets beside the shipped examples.
+    pub extra_rules: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for Setup {
@@ -101,6 +103,7 @@ impl Default for Setup {
             seed: Vec::new(),
             lists_to_oom: None,
             bookmark_interval: Duration::from_secs(60),
+            extra_rules: Vec::new(),
         }
     }
 }
@@ -322,6 +325,17 @@ impl Env {
                 (target, None)
             }
             Mode::Bulwark => {
+                let rules = if setup.extra_rules.is_empty() {
+                    None
+                } else {
+                    let folder = crate::proxy_process::write_example_rules(&dir.join("rules"))?;
+                    for (name, yaml) in &setup.extra_rules {
+                        let path = folder.join(name);
+                        std::fs::write(&path, yaml)
+                            .with_context(|| format!("writing {}", path.display()))?;
+                    }
+                    Some(folder)
+                };
                 let upstream = Upstream {
                     replicas: fleet.addrs(),
                     pki: &pki,
@@ -329,7 +343,7 @@ impl Env {
                     own_user: BULWARK_USER,
                     own_group: BULWARK_GROUP,
                     heap_headroom: headroom,
-                    rules: None,
+                    rules,
                 };
                 let proxy = ProxyProcess::start(&dir, &upstream).await?;
                 (proxy.target.clone(), Some(Proxy::Bulwark(proxy)))

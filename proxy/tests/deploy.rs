@@ -146,6 +146,98 @@ fn deploy_config() -> Config {
         .unwrap_or_else(|e| panic!("deploy/base/bulwark.yaml is not a valid configuration: {e}"))
 }
 
+/// The Dockerfile against the DaemonSet and the configuration: no Docker engine runs in CI,
+/// so what can be checked without building is checked here.
+#[test]
+fn the_dockerfile_builds_a_non_root_image_the_daemonset_can_run() {
+    let dockerfile = read(&repo("deploy/Dockerfile"));
+    let lines: Vec<&str> = dockerfile
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    let stages: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].starts_with("FROM "))
+        .collect();
+    assert!(stages.len() >= 2, "multi-stage: build, then run");
+    let last = &lines[*stages.last().unwrap()..];
+    let instruction = |name: &str| -> Vec<&str> {
+        last.iter()
+            .filter_map(|l| l.strip_prefix(name).map(str::trim))
+            .collect()
+    };
+    assert!(
+        lines[stages[0]..stages[1]]
+            .iter()
+            .any(|l| l.contains("cargo build --release --locked -p bulwark")),
+        "the build stage builds the locked release binary"
+    );
+    assert!(
+        !last.iter().any(|l| l.contains("cargo")),
+        "the run stage carries no toolchain"
+    );
+
+    // Non-root, and the same user the DaemonSet runs as.
+    let user = instruction("USER ");
+    let uid = user
+        .last()
+        .expect("the image sets USER")
+        .split(':')
+        .next()
+        .unwrap();
+    assert_ne!(uid, "0");
+    assert_ne!(uid, "root");
+    let mut all = Kustomized::default();
+    kustomize(&repo("deploy/overlays/dev"), &mut all);
+    let ds = object(&all.objects, "DaemonSet", "bulwark");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsUser"].to_string(), uid);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+
+    // The entrypoint is the binary the build stage copied in, and the default command
+    // is the DaemonSet's: serve the mounted configuration.
+    let entrypoint: Vec<String> =
+        serde_json::from_str(instruction("ENTRYPOINT ").last().expect("ENTRYPOINT")).unwrap();
+    assert!(
+        last.iter()
+            .any(|l| l.starts_with("COPY --from=") && l.ends_with(&format!(" {}", entrypoint[0]))),
+        "{} is copied from the build stage",
+        entrypoint[0]
+    );
+    let cmd: Vec<String> = serde_json::from_str(instruction("CMD ").last().expect("CMD")).unwrap();
+    let container = &pod["containers"][0];
+    let args: Vec<String> = strings(&container["args"]);
+    assert_eq!(
+        &cmd[..args.len()],
+        &args[..],
+        "CMD and the DaemonSet's args agree"
+    );
+
+    // The ports it documents are the configuration's.
+    let config = deploy_config();
+    let exposed: BTreeSet<u64> = instruction("EXPOSE ")
+        .iter()
+        .flat_map(|l| l.split_whitespace())
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(
+        exposed,
+        BTreeSet::from([
+            port_of(&config.listen.address),
+            port_of(&config.admin.address)
+        ])
+    );
+
+    // The build context never carries build output or generated keys.
+    let ignore = read(&repo(".dockerignore"));
+    for needed in ["target/", ".git/", "**/*.key", "**/kubeconfig-*"] {
+        assert!(
+            ignore.lines().any(|l| l.trim() == needed),
+            ".dockerignore lacks {needed}"
+        );
+    }
+}
+
 /// Does the label selector `selector` (matchLabels or a plain map) select `labels`?
 fn selects(selector: &Value, labels: &Value) -> bool {
     let wanted = selector

@@ -31,7 +31,6 @@ pub mod authz;
 mod fresh;
 mod informer;
 mod respond;
-mod select;
 mod store;
 mod watch;
 
@@ -59,6 +58,7 @@ pub use audit::AuditLog;
 pub use authz::{AccessCache, AccessReviewer, Attributes, Decision, UpstreamAccessReviewer};
 pub use respond::Status;
 
+use apimachinery::selector as select;
 use fresh::{Freshness, Probe};
 use respond::{Continue, Details};
 use select::{FieldSelector, LabelSelector};

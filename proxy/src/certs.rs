@@ -17,17 +17,16 @@
 //! temporary name and renamed, so a running Bulwark that watches its files never reads half
 //! of one; keys and kubeconfigs are created readable by their owner only.
 
-pub mod der;
-
 use std::fmt;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use apimachinery::client_cert;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
     ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, PKCS_ECDSA_P256_SHA256,
-    PublicKeyData, SanType, SigningKey,
+    PublicKeyData, SanType,
 };
 use x509_parser::time::ASN1Time;
 
@@ -68,6 +67,9 @@ pub enum CertsError {
     /// Key generation or signing failed.
     #[error("minting a certificate: {0}")]
     Mint(#[from] rcgen::Error),
+    /// A client certificate could not be assembled or signed.
+    #[error("minting a client certificate: {0}")]
+    ClientCert(#[from] apimachinery::client_cert::ClientCertError),
     /// A kubeconfig could not be encoded.
     #[error("encoding a kubeconfig: {0}")]
     Kubeconfig(#[from] serde_norway::Error),
@@ -350,7 +352,7 @@ impl fmt::Debug for CertKey {
 /// A CA that signs: its certificate and an issuer built on its key.
 struct Ca {
     cert_pem: String,
-    subject_der: Vec<u8>,
+    cert_der: Vec<u8>,
     issuer: Issuer<'static, KeyPair>,
 }
 
@@ -454,11 +456,10 @@ fn load_ca(cert_path: &Path, key_path: &Path) -> Result<Ca, CertsError> {
             "the key does not belong to the certificate".into(),
         ));
     }
-    let subject_der = parsed.subject().as_raw().to_vec();
     let issuer = Issuer::from_ca_cert_der(&der, key).map_err(|e| bad(cert_path, e.to_string()))?;
     Ok(Ca {
         cert_pem,
-        subject_der,
+        cert_der: der.to_vec(),
         issuer,
     })
 }
@@ -493,41 +494,17 @@ fn client_cert(
     groups: &[String],
     validity: &Validity,
 ) -> Result<CertKey, CertsError> {
-    use der::{extension, oid, positive_integer, rdn, seq, tlv};
     let key = new_key()?;
-    let mut subject = rdn(oid::CN, user);
-    for group in groups {
-        subject.extend(rdn(oid::O, group));
-    }
-    let serial: [u8; 16] = rand::random();
-    let signature_algorithm = seq(&[der::oid(oid::ECDSA_SHA256)]);
-    // keyUsage digitalSignature (bit 0): BIT STRING with 7 unused bits.
-    let key_usage = extension(oid::KEY_USAGE, true, tlv(0x03, &[0x07, 0x80]));
-    let eku = extension(
-        oid::EXT_KEY_USAGE,
-        false,
-        seq(&[der::oid(oid::CLIENT_AUTH)]),
-    );
-    let not_ca = extension(oid::BASIC_CONSTRAINTS, true, seq(&[]));
-    let tbs = seq(&[
-        tlv(0xa0, &tlv(0x02, &[2])),
-        positive_integer(&serial),
-        signature_algorithm.clone(),
-        ca.subject_der.clone(),
-        seq(&[
-            der::time(validity.not_before),
-            der::time(validity.not_after),
-        ]),
-        tlv(0x30, &subject),
-        key.subject_public_key_info(),
-        tlv(0xa3, &seq(&[key_usage, eku, not_ca])),
-    ]);
-    let signature = ca.issuer.key().sign(&tbs)?;
-    let mut bits = vec![0u8];
-    bits.extend(signature);
-    let cert = seq(&[tbs, signature_algorithm, tlv(0x03, &bits)]);
+    let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+    let subject = client_cert::Subject {
+        user,
+        groups: &groups,
+        not_before: validity.not_before,
+        not_after: validity.not_after,
+    };
+    let der = client_cert::issue(&ca.cert_der, ca.issuer.key(), &key, &subject)?;
     Ok(CertKey {
-        cert_pem: der::pem("CERTIFICATE", &cert),
+        cert_pem: client_cert::pem(&der),
         key_pem: key.serialize_pem(),
     })
 }

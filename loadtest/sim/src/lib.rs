@@ -16,7 +16,7 @@ pub mod pki;
 pub mod policy;
 pub mod proto;
 pub mod reviews;
-pub mod select;
+pub use apimachinery::selector as select;
 pub mod server;
 pub mod status;
 pub mod store;

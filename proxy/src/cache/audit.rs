@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use serde_json::json;
 
@@ -115,45 +115,18 @@ fn event(r: &Record<'_>) -> Vec<u8> {
 
 /// A new `Audit-Id`: a random RFC 4122 version 4 UUID.
 pub fn new_audit_id() -> String {
-    let b: [u8; 16] = rand::random();
-    format!(
-        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
-        u32::from_be_bytes([b[0], b[1], b[2], b[3]]),
-        u16::from_be_bytes([b[4], b[5]]),
-        u16::from_be_bytes([b[6], b[7]]) & 0x0fff,
-        (u16::from_be_bytes([b[8], b[9]]) & 0x3fff) | 0x8000,
-        u64::from_be_bytes([0, 0, b[10], b[11], b[12], b[13], b[14], b[15]]),
-    )
+    uuid::Uuid::new_v4().to_string()
 }
 
 /// `2026-06-15T04:14:53.123456Z`.
 fn rfc3339_micros(at: SystemTime) -> String {
-    let since = at.duration_since(UNIX_EPOCH).unwrap_or(Duration::ZERO);
-    let secs = since.as_secs();
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:06}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        since.subsec_micros()
-    )
+    humantime::format_rfc3339_micros(at).to_string()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
 
     #[test]
     fn an_event_line_names_user_verb_object_and_audit_id() {

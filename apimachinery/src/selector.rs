@@ -1,5 +1,8 @@
-//! Label and field selectors, parsed as the apiserver parses `labelSelector` and
-//! `fieldSelector` (`=`, `==`, `!=`, `in`, `notin`, `key`, `!key`).
+//! Label and field selectors of lists and watches, parsed as the apiserver parses
+//! `labelSelector` and `fieldSelector` (`=`, `==`, `!=`, `in`, `notin`, `key`, `!key`).
+//! Field selectors cover `metadata.name` and `metadata.namespace`, the fields every
+//! resource indexes; a selector on any other field is an error here (Bulwark's cache then
+//! sends the request upstream, where the apiserver decides).
 
 use std::collections::BTreeMap;
 
@@ -189,7 +192,16 @@ impl FieldSelector {
         })
     }
 
-    /// The name pinned by `metadata.name=X`, which authorization treats as the object name.
+    /// The namespace pinned by `metadata.namespace=X`, so a cluster-wide request narrowed to
+    /// one namespace can be checked against excluded namespaces.
+    pub fn pinned_namespace(&self) -> Option<&str> {
+        self.0.iter().find_map(|r| match r {
+            Req::Eq(k, v) if k == "metadata.namespace" => Some(v.as_str()),
+            _ => None,
+        })
+    }
+
+    /// The name pinned by `metadata.name=X`.
     pub fn pinned_name(&self) -> Option<&str> {
         self.0.iter().find_map(|r| match r {
             Req::Eq(k, v) if k == "metadata.name" => Some(v.as_str()),

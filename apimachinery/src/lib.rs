@@ -1,0 +1,10 @@
+//! Kubernetes API conventions that Bulwark and its simulated apiserver both speak, kept in
+//! one place so that the two cannot drift apart:
+//!
+//! - [`selector`]: `labelSelector` and `fieldSelector`, parsed and matched as the
+//!   apiserver does;
+//! - [`client_cert`]: client certificates as the apiserver reads identities from them
+//!   (CN is the user, each O a group).
+
+pub mod client_cert;
+pub mod selector;

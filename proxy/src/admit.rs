@@ -340,11 +340,15 @@ impl Admission {
     }
 
     /// Everything after the token bucket for an answer Bulwark gives itself from its cache,
-    /// `answer_bytes` long (0 for a watch): the watch limit, then seats by those bytes in
-    /// the level's fair queue. Such an answer costs no apiserver memory, so it holds no
-    /// replica's LIST bytes; it costs Bulwark's CPU and network, which the level's seats
-    /// share fairly between flows (a storm of cluster-wide LISTs answered from the cache
-    /// would otherwise take every core from the small requests of other levels).
+    /// `answer_bytes` long: seats by those bytes in the level's fair queue. Such an answer
+    /// costs no apiserver memory, so it holds no replica's LIST bytes; it costs Bulwark's
+    /// CPU and network, which the level's seats share fairly between flows (a storm of
+    /// cluster-wide LISTs answered from the cache would otherwise take every core from the
+    /// small requests of other levels).
+    ///
+    /// A cached watch only counts against the flow's watch limit: its head goes out at
+    /// once, where a seat would be released, so queueing it would guard nothing and only
+    /// delay its first events.
     pub async fn admit_cached(
         &self,
         m: &Matched,
@@ -352,7 +356,58 @@ impl Admission {
         info: &RequestInfo,
         answer_bytes: u64,
     ) -> Result<Permit, Refusal> {
+        if info.verb == Verb::Watch {
+            return self.admit_watch_only(m, user);
+        }
         self.admit_cost(m, user, info, answer_bytes, 0).await
+    }
+
+    fn admit_watch_only(&self, m: &Matched, user: &User) -> Result<Permit, Refusal> {
+        let level = self.level(&m.level);
+        let mut permit = Permit {
+            level: Some(level.spec.name.clone()),
+            ..Permit::default()
+        };
+        if !m.level.exempt {
+            permit.watch = self.open_watch(m, user, &level, flow_hash(&m.flow), Instant::now())?;
+        }
+        Ok(permit)
+    }
+
+    /// The flow's place in its watch limit (`None` without a limit), or a refusal.
+    fn open_watch(
+        &self,
+        m: &Matched,
+        user: &User,
+        level: &Level,
+        hash: u64,
+        now: Instant,
+    ) -> Result<Option<WatchGuard>, Refusal> {
+        let flows = &self.shared.flows;
+        if m.watches.is_none() {
+            return Ok(None);
+        }
+        if let Some(guard) = flows.open_watch(&m.flow, hash, m.watches, now) {
+            return Ok(Some(guard));
+        }
+        self.verdict(
+            m,
+            level,
+            user,
+            hash,
+            now,
+            Verdict {
+                reason: Reason::WatchLimit,
+                message: format!(
+                    "flow {} has {} open watches, as many as its rule allows",
+                    m.flow,
+                    m.watches.unwrap_or(0)
+                ),
+                at_least: Duration::ZERO,
+            },
+        )?;
+        // Shadow mode: the watch runs and still counts.
+        Ok(flows.open_watch(&m.flow, hash, None, now))
     }
 
     /// The watch limit and the fair queue for a request of `seat_bytes` (its seats) that
@@ -381,28 +436,8 @@ impl Admission {
             level: Some(level.spec.name.clone()),
             ..Permit::default()
         };
-        if info.verb == Verb::Watch && m.watches.is_some() {
-            permit.watch = shared.flows.open_watch(&m.flow, hash, m.watches, now);
-            if permit.watch.is_none() {
-                self.verdict(
-                    m,
-                    &level,
-                    user,
-                    hash,
-                    now,
-                    Verdict {
-                        reason: Reason::WatchLimit,
-                        message: format!(
-                            "flow {} has {} open watches, as many as its rule allows",
-                            m.flow,
-                            m.watches.unwrap_or(0)
-                        ),
-                        at_least: Duration::ZERO,
-                    },
-                )?;
-                // Shadow mode: the watch runs and still counts.
-                permit.watch = shared.flows.open_watch(&m.flow, hash, None, now);
-            }
+        if info.verb == Verb::Watch {
+            permit.watch = self.open_watch(m, user, &level, hash, now)?;
         }
 
         let seats = shared.cost.seats(seat_bytes, level.spec.seats);

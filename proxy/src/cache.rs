@@ -44,7 +44,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Body;
-use crate::admit::Admission;
+use crate::admit::{Admission, Permit};
 use crate::classify::{RequestInfo, Verb};
 use crate::config::{self, GroupResource};
 use crate::identity::User;
@@ -626,6 +626,7 @@ impl Cache {
             return Ok(Outcome::Miss("not fresh enough"));
         }
         self.authorize(&request, "get", &name).await?;
+        let permit = self.admit(&request, 0).await?;
         let kind = &request.store.kind;
         let namespace = request.info.namespace.as_deref().unwrap_or_default();
         let (obj, _) = request.store.get(namespace, &name);
@@ -645,44 +646,47 @@ impl Cache {
                 }),
             );
             let response = status.into_response(&request.audit_id);
-            return self
-                .give(&request, ("get", Some(&name), 404), response)
-                .await;
+            return Ok(self.give(&request, ("get", Some(&name), 404), response, permit));
         };
         let pieces = respond::object_pieces(kind, &obj);
         let response = self.respond(&request, pieces).await;
-        self.give(&request, ("get", Some(&name), 200), response)
-            .await
+        Ok(self.give(&request, ("get", Some(&name), 200), response, permit))
     }
 
-    /// Gives an authorized answer: the reader's admission first ([`Gate`]: seats held until
-    /// the body ends, a watch's only until its head), then the audit line `(verb, name,
-    /// code)`, then the answer. A refused answer is neither given nor audited.
-    async fn give(
+    /// The reader's admission ([`Gate`]) for an answer of about `bytes`, once it is
+    /// authorized and before it is built, so that an answer that waited for its seats is
+    /// built from the cache as it is when they are granted. The seats are held until the
+    /// answer's body ends.
+    async fn admit(&self, request: &Request<'_>, bytes: u64) -> Result<Option<Permit>, CacheError> {
+        let Some(gate) = request.gate else {
+            return Ok(None);
+        };
+        let mut permit = gate
+            .admission
+            .admit_cached(gate.matched, request.user, request.info, bytes)
+            .await
+            .map_err(CacheError::Refused)?;
+        if request.info.is_long_running() {
+            permit.release_seats();
+        }
+        Ok(Some(permit))
+    }
+
+    /// Gives an admitted answer, holding its `permit`, and writes its audit line `(verb,
+    /// name, code)`. A refused answer is neither built, given nor audited.
+    fn give(
         &self,
         request: &Request<'_>,
         (verb, name, code): (&str, Option<&str>, u16),
         response: Response<Body>,
-    ) -> Result<Outcome, CacheError> {
-        let response = match request.gate {
+        permit: Option<Permit>,
+    ) -> Outcome {
+        let response = match permit {
+            Some(permit) => response.map(|body| crate::admit::hold(body, permit, None)),
             None => response,
-            Some(gate) => {
-                let bytes = http_body::Body::size_hint(response.body())
-                    .exact()
-                    .unwrap_or(0);
-                let mut permit = gate
-                    .admission
-                    .admit_cached(gate.matched, request.user, request.info, bytes)
-                    .await
-                    .map_err(CacheError::Refused)?;
-                if request.info.is_long_running() {
-                    permit.release_seats();
-                }
-                response.map(|body| crate::admit::hold(body, permit, None))
-            }
         };
         self.audit(request, verb, name, code);
-        Ok(Outcome::Hit(response))
+        Outcome::Hit(response)
     }
 
     async fn list(
@@ -725,8 +729,9 @@ impl Cache {
             } else {
                 Some(items.len() as u64)
             };
+            let permit = self.admit(&request, page_bytes(&request, &items)).await?;
             let response = self.page(&request, at, items, total_after).await;
-            return self.give(&request, ("list", None, 200), response).await;
+            return Ok(self.give(&request, ("list", None, 200), response, permit));
         }
         let need = match (rv, q.resource_version_match.as_deref()) {
             (None, None) => Need::Consistent,
@@ -751,12 +756,23 @@ impl Cache {
             .unwrap_or_default()
             .to_owned();
         self.authorize(&request, "list", &name).await?;
-        let (items, list_rv) = request.store.list(ns, |o| request.filter.matches(o));
+        let select = |o: &Obj| request.filter.matches(o);
+        let permit = match request.gate {
+            Some(_) => {
+                let (items, _) = request.store.list(ns, select);
+                let bytes = page_bytes(&request, &items);
+                drop(items);
+                self.admit(&request, bytes).await?
+            }
+            None => None,
+        };
+        // Listed after admission: what waited for seats answers with the cache of now.
+        let (items, list_rv) = request.store.list(ns, select);
         if q.limit.is_some() {
             let count = items.len() as u64;
             let total = (!request.filter.selects()).then_some(count);
             let response = self.page(&request, list_rv, items, total).await;
-            return self.give(&request, ("list", None, 200), response).await;
+            return Ok(self.give(&request, ("list", None, 200), response, permit));
         }
         let gzip = wants_gzip(request.headers);
         let key = ListKey {
@@ -774,7 +790,7 @@ impl Cache {
             .get(&key);
         if let Some(pieces) = cached {
             let response = self.send(&request, pieces, gzip);
-            return self.give(&request, ("list", None, 200), response).await;
+            return Ok(self.give(&request, ("list", None, 200), response, permit));
         }
         let pieces = respond::list_pieces(&request.store.kind, list_rv, None, &items);
         drop(items);
@@ -784,7 +800,7 @@ impl Cache {
             .unwrap_or_else(|p| p.into_inner())
             .put(key, pieces.clone());
         let response = self.send(&request, pieces, gzipped);
-        self.give(&request, ("list", None, 200), response).await
+        Ok(self.give(&request, ("list", None, 200), response, permit))
     }
 
     /// One page of `items` (those after the previous page), `total` of them if known.
@@ -886,6 +902,7 @@ impl Cache {
             ))));
         }
         let attrs = self.authorize(&request, "watch", &name).await?;
+        let permit = self.admit(&request, 0).await?;
         let start = match request.store.watch(from) {
             Ok(start) => start,
             Err(expired) => {
@@ -904,7 +921,7 @@ impl Cache {
                     crate::full(status.error_line()),
                     &request.audit_id,
                 );
-                return self.give(&request, ("watch", None, 200), response).await;
+                return Ok(self.give(&request, ("watch", None, 200), response, permit));
             }
         };
         let timeout = match q.timeout_seconds {
@@ -936,8 +953,18 @@ impl Cache {
             self.metrics.clone(),
         );
         let response = respond::json_response(StatusCode::OK, body, &request.audit_id);
-        self.give(&request, ("watch", None, 200), response).await
+        Ok(self.give(&request, ("watch", None, 200), response, permit))
     }
+}
+
+/// The bytes of the objects a LIST answers: all of `items`, or the first `limit`.
+fn page_bytes(request: &Request<'_>, items: &[Arc<Obj>]) -> u64 {
+    let limit = request
+        .info
+        .query
+        .limit
+        .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
+    items.iter().take(limit).map(|o| o.body.len() as u64).sum()
 }
 
 /// Gzips when asked and large enough.

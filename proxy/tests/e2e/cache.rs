@@ -175,6 +175,16 @@ rules:
     assert_eq!(refused.headers["x-bulwark-reason"], "queue_timeout");
     assert_eq!(refused.headers["x-bulwark-level"], "one-seat");
 
+    // A cached watch starts at once all the same: its head would release a seat as soon
+    // as it took one, so it only counts against the flow's watch limit.
+    let watch = carol
+        .start(crate::harness::get(
+            "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0",
+        ))
+        .await;
+    assert_eq!(watch.status(), 200, "a cached watch waited for a seat");
+    drop(watch);
+
     let body = unread.into_body().collect().await.unwrap().to_bytes();
     let items = serde_json::from_slice::<serde_json::Value>(&body).unwrap()["items"]
         .as_array()
@@ -259,5 +269,104 @@ rules:
             .iter()
             .all(|s| s.user != "alice"),
         "the watches were meant to come from the cache"
+    );
+}
+
+/// A cached LIST that waits for its seats is built when they are granted, not when it
+/// arrived: it answers with what the cache holds then, as the apiserver answers a LIST it
+/// queued. (A LIST built before the wait would hand its reader a stale version, and every
+/// event since would reach that reader's watch late.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_list_that_waited_for_seats_answers_with_the_cache_of_when_it_runs() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        seed: vec!["secrets=200x100KiB@team", "secrets=2x1KiB@other"],
+        cache: true,
+        rules: r#"
+levels:
+  - name: one-seat
+    seats: 1
+    queues: 8
+    handSize: 2
+    queueLength: 5
+    maxWait: 20s
+rules:
+  - name: readers
+    precedence: 100
+    match:
+      users: ["alice", "carol"]
+    level: one-seat
+    flow: user
+"#,
+        ..Setup::default()
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while cluster.bulwark.admin.ready().is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut alice = cluster.client("alice", &[]).await;
+    let unread = alice
+        .start(crate::harness::get(
+            "/api/v1/namespaces/team/secrets?resourceVersion=0",
+        ))
+        .await;
+    assert_eq!(unread.status(), 200);
+
+    // Carol's LIST waits behind alice's unread one for the level's only seat.
+    let mut carol = cluster.client("carol", &[]).await;
+    let waiting = tokio::spawn(async move {
+        carol
+            .get("/api/v1/namespaces/other/secrets?resourceVersion=0")
+            .await
+    });
+    let metrics = || cluster.bulwark.admin.metrics.render();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !metrics().contains(r#"bulwark_level_waiting_requests{level="one-seat"} 1"#) {
+        assert!(tokio::time::Instant::now() < deadline, "carol never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Meanwhile a Secret is created, and the cache sees it.
+    let mut admin = cluster.client("admin", &["system:masters"]).await;
+    let secret = serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "made-while-waiting", "namespace": "other"},
+    });
+    let create = http::Request::post("https://127.0.0.1/api/v1/namespaces/other/secrets")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            secret.to_string(),
+        )))
+        .unwrap();
+    assert_eq!(admin.send(create).await.status, 201);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while admin
+        .get("/api/v1/namespaces/other/secrets/made-while-waiting?resourceVersion=0")
+        .await
+        .status
+        != 200
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cache never saw it"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Alice finishes; carol's LIST runs now and holds the new Secret.
+    unread.into_body().collect().await.unwrap();
+    let answer = waiting.await.unwrap();
+    assert_eq!(answer.status, 200);
+    let names: Vec<String> = answer.json()["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(
+        names.iter().any(|n| n == "made-while-waiting"),
+        "the LIST was built before it waited: {names:?}"
     );
 }

@@ -16,6 +16,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::auth::{AuthConfig, DeferredVerifier, PeerCert};
 use crate::body::SimBody;
@@ -85,6 +86,9 @@ impl Shared {
 struct Running {
     cancel: CancellationToken,
     accept: JoinHandle<()>,
+    /// The connection tasks: a stop waits for them, so that no response byte (a watch
+    /// event included) leaves a stopped replica.
+    connections: TaskTracker,
 }
 
 /// One replica's state.
@@ -227,6 +231,10 @@ async fn stop_inner(inner: &Arc<ReplicaInner>) {
         r.cancel.cancel();
         // The accept task owns the listener; waiting for it guarantees the port is free.
         let _ = r.accept.await;
+        // A cancelled connection is only closed once its task runs again: without this
+        // wait, a change made right after `stop` could still reach an open watch.
+        r.connections.close();
+        r.connections.wait().await;
     }
     // In-flight counts and heap charges are released as the cancelled connections drop
     // their response bodies.
@@ -265,8 +273,18 @@ async fn start_inner(inner: &Arc<ReplicaInner>) {
     };
     let cancel = CancellationToken::new();
     *inner.cancel.lock().unwrap_or_else(|p| p.into_inner()) = cancel.clone();
-    let accept = tokio::spawn(accept_loop(inner.clone(), listener, cancel.clone()));
-    *run = Some(Running { cancel, accept });
+    let connections = TaskTracker::new();
+    let accept = tokio::spawn(accept_loop(
+        inner.clone(),
+        listener,
+        cancel.clone(),
+        connections.clone(),
+    ));
+    *run = Some(Running {
+        cancel,
+        accept,
+        connections,
+    });
 }
 
 fn bind_reuse(addr: SocketAddr) -> std::io::Result<TcpListener> {
@@ -276,7 +294,12 @@ fn bind_reuse(addr: SocketAddr) -> std::io::Result<TcpListener> {
     s.listen(1024)
 }
 
-async fn accept_loop(inner: Arc<ReplicaInner>, listener: TcpListener, cancel: CancellationToken) {
+async fn accept_loop(
+    inner: Arc<ReplicaInner>,
+    listener: TcpListener,
+    cancel: CancellationToken,
+    connections: TaskTracker,
+) {
     let acceptor = TlsAcceptor::from(inner.shared.tls.clone());
     loop {
         let (tcp, _) = tokio::select! {
@@ -293,7 +316,7 @@ async fn accept_loop(inner: Arc<ReplicaInner>, listener: TcpListener, cancel: Ca
         let inner = inner.clone();
         let acceptor = acceptor.clone();
         let cancel = cancel.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             tokio::select! {
                 _ = cancel.cancelled() => {}
                 _ = serve_conn(inner, acceptor, tcp, cancel.clone()) => {}

@@ -3,6 +3,8 @@
 //! Names and labels are the contract of DESIGN.md's metrics table; label values are bounded
 //! (resources known or `other`, replicas from config, reasons from [`Reason`]).
 
+use std::sync::Arc;
+
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
     TextEncoder,
@@ -32,9 +34,21 @@ impl ServedBy {
     }
 }
 
-/// Every metric Bulwark exports, registered in one registry.
+/// Every metric Bulwark exports, registered in one registry. Cheap to clone (one `Arc`):
+/// every stage keeps a handle, and some take one per request.
 #[derive(Clone)]
-pub struct Metrics {
+pub struct Metrics(Arc<MetricFamilies>);
+
+impl std::ops::Deref for Metrics {
+    type Target = MetricFamilies;
+
+    fn deref(&self) -> &MetricFamilies {
+        &self.0
+    }
+}
+
+/// The metric families behind [`Metrics`].
+pub struct MetricFamilies {
     registry: Registry,
     /// `bulwark_requests_total{verb, resource, code, served_by}`.
     pub requests_total: IntCounterVec,
@@ -260,7 +274,7 @@ impl Metrics {
         registry
             .register(Box::new(request_duration_seconds.clone()))
             .expect("metric registered once");
-        Self {
+        Self(Arc::new(MetricFamilies {
             registry,
             requests_total,
             request_duration_seconds,
@@ -287,7 +301,7 @@ impl Metrics {
             cache_relists_total,
             cache_requests_total,
             cache_slow_watchers_total,
-        }
+        }))
     }
 
     /// Counts a request Bulwark refused.

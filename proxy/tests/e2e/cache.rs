@@ -7,11 +7,14 @@ use http_body_util::BodyExt;
 
 use crate::harness::{Cluster, Setup};
 
-async fn cached_cluster() -> Cluster {
+/// `replicas` seeded with `seed`, the cache on, `rules` loaded, and Bulwark ready (its
+/// cache synced).
+async fn synced(replicas: usize, seed: Vec<&'static str>, rules: &'static str) -> Cluster {
     let cluster = Cluster::start(Setup {
-        replicas: 2,
-        seed: vec!["secrets=20x1KiB@team"],
+        replicas,
+        seed,
         cache: true,
+        rules,
         ..Setup::default()
     })
     .await;
@@ -25,7 +28,12 @@ async fn cached_cluster() -> Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secret_reads_come_from_the_cache_for_readers_the_apiserver_would_allow() {
-    let cluster = cached_cluster().await;
+    let cluster = synced(
+        2,
+        vec!["secrets=20x1KiB@team"],
+        crate::harness::UNLIMITED_RULES,
+    )
+    .await;
     cluster.fleet.clear_seen();
     let mut alice = cluster.client("alice", &[]).await;
     let list = alice
@@ -78,11 +86,10 @@ async fn secret_reads_come_from_the_cache_for_readers_the_apiserver_would_allow(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_rate_applies_to_answers_from_the_cache_too() {
-    let cluster = Cluster::start(Setup {
-        replicas: 1,
-        seed: vec!["secrets=3x1KiB@team"],
-        cache: true,
-        rules: r#"
+    let cluster = synced(
+        1,
+        vec!["secrets=3x1KiB@team"],
+        r#"
 rules:
   - name: alice-slow
     precedence: 100
@@ -92,14 +99,8 @@ rules:
     flow: user
     rate: {qps: 1, burst: 2}
 "#,
-        ..Setup::default()
-    })
+    )
     .await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while cluster.bulwark.admin.ready().is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let mut alice = cluster.client("alice", &[]).await;
     let path = "/api/v1/namespaces/team/secrets?resourceVersion=0";
     let statuses: Vec<u16> = futures::future::join_all((0..4).map(|_| async {
@@ -128,12 +129,10 @@ rules:
 /// of that level (carol) waits and is refused at `maxWait`; once the LIST is read, it is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_answers_hold_seats_in_the_readers_level_until_their_body_ends() {
-    let cluster = Cluster::start(Setup {
-        replicas: 1,
-        // 20 MiB: more than the HTTP/2 windows between the reader and Bulwark hold.
-        seed: vec!["secrets=200x100KiB@team"],
-        cache: true,
-        rules: r#"
+    let cluster = synced(
+        1,
+        vec!["secrets=200x100KiB@team"],
+        r#"
 levels:
   - name: one-seat
     seats: 1
@@ -149,14 +148,8 @@ rules:
     level: one-seat
     flow: user
 "#,
-        ..Setup::default()
-    })
+    )
     .await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while cluster.bulwark.admin.ready().is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let list = "/api/v1/namespaces/team/secrets?resourceVersion=0";
     let one = "/api/v1/namespaces/team/secrets/secret-3?resourceVersion=0";
     cluster.fleet.clear_seen();
@@ -207,11 +200,10 @@ rules:
 /// open, as one the apiserver answers does, and takes no seat once started.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_watches_count_against_the_flows_watch_limit() {
-    let cluster = Cluster::start(Setup {
-        replicas: 1,
-        seed: vec!["secrets=3x1KiB@team"],
-        cache: true,
-        rules: r#"
+    let cluster = synced(
+        1,
+        vec!["secrets=3x1KiB@team"],
+        r#"
 levels:
   - name: one-seat
     seats: 1
@@ -228,14 +220,8 @@ rules:
     flow: user
     watches: 1
 "#,
-        ..Setup::default()
-    })
+    )
     .await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while cluster.bulwark.admin.ready().is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let watch = "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0";
     cluster.fleet.clear_seen();
     let mut alice = cluster.client("alice", &[]).await;
@@ -278,11 +264,10 @@ rules:
 /// event since would reach that reader's watch late.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cached_list_that_waited_for_seats_answers_with_the_cache_of_when_it_runs() {
-    let cluster = Cluster::start(Setup {
-        replicas: 1,
-        seed: vec!["secrets=200x100KiB@team", "secrets=2x1KiB@other"],
-        cache: true,
-        rules: r#"
+    let cluster = synced(
+        1,
+        vec!["secrets=200x100KiB@team", "secrets=2x1KiB@other"],
+        r#"
 levels:
   - name: one-seat
     seats: 1
@@ -298,14 +283,8 @@ rules:
     level: one-seat
     flow: user
 "#,
-        ..Setup::default()
-    })
+    )
     .await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while cluster.bulwark.admin.ready().is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let mut alice = cluster.client("alice", &[]).await;
     let unread = alice
         .start(crate::harness::get(

@@ -542,6 +542,17 @@ impl Cache {
     }
 
     /// Asks the apiserver, through the decision cache, whether the user may do this.
+    /// [`Cache::authorize`] for a list or watch: its name is the one
+    /// `fieldSelector=metadata.name=X` pins, as the apiserver has it, or none.
+    async fn authorize_collection(
+        &self,
+        request: &Request<'_>,
+        verb: &str,
+    ) -> Result<Attributes, CacheError> {
+        let name = request.info.field_selector_name().unwrap_or_default();
+        self.authorize(request, verb, name).await
+    }
+
     async fn authorize(
         &self,
         request: &Request<'_>,
@@ -710,12 +721,7 @@ impl Cache {
             let Some(all) = request.store.list_at(ns, at) else {
                 return Ok(Outcome::Miss("a continue older than the ring"));
             };
-            let name = request
-                .info
-                .field_selector_name()
-                .unwrap_or_default()
-                .to_owned();
-            self.authorize(&request, "list", &name).await?;
+            self.authorize_collection(&request, "list").await?;
             let start = all.partition_point(|o| {
                 (o.namespace.as_str(), o.name.as_str()) <= (after.0.as_str(), after.1.as_str())
             });
@@ -750,12 +756,7 @@ impl Cache {
         if !self.fresh(&request, need, staleness).await {
             return Ok(Outcome::Miss("not fresh enough"));
         }
-        let name = request
-            .info
-            .field_selector_name()
-            .unwrap_or_default()
-            .to_owned();
-        self.authorize(&request, "list", &name).await?;
+        self.authorize_collection(&request, "list").await?;
         let select = |o: &Obj| request.filter.matches(o);
         let permit = match request.gate {
             Some(_) => {
@@ -811,11 +812,7 @@ impl Cache {
         items: Vec<Arc<Obj>>,
         total: Option<u64>,
     ) -> Response<Body> {
-        let limit = request
-            .info
-            .query
-            .limit
-            .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
+        let limit = page_limit(request);
         let next = (items.len() > limit).then(|| {
             let last = &items[limit - 1];
             Continue {
@@ -880,11 +877,6 @@ impl Cache {
             (Some(n), true) => (Need::AtLeast(n), None),
             (Some(n), false) => (Need::AtLeast(n), Some(n)),
         };
-        let name = request
-            .info
-            .field_selector_name()
-            .unwrap_or_default()
-            .to_owned();
         if !self.fresh(&request, need, staleness).await {
             let Need::AtLeast(n) = need else {
                 return Ok(Outcome::Miss("not fresh enough"));
@@ -895,13 +887,13 @@ impl Cache {
                 Ok(_) => {}
                 Err(_) => return Ok(Outcome::Miss("the apiserver's version is unknown")),
             }
-            self.authorize(&request, "watch", &name).await?;
+            self.authorize_collection(&request, "watch").await?;
             return Err(CacheError::Status(Box::new(too_large(
                 n,
                 request.store.rv(),
             ))));
         }
-        let attrs = self.authorize(&request, "watch", &name).await?;
+        let attrs = self.authorize_collection(&request, "watch").await?;
         let permit = self.admit(&request, 0).await?;
         let start = match request.store.watch(from) {
             Ok(start) => start,
@@ -957,13 +949,18 @@ impl Cache {
     }
 }
 
-/// The bytes of the objects a LIST answers: all of `items`, or the first `limit`.
-fn page_bytes(request: &Request<'_>, items: &[Arc<Obj>]) -> u64 {
-    let limit = request
+/// The objects a LIST page holds at most: its `limit`, or all.
+fn page_limit(request: &Request<'_>) -> usize {
+    request
         .info
         .query
         .limit
-        .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
+        .map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX))
+}
+
+/// The bytes of the objects a LIST answers: all of `items`, or the first `limit`.
+fn page_bytes(request: &Request<'_>, items: &[Arc<Obj>]) -> u64 {
+    let limit = page_limit(request);
     items.iter().take(limit).map(|o| o.body.len() as u64).sum()
 }
 

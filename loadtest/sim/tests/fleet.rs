@@ -418,6 +418,64 @@ async fn stop_drops_open_watches() {
     assert!(r.is_err(), "the watch is cut, not ended cleanly");
 }
 
+/// Once `stop` returns, nothing more leaves the replica: a change made right after it never
+/// reaches a watch that was open on it (the cache's 410 relist tests rely on this).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_leaves_a_replica_after_stop_returns() {
+    use http_body_util::BodyExt;
+    let fleet = Fleet::start(cfg()).await.unwrap();
+    let tls = admin_tls(fleet.pki(), &[b"h2"]);
+    let tcp = tokio::net::TcpStream::connect(fleet.addrs()[0])
+        .await
+        .unwrap();
+    let stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
+        .connect(
+            rustls::pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let request = http::Request::get("https://localhost/api/v1/namespaces/default/secrets?watch=1")
+        .body(http_body_util::Empty::<Bytes>::new())
+        .unwrap();
+    let response = send.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+
+    fleet.replica(0).stop().await;
+    for i in 0..50 {
+        fleet
+            .store()
+            .create(
+                "secrets",
+                "default",
+                json!({"metadata": {"name": format!("after-stop-{i}")}, "data": {"k": "djE="}}),
+            )
+            .unwrap();
+    }
+    let mut seen = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Some(data) = frame.data_ref() {
+                seen.extend_from_slice(data);
+            }
+        }
+    });
+    read.await.expect("the watch ended");
+    assert!(
+        !String::from_utf8_lossy(&seen).contains("after-stop"),
+        "a stopped replica sent an event: {}",
+        String::from_utf8_lossy(&seen)
+    );
+}
+
 #[tokio::test]
 async fn a_list_past_the_heap_limit_ooms_the_replica() {
     let seed = "secrets=200x10KiB".parse().unwrap();

@@ -349,3 +349,59 @@ rules:
         "the LIST was built before it waited: {names:?}"
     );
 }
+
+/// A LIST of a cached resource that goes upstream is costed by the cache's own count of
+/// that scope, before Bulwark has seen any LIST of it: while an exact-version LIST of
+/// 20 MB streams unread, the replica's in-flight LIST bytes are those 20 MB, not the
+/// guess for an unknown scope (a quarter of a replica's budget, about 200 MB here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_list_of_a_cached_resource_is_costed_by_the_caches_count() {
+    let cluster = synced(
+        1,
+        vec!["secrets=200x100KiB@team"],
+        r#"
+levels:
+  - name: lists
+    seats: 10
+    queues: 8
+    handSize: 2
+    queueLength: 5
+    maxWait: 5s
+rules:
+  - name: alice
+    precedence: 100
+    match:
+      users: ["alice"]
+    level: lists
+    flow: user
+"#,
+    )
+    .await;
+    let mut alice = cluster.client("alice", &[]).await;
+    // The current version, from a small cached read (a GET: no LIST is seen upstream).
+    let one = alice
+        .get("/api/v1/namespaces/team/secrets/secret-0?resourceVersion=0")
+        .await;
+    assert_eq!(one.status, 200);
+    let version = cluster.fleet.store().resource_version();
+    let exact = format!(
+        "/api/v1/namespaces/team/secrets?resourceVersion={version}&resourceVersionMatch=Exact"
+    );
+    let unread = alice.start(crate::harness::get(&exact)).await;
+    assert_eq!(unread.status(), 200);
+    let in_flight: f64 = cluster
+        .bulwark
+        .admin
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("bulwark_list_bytes_in_flight{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let scope = (200 * 100 * 1024) as f64;
+    assert!(
+        in_flight > 0.9 * scope && in_flight < 1.3 * scope,
+        "in-flight LIST bytes {in_flight}, the scope holds about {scope}"
+    );
+    drop(unread);
+}

@@ -469,19 +469,7 @@ where
             admission
                 .check_rate(&matched, &user)
                 .map_err(ProxyError::Refused)?;
-            if let Some(cache) = cache.as_ref().filter(|_| info.is_list()) {
-                // A LIST the cache does not answer reads its whole scope upstream: the
-                // cache's counts say how large that is now.
-                let resource = if info.api_group.is_empty() {
-                    info.resource.clone()
-                } else {
-                    format!("{}.{}", info.resource, info.api_group)
-                };
-                if let Some((_, bytes)) = cache.scope_size(&resource, info.namespace.as_deref()) {
-                    admission.observe_scope(&info, bytes);
-                }
-            }
-            if let Some(cache) = cache.filter(|_| authenticated) {
+            if let Some(cache) = cache.as_ref().filter(|_| authenticated) {
                 let gate = Gate {
                     admission: &admission,
                     matched: &matched,
@@ -505,6 +493,18 @@ where
                     response.extensions_mut().insert(ServedBy::Cache);
                     name_rule(&mut response, &matched);
                     return Ok(response);
+                }
+            }
+            if let Some(cache) = cache.as_ref().filter(|_| info.is_list()) {
+                // A LIST the cache does not answer reads its whole scope upstream: the
+                // cache's counts say how large that is now.
+                let resource = if info.api_group.is_empty() {
+                    info.resource.clone()
+                } else {
+                    format!("{}.{}", info.resource, info.api_group)
+                };
+                if let Some((_, bytes)) = cache.scope_size(&resource, info.namespace.as_deref()) {
+                    admission.observe_scope(&info, bytes);
                 }
             }
             let mut permit = admission

@@ -4,7 +4,9 @@
 //! - [`selector`]: `labelSelector` and `fieldSelector`, parsed and matched as the
 //!   apiserver does;
 //! - [`client_cert`]: client certificates as the apiserver reads identities from them
-//!   (CN is the user, each O a group).
+//!   (CN is the user, each O a group);
+//! - [`watch`]: the event types of a watch stream.
 
 pub mod client_cert;
 pub mod selector;
+pub mod watch;

@@ -122,27 +122,7 @@ impl Obj {
     }
 }
 
-/// Watch event types.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EventType {
-    /// Created.
-    Added,
-    /// Updated or patched.
-    Modified,
-    /// Deleted.
-    Deleted,
-}
-
-impl EventType {
-    /// The wire name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventType::Added => "ADDED",
-            EventType::Modified => "MODIFIED",
-            EventType::Deleted => "DELETED",
-        }
-    }
-}
+pub use apimachinery::watch::EventType;
 
 /// One change, as kept in the ring and sent to watches.
 #[derive(Debug)]

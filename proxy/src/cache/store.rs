@@ -204,41 +204,7 @@ fn strip_type_meta(raw: &[u8]) -> Option<&[u8]> {
     rest[end + 1..].strip_prefix(b",")
 }
 
-/// A watch event type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EventType {
-    /// Created.
-    Added,
-    /// Changed.
-    Modified,
-    /// Deleted.
-    Deleted,
-}
-
-impl EventType {
-    /// The wire name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventType::Added => "ADDED",
-            EventType::Modified => "MODIFIED",
-            EventType::Deleted => "DELETED",
-        }
-    }
-
-    /// Parses a wire name.
-    pub fn parse(s: &str) -> Option<EventType> {
-        match s {
-            "ADDED" => Some(EventType::Added),
-            "MODIFIED" => Some(EventType::Modified),
-            "DELETED" => Some(EventType::Deleted),
-            _ => None,
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
+pub use apimachinery::watch::EventType;
 
 /// One change, kept in the ring and sent to every watch. Its wire form is encoded once,
 /// on first use, and shared by every watcher.
@@ -272,7 +238,7 @@ impl Event {
     /// as `as_type` (a selector watch may see a MODIFIED as ADDED). Encoded at most once
     /// per type; `counter` counts encodings.
     pub fn line(&self, kind: &Kind, as_type: EventType, counter: &AtomicU64) -> Bytes {
-        self.lines[as_type.index()]
+        self.lines[as_type as usize]
             .get_or_init(|| {
                 counter.fetch_add(1, Ordering::Relaxed);
                 event_line(kind, as_type, &self.obj.body)

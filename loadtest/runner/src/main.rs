@@ -2,19 +2,15 @@
 //! simulated kube-apiserver fleet, each scenario run once straight at the fleet and once
 //! through Bulwark.
 
-mod client;
-mod proxy_process;
-mod report;
-mod sandbox;
-mod scenario;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
-use crate::scenario::Options;
+use bulwark_loadtest::controlplane::{self, ControlPlane};
+use bulwark_loadtest::scenario::{self, Options};
+use bulwark_loadtest::{proxy_process, report, sandbox};
 
 /// Bulwark's load tester: each scenario runs against a fresh simulated apiserver fleet,
 /// once directly (through an L4 balancer) and once through Bulwark, and prints a
@@ -69,6 +65,23 @@ enum Command {
         #[arg(long)]
         rules: Option<PathBuf>,
     },
+    /// A real control plane (etcd and kube-apiservers built from Kubernetes' Go modules,
+    /// seeded with RBAC and objects) with Bulwark in front, and kubeconfigs to try it with.
+    Controlplane {
+        /// Folder for certificates, etcd's data, logs, kubeconfigs and the `ready` file.
+        #[arg(long)]
+        dir: PathBuf,
+        /// kube-apiserver replicas.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=16))]
+        replicas: u16,
+        /// Each kube-apiserver's memory limit, enforced by a cgroup v1 memory cgroup (bytes,
+        /// or with a Ki, Mi or Gi suffix); an OOM-killed replica is restarted.
+        #[arg(long, value_parser = bytes)]
+        apiserver_memory_limit: Option<u64>,
+        /// Bulwark's rules folder (default: the shipped `rules/examples`, built in).
+        #[arg(long)]
+        rules: Option<PathBuf>,
+    },
     /// Runs Bulwark itself (used by the scenarios, which start it as its own process).
     #[command(name = "__bulwark", hide = true)]
     Bulwark {
@@ -115,6 +128,18 @@ async fn run(command: Command) -> anyhow::Result<()> {
             return proxy_process::serve(&config).await;
         }
         Command::Sandbox { dir, rules } => return sandbox::run(&dir, rules).await,
+        Command::Controlplane {
+            dir,
+            replicas,
+            apiserver_memory_limit,
+            rules,
+        } => {
+            let mut opts = controlplane::Options::new(dir);
+            opts.replicas = usize::from(replicas);
+            opts.apiserver_memory_limit = apiserver_memory_limit;
+            opts.rules = rules;
+            return run_controlplane(opts).await;
+        }
         Command::ListStorm(c) => (scenario::run(&ListStorm, &opts(&c)).await?, c),
         Command::Skew(c) => (scenario::run(&Skew, &opts(&c)).await?, c),
         Command::Informers(c) => (scenario::run(&Informers, &opts(&c)).await?, c),
@@ -131,6 +156,84 @@ async fn run(command: Command) -> anyhow::Result<()> {
         eprintln!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// `controlplane`: starts it, says how to use it, and stops it on Ctrl-C or SIGTERM with
+/// each replica's figures.
+async fn run_controlplane(opts: controlplane::Options) -> anyhow::Result<()> {
+    let began = std::time::Instant::now();
+    let replicas = opts.replicas;
+    let cp = ControlPlane::start(opts)
+        .await
+        .context("starting the control plane")?;
+    let d = cp.dir().display();
+    let kubectl = cp.binaries().kubectl();
+    let k = kubectl.display();
+    println!(
+        "Control plane ready in {:.1} s (etcd and {replicas} kube-apiservers ready in {:.1} s): \
+         Bulwark on https://{}, replicas {:?}, etcd on {}",
+        began.elapsed().as_secs_f64(),
+        cp.started_in().as_secs_f64(),
+        cp.bulwark_addr(),
+        cp.replica_addrs(),
+        cp.etcd_addr().map(|a| a.to_string()).unwrap_or_default(),
+    );
+    println!("  {k} --kubeconfig {d}/kubeconfig-admin get secrets -A");
+    println!("  {k} --kubeconfig {d}/kubeconfig-operator get configmaps -A");
+    println!(
+        "  {k} --kubeconfig {d}/kubeconfig-node-1 -n {} get secret {}",
+        sandbox::NODE_NAMESPACE,
+        sandbox::NODE_SECRETS[0]
+    );
+    println!("  {k} --kubeconfig {d}/kubeconfig-nobody get secrets     # forbidden");
+    println!("  {k} --kubeconfig {d}/kubeconfig-operator auth whoami");
+    println!(
+        "  {k} --kubeconfig {d}/kubeconfig-direct-admin get --raw /readyz   # straight to replica 0"
+    );
+    if let Some(admin) = cp.bulwark_admin_addr() {
+        println!("  Bulwark metrics: http://{admin}/metrics");
+    }
+    println!("  Logs: {d}/apiserver-N.log, {d}/etcd.log, {d}/bulwark/bulwark.log");
+    println!("Ctrl-C to stop.");
+    sandbox::wait_for_signal().await;
+    let report = cp.report();
+    cp.stop().await?;
+    for (i, r) in report.iter().enumerate() {
+        let memory = match (r.peak_memory_bytes, r.memory_limit_bytes) {
+            (Some(peak), Some(limit)) => format!(
+                ", peak memory {} of {}",
+                report::human_bytes(peak),
+                report::human_bytes(limit)
+            ),
+            _ => String::new(),
+        };
+        println!(
+            "replica {i} ({}): {} OOM kills, {} restarts{memory}",
+            r.addr, r.oom_kills, r.restarts
+        );
+    }
+    Ok(())
+}
+
+/// A byte count: a plain number, or one with a `Ki`, `Mi` or `Gi` suffix.
+fn bytes(s: &str) -> Result<u64, String> {
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "Ki" => 10,
+        "Mi" => 20,
+        "Gi" => 30,
+        _ => return Err(format!("{s:?}: the unit must be Ki, Mi or Gi")),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|n| *n > 0)
+        .ok_or_else(|| format!("{s:?} is not a positive byte count"))
 }
 
 /// `--scale` must be a positive finite number.

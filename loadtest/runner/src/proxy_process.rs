@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use bulwark_sim::pki::{Ca, Pki};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 use crate::client::Target;
 use crate::report::ProxyCost;
@@ -191,11 +191,21 @@ impl ProxyProcess {
     /// Writes a config into `dir`, starts Bulwark from this same binary and waits until its
     /// admin `/readyz` answers 200.
     pub async fn start(dir: &Path, upstream: &Upstream<'_>) -> anyhow::Result<ProxyProcess> {
-        let (config, target, admin) = write_config(dir, upstream)?;
         let exe = std::env::current_exe().context("locating this binary")?;
+        ProxyProcess::start_exe(&exe, dir, upstream).await
+    }
+
+    /// Like [`ProxyProcess::start`], with `exe` (a `bulwark-loadtest` binary) instead of this
+    /// one: an integration test's own binary has no `__bulwark` subcommand.
+    pub async fn start_exe(
+        exe: &Path,
+        dir: &Path,
+        upstream: &Upstream<'_>,
+    ) -> anyhow::Result<ProxyProcess> {
+        let (config, target, admin) = write_config(dir, upstream)?;
         let log = dir.join("bulwark.log");
         let log_file = std::fs::File::create(&log)?;
-        let child = Command::new(exe)
+        let child = crate::child::command(exe)
             .arg(SUBCOMMAND)
             .arg("--config")
             .arg(&config)
@@ -206,7 +216,6 @@ impl ProxyProcess {
             .stdin(Stdio::null())
             .stdout(log_file.try_clone()?)
             .stderr(log_file)
-            .kill_on_drop(true)
             .spawn()
             .context("starting the Bulwark process")?;
         let mut process = ProxyProcess {

@@ -14,11 +14,14 @@ use bulwark_sim::{Fleet, Seed, SimConfig};
 
 use crate::proxy_process::{ProxyProcess, Upstream};
 
-/// The node whose kubeconfig the sandbox writes, and the Secrets its policy names.
-const NODE: &str = "node-1";
-const NODE_SECRETS: [&str; 2] = ["node-1-kubelet-config", "node-1-registry-pull"];
-const NODE_NAMESPACE: &str = "ns-0";
-const OPERATORS: &str = "sandbox:operators";
+/// The node whose kubeconfig the sandbox writes.
+pub const NODE: &str = "node-1";
+/// The Secrets the node may read.
+pub const NODE_SECRETS: [&str; 2] = ["node-1-kubelet-config", "node-1-registry-pull"];
+/// Their namespace.
+pub const NODE_NAMESPACE: &str = "ns-0";
+/// The operator's group, which reads secrets and configmaps everywhere.
+pub const OPERATORS: &str = "sandbox:operators";
 
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
@@ -116,22 +119,42 @@ current-context: {user}
     )
 }
 
-fn write_kubeconfig(
-    dir: &Path,
-    file: &str,
-    server: SocketAddr,
-    ca_pem: &str,
-    client_ca: &Ca,
-    user: &str,
-    groups: &[&str],
-) -> anyhow::Result<()> {
-    let ck = client_ca.client_cert(user, groups);
-    let path = dir.join(file);
-    std::fs::write(
-        &path,
-        kubeconfig(server, ca_pem, user, &ck.cert_pem, &ck.key_pem),
-    )
-    .with_context(|| format!("writing {}", path.display()))
+/// Where the kubeconfigs point, and the CA each server's certificate comes from.
+pub struct Servers<'a> {
+    /// Bulwark.
+    pub bulwark: SocketAddr,
+    /// The CA of Bulwark's serving certificate, PEM.
+    pub bulwark_ca: &'a str,
+    /// The apiserver replica that `kubeconfig-direct-admin` goes straight to.
+    pub replica: SocketAddr,
+    /// The CA of the replicas' serving certificate, PEM.
+    pub replica_ca: &'a str,
+}
+
+/// The sandbox's kubeconfigs as (file name, contents), with fresh client certificates from
+/// `client_ca`: admin, operator, node-1 and nobody through Bulwark, and direct-admin
+/// straight to a replica.
+pub fn kubeconfigs(servers: &Servers<'_>, client_ca: &Ca) -> Vec<(&'static str, String)> {
+    let node = format!("system:node:{NODE}");
+    let via_bulwark = (servers.bulwark, servers.bulwark_ca);
+    let direct = (servers.replica, servers.replica_ca);
+    let masters: &[&str] = &["system:masters"];
+    [
+        ("kubeconfig-admin", via_bulwark, "admin", masters),
+        ("kubeconfig-operator", via_bulwark, "operator", &[OPERATORS]),
+        ("kubeconfig-node-1", via_bulwark, &node, &["system:nodes"]),
+        ("kubeconfig-nobody", via_bulwark, "nobody", &[]),
+        ("kubeconfig-direct-admin", direct, "admin", masters),
+    ]
+    .into_iter()
+    .map(|(file, (server, ca_pem), user, groups)| {
+        let ck = client_ca.client_cert(user, groups);
+        (
+            file,
+            kubeconfig(server, ca_pem, user, &ck.cert_pem, &ck.key_pem),
+        )
+    })
+    .collect()
 }
 
 /// Runs the sandbox until Ctrl-C or SIGTERM.
@@ -184,54 +207,17 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
     };
     let proxy = ProxyProcess::start(&dir.join("bulwark"), &upstream).await?;
     let server = proxy.target.addr;
-    let ca = proxy.target.ca_pem.clone();
-    let client_ca = &pki.client_ca;
-    write_kubeconfig(
-        dir,
-        "kubeconfig-admin",
-        server,
-        &ca,
-        client_ca,
-        "admin",
-        &["system:masters"],
-    )?;
-    write_kubeconfig(
-        dir,
-        "kubeconfig-operator",
-        server,
-        &ca,
-        client_ca,
-        "operator",
-        &[OPERATORS],
-    )?;
-    write_kubeconfig(
-        dir,
-        "kubeconfig-node-1",
-        server,
-        &ca,
-        client_ca,
-        &format!("system:node:{NODE}"),
-        &["system:nodes"],
-    )?;
-    write_kubeconfig(
-        dir,
-        "kubeconfig-nobody",
-        server,
-        &ca,
-        client_ca,
-        "nobody",
-        &[],
-    )?;
     let replica = *fleet.addrs().first().context("the fleet has no replica")?;
-    write_kubeconfig(
-        dir,
-        "kubeconfig-direct-admin",
+    let servers = Servers {
+        bulwark: server,
+        bulwark_ca: &proxy.target.ca_pem,
         replica,
-        &pki.server_ca.cert_pem(),
-        client_ca,
-        "admin",
-        &["system:masters"],
-    )?;
+        replica_ca: &pki.server_ca.cert_pem(),
+    };
+    for (file, text) in kubeconfigs(&servers, &pki.client_ca) {
+        let path = dir.join(file);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     std::fs::write(&ready, format!("bulwark https://{server}\n"))?;
     let d = dir.display();
     println!(
@@ -258,7 +244,7 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 /// Ctrl-C or SIGTERM, whichever comes first.
-async fn wait_for_signal() {
+pub async fn wait_for_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     match signal(SignalKind::terminate()) {
         Ok(mut term) => {

@@ -6,9 +6,10 @@ use std::path::{Path, PathBuf};
 
 use apimachinery::client_cert;
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
-    ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, PKCS_ECDSA_P256_SHA256, SanType,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, PKCS_ECDSA_P256_SHA256, PublicKeyData, SanType,
 };
+use rustls_pki_types::CertificateDer;
 
 /// A PEM certificate and its PEM (PKCS#8) private key.
 #[derive(Clone, Debug)]
@@ -32,8 +33,21 @@ impl CertKey {
 
 /// A certificate authority that can issue server and client certificates.
 pub struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
+    issuer: Issuer<'static, KeyPair>,
+    cert_der: CertificateDer<'static>,
+    cert_pem: String,
     common_name: String,
+}
+
+/// Why a CA could not be loaded from PEM.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadCaError {
+    /// The certificate is not one PEM certificate.
+    #[error("no PEM certificate")]
+    NoCertificate,
+    /// The key or the certificate does not parse, or they do not fit together.
+    #[error("{0}")]
+    Invalid(String),
 }
 
 impl std::fmt::Debug for Ca {
@@ -70,21 +84,61 @@ impl Ca {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        let issuer = must(CertifiedIssuer::self_signed(params, new_key()));
+        let key = new_key();
+        let cert = must(params.self_signed(&key));
+        let cert_der = cert.der().clone();
+        let cert_pem = cert.pem();
+        // An Issuer rather than a CertifiedIssuer, which cannot be made from a loaded
+        // certificate: `from_pem` makes the same kind.
+        let issuer = Issuer::new(params, key);
         Ca {
             issuer,
+            cert_der,
+            cert_pem,
             common_name: common_name.to_string(),
         }
     }
 
+    /// A CA from its PEM certificate and PEM (PKCS#8) key, such as the development CA that
+    /// `bulwark certs init` writes; it issues like a CA made by [`Ca::new`].
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Ca, LoadCaError> {
+        let invalid = |e: &dyn std::fmt::Display| LoadCaError::Invalid(e.to_string());
+        let cert_der = rustls_pemfile::certs(&mut cert_pem.as_bytes())
+            .next()
+            .ok_or(LoadCaError::NoCertificate)?
+            .map_err(|e| invalid(&e))?;
+        let (_, parsed) =
+            x509_parser::parse_x509_certificate(&cert_der).map_err(|e| invalid(&e))?;
+        let common_name = parsed
+            .subject()
+            .iter_common_name()
+            .next()
+            .and_then(|cn| cn.as_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let key = KeyPair::from_pem(key_pem).map_err(|e| invalid(&e))?;
+        if parsed.public_key().raw != key.subject_public_key_info().as_slice() {
+            return Err(LoadCaError::Invalid(
+                "the key does not belong to the certificate".into(),
+            ));
+        }
+        let issuer = Issuer::from_ca_cert_der(&cert_der, key).map_err(|e| invalid(&e))?;
+        Ok(Ca {
+            issuer,
+            cert_der,
+            cert_pem: cert_pem.to_string(),
+            common_name,
+        })
+    }
+
     /// The CA certificate, PEM.
     pub fn cert_pem(&self) -> String {
-        self.issuer.pem()
+        self.cert_pem.clone()
     }
 
     /// The CA certificate, DER.
-    pub fn cert_der(&self) -> rustls_pki_types::CertificateDer<'static> {
-        self.issuer.der().clone()
+    pub fn cert_der(&self) -> CertificateDer<'static> {
+        self.cert_der.clone()
     }
 
     /// The CA's common name.
@@ -141,7 +195,7 @@ impl Ca {
             not_before: i64::try_from(not_before).unwrap_or(i64::MAX),
             not_after: i64::try_from(not_after).unwrap_or(i64::MAX),
         };
-        let der = match client_cert::issue(self.issuer.der(), self.issuer.key(), &key, &subject) {
+        let der = match client_cert::issue(&self.cert_der, self.issuer.key(), &key, &subject) {
             Ok(der) => der,
             Err(e) => panic!("minting a test client certificate failed: {e}"),
         };
@@ -222,5 +276,34 @@ mod tests {
             .collect();
         assert_eq!(cn, ["alice"]);
         assert_eq!(o, ["dev", "ops"]);
+    }
+
+    #[test]
+    fn a_ca_loaded_from_pem_issues_certificates_that_chain_to_it() {
+        let key = new_key();
+        let key_pem = key.serialize_pem();
+        let mut params = CertificateParams::default();
+        params.distinguished_name.push(DnType::CommonName, "loaded");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        let cert = params.self_signed(&key).unwrap();
+        let ca = Ca::from_pem(&cert.pem(), &key_pem).unwrap();
+        assert_eq!(ca.common_name(), "loaded");
+        assert_eq!(ca.cert_der(), *cert.der());
+        let leaf = ca.server_cert(&["127.0.0.1"]);
+        let der = rustls_pemfile::certs(&mut leaf.cert_pem.as_bytes())
+            .next()
+            .unwrap()
+            .unwrap();
+        let (_, leaf) = x509_parser::parse_x509_certificate(&der).unwrap();
+        let (_, ca_cert) = x509_parser::parse_x509_certificate(cert.der()).unwrap();
+        assert_eq!(leaf.issuer(), ca_cert.subject());
+
+        let other = new_key().serialize_pem();
+        assert!(Ca::from_pem(&cert.pem(), &other).is_err());
+        assert!(matches!(
+            Ca::from_pem("nothing", &key_pem),
+            Err(LoadCaError::NoCertificate)
+        ));
     }
 }

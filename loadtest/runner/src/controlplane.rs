@@ -1,0 +1,969 @@
+//! A real control plane on 127.0.0.1 with Bulwark in front: one etcd and N kube-apiserver
+//! replicas (Kubernetes' own code, built from Go modules by `loadtest/controlplane/build.sh`),
+//! seeded with the sandbox's identities as real RBAC and some objects, and the sandbox's
+//! kubeconfigs. For tests that need the real authenticators and authorizers, and for
+//! `bulwark-loadtest controlplane`.
+//!
+//! Every process is a child that never outlives its owner (see [`crate::child`]); with a
+//! memory limit each kube-apiserver runs in its own cgroup v1 memory cgroup, where the
+//! kernel's OOM killer kills it as on a node, and it is restarted as a kubelet would.
+
+mod binaries;
+mod cgroup;
+mod pki;
+mod seed;
+
+use std::ffi::OsString;
+use std::net::{SocketAddr, TcpListener};
+use std::os::unix::process::ExitStatusExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use rustix::process::Signal;
+use tokio::process::Child;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+pub use binaries::{BIN_ENV, Binaries};
+pub use cgroup::{CgroupError, MemoryCgroup};
+pub use pki::FRONT_PROXY_NAME;
+pub use seed::{BULWARK_GROUP, BULWARK_USER, NAMESPACES, SECRETS_PER_NAMESPACE};
+
+use crate::child;
+use crate::proxy_process::{ProxyProcess, Upstream};
+use crate::sandbox::{Servers, kubeconfigs};
+
+/// How long a stopped process gets between SIGTERM and SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+/// A restart after an OOM kill waits this long, doubling while the replica keeps dying
+/// within [`STABLE_RUN`], up to [`RESTART_BACKOFF_MAX`] (a kubelet's CrashLoopBackOff,
+/// shortened).
+const RESTART_BACKOFF_MIN: Duration = Duration::from_secs(1);
+const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(30);
+const STABLE_RUN: Duration = Duration::from_secs(60);
+/// Lines of a log quoted in an error.
+const LOG_TAIL_LINES: usize = 40;
+
+/// Why the control plane could not start or do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// The Go binaries are not there.
+    #[error(
+        "{dir} lacks {missing:?}: build them with loadtest/controlplane/build.sh (Go 1.26), or \
+         point {BIN_ENV} at a folder that has them"
+    )]
+    MissingBinaries {
+        /// The folder looked in.
+        dir: PathBuf,
+        /// The binaries it lacks.
+        missing: Vec<&'static str>,
+    },
+    /// `build.sh` failed.
+    #[error("{script} failed ({status}); its output is above")]
+    Build {
+        /// The script.
+        script: PathBuf,
+        /// How it exited.
+        status: ExitStatus,
+    },
+    /// A memory cgroup could not be set up.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// `bulwark certs init` failed.
+    #[error("minting the development PKI: {0}")]
+    Certs(#[from] bulwark::certs::CertsError),
+    /// A certificate or key could not be loaded or made.
+    #[error("certificates: {0}")]
+    Pki(String),
+    /// No port could be had on 127.0.0.1.
+    #[error("finding a free port on 127.0.0.1: {0}")]
+    Port(std::io::Error),
+    /// A process could not be started.
+    #[error("starting {what}: {source}")]
+    Spawn {
+        /// Which process.
+        what: String,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// A process exited before it was ready.
+    #[error("{what} exited before it was ready ({status}); the end of {}:\n{tail}", log.display())]
+    Exited {
+        /// Which process.
+        what: String,
+        /// How it exited.
+        status: String,
+        /// Its log.
+        log: PathBuf,
+        /// The last lines of its log.
+        tail: String,
+    },
+    /// A process did not become ready in time.
+    #[error("{what} was not ready after {timeout:?} (last: {last}); the end of {}:\n{tail}", log.display())]
+    NotReady {
+        /// Which process.
+        what: String,
+        /// How long it had.
+        timeout: Duration,
+        /// The last answer or error of its readiness check.
+        last: String,
+        /// Its log.
+        log: PathBuf,
+        /// The last lines of its log.
+        tail: String,
+    },
+    /// A kubeconfig could not be read.
+    #[error("a kubeconfig: {0}")]
+    Kubeconfig(#[from] kube::config::KubeconfigError),
+    /// A request to an apiserver failed.
+    #[error("{what}: {source}")]
+    Kube {
+        /// What was asked.
+        what: String,
+        /// What went wrong.
+        source: kube::Error,
+    },
+    /// The seed data could not be written.
+    #[error("seeding: {0}")]
+    Seed(String),
+    /// Bulwark did not start.
+    #[error("starting Bulwark: {0:#}")]
+    Proxy(anyhow::Error),
+    /// No replica has this index.
+    #[error("there is no replica {0}")]
+    NoReplica(usize),
+    /// The replica is running already.
+    #[error("replica {0} is running already")]
+    AlreadyRunning(usize),
+}
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Folder for certificates, etcd's data, logs, kubeconfigs and `ready`.
+    pub dir: PathBuf,
+    /// kube-apiserver replicas.
+    pub replicas: usize,
+    /// Each kube-apiserver's memory limit in bytes, enforced by a cgroup v1 memory cgroup.
+    pub apiserver_memory_limit: Option<u64>,
+    /// The folder of the Go binaries; `None` locates them ([`Binaries::locate`]).
+    pub binaries: Option<PathBuf>,
+    /// A `bulwark-loadtest` binary to run Bulwark with; `None` is this very binary.
+    pub bulwark_exe: Option<PathBuf>,
+    /// Bulwark's rules folder; `None` is the built-in copy of `rules/examples`.
+    pub rules: Option<PathBuf>,
+    /// Where cgroup v1's memory controller is mounted.
+    pub cgroup_root: PathBuf,
+    /// How long etcd, each kube-apiserver and the RBAC seed may take to be ready.
+    pub ready_timeout: Duration,
+}
+
+impl Options {
+    /// Three replicas without a memory limit, the binaries located, this binary as Bulwark.
+    pub fn new(dir: impl Into<PathBuf>) -> Options {
+        Options {
+            dir: dir.into(),
+            replicas: 3,
+            apiserver_memory_limit: None,
+            binaries: None,
+            bulwark_exe: None,
+            rules: None,
+            cgroup_root: PathBuf::from(cgroup::DEFAULT_ROOT),
+            ready_timeout: Duration::from_secs(180),
+        }
+    }
+}
+
+/// A running control plane: stop it with [`ControlPlane::stop`]; dropping it kills every
+/// process at once.
+pub struct ControlPlane {
+    dir: PathBuf,
+    binaries: Binaries,
+    pki: pki::Files,
+    ready_timeout: Duration,
+    etcd: Option<Etcd>,
+    replicas: Vec<Replica>,
+    proxy: Option<ProxyProcess>,
+    started_in: Duration,
+    stopped: bool,
+}
+
+/// One etcd member on 127.0.0.1.
+struct Etcd {
+    child: Child,
+    client: SocketAddr,
+}
+
+/// How one kube-apiserver replica is started, every time.
+struct Spec {
+    index: usize,
+    program: PathBuf,
+    args: Vec<OsString>,
+    addr: SocketAddr,
+    log: PathBuf,
+    cgroup: Option<MemoryCgroup>,
+}
+
+/// What the replica's supervisor and its owner share.
+#[derive(Default)]
+struct Shared {
+    /// The running process (also its process group), 0 when none runs.
+    pid: AtomicU32,
+    oom_kills: AtomicU64,
+    restarts: AtomicU64,
+    /// Set before the owner kills on purpose, so that the exit is not reported.
+    stopping: AtomicBool,
+    /// Set once `/readyz` answered; an exit before that is the starter's error to report.
+    ready: AtomicBool,
+    /// Why the replica exited on its own and stayed down.
+    exit: Mutex<Option<String>>,
+}
+
+struct Replica {
+    spec: Arc<Spec>,
+    shared: Arc<Shared>,
+    running: Mutex<Option<Running>>,
+}
+
+/// A supervisor task that owns the process, and the way to tell it to stop.
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+/// One replica's figures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaReport {
+    /// Its address.
+    pub addr: SocketAddr,
+    /// Times the kernel's OOM killer killed it.
+    pub oom_kills: u64,
+    /// Times it was restarted after an OOM kill.
+    pub restarts: u64,
+    /// Peak memory of its cgroup in bytes (only with a memory limit).
+    pub peak_memory_bytes: Option<u64>,
+    /// Its memory limit in bytes, if any.
+    pub memory_limit_bytes: Option<u64>,
+}
+
+impl ControlPlane {
+    /// Starts etcd and the replicas, waits for each `/readyz`, seeds RBAC and objects,
+    /// starts Bulwark in front, writes the kubeconfigs and then `DIR/ready`.
+    pub async fn start(opts: Options) -> Result<ControlPlane, Error> {
+        let dir = std::path::absolute(&opts.dir).map_err(|source| Error::Io {
+            path: opts.dir.clone(),
+            source,
+        })?;
+        create_dir(&dir)?;
+        let ready = dir.join("ready");
+        let _ = std::fs::remove_file(&ready);
+        let binaries = match &opts.binaries {
+            Some(folder) => Binaries::at(folder.clone())?,
+            None => Binaries::locate().await?,
+        };
+        let pki_dir = dir.join("pki");
+        create_dir(&pki_dir)?;
+        let pki = pki::mint(&pki_dir)?;
+        let mut cp = ControlPlane {
+            dir,
+            binaries,
+            pki,
+            ready_timeout: opts.ready_timeout,
+            etcd: None,
+            replicas: Vec::new(),
+            proxy: None,
+            started_in: Duration::ZERO,
+            stopped: false,
+        };
+        // From here on, a failure drops `cp`, which kills whatever was started.
+        let began = Instant::now();
+        cp.start_etcd().await?;
+        cp.start_replicas(&opts).await?;
+        cp.started_in = began.elapsed();
+        let admin = cp.admin_client(0).await?;
+        seed::seed(&admin).await?;
+        for i in 0..cp.replicas.len() {
+            let client = cp.admin_client(i).await?;
+            seed::wait_for_rbac(&client, cp.ready_timeout).await?;
+        }
+        cp.start_bulwark(&opts).await?;
+        cp.write_kubeconfigs()?;
+        let bulwark = cp.bulwark_addr();
+        std::fs::write(&ready, format!("bulwark https://{bulwark}\n")).map_err(|source| {
+            Error::Io {
+                path: ready.clone(),
+                source,
+            }
+        })?;
+        Ok(cp)
+    }
+
+    /// The folder holding everything.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The Go binaries used (its `kubectl` matches the apiservers' version).
+    pub fn binaries(&self) -> &Binaries {
+        &self.binaries
+    }
+
+    /// Each kube-apiserver replica's address, by index.
+    pub fn replica_addrs(&self) -> Vec<SocketAddr> {
+        self.replicas.iter().map(|r| r.spec.addr).collect()
+    }
+
+    /// etcd's client address.
+    pub fn etcd_addr(&self) -> Option<SocketAddr> {
+        self.etcd.as_ref().map(|e| e.client)
+    }
+
+    /// Bulwark's address, where the kubeconfigs but `direct-admin` point.
+    pub fn bulwark_addr(&self) -> SocketAddr {
+        self.proxy
+            .as_ref()
+            .map_or(SocketAddr::from(([127, 0, 0, 1], 0)), |p| p.target.addr)
+    }
+
+    /// Bulwark's admin listener (`/metrics`, `/readyz`).
+    pub fn bulwark_admin_addr(&self) -> Option<SocketAddr> {
+        self.proxy.as_ref().map(|p| p.admin)
+    }
+
+    /// The PEM of the CA that signed Bulwark's serving certificate.
+    pub fn bulwark_ca_pem(&self) -> Option<&str> {
+        self.proxy.as_ref().map(|p| p.target.ca_pem.as_str())
+    }
+
+    /// The path of a kubeconfig: `admin`, `operator`, `node-1`, `nobody` (through Bulwark) or
+    /// `direct-admin` (straight to replica 0).
+    pub fn kubeconfig(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("kubeconfig-{name}"))
+    }
+
+    /// A `kube` client from one of the kubeconfigs (see [`ControlPlane::kubeconfig`]).
+    pub async fn client(&self, name: &str) -> Result<Client, Error> {
+        let path = self.kubeconfig(name);
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        client_from_yaml(&text).await
+    }
+
+    /// How long etcd and every replica took to be ready.
+    pub fn started_in(&self) -> Duration {
+        self.started_in
+    }
+
+    /// Each replica's figures.
+    pub fn report(&self) -> Vec<ReplicaReport> {
+        self.replicas
+            .iter()
+            .map(|r| ReplicaReport {
+                addr: r.spec.addr,
+                oom_kills: r.shared.oom_kills.load(Ordering::Relaxed),
+                restarts: r.shared.restarts.load(Ordering::Relaxed),
+                peak_memory_bytes: r.spec.cgroup.as_ref().and_then(MemoryCgroup::peak_bytes),
+                memory_limit_bytes: r.spec.cgroup.as_ref().map(MemoryCgroup::limit),
+            })
+            .collect()
+    }
+
+    /// Times the kernel OOM-killed replica `i`.
+    pub fn oom_kills(&self, i: usize) -> u64 {
+        self.replicas
+            .get(i)
+            .map_or(0, |r| r.shared.oom_kills.load(Ordering::Relaxed))
+    }
+
+    /// Whether the kernel has OOM-killed replica `i` at least once.
+    pub fn was_oom_killed(&self, i: usize) -> bool {
+        self.oom_kills(i) > 0
+    }
+
+    /// Times replica `i` was restarted after an OOM kill.
+    pub fn restarts(&self, i: usize) -> u64 {
+        self.replicas
+            .get(i)
+            .map_or(0, |r| r.shared.restarts.load(Ordering::Relaxed))
+    }
+
+    /// Whether replica `i` has a running process.
+    pub fn is_running(&self, i: usize) -> bool {
+        self.replicas
+            .get(i)
+            .is_some_and(|r| r.shared.pid.load(Ordering::Relaxed) != 0)
+    }
+
+    /// Stops replica `i` (SIGTERM, then SIGKILL after a grace period) and waits for it to
+    /// exit; stopping a stopped replica does nothing.
+    pub async fn stop_replica(&self, i: usize) -> Result<(), Error> {
+        let replica = self.replicas.get(i).ok_or(Error::NoReplica(i))?;
+        replica.stop().await;
+        Ok(())
+    }
+
+    /// Starts replica `i` again, on the same address and with the same flags, and waits
+    /// for its `/readyz`.
+    pub async fn start_replica(&self, i: usize) -> Result<(), Error> {
+        let replica = self.replicas.get(i).ok_or(Error::NoReplica(i))?;
+        if replica.is_supervised() {
+            return Err(Error::AlreadyRunning(i));
+        }
+        replica.launch()?;
+        self.wait_replica_ready(i).await
+    }
+
+    /// Stops Bulwark, the replicas and etcd in that order, each with SIGTERM first, and
+    /// removes the memory cgroups and `DIR/ready`.
+    pub async fn stop(mut self) -> Result<(), Error> {
+        self.stopped = true;
+        let _ = std::fs::remove_file(self.dir.join("ready"));
+        let mut first_error = None;
+        if let Some(proxy) = self.proxy.take()
+            && let Err(e) = proxy.stop().await
+        {
+            first_error.get_or_insert(Error::Proxy(e));
+        }
+        for replica in &self.replicas {
+            replica.stop().await;
+        }
+        if let Some(mut etcd) = self.etcd.take() {
+            terminate(&mut etcd.child).await;
+        }
+        for replica in &self.replicas {
+            if let Some(cgroup) = &replica.spec.cgroup
+                && let Err(source) = cgroup.remove(Duration::from_secs(5))
+            {
+                first_error.get_or_insert(Error::Io {
+                    path: cgroup.path().to_path_buf(),
+                    source,
+                });
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    async fn start_etcd(&mut self) -> Result<(), Error> {
+        let data = self.dir.join("etcd");
+        if data.exists() {
+            std::fs::remove_dir_all(&data).map_err(|source| Error::Io {
+                path: data.clone(),
+                source,
+            })?;
+        }
+        let client = free_port()?;
+        let peer = free_port()?;
+        let log = self.dir.join("etcd.log");
+        let url = |addr: SocketAddr| format!("http://{addr}");
+        let args: Vec<OsString> = vec![
+            "--name=controlplane".into(),
+            flag("--data-dir", &data),
+            format!("--listen-client-urls={}", url(client)).into(),
+            format!("--advertise-client-urls={}", url(client)).into(),
+            format!("--listen-peer-urls={}", url(peer)).into(),
+            format!("--initial-advertise-peer-urls={}", url(peer)).into(),
+            format!("--initial-cluster=controlplane={}", url(peer)).into(),
+            "--initial-cluster-state=new".into(),
+            // A test cluster lives for minutes: durability is not worth an fsync per write.
+            "--unsafe-no-fsync".into(),
+            "--log-level=warn".into(),
+        ];
+        let mut child = spawn("etcd", &self.binaries.etcd(), &args, &log, None)?;
+        let deadline = Instant::now() + self.ready_timeout;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(Error::Exited {
+                    what: "etcd".into(),
+                    status: status.to_string(),
+                    tail: log_tail(&log),
+                    log,
+                });
+            }
+            let last = match crate::proxy_process::admin_get(client, "/health").await {
+                Ok(200) => break,
+                Ok(code) => format!("/health answered {code}"),
+                Err(e) => format!("{e:#}"),
+            };
+            if Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what: "etcd".into(),
+                    timeout: self.ready_timeout,
+                    last,
+                    tail: log_tail(&log),
+                    log,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.etcd = Some(Etcd { child, client });
+        Ok(())
+    }
+
+    async fn start_replicas(&mut self, opts: &Options) -> Result<(), Error> {
+        let etcd = self
+            .etcd_addr()
+            .map(|a| format!("http://{a}"))
+            .unwrap_or_default();
+        for index in 0..opts.replicas {
+            let cgroup = match opts.apiserver_memory_limit {
+                Some(limit) => Some(MemoryCgroup::create(&opts.cgroup_root, index, limit)?),
+                None => None,
+            };
+            let addr = free_port()?;
+            let cert_dir = self.dir.join(format!("apiserver-{index}"));
+            create_dir(&cert_dir)?;
+            let spec = Spec {
+                index,
+                program: self.binaries.kube_apiserver(),
+                args: apiserver_args(&self.pki, &etcd, addr, &cert_dir),
+                addr,
+                log: self.dir.join(format!("apiserver-{index}.log")),
+                cgroup,
+            };
+            // A log from an earlier run would be mistaken for this one's.
+            let _ = std::fs::remove_file(&spec.log);
+            self.replicas.push(Replica {
+                spec: Arc::new(spec),
+                shared: Arc::default(),
+                running: Mutex::new(None),
+            });
+        }
+        for replica in &self.replicas {
+            replica.launch()?;
+        }
+        let waits = (0..self.replicas.len()).map(|i| self.wait_replica_ready(i));
+        futures::future::try_join_all(waits).await?;
+        Ok(())
+    }
+
+    /// Polls replica `i`'s `/readyz` with the admin certificate until it answers 200.
+    async fn wait_replica_ready(&self, i: usize) -> Result<(), Error> {
+        let replica = &self.replicas[i];
+        let what = format!("kube-apiserver replica {i} ({})", replica.spec.addr);
+        let client = self.admin_client(i).await?;
+        let deadline = Instant::now() + self.ready_timeout;
+        let mut last = String::from("no answer yet");
+        loop {
+            if let Some(status) = replica.shared.exit.lock().ok().and_then(|e| e.clone()) {
+                return Err(Error::Exited {
+                    what,
+                    status,
+                    log: replica.spec.log.clone(),
+                    tail: log_tail(&replica.spec.log),
+                });
+            }
+            let request = http::Request::get("/readyz").body(Vec::new());
+            if let Ok(request) = request {
+                match client.request_text(request).await {
+                    Ok(_) => {
+                        replica.shared.ready.store(true, Ordering::Relaxed);
+                        return Ok(());
+                    }
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what,
+                    timeout: self.ready_timeout,
+                    last,
+                    log: replica.spec.log.clone(),
+                    tail: log_tail(&replica.spec.log),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn start_bulwark(&mut self, opts: &Options) -> Result<(), Error> {
+        let upstream = Upstream {
+            replicas: self.replica_addrs(),
+            pki: &self.pki.pki,
+            front_proxy_user: FRONT_PROXY_NAME,
+            own_user: BULWARK_USER,
+            own_group: BULWARK_GROUP,
+            heap_headroom: opts.apiserver_memory_limit,
+            rules: opts.rules.clone(),
+        };
+        let dir = self.dir.join("bulwark");
+        let exe = match &opts.bulwark_exe {
+            Some(exe) => exe.clone(),
+            None => std::env::current_exe().map_err(|source| Error::Io {
+                path: PathBuf::from("the running binary"),
+                source,
+            })?,
+        };
+        let proxy = ProxyProcess::start_exe(&exe, &dir, &upstream)
+            .await
+            .map_err(Error::Proxy)?;
+        self.proxy = Some(proxy);
+        Ok(())
+    }
+
+    fn write_kubeconfigs(&self) -> Result<(), Error> {
+        let replica_ca = self.pki.pki.server_ca.cert_pem();
+        let servers = Servers {
+            bulwark: self.bulwark_addr(),
+            bulwark_ca: self.bulwark_ca_pem().unwrap_or_default(),
+            replica: self.replicas.first().ok_or(Error::NoReplica(0))?.spec.addr,
+            replica_ca: &replica_ca,
+        };
+        for (file, text) in kubeconfigs(&servers, &self.pki.pki.client_ca) {
+            let path = self.dir.join(file);
+            std::fs::write(&path, text).map_err(|source| Error::Io { path, source })?;
+        }
+        Ok(())
+    }
+
+    /// A `system:masters` client straight to replica `i`.
+    async fn admin_client(&self, i: usize) -> Result<Client, Error> {
+        let replica = self.replicas.get(i).ok_or(Error::NoReplica(i))?;
+        let admin = self
+            .pki
+            .pki
+            .client_ca
+            .client_cert("admin", &["system:masters"]);
+        let yaml = crate::sandbox::kubeconfig(
+            replica.spec.addr,
+            &self.pki.pki.server_ca.cert_pem(),
+            "admin",
+            &admin.cert_pem,
+            &admin.key_pem,
+        );
+        client_from_yaml(&yaml).await
+    }
+}
+
+impl Drop for ControlPlane {
+    /// Kills every process at once (SIGKILL to each process group) and removes the cgroups;
+    /// [`ControlPlane::stop`] is the orderly way.
+    fn drop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        let _ = std::fs::remove_file(self.dir.join("ready"));
+        for replica in &self.replicas {
+            replica.shared.stopping.store(true, Ordering::Relaxed);
+            let pid = replica.shared.pid.load(Ordering::Relaxed);
+            if pid != 0 {
+                child::signal_group(pid, Signal::KILL);
+            }
+        }
+        if let Some(pid) = self.etcd.as_ref().and_then(|e| e.child.id()) {
+            child::signal_group(pid, Signal::KILL);
+        }
+        for replica in &self.replicas {
+            if let Some(cgroup) = &replica.spec.cgroup {
+                let _ = cgroup.remove(Duration::from_secs(2));
+            }
+        }
+        // Bulwark and etcd are also killed when their handles drop, right after this.
+    }
+}
+
+impl Replica {
+    fn is_supervised(&self) -> bool {
+        self.running
+            .lock()
+            .map(|r| r.as_ref().is_some_and(|r| !r.task.is_finished()))
+            .unwrap_or(false)
+    }
+
+    /// Starts the process and its supervisor.
+    fn launch(&self) -> Result<(), Error> {
+        let what = format!("kube-apiserver replica {}", self.spec.index);
+        let child = spawn(
+            &what,
+            &self.spec.program,
+            &self.spec.args,
+            &self.spec.log,
+            self.spec.cgroup.as_ref(),
+        )?;
+        self.shared.stopping.store(false, Ordering::Relaxed);
+        self.shared.ready.store(false, Ordering::Relaxed);
+        if let Ok(mut exit) = self.shared.exit.lock() {
+            *exit = None;
+        }
+        self.shared
+            .pid
+            .store(child.id().unwrap_or(0), Ordering::Relaxed);
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(supervise(
+            self.spec.clone(),
+            self.shared.clone(),
+            child,
+            stopped,
+        ));
+        if let Ok(mut running) = self.running.lock() {
+            *running = Some(Running { stop, task });
+        }
+        Ok(())
+    }
+
+    /// Tells the supervisor to stop the process and waits until it has.
+    async fn stop(&self) {
+        let running = self.running.lock().ok().and_then(|mut r| r.take());
+        if let Some(Running { stop, task }) = running {
+            self.shared.stopping.store(true, Ordering::Relaxed);
+            let _ = stop.send(());
+            let _ = task.await;
+        }
+    }
+}
+
+/// Owns a replica's process: on an OOM kill restarts it after a back-off, on any other exit
+/// records why and leaves it down, and on a stop request terminates it.
+async fn supervise(
+    spec: Arc<Spec>,
+    shared: Arc<Shared>,
+    mut child: Child,
+    mut stop: oneshot::Receiver<()>,
+) {
+    enum Event {
+        Exited(std::io::Result<ExitStatus>),
+        Stop,
+    }
+    let what = format!("kube-apiserver replica {}", spec.index);
+    let mut backoff = RESTART_BACKOFF_MIN;
+    loop {
+        let started = Instant::now();
+        let ooms_before = spec.cgroup.as_ref().map_or(0, MemoryCgroup::oom_kills);
+        let event = tokio::select! {
+            status = child.wait() => Event::Exited(status),
+            _ = &mut stop => Event::Stop,
+        };
+        let status = match event {
+            Event::Stop => {
+                terminate(&mut child).await;
+                shared.pid.store(0, Ordering::Relaxed);
+                return;
+            }
+            Event::Exited(status) => status,
+        };
+        shared.pid.store(0, Ordering::Relaxed);
+        if shared.stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        let described = match &status {
+            Ok(s) => s.to_string(),
+            Err(e) => format!("unknown: {e}"),
+        };
+        let oom = status.is_ok_and(|s| s.signal() == Some(libc_sigkill()))
+            && spec
+                .cgroup
+                .as_ref()
+                .is_some_and(|c| c.oom_kills() > ooms_before);
+        if !oom {
+            if shared.ready.load(Ordering::Relaxed) {
+                eprintln!(
+                    "controlplane: {what} exited ({described}) and stays down; the end of {}:\n{}",
+                    spec.log.display(),
+                    log_tail(&spec.log)
+                );
+            }
+            if let Ok(mut exit) = shared.exit.lock() {
+                *exit = Some(described);
+            }
+            return;
+        }
+        shared.oom_kills.fetch_add(1, Ordering::Relaxed);
+        if started.elapsed() > STABLE_RUN {
+            backoff = RESTART_BACKOFF_MIN;
+        }
+        let limit = spec.cgroup.as_ref().map_or(0, MemoryCgroup::limit);
+        eprintln!(
+            "controlplane: the kernel OOM-killed {what} at its {} limit; restarting it in \
+             {backoff:?}",
+            crate::report::human_bytes(limit)
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = &mut stop => return,
+        }
+        backoff = (backoff * 2).min(RESTART_BACKOFF_MAX);
+        match spawn(
+            &what,
+            &spec.program,
+            &spec.args,
+            &spec.log,
+            spec.cgroup.as_ref(),
+        ) {
+            Ok(next) => {
+                child = next;
+                shared.pid.store(child.id().unwrap_or(0), Ordering::Relaxed);
+                shared.restarts.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                eprintln!("controlplane: restarting {what}: {e}");
+                if let Ok(mut exit) = shared.exit.lock() {
+                    *exit = Some(format!("OOM-killed, then the restart failed: {e}"));
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// SIGKILL's number, as `ExitStatus::signal` reports it.
+fn libc_sigkill() -> i32 {
+    Signal::KILL.as_raw()
+}
+
+/// SIGTERM to the process group, SIGKILL after [`STOP_GRACE`], and the exit reaped.
+async fn terminate(child: &mut Child) {
+    let Some(pid) = child.id() else {
+        return;
+    };
+    child::signal_group(pid, Signal::TERM);
+    if tokio::time::timeout(STOP_GRACE, child.wait())
+        .await
+        .is_err()
+    {
+        eprintln!("controlplane: pid {pid} did not exit {STOP_GRACE:?} after SIGTERM; killing it");
+        child::signal_group(pid, Signal::KILL);
+        let _ = child.wait().await;
+    }
+}
+
+/// Starts `program` with its output appended to `log`; inside `cgroup` when given, joined
+/// by a shell that writes its own pid into the cgroup and then becomes the program, so the
+/// program's every allocation is charged to the cgroup.
+fn spawn(
+    what: &str,
+    program: &Path,
+    args: &[OsString],
+    log: &Path,
+    cgroup: Option<&MemoryCgroup>,
+) -> Result<Child, Error> {
+    let io = |source| Error::Io {
+        path: log.to_path_buf(),
+        source,
+    };
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(io)?;
+    let err = out.try_clone().map_err(io)?;
+    let mut command = match cgroup {
+        Some(cgroup) => {
+            let mut c = child::command("sh");
+            c.arg("-c")
+                .arg(r#"echo $$ > "$1" && shift && exec "$@""#)
+                .arg("sh")
+                .arg(cgroup.procs_file())
+                .arg(program);
+            c
+        }
+        None => child::command(program),
+    };
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .map_err(|source| Error::Spawn {
+            what: format!("{what} ({})", program.display()),
+            source,
+        })
+}
+
+/// The flags of every replica: TLS and client certificates from the development PKI, the
+/// request-header authenticator trusting only Bulwark's front-proxy certificate, Node and
+/// RBAC authorization, service-account tokens, and API Priority and Fairness (the
+/// default, said explicitly).
+fn apiserver_args(
+    pki: &pki::Files,
+    etcd: &str,
+    addr: SocketAddr,
+    cert_dir: &Path,
+) -> Vec<OsString> {
+    vec![
+        format!("--etcd-servers={etcd}").into(),
+        "--bind-address=127.0.0.1".into(),
+        "--advertise-address=127.0.0.1".into(),
+        format!("--secure-port={}", addr.port()).into(),
+        flag("--cert-dir", cert_dir),
+        flag("--tls-cert-file", &pki.serving_cert),
+        flag("--tls-private-key-file", &pki.serving_key),
+        flag("--client-ca-file", &pki.client_ca),
+        flag("--requestheader-client-ca-file", &pki.front_proxy_ca),
+        format!("--requestheader-allowed-names={FRONT_PROXY_NAME}").into(),
+        "--requestheader-username-headers=X-Remote-User".into(),
+        "--requestheader-group-headers=X-Remote-Group".into(),
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+        "--requestheader-uid-headers=X-Remote-Uid".into(),
+        "--authorization-mode=Node,RBAC".into(),
+        "--service-account-issuer=https://kubernetes.default.svc".into(),
+        flag("--service-account-key-file", &pki.sa_pub),
+        flag("--service-account-signing-key-file", &pki.sa_key),
+        "--enable-priority-and-fairness=true".into(),
+        // Every replica has the same address and a port of its own: the `kubernetes`
+        // Service's endpoints (one address, one port) cannot name them all.
+        "--endpoint-reconciler-type=none".into(),
+        // Identity leases are named after the host name, which every replica here shares:
+        // they would fight over one lease every ten seconds. The peer proxy needs them.
+        "--feature-gates=APIServerIdentity=false,UnknownVersionInteroperabilityProxy=false".into(),
+        // On SIGTERM, end watches at once (their clients resume elsewhere) rather than
+        // hold the shutdown for its full minute, as Bulwark's cache watches would.
+        "--shutdown-watch-termination-grace-period=10s".into(),
+        "--profiling=false".into(),
+    ]
+}
+
+fn flag(name: &str, path: &Path) -> OsString {
+    let mut f = OsString::from(name);
+    f.push("=");
+    f.push(path);
+    f
+}
+
+/// A free port on 127.0.0.1: bound, then released for the child to bind.
+fn free_port() -> Result<SocketAddr, Error> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(Error::Port)?;
+    listener.local_addr().map_err(Error::Port)
+}
+
+fn create_dir(dir: &Path) -> Result<(), Error> {
+    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+/// The last lines of a log, for error messages.
+fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+}
+
+/// A `kube` client from kubeconfig text, with short timeouts: every server is local.
+async fn client_from_yaml(yaml: &str) -> Result<Client, Error> {
+    let kubeconfig = Kubeconfig::from_yaml(yaml)?;
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    config.connect_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(Duration::from_secs(30));
+    Client::try_from(config).map_err(|source| Error::Kube {
+        what: "building a client".into(),
+        source,
+    })
+}

@@ -1,0 +1,141 @@
+//! Where the control plane's Go binaries are, and building them with
+//! `loadtest/controlplane/build.sh` when the default folder lacks them.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use super::Error;
+
+/// Names a folder holding `etcd`, `kube-apiserver` and `kubectl`; without it the default is
+/// `target/controlplane/bin` in the repository.
+pub const BIN_ENV: &str = "BULWARK_CONTROLPLANE_BIN";
+
+/// The binaries a control plane and its test need.
+const NEEDED: [&str; 3] = ["etcd", "kube-apiserver", "kubectl"];
+
+/// The repository this crate was built from (two folders above the crate).
+pub fn repo_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .and_then(Path::parent)
+        .unwrap_or(manifest)
+        .to_path_buf()
+}
+
+/// The folder `build.sh` writes into by default.
+pub fn default_dir() -> PathBuf {
+    repo_root().join("target/controlplane/bin")
+}
+
+/// The folder of the Go binaries.
+#[derive(Clone, Debug)]
+pub struct Binaries {
+    dir: PathBuf,
+}
+
+impl Binaries {
+    /// A folder that holds every needed binary.
+    pub fn at(dir: PathBuf) -> Result<Binaries, Error> {
+        let missing = missing(&dir);
+        if missing.is_empty() {
+            Ok(Binaries { dir })
+        } else {
+            Err(Error::MissingBinaries { dir, missing })
+        }
+    }
+
+    /// The folder named by [`BIN_ENV`], which must hold the binaries; else the default
+    /// folder, after running `build.sh` when something is missing there (the first build
+    /// takes minutes and needs Go and the Go module proxy).
+    pub async fn locate() -> Result<Binaries, Error> {
+        if let Some(dir) = std::env::var_os(BIN_ENV) {
+            return Binaries::at(PathBuf::from(dir));
+        }
+        let dir = default_dir();
+        let missing = missing(&dir);
+        if missing.is_empty() {
+            return Ok(Binaries { dir });
+        }
+        let script = repo_root().join("loadtest/controlplane/build.sh");
+        eprintln!(
+            "controlplane: {} missing from {}; building them with {} (the first build takes \
+             minutes; set {BIN_ENV} to use binaries from elsewhere)",
+            missing.join(", "),
+            dir.display(),
+            script.display(),
+        );
+        if !script.exists() {
+            return Err(Error::MissingBinaries { dir, missing });
+        }
+        // build.sh talks on stdout; keep the caller's stdout clean for its own report.
+        let status = tokio::process::Command::new("bash")
+            .arg(&script)
+            .current_dir(repo_root())
+            .stdin(Stdio::null())
+            .stdout(std::io::stderr())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .status()
+            .await
+            .map_err(|source| Error::Io {
+                path: script.clone(),
+                source,
+            })?;
+        if !status.success() {
+            return Err(Error::Build { script, status });
+        }
+        Binaries::at(dir)
+    }
+
+    /// The folder itself.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// `etcd`.
+    pub fn etcd(&self) -> PathBuf {
+        self.dir.join("etcd")
+    }
+
+    /// `kube-apiserver`.
+    pub fn kube_apiserver(&self) -> PathBuf {
+        self.dir.join("kube-apiserver")
+    }
+
+    /// `kubectl`, built from the same Kubernetes version.
+    pub fn kubectl(&self) -> PathBuf {
+        self.dir.join("kubectl")
+    }
+}
+
+fn missing(dir: &Path) -> Vec<&'static str> {
+    NEEDED
+        .into_iter()
+        .filter(|name| !dir.join(name).is_file())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_repository_root_is_the_workspace() {
+        let manifest = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
+        assert!(manifest.contains("[workspace]"));
+        assert!(default_dir().ends_with("target/controlplane/bin"));
+    }
+
+    #[test]
+    fn a_folder_without_the_binaries_names_what_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("etcd"), "").unwrap();
+        match Binaries::at(dir.path().to_path_buf()) {
+            Err(Error::MissingBinaries { missing, .. }) => {
+                assert_eq!(missing, ["kube-apiserver", "kubectl"]);
+            }
+            other => panic!("expected missing binaries, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,10 @@
+//! bulwark-loadtest as a library: the scenarios, the sandbox and the real control plane,
+//! so that the binary and the integration tests in `tests/` share one copy.
+
+pub mod child;
+pub mod client;
+pub mod controlplane;
+pub mod proxy_process;
+pub mod report;
+pub mod sandbox;
+pub mod scenario;

@@ -63,8 +63,10 @@ pub enum Error {
     },
     /// The Go binaries are not there.
     #[error(
-        "{dir} lacks {missing:?}: build them with loadtest/controlplane/build.sh (Go 1.26), or \
-         point {BIN_ENV} at a folder that has them"
+        "{} lacks {}: build them with loadtest/controlplane/build.sh (Go 1.26), or point \
+         {BIN_ENV} at a folder that has them",
+        dir.display(),
+        missing.join(", ")
     )]
     MissingBinaries {
         /// The folder looked in.
@@ -966,4 +968,91 @@ async fn client_from_yaml(yaml: &str) -> Result<Client, Error> {
         what: "building a client".into(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The supervisor against the kernel's own OOM killer: a process that allocates past
+    /// its cgroup's limit is killed, counted as an OOM kill and restarted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_oom_killed_process_is_counted_and_restarted() {
+        let root = Path::new(cgroup::DEFAULT_ROOT);
+        if !root.join("memory.limit_in_bytes").exists() {
+            eprintln!("no cgroup v1 memory controller here: nothing to test");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let cgroup = MemoryCgroup::create(root, 0, 32 << 20).unwrap();
+        let cgroup_path = cgroup.path().to_path_buf();
+        // A string that doubles forever: the process grows until the kernel kills it.
+        let replica = Replica {
+            spec: Arc::new(Spec {
+                index: 0,
+                program: PathBuf::from("awk"),
+                args: vec![r#"BEGIN { s = "x"; while (1) s = s s }"#.into()],
+                addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+                log: dir.path().join("awk.log"),
+                cgroup: Some(cgroup),
+            }),
+            shared: Arc::default(),
+            running: Mutex::new(None),
+        };
+        replica.launch().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while replica.shared.restarts.load(Ordering::Relaxed) == 0 {
+            assert!(Instant::now() < deadline, "no restart after an OOM kill");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(replica.shared.oom_kills.load(Ordering::Relaxed) >= 1);
+        assert!(
+            replica.shared.exit.lock().unwrap().is_none(),
+            "it was not left down"
+        );
+        replica.stop().await;
+        assert_eq!(replica.shared.pid.load(Ordering::Relaxed), 0);
+        let peak = replica
+            .spec
+            .cgroup
+            .as_ref()
+            .and_then(MemoryCgroup::peak_bytes);
+        assert!(peak.is_some_and(|p| p >= 30 << 20), "peak {peak:?}");
+        replica
+            .spec
+            .cgroup
+            .as_ref()
+            .unwrap()
+            .remove(Duration::from_secs(5))
+            .unwrap();
+        assert!(!cgroup_path.exists());
+    }
+
+    #[test]
+    fn every_replica_trusts_only_bulwarks_front_proxy_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = pki::mint(dir.path()).unwrap();
+        let args = apiserver_args(
+            &files,
+            "http://127.0.0.1:2379",
+            SocketAddr::from(([127, 0, 0, 1], 6443)),
+            dir.path(),
+        );
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        for expected in [
+            "--requestheader-allowed-names=bulwark-front-proxy",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            "--requestheader-uid-headers=X-Remote-Uid",
+            "--secure-port=6443",
+            "--bind-address=127.0.0.1",
+            "--authorization-mode=Node,RBAC",
+        ] {
+            assert!(args.iter().any(|a| a == expected), "{expected} in {args:?}");
+        }
+    }
 }

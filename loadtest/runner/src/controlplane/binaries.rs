@@ -58,6 +58,9 @@ impl Binaries {
             return Ok(Binaries { dir });
         }
         let script = repo_root().join("loadtest/controlplane/build.sh");
+        if !script.exists() {
+            return Err(Error::MissingBinaries { dir, missing });
+        }
         eprintln!(
             "controlplane: {} missing from {}; building them with {} (the first build takes \
              minutes; set {BIN_ENV} to use binaries from elsewhere)",
@@ -65,9 +68,6 @@ impl Binaries {
             dir.display(),
             script.display(),
         );
-        if !script.exists() {
-            return Err(Error::MissingBinaries { dir, missing });
-        }
         // build.sh talks on stdout; keep the caller's stdout clean for its own report.
         let status = tokio::process::Command::new("bash")
             .arg(&script)

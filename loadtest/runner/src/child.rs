@@ -40,14 +40,15 @@ pub fn signal_group(pid: u32, signal: rustix::process::Signal) {
 
 fn setpriv() -> Option<&'static Path> {
     static SETPRIV: OnceLock<Option<PathBuf>> = OnceLock::new();
-    SETPRIV
-        .get_or_init(|| {
-            let path = std::env::var_os("PATH")?;
-            std::env::split_paths(&path)
-                .map(|dir| dir.join("setpriv"))
-                .find(|p| p.is_file())
-        })
-        .as_deref()
+    SETPRIV.get_or_init(|| on_path("setpriv")).as_deref()
+}
+
+/// Where `name` is on `PATH`, if anywhere.
+pub fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
 }
 
 #[cfg(test)]

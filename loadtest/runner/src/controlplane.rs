@@ -913,6 +913,9 @@ fn apiserver_args(
         "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
         "--requestheader-uid-headers=X-Remote-Uid".into(),
         "--authorization-mode=Node,RBAC".into(),
+        // Only an allocation range kept in etcd (no traffic); without it the apiserver
+        // warns that its default is deprecated.
+        "--service-cluster-ip-range=10.96.0.0/16".into(),
         "--service-account-issuer=https://kubernetes.default.svc".into(),
         flag("--service-account-key-file", &pki.sa_pub),
         flag("--service-account-signing-key-file", &pki.sa_key),

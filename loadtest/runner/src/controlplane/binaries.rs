@@ -46,20 +46,27 @@ impl Binaries {
     }
 
     /// The folder named by [`BIN_ENV`], which must hold the binaries; else the default
-    /// folder, after running `build.sh` when something is missing there (the first build
-    /// takes minutes and needs Go and the Go module proxy).
+    /// folder, after running `build.sh`: when something is missing there it builds it (the
+    /// first build takes minutes and needs Go and the Go module proxy), and otherwise, when
+    /// Go is installed, it is a 0.1 s check that rebuilds what `go.mod` or the sources have
+    /// changed since.
     pub async fn locate() -> Result<Binaries, Error> {
         if let Some(dir) = std::env::var_os(BIN_ENV) {
             return Binaries::at(PathBuf::from(dir));
         }
         let dir = default_dir();
         let missing = missing(&dir);
-        if missing.is_empty() {
-            return Ok(Binaries { dir });
-        }
         let script = repo_root().join("loadtest/controlplane/build.sh");
         if !script.exists() {
-            return Err(Error::MissingBinaries { dir, missing });
+            return Binaries::at(dir);
+        }
+        if missing.is_empty() {
+            if crate::child::on_path("go").is_some()
+                && let Err(e) = build(&script).await
+            {
+                eprintln!("controlplane: {e}; using the binaries built before");
+            }
+            return Ok(Binaries { dir });
         }
         eprintln!(
             "controlplane: {} missing from {}; building them with {} (the first build takes \
@@ -68,23 +75,7 @@ impl Binaries {
             dir.display(),
             script.display(),
         );
-        // build.sh talks on stdout; keep the caller's stdout clean for its own report.
-        let status = tokio::process::Command::new("bash")
-            .arg(&script)
-            .current_dir(repo_root())
-            .stdin(Stdio::null())
-            .stdout(std::io::stderr())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .status()
-            .await
-            .map_err(|source| Error::Io {
-                path: script.clone(),
-                source,
-            })?;
-        if !status.success() {
-            return Err(Error::Build { script, status });
-        }
+        build(&script).await?;
         Binaries::at(dir)
     }
 
@@ -106,6 +97,47 @@ impl Binaries {
     /// `kubectl`, built from the same Kubernetes version.
     pub fn kubectl(&self) -> PathBuf {
         self.dir.join("kubectl")
+    }
+}
+
+/// Runs `build.sh`, passing on to stderr what it says except its "up to date" lines (the
+/// caller's stdout stays its own). A plain child: in the runner's process group, so that a
+/// Ctrl-C also stops the Go compiler under it.
+async fn build(script: &Path) -> Result<(), Error> {
+    use tokio::io::AsyncBufReadExt as _;
+    let io = |source| Error::Io {
+        path: script.to_path_buf(),
+        source,
+    };
+    let mut child = tokio::process::Command::new("bash")
+        .arg(script)
+        .current_dir(repo_root())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(io)?;
+    if let Some(stdout) = child.stdout.take() {
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let mut built = false;
+        while let Some(line) = lines.next_line().await.map_err(io)? {
+            let quiet = line.contains(": up to date (")
+                || (!built && line.starts_with("controlplane: done"));
+            built |= line.contains(": built in ");
+            if !quiet {
+                eprintln!("{line}");
+            }
+        }
+    }
+    let status = child.wait().await.map_err(io)?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Error::Build {
+            script: script.to_path_buf(),
+            status,
+        })
     }
 }
 

@@ -600,7 +600,7 @@ impl ControlPlane {
             front_proxy_user: FRONT_PROXY_NAME,
             own_user: BULWARK_USER,
             own_group: BULWARK_GROUP,
-            heap_headroom: opts.apiserver_memory_limit,
+            heap_headroom: self.heap_headroom(),
             rules: opts.rules.clone(),
         };
         let dir = self.dir.join("bulwark");
@@ -618,6 +618,19 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// What a replica has left for requests under its memory limit, for Bulwark's byte
+    /// budget: the limit less the most any replica uses once seeded (its caches and
+    /// runtime), and never less than a quarter of the limit.
+    fn heap_headroom(&self) -> Option<u64> {
+        let cgroups = self.replicas.iter().filter_map(|r| r.spec.cgroup.as_ref());
+        let limit = cgroups.clone().map(MemoryCgroup::limit).min()?;
+        let used = cgroups
+            .filter_map(MemoryCgroup::usage_bytes)
+            .max()
+            .unwrap_or(0);
+        Some(limit.saturating_sub(used).max(limit / 4))
+    }
+
     fn write_kubeconfigs(&self) -> Result<(), Error> {
         let replica_ca = self.pki.pki.server_ca.cert_pem();
         let servers = Servers {
@@ -627,8 +640,7 @@ impl ControlPlane {
             replica_ca: &replica_ca,
         };
         for (file, text) in kubeconfigs(&servers, &self.pki.pki.client_ca) {
-            let path = self.dir.join(file);
-            std::fs::write(&path, text).map_err(|source| Error::Io { path, source })?;
+            pki::write(&self.dir, file, &text, true)?;
         }
         Ok(())
     }

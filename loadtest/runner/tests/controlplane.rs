@@ -87,6 +87,21 @@ async fn bulwark_in_front_of_a_real_control_plane() {
         began.elapsed().as_secs_f64()
     );
     assert!(dir.path().join("ready").exists());
+    let mode = std::fs::metadata(cp.kubeconfig("admin"))
+        .unwrap()
+        .permissions();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&mode) & 0o077,
+        0,
+        "kubeconfigs hold keys"
+    );
+    if cgroups {
+        // Bulwark's LIST byte budget: the limit less what a seeded replica already uses.
+        let config = std::fs::read_to_string(dir.path().join("bulwark/bulwark.yaml")).unwrap();
+        let config: serde_norway::Value = serde_norway::from_str(&config).unwrap();
+        let headroom = config["upstream"]["replicaHeapHeadroom"].as_u64().unwrap();
+        assert!(headroom > 1 << 30 && headroom < 4 << 30, "{headroom}");
+    }
     let admin_config = std::fs::read_to_string(cp.kubeconfig("admin")).unwrap();
     assert!(
         admin_config.contains(&format!("https://{}", cp.bulwark_addr())),

@@ -104,6 +104,15 @@ impl MemoryCgroup {
             .ok()
     }
 
+    /// The memory the cgroup's processes use now, in bytes.
+    pub fn usage_bytes(&self) -> Option<u64> {
+        std::fs::read_to_string(self.path.join("memory.usage_in_bytes"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// Removes the folder, waiting up to `patience` for killed processes to leave it.
     pub fn remove(&self, patience: Duration) -> std::io::Result<()> {
         let deadline = std::time::Instant::now() + patience;

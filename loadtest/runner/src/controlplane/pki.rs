@@ -72,8 +72,8 @@ pub fn mint(dir: &Path) -> Result<Files, Error> {
     })
 }
 
-/// Writes a file, readable by its owner only when it is a key.
-fn write(dir: &Path, name: &str, contents: &str, secret: bool) -> Result<PathBuf, Error> {
+/// Writes a file, readable by its owner only when it is a secret (a key, a kubeconfig).
+pub fn write(dir: &Path, name: &str, contents: &str, secret: bool) -> Result<PathBuf, Error> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let path = dir.join(name);

@@ -334,7 +334,8 @@ impl ControlPlane {
         self.etcd.as_ref().map(|e| e.client)
     }
 
-    /// Bulwark's address, where the kubeconfigs but `direct-admin` point.
+    /// Bulwark's address, where every kubeconfig but `direct-admin` points (127.0.0.1:0
+    /// only while the control plane is still starting).
     pub fn bulwark_addr(&self) -> SocketAddr {
         self.proxy
             .as_ref()

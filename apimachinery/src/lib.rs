@@ -5,8 +5,10 @@
 //!   apiserver does;
 //! - [`client_cert`]: client certificates as the apiserver reads identities from them
 //!   (CN is the user, each O a group);
+//! - [`params`]: query parameter values as the apiserver's parameter codec reads them;
 //! - [`watch`]: the event types of a watch stream.
 
 pub mod client_cert;
+pub mod params;
 pub mod selector;
 pub mod watch;

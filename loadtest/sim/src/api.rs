@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use apimachinery::params::bool_param as truthy;
 use base64::Engine;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
@@ -124,10 +125,6 @@ pub fn parse_query(q: Option<&str>) -> Query {
 /// The first value of a parameter.
 pub fn param<'a>(q: &'a Query, name: &str) -> Option<&'a str> {
     q.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-}
-
-fn truthy(v: Option<&str>) -> bool {
-    matches!(v, Some(s) if !s.is_empty() && s != "0" && s != "false")
 }
 
 /// Derives request info as the apiserver's RequestInfoFactory does.
@@ -827,7 +824,7 @@ async fn watch(
         Err(e) => return status_response(&e),
     };
     let bookmarks = truthy(param(q, "allowWatchBookmarks"));
-    let send_initial = param(q, "sendInitialEvents").map(|v| v == "true");
+    let send_initial = param(q, "sendInitialEvents").map(|v| truthy(Some(v)));
     if send_initial.is_some() {
         if param(q, "resourceVersionMatch") != Some("NotOlderThan") {
             return status_response(&invalid_list_options(
@@ -1076,6 +1073,19 @@ mod tests {
         assert_eq!(r.verb, "watch");
         let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets?watch=false");
         assert_eq!(r.verb, "list");
+        // An empty value is true to apimachinery's bool conversion, and the first value wins.
+        for query in ["watch=", "watch", "watch=&watch=0", "watch=FALSE&watch=1"] {
+            let r = ri(
+                Method::GET,
+                &format!("/api/v1/namespaces/ns/secrets?{query}"),
+            );
+            let expected = if query.contains("FALSE") {
+                "list"
+            } else {
+                "watch"
+            };
+            assert_eq!(r.verb, expected, "{query}");
+        }
         let r = ri(Method::GET, "/api/v1/watch/namespaces/ns/secrets");
         assert_eq!((r.verb.as_str(), r.legacy_watch), ("watch", true));
         let r = ri(Method::GET, "/api/v1/namespaces/ns");

@@ -92,13 +92,16 @@ const TABLE: &[Row] = &[
     // `watch` parameter values: the first wins; only absent, 0 and false (any case) are false.
     ("GET", "/api/v1/pods?watch=1", "watch", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=yes", "watch", "", Some("v1"), None, "pods", None, None),
-    ("GET", "/api/v1/pods?watch=", "list", "", Some("v1"), None, "pods", None, None),
-    ("GET", "/api/v1/pods?watch", "list", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch=", "watch", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch", "watch", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=0", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=false", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=FALSE", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=false&watch=true", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?watch=true&watch=false", "watch", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch=&watch=1", "watch", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch=&watch=false", "watch", "", Some("v1"), None, "pods", None, None),
+    ("GET", "/api/v1/pods?watch=0&watch=", "list", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?%77atch=true", "watch", "", Some("v1"), None, "pods", None, None),
     ("GET", "/api/v1/pods?Watch=true", "list", "", Some("v1"), None, "pods", None, None),
     // A named GET ignores `watch`, as the apiserver's get handler does.

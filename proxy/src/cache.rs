@@ -7,9 +7,15 @@
 //!    or cannot take JSON, excluded namespaces or names, parameters the cache does not
 //!    answer (an *Exact* list, selectors on other fields, values the apiserver would
 //!    refuse — it writes the error);
-//! 2. **miss** (`Ok(None)`): the first full list is not in, or the cache cannot show it is
-//!    fresh enough (consistent reads need the freshness proof of [`fresh`]; `staleness`
-//!    from the client's rule allows a cache that lags at most that much);
+//! 2. **miss** (`Ok(None)`): the first full list is not in, or the cache cannot show at
+//!    once that it is fresh enough. The cache never waits for its own watch: a
+//!    `resourceVersion=0` read takes what it has; a `NotOlderThan` read (or a watch from
+//!    a version) is answered when the cache has already reached that version; a
+//!    consistent read (no `resourceVersion`) goes upstream, unless the client's rule
+//!    grants `staleness` and the cache lags at most that much. (The cache's version only
+//!    moves with its own resource's events and bookmarks, while other writes — Leases —
+//!    move the apiserver's: waiting to prove a consistent read fresh cost seconds and
+//!    then went upstream anyway.)
 //! 3. **authorize** with a SubjectAccessReview for that user ([`authz`]): denied is 403,
 //!    no answer is an error, never data;
 //! 4. **answer**: GET, LIST (a chain of the objects' bytes, reused from a byte-bounded
@@ -21,14 +27,11 @@
 //! the apiserver can continue it. A continue is served from the cache while its version is
 //! within the ring (the cache rolls its state back to it), else it goes upstream.
 //!
-//! **Watches newer than the cache**: the cache waits up to `freshnessWait` for the version.
-//! If it does not get there and the apiserver itself has that version (the freshness probe
-//! says so), the cache is merely behind and the watch goes upstream; a version newer than
-//! the apiserver's gets 504 `ResourceVersionTooLarge`, never 410.
+//! **Versions newer than the cache** go upstream, where the apiserver decides (it waits for
+//! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
 
 pub mod audit;
 pub mod authz;
-mod fresh;
 mod informer;
 mod respond;
 mod store;
@@ -38,7 +41,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::FutureExt;
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -59,10 +61,9 @@ pub use authz::{AccessCache, AccessReviewer, Attributes, Decision, UpstreamAcces
 pub use respond::Status;
 
 use apimachinery::selector as select;
-use fresh::{Freshness, Probe};
 use respond::{Continue, Details};
 use select::{FieldSelector, LabelSelector};
-use store::{Kind, Obj, ResourceStore};
+use store::{Obj, ResourceStore};
 
 /// Why the cache refused a request it would otherwise answer.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +134,6 @@ struct Slot {
     gr: GroupResource,
     label: String,
     store: Arc<OnceLock<Arc<ResourceStore>>>,
-    freshness: OnceLock<Arc<Freshness>>,
 }
 
 impl Slot {
@@ -196,7 +196,6 @@ pub struct Cache {
     metrics: Metrics,
     lists: Mutex<Lists>,
     started: Instant,
-    probe: Box<dyn Fn(&Kind) -> Probe + Send + Sync>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -241,14 +240,7 @@ impl Cache {
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
         let reviewer = Arc::new(UpstreamAccessReviewer::new(upstream.clone(), own_token));
-        let probe_upstream = upstream.clone();
-        let cache = Cache::build(
-            cfg,
-            reviewer,
-            Box::new(move |kind: &Kind| upstream_probe(probe_upstream.clone(), kind)),
-            metrics,
-            audit,
-        );
+        let cache = Cache::build(cfg, reviewer, metrics, audit);
         if cfg.enabled {
             let mut tasks = Vec::new();
             for slot in &cache.slots {
@@ -280,7 +272,6 @@ impl Cache {
     fn build(
         cfg: &config::Cache,
         reviewer: Arc<dyn AccessReviewer>,
-        probe: Box<dyn Fn(&Kind) -> Probe + Send + Sync>,
         metrics: Metrics,
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
@@ -291,7 +282,6 @@ impl Cache {
                     label: gr.to_string(),
                     gr,
                     store: Arc::new(OnceLock::new()),
-                    freshness: OnceLock::new(),
                 })
                 .collect()
         } else {
@@ -313,7 +303,6 @@ impl Cache {
             }),
             metrics,
             started: Instant::now(),
-            probe,
             tasks: Mutex::new(Vec::new()),
         })
     }
@@ -511,34 +500,16 @@ impl Cache {
         hit.then_some("an excluded name")
     }
 
-    /// Waits until the store is fresh enough; false when it cannot be shown to be.
-    async fn fresh(&self, request: &Request<'_>, need: Need, staleness: Option<Duration>) -> bool {
+    /// Whether the store is fresh enough for `need` now; the cache never waits for it.
+    fn fresh(&self, request: &Request<'_>, need: Need, staleness: Option<Duration>) -> bool {
         let store = &request.store;
         match need {
             Need::Any => true,
-            Need::AtLeast(rv) => store.wait_for(rv, self.cfg.freshness_wait).await,
-            Need::Consistent => {
-                if let Some(bound) = staleness.map(|s| s.min(self.cfg.max_staleness))
-                    && store.lag() <= bound
-                {
-                    return true;
-                }
-                match self.current_version(request.slot, store).await {
-                    Ok(rv) => store.wait_for(rv, self.cfg.freshness_wait).await,
-                    Err(e) => {
-                        tracing::debug!(resource = %request.slot.label, error = %e, "freshness probe failed");
-                        false
-                    }
-                }
-            }
+            Need::AtLeast(rv) => store.rv() >= rv,
+            Need::Consistent => staleness
+                .map(|s| s.min(self.cfg.max_staleness))
+                .is_some_and(|bound| store.lag() <= bound),
         }
-    }
-
-    async fn current_version(&self, slot: &Slot, store: &ResourceStore) -> Result<u64, String> {
-        slot.freshness
-            .get_or_init(|| Freshness::new((self.probe)(&store.kind)))
-            .current()
-            .await
     }
 
     /// Asks the apiserver, through the decision cache, whether the user may do this.
@@ -623,9 +594,7 @@ impl Cache {
             return Ok(Outcome::Bypass("a get without a name"));
         };
         let need = match rv {
-            // One key read costs the apiserver little; proving the cache fresh can cost the
-            // client up to the freshness wait. Only an identity that accepts staleness
-            // gets a consistent GET from the cache.
+            // Only an identity that accepts staleness gets a consistent GET from the cache.
             None if staleness.is_none() => {
                 return Ok(Outcome::Bypass("a consistent get (one key read upstream)"));
             }
@@ -633,7 +602,7 @@ impl Cache {
             Some(0) => Need::Any,
             Some(n) => Need::AtLeast(n),
         };
-        if !self.fresh(&request, need, staleness).await {
+        if !self.fresh(&request, need, staleness) {
             return Ok(Outcome::Miss("not fresh enough"));
         }
         self.authorize(&request, "get", &name).await?;
@@ -715,7 +684,7 @@ impl Cache {
             let Some((at, after)) = respond::decode_continue(token) else {
                 return Ok(Outcome::Bypass("a continue token the cache cannot read"));
             };
-            if !request.store.wait_for(at, Duration::ZERO).await {
+            if request.store.rv() < at {
                 return Ok(Outcome::Miss("a continue newer than the cache"));
             }
             let Some(all) = request.store.list_at(ns, at) else {
@@ -753,7 +722,7 @@ impl Cache {
             (Some(n), None) => Need::AtLeast(n),
             (Some(_), Some(_)) => return Ok(Outcome::Bypass("an unknown resourceVersionMatch")),
         };
-        if !self.fresh(&request, need, staleness).await {
+        if !self.fresh(&request, need, staleness) {
             return Ok(Outcome::Miss("not fresh enough"));
         }
         self.authorize_collection(&request, "list").await?;
@@ -883,21 +852,8 @@ impl Cache {
             (Some(n), true) => (Need::AtLeast(n), None),
             (Some(n), false) => (Need::AtLeast(n), Some(n)),
         };
-        if !self.fresh(&request, need, staleness).await {
-            let Need::AtLeast(n) = need else {
-                return Ok(Outcome::Miss("not fresh enough"));
-            };
-            // Behind the apiserver, or asked for a version nobody has?
-            match self.current_version(request.slot, &request.store).await {
-                Ok(current) if current >= n => return Ok(Outcome::Miss("behind the apiserver")),
-                Ok(_) => {}
-                Err(_) => return Ok(Outcome::Miss("the apiserver's version is unknown")),
-            }
-            self.authorize_collection(&request, "watch").await?;
-            return Err(CacheError::Status(Box::new(too_large(
-                n,
-                request.store.rv(),
-            ))));
+        if !self.fresh(&request, need, staleness) {
+            return Ok(Outcome::Miss("not fresh enough"));
         }
         let attrs = self.authorize_collection(&request, "watch").await?;
         let permit = self.admit(&request, 0).await?;
@@ -1029,23 +985,6 @@ fn forbidden(user: &User, attrs: &Attributes, reason: &str) -> Status {
     )
 }
 
-/// The apiserver's 504 for a version it has not reached.
-fn too_large(asked: u64, current: u64) -> Status {
-    Status::failure(
-        504,
-        "Timeout",
-        format!("Timeout: Too large resource version: {asked}, current: {current}"),
-        Some(Details {
-            causes: vec![respond::Cause {
-                reason: "ResourceVersionTooLarge".into(),
-                message: "Too large resource version".into(),
-            }],
-            retry_after_seconds: Some(1),
-            ..Details::default()
-        }),
-    )
-}
-
 /// Whether the client takes plain JSON: no `as=` (Table, PartialObjectMetadata) and some
 /// range that JSON satisfies. No `Accept` at all takes JSON.
 fn accepts_plain_json(headers: &HeaderMap) -> bool {
@@ -1088,54 +1027,6 @@ fn wants_gzip(headers: &HeaderMap) -> bool {
             });
             name.eq_ignore_ascii_case("gzip") && !refused
         })
-}
-
-/// The freshness probe: a consistent `limit=1` LIST with Bulwark's own identity.
-fn upstream_probe(upstream: Upstream, kind: &Kind) -> Probe {
-    let path = format!("{}?limit=1", informer::collection_path(kind));
-    Arc::new(move || {
-        let upstream = upstream.clone();
-        let path = path.clone();
-        async move {
-            let request = http::Request::get(&path)
-                .header(http::header::ACCEPT, "application/json")
-                .body(crate::empty())
-                .map_err(|e| e.to_string())?;
-            let route = crate::upstream::Route {
-                credential: crate::upstream::Credential::Own,
-                retry: crate::upstream::RetryPolicy::Read,
-                long_running: false,
-                watch: false,
-                timeout: Some(Duration::from_secs(5)),
-            };
-            let response = upstream
-                .send(request, route)
-                .await
-                .map_err(|e| e.to_string())?;
-            let status = response.status();
-            let body = crate::read_to_limit(response.into_body(), 16 * 1024 * 1024)
-                .await
-                .map_err(|e| e.to_string())?;
-            if !status.is_success() {
-                return Err(format!("{path} answered {status}"));
-            }
-            #[derive(serde::Deserialize)]
-            #[serde(rename_all = "camelCase")]
-            struct Meta {
-                resource_version: String,
-            }
-            #[derive(serde::Deserialize)]
-            struct Page {
-                metadata: Meta,
-            }
-            let page: Page = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-            page.metadata
-                .resource_version
-                .parse::<u64>()
-                .map_err(|_| format!("{path}: resourceVersion is not a number"))
-        }
-        .boxed()
-    })
 }
 
 /// Keeps the per-resource gauges current while the cache lives.

@@ -405,11 +405,6 @@ pub struct Cache {
     /// anyway (cacheable requests go upstream until a cache is synced).
     #[serde(with = "humantime_serde")]
     pub sync_cap: Duration,
-    /// How long a consistent read waits for the cache to reach the current version, and a
-    /// watch from a version newer than the cache waits for it, before going upstream or
-    /// getting 504 `ResourceVersionTooLarge`.
-    #[serde(with = "humantime_serde")]
-    pub freshness_wait: Duration,
     /// The largest bounded staleness a rule may grant (a rule's `staleness` above it is
     /// capped to it).
     #[serde(with = "humantime_serde")]
@@ -447,7 +442,6 @@ impl Default for Cache {
             exclude_names: Vec::new(),
             ring_size: 10_000,
             sync_cap: Duration::from_secs(60),
-            freshness_wait: Duration::from_secs(3),
             max_staleness: Duration::from_secs(10),
             list_cache_bytes: Quantity(256 * 1024 * 1024),
             watcher_buffer: 1_000,
@@ -879,7 +873,6 @@ impl Config {
         }
         p.nonzero("cache.ringSize", cache.ring_size as u64);
         p.positive("cache.syncCap", cache.sync_cap);
-        p.positive("cache.freshnessWait", cache.freshness_wait);
         p.nonzero("cache.listCacheBytes", cache.list_cache_bytes.0);
         p.nonzero("cache.watcherBuffer", cache.watcher_buffer as u64);
         p.positive("cache.reauthorizeInterval", cache.reauthorize_interval);

@@ -297,7 +297,6 @@ const INVALID: &[(&str, &str, &str, &str)] = &[
     ("cache.excludeNamespaces", "[kube-system, Bad_NS]", "cache.excludeNamespaces[1]", "not a namespace name"),
     ("cache.excludeNames", "[\"ns/\"]", "cache.excludeNames[0]", "not namespace/name"),
     ("cache.ringSize", "0", "cache.ringSize", "greater than 0"),
-    ("cache.freshnessWait", "0s", "cache.freshnessWait", "greater than 0"),
     ("cache.listCacheBytes", "0", "cache.listCacheBytes", "greater than 0"),
     ("rules.folder", "\"\"", "rules.folder", "must not be empty"),
     ("audit.path", "\"\"", "audit.path", "must not be empty"),

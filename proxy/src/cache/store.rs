@@ -535,14 +535,6 @@ impl ResourceStore {
         self.tx.receiver_count()
     }
 
-    /// Waits until the cache reaches `rv`, at most `limit`; true when it did.
-    pub async fn wait_for(&self, rv: u64, limit: std::time::Duration) -> bool {
-        let mut rx = self.rv_tx.subscribe();
-        tokio::time::timeout(limit, rx.wait_for(|current| *current >= rv))
-            .await
-            .is_ok_and(|r| r.is_ok())
-    }
-
     /// The object under `namespace/name`, with the cache's version.
     pub fn get(&self, namespace: &str, name: &str) -> (Option<Arc<Obj>>, u64) {
         let state = self.read();

@@ -16,12 +16,14 @@
 //! [`Admission::update_levels`] with the levels of every new rule set, and for each matched
 //! request `admit` it. Keep the [`Permit`] alive until the response body ends; for a
 //! long-running request call [`Permit::release_seats`] at the response head, and for a watch
-//! keep [`Permit::watch_guard`] with the stream. After a LIST, report its body size (and
-//! item count) with [`Admission::observe_list`] so that costs follow the collection.
+//! keep [`Permit::watch_guard`] with the stream. A LIST's response teaches the cost model
+//! through [`hold`] with a [`Learn`]: the JSON size the apiserver built, measured on the
+//! wire where the response shows it ([`measure`]), so that costs follow the collection.
 
 mod budget;
 mod cost;
 mod flows;
+pub mod measure;
 mod queue;
 #[cfg(test)]
 mod tests;
@@ -631,15 +633,43 @@ fn queue_full(m: &Matched, level: &Level) -> Verdict {
 
 /// The response body of an admitted request: it holds `permit` until it ends (or is
 /// dropped), and with `learn` reports the LIST's size to the cost model when it ends.
-pub fn hold(body: Body, permit: Permit, learn: Option<(Arc<Admission>, Arc<RequestInfo>)>) -> Body {
+pub fn hold(body: Body, permit: Permit, learn: Option<Learn>) -> Body {
     use http_body_util::BodyExt;
     Guarded {
         body,
         _permit: permit,
         learn,
-        bytes: 0,
     }
     .boxed_unsync()
+}
+
+/// A LIST response that teaches the cost model what the LIST cost the apiserver, once its
+/// body has ended.
+pub struct Learn {
+    admission: Arc<Admission>,
+    info: Arc<RequestInfo>,
+    meter: measure::Meter,
+}
+
+impl Learn {
+    /// For a successful LIST whose response headers show the apiserver's cost; `None` for
+    /// anything else (a protobuf, Table or metadata-only answer is far smaller than the
+    /// JSON the apiserver built, and would shrink the estimate that guards its memory).
+    pub fn list(
+        admission: Arc<Admission>,
+        info: Arc<RequestInfo>,
+        response: &http::Response<Body>,
+    ) -> Option<Learn> {
+        if !info.is_list() || response.status() != http::StatusCode::OK {
+            return None;
+        }
+        let encoding = measure::Encoding::of(response.headers())?;
+        Some(Learn {
+            admission,
+            info,
+            meter: measure::Meter::new(encoding),
+        })
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -649,8 +679,7 @@ pin_project_lite::pin_project! {
         #[pin]
         body: Body,
         _permit: Permit,
-        learn: Option<(Arc<Admission>, Arc<RequestInfo>)>,
-        bytes: u64,
+        learn: Option<Learn>,
     }
 }
 
@@ -666,16 +695,20 @@ impl http_body::Body for Guarded {
         let polled = this.body.poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    *this.bytes += data.len() as u64;
+                if let (Some(learn), Some(data)) = (this.learn.as_mut(), frame.data_ref()) {
+                    learn.meter.feed(data);
                 }
             }
             Poll::Ready(None) => {
-                if let Some((admission, info)) = this.learn.take() {
-                    admission.observe_list(&info, *this.bytes, None);
+                if let Some(learn) = this.learn.take()
+                    && let Some(bytes) = learn.meter.json_bytes()
+                {
+                    learn.admission.observe_list(&learn.info, bytes, None);
                 }
             }
-            _ => {}
+            // A body that failed did not show its whole size.
+            Poll::Ready(Some(Err(_))) => *this.learn = None,
+            Poll::Pending => {}
         }
         polled
     }

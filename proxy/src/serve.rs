@@ -521,8 +521,7 @@ where
             if info.is_long_running() {
                 permit.release_seats();
             }
-            let learn = (info.is_list() && response.status() == StatusCode::OK)
-                .then_some((admission, info));
+            let learn = crate::admit::Learn::list(admission, info, &response);
             Ok(response.map(|body| crate::admit::hold(body, permit, learn)))
         })
     }

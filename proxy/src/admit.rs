@@ -156,6 +156,12 @@ impl Permit {
         self.seats = None;
     }
 
+    /// Takes the seats out of the permit, to be given back when the returned [`Seats`] is
+    /// dropped: a cached watch holds them while it sends its initial state.
+    pub fn take_seats(&mut self) -> Option<Seats> {
+        self.seats.take().map(|grant| Seats { _grant: grant })
+    }
+
     /// The LIST bytes the request was admitted with (0 for anything but a LIST).
     pub fn expected_bytes(&self) -> u64 {
         self.expected_bytes
@@ -176,6 +182,11 @@ impl Permit {
     pub fn watch_guard(&mut self) -> Option<WatchGuard> {
         self.watch.take()
     }
+}
+
+/// Seats taken out of a [`Permit`]; dropping them gives them back to their level.
+pub struct Seats {
+    _grant: SeatGrant,
 }
 
 /// A would-be refusal, before it is turned into a [`Refusal`] or counted in shadow mode.
@@ -348,9 +359,12 @@ impl Admission {
     /// cluster-wide LISTs answered from the cache would otherwise take every core from the
     /// small requests of other levels).
     ///
-    /// A cached watch only counts against the flow's watch limit: its head goes out at
-    /// once, where a seat would be released, so queueing it would guard nothing and only
-    /// delay its first events.
+    /// A cached watch from a version only counts against the flow's watch limit: it sends
+    /// events as they come, so queueing it would guard nothing and only delay them. A
+    /// cached watch that starts with the current state (`resourceVersion=0` or unset,
+    /// `sendInitialEvents=true`) sends a LIST's worth of objects first: `answer_bytes` is
+    /// that state's size, and it waits for seats like a LIST of that size (the caller
+    /// holds them, with [`Permit::take_seats`], until the initial state is sent).
     pub async fn admit_cached(
         &self,
         m: &Matched,
@@ -358,7 +372,7 @@ impl Admission {
         info: &RequestInfo,
         answer_bytes: u64,
     ) -> Result<Permit, Refusal> {
-        if info.verb == Verb::Watch {
+        if info.verb == Verb::Watch && answer_bytes == 0 {
             return self.admit_watch_only(m, user);
         }
         self.admit_cost(m, user, info, answer_bytes, 0).await

@@ -636,20 +636,28 @@ impl Cache {
     /// The reader's admission ([`Gate`]) for an answer of about `bytes`, once it is
     /// authorized and before it is built, so that an answer that waited for its seats is
     /// built from the cache as it is when they are granted. The seats are held until the
-    /// answer's body ends.
+    /// answer's body ends (a watch takes them out, see [`Cache::watch`]).
     async fn admit(&self, request: &Request<'_>, bytes: u64) -> Result<Option<Permit>, CacheError> {
         let Some(gate) = request.gate else {
             return Ok(None);
         };
-        let mut permit = gate
+        let permit = gate
             .admission
             .admit_cached(gate.matched, request.user, request.info, bytes)
             .await
             .map_err(CacheError::Refused)?;
-        if request.info.is_long_running() {
-            permit.release_seats();
-        }
         Ok(Some(permit))
+    }
+
+    /// The bytes of the objects a watch that starts with the current state sends first.
+    fn initial_bytes(&self, request: &Request<'_>) -> u64 {
+        let ns = request.info.namespace.as_deref();
+        if request.filter.selects() {
+            let (items, _) = request.store.list(ns, |o| request.filter.matches(o));
+            items.iter().map(|o| o.body.len() as u64).sum()
+        } else {
+            request.store.size(ns).1
+        }
     }
 
     /// Gives an admitted answer, holding its `permit`, and writes its audit line `(verb,
@@ -856,7 +864,15 @@ impl Cache {
             return Ok(Outcome::Miss("not fresh enough"));
         }
         let attrs = self.authorize_collection(&request, "watch").await?;
-        let permit = self.admit(&request, 0).await?;
+        // A watch that starts with the current state sends a LIST's worth of objects
+        // first: it waits for seats like a LIST of that size and holds them until the
+        // initial state is sent. A watch from a version takes none.
+        let initial_bytes = match from {
+            None => self.initial_bytes(&request),
+            Some(_) => 0,
+        };
+        let mut permit = self.admit(&request, initial_bytes).await?;
+        let initial_seats = permit.as_mut().and_then(Permit::take_seats);
         let start = match request.store.watch(from) {
             Ok(start) => start,
             Err(expired) => {
@@ -904,6 +920,7 @@ impl Cache {
             start,
             options,
             Some(reauth),
+            initial_seats,
             self.metrics.clone(),
         );
         let response = respond::json_response(StatusCode::OK, body, &request.audit_id);

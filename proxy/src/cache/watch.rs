@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
+use crate::admit::Seats;
 use crate::identity::User;
 use crate::metrics::Metrics;
 
@@ -90,6 +91,8 @@ struct Watcher {
     next_reauth: Option<Instant>,
     review: Option<JoinHandle<Result<Decision, String>>>,
     metrics: Metrics,
+    /// Seats held while the initial state is sent (a watch without a version).
+    initial_seats: Option<Seats>,
     done: bool,
 }
 
@@ -151,6 +154,8 @@ impl Watcher {
         } {
             return Some(chunk);
         }
+        // The initial state is out: its seats go back to the level.
+        self.initial_seats = None;
         let mut out = BytesMut::new();
         if let Some(rv) = self.end_bookmark.take() {
             out.extend_from_slice(&bookmark_line(&kind, rv, true));
@@ -265,6 +270,7 @@ pub fn body(
     start: WatchStart,
     options: Options,
     reauth: Option<Reauthorize>,
+    initial_seats: Option<Seats>,
     metrics: Metrics,
 ) -> crate::Body {
     let now = Instant::now();
@@ -290,6 +296,7 @@ pub fn body(
         store,
         options,
         metrics,
+        initial_seats,
         done: false,
     };
     let stream = futures::stream::unfold(watcher, |mut w| async move {

@@ -926,11 +926,11 @@ async fn secret_reads_are_audited() {
     assert_ne!(events[1]["auditID"], "given-id");
 }
 
-/// The recorded apiserver exchanges of `shared/fixtures/kube-apiserver-v1.36/`.
+/// The recorded apiserver exchanges of `fixtures/kube-apiserver-v1.36/`.
 fn fixture(name: &str) -> Vec<Value> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/fixtures/kube-apiserver-v1.36/"
+        "/../fixtures/kube-apiserver-v1.36/"
     );
     serde_json::from_str(&std::fs::read_to_string(format!("{path}{name}")).unwrap()).unwrap()
 }

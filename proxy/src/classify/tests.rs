@@ -171,7 +171,7 @@ fn real_api_paths_classify_like_the_apiserver() {
 fn recorded_fixture_requests_classify() {
     let dir = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/fixtures/kube-apiserver-v1.36"
+        "/../fixtures/kube-apiserver-v1.36"
     );
     let mut seen = 0;
     for entry in std::fs::read_dir(dir).expect("fixtures folder") {

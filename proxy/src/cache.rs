@@ -22,10 +22,13 @@
 //!    LRU) or WATCH ([`watch`]). Secret reads are written to the audit log.
 //!
 //! **Pagination**: `limit` is honoured on every cached LIST, `resourceVersion=0` included
-//! (the apiserver's cache does the same since it serves lists from snapshots): a page ends
-//! with the apiserver's own continue token (version and last key), so either the cache or
-//! the apiserver can continue it. A continue is served from the cache while its version is
-//! within the ring (the cache rolls its state back to it), else it goes upstream.
+//! (the apiserver's cache does the same since it serves lists from snapshots). Objects are
+//! listed in etcd's key order, and a page ends with the apiserver's own continue token
+//! (version, and the last key relative to the list's prefix; see
+//! [`apimachinery::continue_token`]), so either the cache or the apiserver can continue
+//! it. A continue is served from the cache while its version is within the ring (the cache
+//! rolls its state back to it), else it goes upstream; a token the apiserver would refuse
+//! goes upstream for its 400.
 //!
 //! **Versions newer than the cache** go upstream, where the apiserver decides (it waits for
 //! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
@@ -60,6 +63,7 @@ pub use audit::AuditLog;
 pub use authz::{AccessCache, AccessReviewer, Attributes, Decision, UpstreamAccessReviewer};
 pub use respond::Status;
 
+use apimachinery::continue_token::{self, Scope};
 use apimachinery::selector as select;
 use respond::{Continue, Details};
 use select::{FieldSelector, LabelSelector};
@@ -686,26 +690,45 @@ impl Cache {
         let q = &request.info.query;
         let ns = request.info.namespace.as_deref();
         if let Some(token) = &q.continue_token {
-            if rv.is_some() || q.resource_version_match.is_some() {
+            // The apiserver continues with `resourceVersion=0` as without one, and refuses
+            // any other version (400) or a resourceVersionMatch (422): it writes those.
+            if rv.is_some_and(|rv| rv != 0) || q.resource_version_match.is_some() {
                 return Ok(Outcome::Bypass("continue with a resourceVersion"));
             }
-            let Some((at, after)) = respond::decode_continue(token) else {
-                return Ok(Outcome::Bypass("a continue token the cache cannot read"));
+            // A token the apiserver refuses goes to it rather than being refused here: its
+            // 400 quotes Go's JSON errors, which the cache cannot word byte for byte, and
+            // it answers only after its own authorization (403 before 400).
+            let Ok(resume) = continue_token::decode(token) else {
+                return Ok(Outcome::Bypass("a continue token the apiserver refuses"));
             };
-            if request.store.rv() < at {
-                return Ok(Outcome::Miss("a continue newer than the cache"));
-            }
-            let Some(all) = request.store.list_at(ns, at) else {
-                return Ok(Outcome::Miss("a continue older than the ring"));
+            let from = Scope::of(ns).resume_key(&resume.start);
+            let (all, at) = match resume.at() {
+                Some(at) => {
+                    if request.store.rv() < at {
+                        return Ok(Outcome::Miss("a continue newer than the cache"));
+                    }
+                    match request.store.list_from(ns, Some(at), &from) {
+                        Some(listed) => listed,
+                        None => return Ok(Outcome::Miss("a continue older than the ring")),
+                    }
+                }
+                // A negative version: the token the apiserver hands out with its 410 for a
+                // continue it compacted away. The rest of the list at the latest version, a
+                // consistent read, as the apiserver's watch cache serves it.
+                None => {
+                    if !self.fresh(&request, Need::Consistent, staleness) {
+                        return Ok(Outcome::Miss("not fresh enough"));
+                    }
+                    match request.store.list_from(ns, None, &from) {
+                        Some(listed) => listed,
+                        None => return Ok(Outcome::Miss("a continue the cache cannot list")),
+                    }
+                }
             };
             self.authorize_collection(&request, "list").await?;
-            let start = all.partition_point(|o| {
-                (o.namespace.as_str(), o.name.as_str()) <= (after.0.as_str(), after.1.as_str())
-            });
-            let items: Vec<Arc<Obj>> = all[start..]
-                .iter()
+            let items: Vec<Arc<Obj>> = all
+                .into_iter()
                 .filter(|o| request.filter.matches(o))
-                .cloned()
                 .collect();
             let total_after = if request.filter.selects() {
                 None
@@ -796,11 +819,12 @@ impl Cache {
         total: Option<u64>,
     ) -> Response<Body> {
         let limit = page_limit(request);
+        let scope = Scope::of(request.info.namespace.as_deref());
         let next = (items.len() > limit).then(|| {
-            let last = &items[limit - 1];
+            let last = items[limit - 1].key();
             Continue {
                 rv,
-                after: last.key(),
+                start: format!("{}\0", scope.relative(&last)),
                 remaining: total.map(|t| t - limit as u64),
             }
         });

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use apimachinery::continue_token::{self, Scope, object_key};
 use apimachinery::params::bool_param as truthy;
-use base64::Engine;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 use http_body_util::BodyExt;
@@ -563,47 +563,6 @@ fn parse_rv(s: &str) -> Result<u64, ApiError> {
     })
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
-struct ContinueToken {
-    v: String,
-    rv: u64,
-    start: String,
-}
-
-fn encode_continue(rv: u64, last: &Obj) -> String {
-    let start = if last.namespace.is_empty() {
-        format!("{}\u{0}", last.name)
-    } else {
-        format!("{}/{}\u{0}", last.namespace, last.name)
-    };
-    let t = ContinueToken {
-        v: "meta.k8s.io/v1".into(),
-        rv,
-        start,
-    };
-    base64::engine::general_purpose::URL_SAFE.encode(serde_json::to_vec(&t).unwrap_or_default())
-}
-
-fn decode_continue(s: &str) -> Result<(u64, (String, String)), ApiError> {
-    let bad = || {
-        status::bad_request("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into())
-    };
-    let raw = base64::engine::general_purpose::URL_SAFE
-        .decode(s)
-        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(s))
-        .map_err(|_| bad())?;
-    let t: ContinueToken = serde_json::from_slice(&raw).map_err(|_| bad())?;
-    if t.v != "meta.k8s.io/v1" || t.rv == 0 {
-        return Err(bad());
-    }
-    let start = t.start.trim_end_matches('\u{0}');
-    let key = match start.split_once('/') {
-        Some((ns, n)) => (ns.to_string(), n.to_string()),
-        None => (String::new(), start.to_string()),
-    };
-    Ok((t.rv, key))
-}
-
 async fn list(
     rep: &Arc<ReplicaInner>,
     def: &'static ResourceDef,
@@ -627,11 +586,11 @@ async fn list(
         None => 0,
     };
     let cont = param(q, "continue").filter(|s| !s.is_empty());
-    if cont.is_some() && rv_param.is_some() {
+    if rv_match.is_some() && cont.is_some() {
         return Err(invalid_list_options(
-            "resourceVersion",
+            "resourceVersionMatch",
             "Forbidden",
-            "specifying resource version is not allowed when using continue",
+            "resourceVersionMatch is forbidden when continue is provided",
         ));
     }
     if rv_match.is_some() && rv_param.is_none() {
@@ -660,17 +619,28 @@ async fn list(
         ));
     }
     let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
+    let scope = Scope::of(ns);
     let key = def.key();
+    // The storage layer reads the token before the version: a bad token is the first 400.
+    let resume = cont
+        .map(continue_token::decode)
+        .transpose()
+        .map_err(|e| status::bad_request(e.status_message()))?;
+    if resume.is_some() && rv.is_some_and(|rv| rv != 0) {
+        return Err(status::bad_request(
+            "specifying resource version is not allowed when using continue".into(),
+        ));
+    }
     // Which read path: the watch cache (any state at least as new as rv) or etcd (consistent
     // or an exact revision, paginated).
-    let (from_cache, at, start) = match (cont, rv, rv_match) {
-        (Some(c), _, _) => {
-            let (crv, start) = decode_continue(c)?;
-            if crv < sh.store.oldest_watchable() {
-                return Err(status::continue_expired());
+    let (from_cache, at, start) = match (&resume, rv, rv_match) {
+        // A negative version continues at the latest state.
+        (Some(resume), _, _) => match resume.at() {
+            Some(crv) if crv < sh.store.oldest_watchable() => {
+                return Err(status::continue_expired(&resume.start));
             }
-            (false, Some(crv), Some(start))
-        }
+            at => (false, at, Some(scope.resume_key(&resume.start))),
+        },
         (None, None, _) => (false, None, None),
         (None, Some(0), _) => (true, None, None),
         (None, Some(n), Some("Exact")) => (false, Some(n), None),
@@ -689,13 +659,13 @@ async fn list(
         return Err(status::rv_too_large());
     }
     let (list_rv, items) = sh.store.list(&key, ns, at).map_err(|e| match e {
-        StoreError::Expired { .. } if cont.is_some() => status::continue_expired(),
+        StoreError::Expired { .. } if resume.is_some() => {
+            status::continue_expired(resume.as_ref().map_or("", |r| r.start.as_str()))
+        }
         e => store_error(def, e),
     })?;
     let start_idx = match &start {
-        Some(k) => items.partition_point(|o| {
-            (o.namespace.as_str(), o.name.as_str()) <= (k.0.as_str(), k.1.as_str())
-        }),
+        Some(from) => items.partition_point(|o| object_key(&o.namespace, &o.name) < *from),
         None => 0,
     };
     let filtered = !labels.is_empty() || !fields.is_empty();
@@ -715,7 +685,10 @@ async fn list(
     if more && let Some(last) = chosen.last() {
         meta.push_str(&format!(
             ",\"continue\":\"{}\"",
-            encode_continue(list_rv, last)
+            continue_token::encode_after(
+                i64::try_from(list_rv).unwrap_or(i64::MAX),
+                scope.relative(&object_key(&last.namespace, &last.name))
+            )
         ));
         if !filtered {
             meta.push_str(&format!(
@@ -1104,23 +1077,5 @@ mod tests {
             ("create", "exec")
         );
         assert!(!ri(Method::GET, "/version").resource_request);
-    }
-
-    #[test]
-    fn continue_tokens_round_trip() {
-        let o = Obj {
-            namespace: "ns".into(),
-            name: "a".into(),
-            rv: 1,
-            uid: String::new(),
-            labels: Default::default(),
-            body: Bytes::from_static(b"{}"),
-        };
-        let t = encode_continue(42, &o);
-        assert_eq!(
-            decode_continue(&t).unwrap(),
-            (42, ("ns".to_string(), "a".to_string()))
-        );
-        assert!(decode_continue("garbage").is_err());
     }
 }

@@ -9,6 +9,8 @@ use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use serde_json::Value;
 
+use apimachinery::continue_token;
+
 use super::store::{EventType, Kind};
 use super::*;
 
@@ -537,6 +539,168 @@ async fn pages_follow_each_other_over_a_fixed_snapshot() {
     assert_eq!(names(&second), ["three"]);
     assert_eq!(second["metadata"]["resourceVersion"], "10");
     assert!(second["metadata"].get("continue").is_none());
+}
+
+/// Secrets at version 10 in namespaces `team` and `team-a`, whose keys etcd orders
+/// `team-a/…` first (`-` sorts before `/`).
+fn teams() -> Setup {
+    let s = setup();
+    s.store.replace(
+        vec![
+            secret("team", "a", 3, "web"),
+            secret("team", "x", 4, "web"),
+            secret("team-a", "b", 5, "web"),
+            secret("team-a", "x", 6, "web"),
+        ],
+        10,
+    );
+    s
+}
+
+/// `namespace/name` of a list's items.
+fn keys(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            format!(
+                "{}/{}",
+                i["metadata"]["namespace"].as_str().unwrap(),
+                i["metadata"]["name"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
+/// Pages through `first` (a LIST with `limit=1`) and its continues: every item, the start
+/// key each continue token carries, and each page's `remainingItemCount`.
+async fn page_through(s: &Setup, first: &str) -> (Vec<String>, Vec<String>, Vec<u64>) {
+    let base = first.split('?').next().unwrap();
+    let (mut items, mut starts, mut remaining) = (Vec::new(), Vec::new(), Vec::new());
+    let mut uri = first.to_owned();
+    loop {
+        let (status, page) = json(ask(s, "alice", &uri).await.unwrap().unwrap()).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        items.extend(keys(&page));
+        let Some(token) = page["metadata"]["continue"].as_str() else {
+            assert!(page["metadata"].get("remainingItemCount").is_none());
+            return (items, starts, remaining);
+        };
+        starts.push(continue_token::decode(token).unwrap().start);
+        remaining.push(page["metadata"]["remainingItemCount"].as_u64().unwrap());
+        uri = format!("{base}?limit=1&continue={token}");
+    }
+}
+
+#[tokio::test]
+async fn pages_across_namespaces_follow_the_apiservers_key_order() {
+    let s = teams();
+    let (items, starts, remaining) =
+        page_through(&s, "/api/v1/secrets?resourceVersion=0&limit=1").await;
+    assert_eq!(items, ["team-a/b", "team-a/x", "team/a", "team/x"]);
+    assert_eq!(starts, ["team-a/b\0", "team-a/x\0", "team/a\0"]);
+    assert_eq!(remaining, [3, 2, 1]);
+}
+
+#[tokio::test]
+async fn a_namespaced_lists_tokens_carry_names_relative_to_the_namespace() {
+    let s = teams();
+    let (items, starts, remaining) = page_through(
+        &s,
+        "/api/v1/namespaces/team/secrets?resourceVersion=0&limit=1",
+    )
+    .await;
+    assert_eq!(items, ["team/a", "team/x"]);
+    assert_eq!(starts, ["a\0"]);
+    assert_eq!(remaining, [1]);
+}
+
+#[tokio::test]
+async fn tokens_an_apiserver_wrote_continue_in_the_cache() {
+    let s = teams();
+    let page = |uri: String| {
+        let s = &s;
+        async move { json(ask(s, "alice", &uri).await.unwrap().unwrap()).await.1 }
+    };
+    // In a namespace the token carries the name alone.
+    let token = continue_token::encode_after(10, "a");
+    let list = page(format!(
+        "/api/v1/namespaces/team/secrets?limit=5&continue={token}"
+    ))
+    .await;
+    assert_eq!(keys(&list), ["team/x"]);
+    // Across namespaces, `namespace/name`: `team-a/x` is followed by `team/…`.
+    let token = continue_token::encode_after(10, "team-a/x");
+    let list = page(format!("/api/v1/secrets?limit=1&continue={token}")).await;
+    assert_eq!(keys(&list), ["team/a"]);
+    assert_eq!(list["metadata"]["remainingItemCount"], 1);
+    assert_eq!(list["metadata"]["resourceVersion"], "10");
+    // A start without the NUL includes its own key; a leading `/` is the same key.
+    for start in ["team/a", "/team/a"] {
+        let token = continue_token::encode(10, start);
+        let list = page(format!("/api/v1/secrets?limit=5&continue={token}")).await;
+        assert_eq!(keys(&list), ["team/a", "team/x"], "{start}");
+    }
+}
+
+#[tokio::test]
+async fn a_token_the_apiserver_refuses_goes_to_the_apiserver_for_its_400() {
+    let s = teams();
+    let good = continue_token::encode_after(10, "team/a");
+    let json_of = |j: &str| {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(j)
+    };
+    for token in [
+        format!("{good}="),
+        json_of(r#"{"v":"meta.k8s.io/v1","rv":10,"start":"team/../x"}"#),
+        json_of(r#"{"v":"meta.k8s.io/v1","rv":0,"start":"team/a"}"#),
+        json_of(r#"{"v":"meta.k8s.io/v2","rv":10,"start":"team/a"}"#),
+        "garbage".to_owned(),
+    ] {
+        let uri = format!("/api/v1/secrets?limit=1&continue={token}");
+        assert!(ask(&s, "alice", &uri).await.unwrap().is_none(), "{token}");
+    }
+    assert_eq!(
+        s.policy.seen.lock().unwrap().len(),
+        0,
+        "refused before any review"
+    );
+}
+
+#[tokio::test]
+async fn an_inconsistent_continue_reads_the_latest_state_after_its_key() {
+    // The apiserver hands out `rv: -1` with the 410 for a continue it compacted away: the
+    // rest of the list at the latest version.
+    let s = teams();
+    s.store
+        .apply(EventType::Added, secret("team", "b", 11, "web"));
+    s.store
+        .apply(EventType::Deleted, secret("team-a", "x", 12, "web"));
+    let token = continue_token::encode_after(-1, "team-a/b");
+    let uri = format!("/api/v1/secrets?limit=2&continue={token}");
+    // A consistent read: upstream, unless the reader's rule accepts staleness.
+    assert!(ask(&s, "alice", &uri).await.unwrap().is_none());
+    s.store.set_connected(true);
+    let answer = s
+        .cache
+        .serve(
+            &info(&uri),
+            &user("alice"),
+            &HeaderMap::new(),
+            Some(Duration::from_secs(2)),
+            None,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let (_, list) = json(answer).await;
+    assert_eq!(keys(&list), ["team/a", "team/b"]);
+    assert_eq!(list["metadata"]["resourceVersion"], "12");
+    let next = continue_token::decode(list["metadata"]["continue"].as_str().unwrap()).unwrap();
+    assert_eq!((next.rv, next.start.as_str()), (12, "team/b\0"));
+    assert_eq!(list["metadata"]["remainingItemCount"], 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -894,12 +894,12 @@ impl Cache {
                 return Ok(self.give(&request, ("watch", None, 200), response, permit));
             }
         };
-        let timeout = match q.timeout_seconds {
-            Some(seconds) => Duration::from_secs(seconds),
-            // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread
-            // re-watches.
-            None => Duration::from_secs(1800 + rand::random_range(0..1800)),
-        };
+        // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
+        // spread re-watches, a negative value ends the watch at once.
+        let timeout = apimachinery::params::watch_timeout(
+            q.timeout_seconds,
+            apimachinery::params::MIN_REQUEST_TIMEOUT,
+        );
         let options = watch::Options {
             filter: request.filter.clone(),
             bookmarks: q

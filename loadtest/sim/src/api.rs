@@ -852,14 +852,12 @@ async fn watch(
     {
         return status_response(&status::rv_too_large());
     }
-    let timeout = match param(q, "timeoutSeconds")
-        .and_then(|t| t.parse::<u64>().ok())
-        .filter(|t| *t > 0)
-    {
-        Some(t) => Duration::from_secs(t),
-        // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread re-watches.
-        None => Duration::from_secs(1800 + rand::random_range(0..1800)),
-    };
+    // The apiserver picks a random timeout in [min-request-timeout, 2x) for 0 or none, to
+    // spread re-watches; a negative value ends the watch at once.
+    let timeout = apimachinery::params::watch_timeout(
+        param(q, "timeoutSeconds").and_then(|t| t.parse::<i64>().ok()),
+        apimachinery::params::MIN_REQUEST_TIMEOUT,
+    );
     let start = match sh.store.watch(&def.key(), from) {
         Ok(s) => s,
         Err(StoreError::Expired { requested, oldest }) => {

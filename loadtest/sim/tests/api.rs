@@ -353,6 +353,18 @@ async fn selector_watches_see_objects_enter_and_leave() {
     )
     .await;
     assert_eq!(String::from_utf8_lossy(&r.body).lines().count(), 2);
+    // A negative timeout is a deadline already past: the state, then the end, at once.
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(
+            &fleet,
+            "/api/v1/watch/namespaces/a/secrets?timeoutSeconds=-1",
+            &[],
+        ),
+    )
+    .await
+    .expect("a negative timeoutSeconds ends the watch at once");
+    assert_eq!(String::from_utf8_lossy(&r.body).lines().count(), 2);
 }
 
 #[tokio::test]

@@ -727,6 +727,41 @@ async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_zero_watch_timeout_is_unset_and_a_negative_one_ends_the_watch_at_once() {
+    let s = seeded();
+    let uri = |t: &str| format!("/api/v1/secrets?watch=1&resourceVersion=11&timeoutSeconds={t}");
+    // 0 is "unset" to the apiserver: a random 30 to 60 minutes, not an immediate end.
+    let zero = "/api/v1/secrets?watch=1&resourceVersion=10&timeoutSeconds=0";
+    let mut body = ask(&s, "alice", zero).await.unwrap().unwrap().into_body();
+    tokio::time::sleep(Duration::from_secs(29 * 60)).await;
+    s.store
+        .apply(EventType::Added, secret("ns-a", "four", 11, "web"));
+    assert_eq!(lines(&mut body, 1).await[0]["type"], "ADDED");
+    let started = Instant::now();
+    assert!(body.frame().await.is_none());
+    assert!(started.elapsed() <= Duration::from_secs(31 * 60));
+    // A negative value is a deadline already past; so is i64::MAX, whose product in
+    // nanoseconds wraps negative in Go. Both are 200s that end at once, never a 400 (after
+    // the events the watch starts with: none here, from the current version).
+    for t in ["-1", "9223372036854775807"] {
+        let response = ask(&s, "alice", &uri(t)).await.unwrap().unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{t}");
+        let mut body = response.into_body();
+        let started = Instant::now();
+        assert!(body.frame().await.is_none(), "{t}");
+        assert_eq!(started.elapsed(), Duration::ZERO, "{t}");
+    }
+    // The longest timeout Go can count (292 years) is kept without overflowing a clock.
+    let mut body = ask(&s, "alice", &uri("9223372036"))
+        .await
+        .unwrap()
+        .unwrap()
+        .into_body();
+    let hour = Duration::from_secs(3600);
+    assert!(tokio::time::timeout(hour, body.frame()).await.is_err());
+}
+
+#[tokio::test(start_paused = true)]
 async fn revoking_access_closes_an_open_watch_but_a_failing_review_does_not() {
     let cfg = config::Cache {
         reauthorize_interval: Duration::from_secs(30),

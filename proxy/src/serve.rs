@@ -58,6 +58,18 @@ pub enum ProxyError {
     /// Admission said no (429 with rule, level, reason and `Retry-After`).
     #[error("{}", .0.message)]
     Refused(Refusal),
+    /// The cache refused a read it would otherwise answer: 403 from the reader's
+    /// SubjectAccessReview, in the apiserver's own words, or an error when no review could
+    /// be made.
+    #[error("{error}")]
+    Cache {
+        /// Why.
+        error: CacheError,
+        /// The reader's rule.
+        rule: Arc<str>,
+        /// The reader's priority level.
+        level: String,
+    },
 }
 
 impl ProxyError {
@@ -81,6 +93,30 @@ impl ProxyError {
             }
             ProxyError::Upstream(e) => e.refusal(),
             ProxyError::Refused(refusal) => refusal.clone(),
+            ProxyError::Cache { error, rule, level } => Refusal {
+                rule: Some(rule.to_string()),
+                level: Some(level.clone()),
+                ..Refusal::new(error.reason(), message)
+            },
+        }
+    }
+
+    /// The response for this error, whose [`ProxyError::refusal`] is `refusal`.
+    fn into_response(self, refusal: Refusal) -> Response<Body> {
+        match self {
+            ProxyError::Cache { error, .. } => {
+                let mut response = error.into_response();
+                for (name, value) in [
+                    ("x-bulwark-rule", refusal.rule),
+                    ("x-bulwark-level", refusal.level),
+                ] {
+                    if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
+                        response.headers_mut().insert(name, value);
+                    }
+                }
+                response
+            }
+            _ => refusal.into_response(),
         }
     }
 }
@@ -174,7 +210,13 @@ where
                         refusal.level.as_deref().unwrap_or(""),
                         refusal.reason,
                     );
-                    (refusal.into_response(), ServedBy::Bulwark)
+                    let response = error.into_response(refusal);
+                    let served_by = response
+                        .extensions()
+                        .get::<ServedBy>()
+                        .copied()
+                        .unwrap_or(ServedBy::Bulwark);
+                    (response, served_by)
                 }
             };
             let labels = slot.get().cloned().unwrap_or(Labels {
@@ -474,11 +516,13 @@ where
                     admission: &admission,
                     matched: &matched,
                 };
+                let peer = request.extensions().get::<ConnInfo>().map(|c| c.peer.ip());
                 let answer = match cache
-                    .serve(
+                    .serve_from(
                         &info,
                         &user,
                         request.headers(),
+                        peer,
                         matched.staleness,
                         Some(gate),
                     )
@@ -487,7 +531,14 @@ where
                     Ok(Some(response)) => Some(response),
                     Ok(None) => None,
                     Err(CacheError::Refused(refusal)) => return Err(ProxyError::Refused(refusal)),
-                    Err(refused) => Some(refused.into_response()),
+                    // Counted, logged and answered by Rescue like every refusal.
+                    Err(error) => {
+                        return Err(ProxyError::Cache {
+                            error,
+                            rule: matched.rule.clone(),
+                            level: matched.level.name.clone(),
+                        });
+                    }
                 };
                 if let Some(mut response) = answer {
                     response.extensions_mut().insert(ServedBy::Cache);

@@ -961,6 +961,68 @@ async fn secret_reads_are_audited() {
     assert_ne!(events[1]["auditID"], "given-id");
 }
 
+#[tokio::test]
+async fn refused_secret_reads_are_audited_with_the_clients_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let s = setup_with(config(), Some(AuditLog::open(&path).unwrap()));
+    s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
+    s.policy.denied.lock().unwrap().insert("mallory".into());
+    let mut headers = HeaderMap::new();
+    headers.insert("x-forwarded-for", "10.9.9.9".parse().unwrap());
+    let peer = Some("192.0.2.7".parse().unwrap());
+    let mut audit_ids = Vec::new();
+    for uri in [
+        "/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0",
+        "/api/v1/namespaces/ns-a/secrets?watch=1&resourceVersion=0",
+    ] {
+        let refused = s
+            .cache
+            .serve_from(&info(uri), &user("mallory"), &headers, peer, None, None)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.reason(), Reason::Forbidden);
+        let response = refused.into_response();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        audit_ids.push(response.headers()["audit-id"].to_str().unwrap().to_owned());
+    }
+    s.cache
+        .serve_from(
+            &info("/api/v1/secrets?resourceVersion=0"),
+            &user("alice"),
+            &HeaderMap::new(),
+            peer,
+            None,
+            None,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), 3);
+    let (get, watch, list) = (&events[0], &events[1], &events[2]);
+    assert_eq!(get["verb"], "get");
+    assert_eq!(get["objectRef"]["name"], "one");
+    assert_eq!(get["user"]["username"], "mallory");
+    assert_eq!(get["responseStatus"]["code"], 403);
+    assert_eq!(get["stage"], "ResponseComplete");
+    assert_eq!(get["auditID"], audit_ids[0].as_str());
+    assert_eq!(
+        get["sourceIPs"],
+        serde_json::json!(["10.9.9.9", "192.0.2.7"])
+    );
+    assert_eq!(watch["verb"], "watch");
+    assert_eq!(watch["responseStatus"]["code"], 403);
+    assert_eq!(watch["stage"], "ResponseComplete");
+    assert_eq!(watch["auditID"], audit_ids[1].as_str());
+    assert_eq!(list["responseStatus"]["code"], 200);
+    assert_eq!(list["sourceIPs"], serde_json::json!(["192.0.2.7"]));
+}
+
 /// The recorded apiserver exchanges of `fixtures/kube-apiserver-v1.36/`.
 fn fixture(name: &str) -> Vec<Value> {
     let path = concat!(

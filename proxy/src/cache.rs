@@ -99,9 +99,10 @@ impl CacheError {
         let reason = self.reason();
         let mut response = match self {
             CacheError::Status(status, audit_id) => (*status).into_response(&audit_id),
-            CacheError::ReviewFailed(why) => crate::status::Refusal::new(
+            // Why goes to the log (Rescue's rejection line), not to the client.
+            CacheError::ReviewFailed(_) => crate::status::Refusal::new(
                 Reason::UpstreamError,
-                format!("the access review could not be made: {why}"),
+                "the access review could not be made",
             )
             .retry_after(Duration::from_secs(1))
             .into_response(),

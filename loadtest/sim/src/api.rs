@@ -211,7 +211,10 @@ fn attributes(
     fields: Option<&FieldSelector>,
 ) -> Attributes {
     let mut name = ri.name.clone();
+    // RequestInfoFactory reads the selector's name only where it turned a GET into a list
+    // or watch, never on the legacy `/watch/` paths, whose name is the path's alone.
     if name.is_empty()
+        && !ri.legacy_watch
         && (ri.verb == "list" || ri.verb == "watch")
         && let Some(n) = fields.and_then(FieldSelector::pinned_name)
     {
@@ -815,6 +818,22 @@ async fn watch(
         Ok(l) => l,
         Err(e) => return status_response(&status::bad_request(e.to_string())),
     };
+    // A watch of one named object (the legacy `/watch/…/NAME` path), as ListResource has
+    // it: the name selects, and a field selector may only repeat it.
+    let fields = if ri.name.is_empty() {
+        fields
+    } else if fields.is_empty() {
+        match FieldSelector::parse(&format!("metadata.name={}", ri.name)) {
+            Ok(f) => f,
+            Err(e) => return status_response(&status::bad_request(e.to_string())),
+        }
+    } else if fields.pinned_name() == Some(ri.name.as_str()) {
+        fields
+    } else {
+        return status_response(&status::bad_request(
+            "fieldSelector metadata.name doesn't match requested name".into(),
+        ));
+    };
     let rv = match param(q, "resourceVersion")
         .filter(|s| !s.is_empty())
         .map(parse_rv)
@@ -1086,6 +1105,18 @@ mod tests {
         }
         let r = ri(Method::GET, "/api/v1/watch/namespaces/ns/secrets");
         assert_eq!((r.verb.as_str(), r.legacy_watch), ("watch", true));
+        // Authorization takes a selector's name on the `?watch=1` form only.
+        let user = UserInfo::default();
+        let fields = FieldSelector::parse("metadata.name=x").unwrap();
+        for (path, name) in [
+            ("/api/v1/namespaces/ns/secrets?watch=1", "x"),
+            ("/api/v1/namespaces/ns/secrets", "x"),
+            ("/api/v1/watch/namespaces/ns/secrets", ""),
+            ("/api/v1/watch/namespaces/ns/secrets/y", "y"),
+        ] {
+            let attrs = attributes(&user, &ri(Method::GET, path), path, Some(&fields));
+            assert_eq!(attrs.name, name, "{path}");
+        }
         let r = ri(Method::GET, "/api/v1/namespaces/ns");
         assert_eq!(
             (r.resource.as_str(), r.name.as_str(), r.namespace.as_str()),

@@ -312,6 +312,9 @@ async fn the_review_names_user_groups_verb_and_the_field_selector_name() {
         "/api/v1/namespaces/ns-a/secrets?resourceVersion=0",
         "/api/v1/namespaces/ns-a/secrets/two?resourceVersion=0",
         "/api/v1/namespaces/ns-a/secrets?watch=1&resourceVersion=0&fieldSelector=metadata.name%3Dtwo",
+        // The legacy watch path is authorized without the selector's name, as the
+        // apiserver's RequestInfoFactory has it.
+        "/api/v1/watch/namespaces/ns-a/secrets?resourceVersion=0&fieldSelector=metadata.name%3Done",
     ] {
         assert!(ask(&s, "system:node:n1", other).await.is_err(), "{other}");
     }

@@ -578,6 +578,18 @@ fn field_selector_name_follows_the_apiserver() {
         None
     );
     assert_eq!(name("/api/v1/secrets"), None);
+    // The legacy watch paths take the name from the path alone, as RequestInfoFactory
+    // does: a collection watched there is authorized without a name.
+    assert_eq!(
+        name("/api/v1/watch/namespaces/d/secrets?fieldSelector=metadata.name%3Dtls"),
+        None
+    );
+    let named = info(
+        "GET",
+        "/api/v1/watch/namespaces/d/secrets/tls?fieldSelector=metadata.name%3Dother",
+    );
+    assert_eq!(named.name.as_deref(), Some("tls"));
+    assert_eq!(named.field_selector_name(), None);
     // Only lists and watches: a named GET has its name already.
     assert_eq!(
         name("/api/v1/namespaces/d/secrets/x?fieldSelector=metadata.name%3Dtls"),

@@ -74,6 +74,30 @@ fn object_response(code: u16, obj: Bytes) -> Response<SimBody> {
     json_response(code, SimBody::chunks(vec![obj, Bytes::from_static(b"\n")]))
 }
 
+/// The UIDs API Priority and Fairness names in its response headers: those of the
+/// `global-default` flow schema and priority level, which a simulated request falls into.
+pub const APF_FLOW_SCHEMA_UID: &str = "5f8a4d0c-35b3-4b7a-9c41-2c0bd0a7a001";
+/// See [`APF_FLOW_SCHEMA_UID`].
+pub const APF_PRIORITY_LEVEL_UID: &str = "5f8a4d0c-35b3-4b7a-9c41-2c0bd0a7a002";
+
+/// API Priority and Fairness rejecting a request (`tooManyRequests` in the apiserver's
+/// filters): the flow schema and priority level it was classified into, `Retry-After`, and
+/// Go's `http.Error` plain-text body.
+pub fn apf_rejection() -> Response<SimBody> {
+    let mut r = text(429, "Too many requests, please try again later.\n");
+    let headers = r.headers_mut();
+    headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    headers.insert(
+        "x-kubernetes-pf-flowschema-uid",
+        HeaderValue::from_static(APF_FLOW_SCHEMA_UID),
+    );
+    headers.insert(
+        "x-kubernetes-pf-prioritylevel-uid",
+        HeaderValue::from_static(APF_PRIORITY_LEVEL_UID),
+    );
+    r
+}
+
 /// A `Status` error response.
 pub fn status_response(e: &ApiError) -> Response<SimBody> {
     json_response(e.code, SimBody::full(e.to_bytes()))

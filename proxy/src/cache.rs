@@ -16,8 +16,8 @@
 //!    moves with its own resource's events and bookmarks, while other writes — Leases —
 //!    move the apiserver's: waiting to prove a consistent read fresh cost seconds and
 //!    then went upstream anyway.)
-//! 3. **authorize** with a SubjectAccessReview for that user ([`authz`]): denied is 403,
-//!    no answer is an error, never data;
+//! 3. **authorize** with a SubjectAccessReview for that user ([`authz`]): denied is 403
+//!    (audited for Secrets, like an answer), no answer is an error, never data;
 //! 4. **answer**: GET, LIST (a chain of the objects' bytes, reused from a byte-bounded
 //!    LRU) or WATCH ([`watch`]). Secret reads are written to the audit log.
 //!
@@ -40,6 +40,7 @@ mod respond;
 mod store;
 mod watch;
 
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -72,10 +73,10 @@ use store::{Obj, ResourceStore};
 /// Why the cache refused a request it would otherwise answer.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    /// An answer in the apiserver's own words: 403 Forbidden, or 504 with cause
-    /// `ResourceVersionTooLarge`.
+    /// An answer in the apiserver's own words (403 Forbidden), with the request's
+    /// `Audit-Id`, which its audit line names too.
     #[error("{}", .0.message)]
-    Status(Box<Status>),
+    Status(Box<Status>, String),
     /// No SubjectAccessReview could be made: the request gets an error, never data.
     #[error("the access review for a cached read could not be made: {0}")]
     ReviewFailed(String),
@@ -88,9 +89,9 @@ impl CacheError {
     /// The reason label for metrics and `X-Bulwark-Reason`.
     pub fn reason(&self) -> Reason {
         match self {
-            CacheError::Status(status) if status.code == 403 => Reason::Forbidden,
-            CacheError::Status(status) if status.code == 504 => Reason::UpstreamTimeout,
-            CacheError::Status(_) => Reason::BadRequest,
+            CacheError::Status(status, _) if status.code == 403 => Reason::Forbidden,
+            CacheError::Status(status, _) if status.code == 504 => Reason::UpstreamTimeout,
+            CacheError::Status(..) => Reason::BadRequest,
             CacheError::ReviewFailed(_) => Reason::UpstreamError,
             CacheError::Refused(refusal) => refusal.reason,
         }
@@ -101,10 +102,11 @@ impl CacheError {
     pub fn into_response(self) -> Response<Body> {
         let reason = self.reason();
         let mut response = match self {
-            CacheError::Status(status) => (*status).into_response(&audit::new_audit_id()),
-            CacheError::ReviewFailed(why) => crate::status::Refusal::new(
+            CacheError::Status(status, audit_id) => (*status).into_response(&audit_id),
+            // Why goes to the log (Rescue's rejection line), not to the client.
+            CacheError::ReviewFailed(_) => crate::status::Refusal::new(
                 Reason::UpstreamError,
-                format!("the access review could not be made: {why}"),
+                "the access review could not be made",
             )
             .retry_after(Duration::from_secs(1))
             .into_response(),
@@ -342,9 +344,8 @@ impl Cache {
             .sum()
     }
 
-    /// Serves the request from the cache when it may (cacheable, fresh enough, authorized);
-    /// `Ok(None)` means "go upstream" (bypass or miss); `Err` is a refusal (403, 504 as a
-    /// `Status`; a review that cannot be made is an error, never data).
+    /// [`Cache::serve_from`] a client whose address is not known (its audit lines name
+    /// only the addresses its headers give).
     pub async fn serve(
         &self,
         info: &RequestInfo,
@@ -353,13 +354,33 @@ impl Cache {
         staleness: Option<Duration>,
         gate: Option<Gate<'_>>,
     ) -> Result<Option<Response<Body>>, CacheError> {
+        self.serve_from(info, user, headers, None, staleness, gate)
+            .await
+    }
+
+    /// Serves the request from the cache when it may (cacheable, fresh enough, authorized);
+    /// `Ok(None)` means "go upstream" (bypass or miss); `Err` is a refusal (403 as a
+    /// `Status`; a review that cannot be made is an error, never data). `peer` is the
+    /// client's address, for the audit log's `sourceIPs`.
+    pub async fn serve_from(
+        &self,
+        info: &RequestInfo,
+        user: &User,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+        staleness: Option<Duration>,
+        gate: Option<Gate<'_>>,
+    ) -> Result<Option<Response<Body>>, CacheError> {
         let Some(slot) = self.slot_for(info) else {
             return Ok(None);
         };
         let verb = info.verb.to_string();
-        let result = self
-            .answer(slot, info, user, headers, staleness, gate)
-            .await;
+        let reader = Reader {
+            user,
+            headers,
+            peer,
+        };
+        let result = self.answer(slot, info, reader, staleness, gate).await;
         let label = match &result {
             Ok(Outcome::Hit(_)) | Err(_) => "hit",
             Ok(Outcome::Miss(why)) => {
@@ -394,8 +415,11 @@ impl Cache {
         &self,
         slot: &Slot,
         info: &RequestInfo,
-        user: &User,
-        headers: &HeaderMap,
+        Reader {
+            user,
+            headers,
+            peer,
+        }: Reader<'_>,
         staleness: Option<Duration>,
         gate: Option<Gate<'_>>,
     ) -> Result<Outcome, CacheError> {
@@ -443,6 +467,7 @@ impl Cache {
             info,
             user,
             headers,
+            peer,
             filter,
             audit_id,
             gate,
@@ -545,11 +570,15 @@ impl Cache {
         };
         match self.access.check(request.user, &attrs).await {
             Ok(Decision::Allowed) => Ok(attrs),
-            Ok(Decision::Denied(reason)) => Err(CacheError::Status(Box::new(forbidden(
-                request.user,
-                &attrs,
-                &reason,
-            )))),
+            Ok(Decision::Denied(reason)) => {
+                // The apiserver audits the requests it refuses too.
+                self.audit(request, verb, Some(name).filter(|n| !n.is_empty()), 403);
+                let status = forbidden(request.user, &attrs, &reason);
+                Err(CacheError::Status(
+                    Box::new(status),
+                    request.audit_id.clone(),
+                ))
+            }
             Err(e) => Err(CacheError::ReviewFailed(e)),
         }
     }
@@ -581,6 +610,7 @@ impl Cache {
                 .headers
                 .get(http::header::USER_AGENT)
                 .and_then(|v| v.to_str().ok()),
+            source_ips: &audit::source_ips(request.headers, request.peer),
         });
     }
 
@@ -918,12 +948,12 @@ impl Cache {
                 return Ok(self.give(&request, ("watch", None, 200), response, permit));
             }
         };
-        let timeout = match q.timeout_seconds {
-            Some(seconds) => Duration::from_secs(seconds),
-            // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread
-            // re-watches.
-            None => Duration::from_secs(1800 + rand::random_range(0..1800)),
-        };
+        // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
+        // spread re-watches, a negative value ends the watch at once.
+        let timeout = apimachinery::params::watch_timeout(
+            q.timeout_seconds,
+            apimachinery::params::MIN_REQUEST_TIMEOUT,
+        );
         let options = watch::Options {
             filter: request.filter.clone(),
             bookmarks: q
@@ -989,9 +1019,17 @@ struct Request<'a> {
     info: &'a RequestInfo,
     user: &'a User,
     headers: &'a HeaderMap,
+    peer: Option<IpAddr>,
     filter: watch::Filter,
     audit_id: String,
     gate: Option<Gate<'a>>,
+}
+
+/// Who asks: the user, the request's headers and the client's address.
+struct Reader<'a> {
+    user: &'a User,
+    headers: &'a HeaderMap,
+    peer: Option<IpAddr>,
 }
 
 /// The apiserver's 403 for a denied request.

@@ -245,7 +245,7 @@ pub struct HeaderNames {
     /// Header carrying the user name.
     pub user: String,
     /// Header carrying the user's UID (apiserver `--requestheader-uid-headers`, v1.32+);
-    /// empty to send none.
+    /// empty to send none. Clients' own `X-Remote-*` headers are stripped whatever the names.
     pub uid: String,
     /// Header carrying each group, repeated.
     pub group: String,

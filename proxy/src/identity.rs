@@ -99,19 +99,26 @@ pub enum IdentityError {
     /// No TokenReview could be made; the request is refused rather than passed on.
     #[error("the token could not be reviewed: {0}")]
     ReviewFailed(String),
-    /// The verified certificate has no usable subject.
+    /// The verified certificate has no usable subject (no CN, or more than one).
     #[error("the client certificate has no usable common name: {0}")]
     BadCertificate(String),
 }
 
 /// The user named by a verified client certificate: CN is the user, each O a group.
+///
+/// A subject with more than one CN is refused: Go's `pkix.Name` keeps the last one, so the
+/// apiserver would take such a certificate for a user other than the first CN, and no
+/// choice here could be sure to agree with every hop that reads it.
 pub fn user_from_certificate(leaf: &CertificateDer<'_>) -> Result<User, IdentityError> {
     let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
         .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
     let subject = cert.subject();
-    let username = subject
-        .iter_common_name()
-        .next()
+    let mut common_names = subject.iter_common_name();
+    let first = common_names.next();
+    if common_names.next().is_some() {
+        return Err(IdentityError::BadCertificate("more than one CN".into()));
+    }
+    let username = first
         .and_then(|cn| cn.as_str().ok())
         .filter(|cn| !cn.is_empty())
         .ok_or_else(|| IdentityError::BadCertificate("no CN".into()))?
@@ -184,6 +191,31 @@ mod tests {
             user_from_certificate(&cert_for("", &["dev"])),
             Err(IdentityError::BadCertificate(_))
         ));
+    }
+
+    #[test]
+    fn certificate_with_more_than_one_cn_is_refused() {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "alice");
+        params.distinguished_name.push(
+            rcgen::DnType::CustomDnType(vec![2, 5, 4, 3]),
+            "system:admin",
+        );
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap().der().clone();
+        let cns = x509_parser::parse_x509_certificate(cert.as_ref())
+            .unwrap()
+            .1
+            .subject()
+            .iter_common_name()
+            .count();
+        assert_eq!(cns, 2, "the test certificate carries both CNs");
+        assert_eq!(
+            user_from_certificate(&cert),
+            Err(IdentityError::BadCertificate("more than one CN".into()))
+        );
     }
 
     #[test]

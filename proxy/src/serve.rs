@@ -58,29 +58,69 @@ pub enum ProxyError {
     /// Admission said no (429 with rule, level, reason and `Retry-After`).
     #[error("{}", .0.message)]
     Refused(Refusal),
+    /// The cache refused a read it would otherwise answer: 403 from the reader's
+    /// SubjectAccessReview, in the apiserver's own words, or an error when no review could
+    /// be made.
+    #[error("{error}")]
+    Cache {
+        /// Why.
+        error: CacheError,
+        /// The reader's rule.
+        rule: Arc<str>,
+        /// The reader's priority level.
+        level: String,
+    },
 }
 
 impl ProxyError {
-    /// The refusal the client sees.
+    /// The refusal the client sees. Its message never names a replica, a file or why a
+    /// credential failed (a 401 says only `Unauthorized`, as the apiserver's does): the
+    /// rejection log has the whole error.
     pub fn refusal(&self) -> Refusal {
         let message = self.to_string();
         match self {
             ProxyError::Classify(_) => Refusal::new(Reason::BadRequest, message),
             ProxyError::Identity(IdentityError::ReviewFailed(_)) => {
-                Refusal::new(Reason::UpstreamError, message).retry_after(Duration::from_secs(1))
+                Refusal::new(Reason::UpstreamError, "the token could not be reviewed")
+                    .retry_after(Duration::from_secs(1))
             }
-            ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, message),
+            ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, "Unauthorized"),
             ProxyError::Forward(ForwardError::ClientImpersonation) => {
                 Refusal::new(Reason::Forbidden, message)
             }
             ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
                 Refusal::new(Reason::BadRequest, message)
             }
-            ProxyError::Forward(ForwardError::OwnToken(_)) => {
-                Refusal::new(Reason::UpstreamError, message)
-            }
+            ProxyError::Forward(ForwardError::OwnToken(_)) => Refusal::new(
+                Reason::UpstreamError,
+                "bulwark's own credential is unavailable",
+            ),
             ProxyError::Upstream(e) => e.refusal(),
             ProxyError::Refused(refusal) => refusal.clone(),
+            ProxyError::Cache { error, rule, level } => Refusal {
+                rule: Some(rule.to_string()),
+                level: Some(level.clone()),
+                ..Refusal::new(error.reason(), message)
+            },
+        }
+    }
+
+    /// The response for this error, whose [`ProxyError::refusal`] is `refusal`.
+    fn into_response(self, refusal: Refusal) -> Response<Body> {
+        match self {
+            ProxyError::Cache { error, .. } => {
+                let mut response = error.into_response();
+                for (name, value) in [
+                    ("x-bulwark-rule", refusal.rule),
+                    ("x-bulwark-level", refusal.level),
+                ] {
+                    if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
+                        response.headers_mut().insert(name, value);
+                    }
+                }
+                response
+            }
+            _ => refusal.into_response(),
         }
     }
 }
@@ -162,19 +202,27 @@ where
                 }
                 Err(error) => {
                     let refusal = error.refusal();
-                    tracing::debug!(reason = %refusal.reason, error = %error, "refused");
+                    let detail = error.to_string();
+                    tracing::debug!(reason = %refusal.reason, error = %detail, "refused");
                     log.rejected(Rejection {
                         identity: who.0.get().map_or("-", String::as_str),
                         rule: refusal.rule.as_deref().unwrap_or(""),
                         level: refusal.level.as_deref().unwrap_or(""),
                         reason: refusal.reason,
+                        detail: &detail,
                     });
                     metrics.reject(
                         refusal.rule.as_deref().unwrap_or(""),
                         refusal.level.as_deref().unwrap_or(""),
                         refusal.reason,
                     );
-                    (refusal.into_response(), ServedBy::Bulwark)
+                    let response = error.into_response(refusal);
+                    let served_by = response
+                        .extensions()
+                        .get::<ServedBy>()
+                        .copied()
+                        .unwrap_or(ServedBy::Bulwark);
+                    (response, served_by)
                 }
             };
             let labels = slot.get().cloned().unwrap_or(Labels {
@@ -474,11 +522,13 @@ where
                     admission: &admission,
                     matched: &matched,
                 };
+                let peer = request.extensions().get::<ConnInfo>().map(|c| c.peer.ip());
                 let answer = match cache
-                    .serve(
+                    .serve_from(
                         &info,
                         &user,
                         request.headers(),
+                        peer,
                         matched.staleness,
                         Some(gate),
                     )
@@ -487,7 +537,14 @@ where
                     Ok(Some(response)) => Some(response),
                     Ok(None) => None,
                     Err(CacheError::Refused(refusal)) => return Err(ProxyError::Refused(refusal)),
-                    Err(refused) => Some(refused.into_response()),
+                    // Counted, logged and answered by Rescue like every refusal.
+                    Err(error) => {
+                        return Err(ProxyError::Cache {
+                            error,
+                            rule: matched.rule.clone(),
+                            level: matched.level.name.clone(),
+                        });
+                    }
                 };
                 if let Some(mut response) = answer {
                     response.extensions_mut().insert(ServedBy::Cache);
@@ -830,7 +887,9 @@ async fn shutdown_signal() {
 
 impl UpstreamError {
     /// The refusal for an upstream failure: 503 with `Retry-After` when no replica is
-    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, else 502.
+    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, else 502. The
+    /// message names no replica (clients have no use for the fleet's addresses); the
+    /// rejection log does.
     pub fn refusal(&self) -> Refusal {
         let message = self.to_string();
         match self {
@@ -841,7 +900,84 @@ impl UpstreamError {
             UpstreamError::BodyTooLarge => {
                 Refusal::new(Reason::BadRequest, message).with_status(StatusCode::PAYLOAD_TOO_LARGE)
             }
-            _ => Refusal::new(Reason::UpstreamError, message),
+            UpstreamError::RequestBody(_) | UpstreamError::NotUpgradable => {
+                Refusal::new(Reason::BadRequest, message)
+            }
+            UpstreamError::Connect(_) | UpstreamError::Tls(_) => {
+                Refusal::new(Reason::UpstreamError, "the apiserver could not be reached")
+            }
+            UpstreamError::Protocol(_) => Refusal::new(
+                Reason::UpstreamError,
+                "the exchange with the apiserver failed",
+            ),
+            UpstreamError::Interrupted(_) => Refusal::new(
+                Reason::UpstreamError,
+                "the request may have reached the apiserver but no answer came; not retried",
+            ),
+            UpstreamError::MissingCredential(_) | UpstreamError::Config(_) => {
+                Refusal::new(Reason::UpstreamError, "bulwark cannot forward this request")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole answer a client gets for `error`, as Rescue writes it.
+    async fn answer(error: ProxyError) -> (StatusCode, String) {
+        let refusal = error.refusal();
+        let response = error.into_response(refusal);
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn failures_upstream_name_no_replica_and_no_file_to_the_client() {
+        let replica = "10.0.0.7:6443";
+        let errors = [
+            ProxyError::Upstream(UpstreamError::Connect(format!("{replica}: refused"))),
+            ProxyError::Upstream(UpstreamError::Tls(format!("{replica}: bad certificate"))),
+            ProxyError::Upstream(UpstreamError::Protocol(format!("{replica}: reset"))),
+            ProxyError::Upstream(UpstreamError::Interrupted(format!("{replica}: GOAWAY"))),
+            ProxyError::Upstream(UpstreamError::Config(format!("replica {replica}"))),
+            ProxyError::Identity(IdentityError::ReviewFailed(format!(
+                "POST https://{replica}/apis/authentication.k8s.io/v1/tokenreviews: refused"
+            ))),
+            ProxyError::Forward(ForwardError::OwnToken(format!(
+                "/var/run/secrets/{replica}/token: not found"
+            ))),
+            ProxyError::Cache {
+                error: CacheError::ReviewFailed(format!("{replica}: refused")),
+                rule: Arc::from("r"),
+                level: "l".into(),
+            },
+        ];
+        for error in errors {
+            let detail = error.to_string();
+            let (status, body) = answer(error).await;
+            assert!(status.is_server_error(), "{detail}: {status}");
+            assert!(!body.contains(replica), "{detail}: {body}");
+            assert!(!body.contains("/var/run"), "{detail}: {body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn every_401_says_unauthorized_and_nothing_more() {
+        for error in [
+            IdentityError::NoCredentials,
+            IdentityError::MalformedAuthorization,
+            IdentityError::TokenRejected("token expired".into()),
+            IdentityError::BadCertificate("more than one CN".into()),
+        ] {
+            let (status, body) = answer(ProxyError::Identity(error)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED);
+            let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(status["message"], "Unauthorized");
+            assert_eq!(status["reason"], "Unauthorized");
+            assert_eq!(status["code"], 401);
         }
     }
 }

@@ -154,11 +154,14 @@ impl Refusal {
         self
     }
 
-    /// The `Status` JSON body, as the apiserver writes it.
+    /// The `Status` JSON body, as the apiserver writes it. A 401 says `Unauthorized` and
+    /// nothing more, as the apiserver's does: what failed is for the log.
     pub fn body(&self) -> Bytes {
         let status = self.status();
         let mut message = self.message.clone();
-        if let (Some(rule), Some(level)) = (&self.rule, &self.level) {
+        if status == StatusCode::UNAUTHORIZED {
+            message = "Unauthorized".to_owned();
+        } else if let (Some(rule), Some(level)) = (&self.rule, &self.level) {
             message = format!(
                 "{message} (bulwark rule {rule}, level {level}, reason {})",
                 self.reason
@@ -246,6 +249,28 @@ mod tests {
         let message = status["message"].as_str().unwrap();
         assert!(message.contains("secret-operators") && message.contains("list-heavy"));
         assert!(message.contains("queue_full"));
+    }
+
+    #[test]
+    fn a_401_is_the_apiservers_bare_unauthorized() {
+        let mut refusal = Refusal::new(Reason::Unauthenticated, "the token was rejected: expired");
+        refusal.rule = Some("r".into());
+        refusal.level = Some("l".into());
+        let status: serde_json::Value = serde_json::from_slice(&refusal.body()).unwrap();
+        assert_eq!(
+            status,
+            json!({
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": "Unauthorized",
+                "reason": "Unauthorized",
+                "code": 401,
+            })
+        );
+        let response = refusal.into_response();
+        assert_eq!(response.headers()["x-bulwark-reason"], "unauthenticated");
     }
 
     #[test]

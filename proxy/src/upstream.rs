@@ -100,6 +100,8 @@ pub struct ReplicaView {
     pub in_flight_bytes: u64,
     /// Open pooled HTTP/2 connections, all credentials together.
     pub connections: usize,
+    /// Counted heavier in the pick after a 429 of its own (not a flow's APF rejection).
+    pub throttled: bool,
 }
 
 /// LIST bytes counted against a replica while this lives (see
@@ -196,6 +198,33 @@ impl UpstreamError {
         }
     }
 }
+
+/// How long a response lowers its replica's weight: a 429 does, for its `Retry-After`,
+/// unless API Priority and Fairness wrote it (it names the flow schema and priority level it
+/// classified the request into). That one refuses the request's own flow — one user or
+/// controller over its share, or its level full on this replica — and lowering the replica
+/// for everyone would push the other flows away from a replica with room for them.
+fn replica_throttle(status: StatusCode, headers: &http::HeaderMap) -> Option<Duration> {
+    if status != StatusCode::TOO_MANY_REQUESTS
+        || headers.contains_key(APF_FLOW_SCHEMA_UID)
+        || headers.contains_key(APF_PRIORITY_LEVEL_UID)
+    {
+        return None;
+    }
+    let retry_after = headers
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
+        .filter(|d| !d.is_zero())
+        .unwrap_or(pick::THROTTLE_DEFAULT);
+    Some(retry_after)
+}
+
+/// The response header API Priority and Fairness names a request's flow schema in.
+const APF_FLOW_SCHEMA_UID: &str = "x-kubernetes-pf-flowschema-uid";
+/// The response header API Priority and Fairness names a request's priority level in.
+const APF_PRIORITY_LEVEL_UID: &str = "x-kubernetes-pf-prioritylevel-uid";
 
 /// The apiserver replicas and the connections to them. Cheap to clone.
 #[derive(Clone)]
@@ -532,8 +561,9 @@ impl Inner {
         }
     }
 
-    /// Turns a response head into the client's response: counts it, lowers the weight on
-    /// 429, splices an upgrade, streams the body.
+    /// Turns a response head into the client's response: counts it, lowers the weight on a
+    /// 429 of the replica's own (see [`replica_throttle`]), splices an upgrade, streams the
+    /// body.
     fn respond(
         &self,
         index: usize,
@@ -550,16 +580,8 @@ impl Inner {
             .with_label_values(&[&*replica.name, code_class(status)])
             .inc();
         self.balancer.succeeded(index, now);
-        if status == StatusCode::TOO_MANY_REQUESTS {
-            let retry_after = response
-                .headers()
-                .get(header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(Duration::from_secs)
-                .filter(|d| !d.is_zero())
-                .unwrap_or(pick::THROTTLE_DEFAULT);
-            self.balancer.throttle(index, retry_after, now);
+        if let Some(for_how_long) = replica_throttle(status, response.headers()) {
+            self.balancer.throttle(index, for_how_long, now);
         }
         if status == StatusCode::SWITCHING_PROTOCOLS
             && let Some(downstream) = downstream_upgrade.take()
@@ -1060,6 +1082,33 @@ mod tests {
     fn send_is_send_in_generic_callers(upstream: &Upstream, req: Request<Body>, route: Route) {
         fn is_send<T: Send>(_: T) {}
         is_send(upstream.send(req, route));
+    }
+
+    #[test]
+    fn only_a_429_of_the_replicas_own_lowers_its_weight() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = http::HeaderMap::new();
+            for (name, value) in pairs {
+                h.insert(*name, HeaderValue::from_static(value));
+            }
+            h
+        };
+        let too_many = StatusCode::TOO_MANY_REQUESTS;
+        // Overloaded as a whole (max-in-flight, or a hop without APF): lowered.
+        assert_eq!(
+            replica_throttle(too_many, &headers(&[("retry-after", "7")])),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(
+            replica_throttle(too_many, &headers(&[])),
+            Some(pick::THROTTLE_DEFAULT)
+        );
+        // One flow refused by API Priority and Fairness: the replica keeps its weight.
+        for apf in [APF_FLOW_SCHEMA_UID, APF_PRIORITY_LEVEL_UID] {
+            let h = headers(&[("retry-after", "7"), (apf, "5f8a4d0c")]);
+            assert_eq!(replica_throttle(too_many, &h), None, "{apf}");
+        }
+        assert_eq!(replica_throttle(StatusCode::OK, &headers(&[])), None);
     }
 
     #[test]

@@ -74,6 +74,30 @@ fn object_response(code: u16, obj: Bytes) -> Response<SimBody> {
     json_response(code, SimBody::chunks(vec![obj, Bytes::from_static(b"\n")]))
 }
 
+/// The UIDs API Priority and Fairness names in its response headers: those of the
+/// `global-default` flow schema and priority level, which a simulated request falls into.
+pub const APF_FLOW_SCHEMA_UID: &str = "5f8a4d0c-35b3-4b7a-9c41-2c0bd0a7a001";
+/// See [`APF_FLOW_SCHEMA_UID`].
+pub const APF_PRIORITY_LEVEL_UID: &str = "5f8a4d0c-35b3-4b7a-9c41-2c0bd0a7a002";
+
+/// API Priority and Fairness rejecting a request (`tooManyRequests` in the apiserver's
+/// filters): the flow schema and priority level it was classified into, `Retry-After`, and
+/// Go's `http.Error` plain-text body.
+pub fn apf_rejection() -> Response<SimBody> {
+    let mut r = text(429, "Too many requests, please try again later.\n");
+    let headers = r.headers_mut();
+    headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    headers.insert(
+        "x-kubernetes-pf-flowschema-uid",
+        HeaderValue::from_static(APF_FLOW_SCHEMA_UID),
+    );
+    headers.insert(
+        "x-kubernetes-pf-prioritylevel-uid",
+        HeaderValue::from_static(APF_PRIORITY_LEVEL_UID),
+    );
+    r
+}
+
 /// A `Status` error response.
 pub fn status_response(e: &ApiError) -> Response<SimBody> {
     json_response(e.code, SimBody::full(e.to_bytes()))
@@ -211,7 +235,10 @@ fn attributes(
     fields: Option<&FieldSelector>,
 ) -> Attributes {
     let mut name = ri.name.clone();
+    // RequestInfoFactory reads the selector's name only where it turned a GET into a list
+    // or watch, never on the legacy `/watch/` paths, whose name is the path's alone.
     if name.is_empty()
+        && !ri.legacy_watch
         && (ri.verb == "list" || ri.verb == "watch")
         && let Some(n) = fields.and_then(FieldSelector::pinned_name)
     {
@@ -788,6 +815,22 @@ async fn watch(
         Ok(l) => l,
         Err(e) => return status_response(&status::bad_request(e.to_string())),
     };
+    // A watch of one named object (the legacy `/watch/…/NAME` path), as ListResource has
+    // it: the name selects, and a field selector may only repeat it.
+    let fields = if ri.name.is_empty() {
+        fields
+    } else if fields.is_empty() {
+        match FieldSelector::parse(&format!("metadata.name={}", ri.name)) {
+            Ok(f) => f,
+            Err(e) => return status_response(&status::bad_request(e.to_string())),
+        }
+    } else if fields.pinned_name() == Some(ri.name.as_str()) {
+        fields
+    } else {
+        return status_response(&status::bad_request(
+            "fieldSelector metadata.name doesn't match requested name".into(),
+        ));
+    };
     let rv = match param(q, "resourceVersion")
         .filter(|s| !s.is_empty())
         .map(parse_rv)
@@ -825,14 +868,12 @@ async fn watch(
     {
         return status_response(&status::rv_too_large());
     }
-    let timeout = match param(q, "timeoutSeconds")
-        .and_then(|t| t.parse::<u64>().ok())
-        .filter(|t| *t > 0)
-    {
-        Some(t) => Duration::from_secs(t),
-        // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread re-watches.
-        None => Duration::from_secs(1800 + rand::random_range(0..1800)),
-    };
+    // The apiserver picks a random timeout in [min-request-timeout, 2x) for 0 or none, to
+    // spread re-watches; a negative value ends the watch at once.
+    let timeout = apimachinery::params::watch_timeout(
+        param(q, "timeoutSeconds").and_then(|t| t.parse::<i64>().ok()),
+        apimachinery::params::MIN_REQUEST_TIMEOUT,
+    );
     let start = match sh.store.watch(&def.key(), from) {
         Ok(s) => s,
         Err(StoreError::Expired { requested, oldest }) => {
@@ -1061,6 +1102,18 @@ mod tests {
         }
         let r = ri(Method::GET, "/api/v1/watch/namespaces/ns/secrets");
         assert_eq!((r.verb.as_str(), r.legacy_watch), ("watch", true));
+        // Authorization takes a selector's name on the `?watch=1` form only.
+        let user = UserInfo::default();
+        let fields = FieldSelector::parse("metadata.name=x").unwrap();
+        for (path, name) in [
+            ("/api/v1/namespaces/ns/secrets?watch=1", "x"),
+            ("/api/v1/namespaces/ns/secrets", "x"),
+            ("/api/v1/watch/namespaces/ns/secrets", ""),
+            ("/api/v1/watch/namespaces/ns/secrets/y", "y"),
+        ] {
+            let attrs = attributes(&user, &ri(Method::GET, path), path, Some(&fields));
+            assert_eq!(attrs.name, name, "{path}");
+        }
         let r = ri(Method::GET, "/api/v1/namespaces/ns");
         assert_eq!(
             (r.resource.as_str(), r.name.as_str(), r.namespace.as_str()),

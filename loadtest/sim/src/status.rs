@@ -214,7 +214,6 @@ pub fn invalid(
 /// The 5xx (or other) failure a faulted replica answers with.
 pub fn injected(code: u16) -> ApiError {
     let (reason, message) = match code {
-        429 => ("TooManyRequests", "Too many requests, please try again later.".to_string()),
         500 => ("InternalError", "Internal error occurred: injected fault".to_string()),
         503 => ("ServiceUnavailable", "The server is currently unable to handle the request".to_string()),
         504 => ("Timeout", "The server was unable to return a response in the time allotted, but may still be processing the request".to_string()),

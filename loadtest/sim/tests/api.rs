@@ -495,6 +495,41 @@ async fn selector_watches_see_objects_enter_and_leave() {
     )
     .await;
     assert_eq!(String::from_utf8_lossy(&r.body).lines().count(), 2);
+    // A negative timeout is a deadline already past: the state, then the end, at once.
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(
+            &fleet,
+            "/api/v1/watch/namespaces/a/secrets?timeoutSeconds=-1",
+            &[],
+        ),
+    )
+    .await
+    .expect("a negative timeoutSeconds ends the watch at once");
+    assert_eq!(String::from_utf8_lossy(&r.body).lines().count(), 2);
+    // A named legacy watch sees its object alone; a field selector may only repeat the name.
+    for query in ["", "&fieldSelector=metadata.name%3Ds"] {
+        let r = get(
+            &fleet,
+            &format!("/api/v1/watch/namespaces/a/secrets/s?timeoutSeconds=-1{query}"),
+            &[],
+        )
+        .await;
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        assert_eq!(body.lines().count(), 1, "{query}: {body}");
+        assert!(body.contains("\"name\":\"s\""), "{query}: {body}");
+    }
+    let r = get(
+        &fleet,
+        "/api/v1/watch/namespaces/a/secrets/s?timeoutSeconds=-1&fieldSelector=metadata.name%3Dother",
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["message"],
+        "fieldSelector metadata.name doesn't match requested name"
+    );
 }
 
 #[tokio::test]

@@ -314,6 +314,9 @@ async fn the_review_names_user_groups_verb_and_the_field_selector_name() {
         "/api/v1/namespaces/ns-a/secrets?resourceVersion=0",
         "/api/v1/namespaces/ns-a/secrets/two?resourceVersion=0",
         "/api/v1/namespaces/ns-a/secrets?watch=1&resourceVersion=0&fieldSelector=metadata.name%3Dtwo",
+        // The legacy watch path is authorized without the selector's name, as the
+        // apiserver's RequestInfoFactory has it.
+        "/api/v1/watch/namespaces/ns-a/secrets?resourceVersion=0&fieldSelector=metadata.name%3Done",
     ] {
         assert!(ask(&s, "system:node:n1", other).await.is_err(), "{other}");
     }
@@ -891,6 +894,41 @@ async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_zero_watch_timeout_is_unset_and_a_negative_one_ends_the_watch_at_once() {
+    let s = seeded();
+    let uri = |t: &str| format!("/api/v1/secrets?watch=1&resourceVersion=11&timeoutSeconds={t}");
+    // 0 is "unset" to the apiserver: a random 30 to 60 minutes, not an immediate end.
+    let zero = "/api/v1/secrets?watch=1&resourceVersion=10&timeoutSeconds=0";
+    let mut body = ask(&s, "alice", zero).await.unwrap().unwrap().into_body();
+    tokio::time::sleep(Duration::from_secs(29 * 60)).await;
+    s.store
+        .apply(EventType::Added, secret("ns-a", "four", 11, "web"));
+    assert_eq!(lines(&mut body, 1).await[0]["type"], "ADDED");
+    let started = Instant::now();
+    assert!(body.frame().await.is_none());
+    assert!(started.elapsed() <= Duration::from_secs(31 * 60));
+    // A negative value is a deadline already past; so is i64::MAX, whose product in
+    // nanoseconds wraps negative in Go. Both are 200s that end at once, never a 400 (after
+    // the events the watch starts with: none here, from the current version).
+    for t in ["-1", "9223372036854775807"] {
+        let response = ask(&s, "alice", &uri(t)).await.unwrap().unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{t}");
+        let mut body = response.into_body();
+        let started = Instant::now();
+        assert!(body.frame().await.is_none(), "{t}");
+        assert_eq!(started.elapsed(), Duration::ZERO, "{t}");
+    }
+    // The longest timeout Go can count (292 years) is kept without overflowing a clock.
+    let mut body = ask(&s, "alice", &uri("9223372036"))
+        .await
+        .unwrap()
+        .unwrap()
+        .into_body();
+    let hour = Duration::from_secs(3600);
+    assert!(tokio::time::timeout(hour, body.frame()).await.is_err());
+}
+
+#[tokio::test(start_paused = true)]
 async fn revoking_access_closes_an_open_watch_but_a_failing_review_does_not() {
     let cfg = config::Cache {
         reauthorize_interval: Duration::from_secs(30),
@@ -1088,6 +1126,68 @@ async fn secret_reads_are_audited() {
     assert_eq!(events[0]["user"]["username"], "alice");
     assert_eq!(events[1]["verb"], "list");
     assert_ne!(events[1]["auditID"], "given-id");
+}
+
+#[tokio::test]
+async fn refused_secret_reads_are_audited_with_the_clients_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let s = setup_with(config(), Some(AuditLog::open(&path).unwrap()));
+    s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
+    s.policy.denied.lock().unwrap().insert("mallory".into());
+    let mut headers = HeaderMap::new();
+    headers.insert("x-forwarded-for", "10.9.9.9".parse().unwrap());
+    let peer = Some("192.0.2.7".parse().unwrap());
+    let mut audit_ids = Vec::new();
+    for uri in [
+        "/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0",
+        "/api/v1/namespaces/ns-a/secrets?watch=1&resourceVersion=0",
+    ] {
+        let refused = s
+            .cache
+            .serve_from(&info(uri), &user("mallory"), &headers, peer, None, None)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.reason(), Reason::Forbidden);
+        let response = refused.into_response();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        audit_ids.push(response.headers()["audit-id"].to_str().unwrap().to_owned());
+    }
+    s.cache
+        .serve_from(
+            &info("/api/v1/secrets?resourceVersion=0"),
+            &user("alice"),
+            &HeaderMap::new(),
+            peer,
+            None,
+            None,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let events: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), 3);
+    let (get, watch, list) = (&events[0], &events[1], &events[2]);
+    assert_eq!(get["verb"], "get");
+    assert_eq!(get["objectRef"]["name"], "one");
+    assert_eq!(get["user"]["username"], "mallory");
+    assert_eq!(get["responseStatus"]["code"], 403);
+    assert_eq!(get["stage"], "ResponseComplete");
+    assert_eq!(get["auditID"], audit_ids[0].as_str());
+    assert_eq!(
+        get["sourceIPs"],
+        serde_json::json!(["10.9.9.9", "192.0.2.7"])
+    );
+    assert_eq!(watch["verb"], "watch");
+    assert_eq!(watch["responseStatus"]["code"], 403);
+    assert_eq!(watch["stage"], "ResponseComplete");
+    assert_eq!(watch["auditID"], audit_ids[1].as_str());
+    assert_eq!(list["responseStatus"]["code"], 200);
+    assert_eq!(list["sourceIPs"], serde_json::json!(["192.0.2.7"]));
 }
 
 /// The recorded apiserver exchanges of `fixtures/kube-apiserver-v1.36/`.

@@ -86,7 +86,8 @@ struct Watcher {
     generation: tokio::sync::watch::Receiver<u64>,
     last_rv: u64,
     next_bookmark: Option<Instant>,
-    deadline: Instant,
+    /// `None`: further away than time can count (no end but the others).
+    deadline: Option<Instant>,
     reauth: Option<Reauthorize>,
     next_reauth: Option<Instant>,
     review: Option<JoinHandle<Result<Decision, String>>>,
@@ -240,7 +241,7 @@ impl Watcher {
                     }
                     self.next_reauth = self.reauth.as_ref().map(|r| Instant::now() + jittered(r.every));
                 }
-                _ = tokio::time::sleep_until(self.deadline) => {
+                _ = sleep_until(self.deadline) => {
                     self.done = true;
                     return None;
                 }
@@ -289,7 +290,7 @@ pub fn body(
         generation,
         last_rv: options.from.unwrap_or(rv),
         next_bookmark: options.bookmarks.map(|every| now + every),
-        deadline: now + options.timeout,
+        deadline: now.checked_add(options.timeout),
         next_reauth: reauth.as_ref().map(|r| now + jittered(r.every)),
         reauth,
         review: None,

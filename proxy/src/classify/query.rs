@@ -28,8 +28,9 @@ pub struct Query {
     pub label_selector: Option<String>,
     /// `fieldSelector`; empty is none.
     pub field_selector: Option<String>,
-    /// `timeoutSeconds`.
-    pub timeout_seconds: Option<u64>,
+    /// `timeoutSeconds` as given: the apiserver takes 0 as unset and a negative value as
+    /// a deadline already past (see `apimachinery::params::watch_timeout`).
+    pub timeout_seconds: Option<i64>,
     /// `sendInitialEvents` (a WatchList when true); `None` when absent.
     pub send_initial_events: Option<bool>,
     /// `allowWatchBookmarks`.
@@ -119,20 +120,7 @@ impl Params {
     /// `timeoutSeconds` is an error; otherwise it is ignored, as the apiserver ignores it.
     pub(super) fn query(&self, strict: bool) -> Result<Query, ClassifyError> {
         let limit = integer("limit", self.limit.as_deref(), strict)?;
-        let timeout = integer("timeoutSeconds", self.timeout_seconds.as_deref(), strict)?;
-        let timeout_seconds = match timeout {
-            Some(seconds) if seconds < 0 => {
-                if strict {
-                    return Err(ClassifyError::InvalidParameter {
-                        param: "timeoutSeconds",
-                        value: seconds.to_string(),
-                        expected: "a number of seconds, 0 or more",
-                    });
-                }
-                None
-            }
-            other => other.map(|seconds| seconds.unsigned_abs()),
-        };
+        let timeout_seconds = integer("timeoutSeconds", self.timeout_seconds.as_deref(), strict)?;
         let non_empty = |value: &Option<String>| value.clone().filter(|v| !v.is_empty());
         Ok(Query {
             watch: self.watch(),

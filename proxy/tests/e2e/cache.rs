@@ -84,6 +84,45 @@ async fn secret_reads_come_from_the_cache_for_readers_the_apiserver_would_allow(
     );
 }
 
+/// A 403 from the cache is a refusal like any other: counted with its reason, rule and
+/// level, and audited with the client's address, as the apiserver audits what it refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_refusals_are_counted_and_audited() {
+    let cluster = synced(
+        1,
+        vec!["secrets=3x1KiB@team"],
+        crate::harness::UNLIMITED_RULES,
+    )
+    .await;
+    let mut nobody = cluster.client("nobody", &[]).await;
+    let answer = nobody
+        .get("/api/v1/namespaces/team/secrets/secret-1?resourceVersion=0")
+        .await;
+    assert_eq!(answer.status, 403);
+    assert_eq!(answer.json()["reason"], "Forbidden");
+    assert_eq!(answer.headers["x-bulwark-reason"], "forbidden");
+    let metrics = cluster.bulwark.admin.metrics.render();
+    assert!(
+        metrics.contains(
+            r#"bulwark_rejected_requests_total{level="exempt",reason="forbidden",rule="test-clients"} 1"#
+        ),
+        "{metrics}"
+    );
+    let events = cluster.audit_events();
+    let refused: Vec<_> = events
+        .iter()
+        .filter(|e| e["user"]["username"] == "nobody")
+        .collect();
+    assert_eq!(refused.len(), 1, "{events:?}");
+    assert_eq!(refused[0]["responseStatus"]["code"], 403);
+    assert_eq!(refused[0]["objectRef"]["name"], "secret-1");
+    assert_eq!(
+        refused[0]["auditID"],
+        answer.headers["audit-id"].to_str().unwrap()
+    );
+    assert_eq!(refused[0]["sourceIPs"], serde_json::json!(["127.0.0.1"]));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_rate_applies_to_answers_from_the_cache_too() {
     let cluster = synced(

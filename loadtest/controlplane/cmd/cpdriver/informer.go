@@ -10,6 +10,7 @@ import (
 	"os"
 	"sort"
 	"strconv"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -110,13 +111,16 @@ func informerCompare(args []string) (any, error) {
 		if err != nil {
 			return nil, err
 		}
-		if created {
-			// Best effort: the namespace (and what is left in it) goes away
-			// after the comparison; the deletion is not waited for.
-			defer func() {
+		// After the comparison, best effort: delete the churn objects still
+		// there, then the namespace if this run made it. Without a
+		// kube-controller-manager a deleted namespace stays Terminating, so
+		// its objects are deleted one by one rather than left to it.
+		defer func() {
+			cleanupChurn(directClient, *resource, expected)
+			if created {
 				_ = directClient.CoreV1().Namespaces().Delete(context.Background(), ns, metav1.DeleteOptions{})
-			}()
-		}
+			}
+		}()
 		if err := doChurn(ctx, directClient, *resource, ns, *churn, expected); err != nil {
 			return nil, fmt.Errorf("churn: %w", err)
 		}
@@ -287,6 +291,24 @@ func doChurn(ctx context.Context, client kubernetes.Interface, resource, ns stri
 		expected[key] = rv
 	}
 	return nil
+}
+
+// cleanupChurn deletes the churned objects that were left in place.
+func cleanupChurn(client kubernetes.Interface, resource string, expected map[string]string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for key, rv := range expected {
+		if rv == "" {
+			continue // deleted by the churn itself
+		}
+		ns, name, _ := strings.Cut(key, "/")
+		switch resource {
+		case "secrets":
+			_ = client.CoreV1().Secrets(ns).Delete(ctx, name, metav1.DeleteOptions{})
+		case "endpointslices":
+			_ = client.DiscoveryV1().EndpointSlices(ns).Delete(ctx, name, metav1.DeleteOptions{})
+		}
+	}
 }
 
 // churnSecret creates, updates or deletes one Secret and returns its new

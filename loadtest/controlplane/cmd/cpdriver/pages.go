@@ -35,6 +35,9 @@ func listPages(args []string) (any, error) {
 	if *kubeconfig == "" {
 		return nil, errors.New("--kubeconfig is required")
 	}
+	if *resource != "secrets" && *resource != "endpointslices" {
+		return nil, fmt.Errorf("--resource must be secrets or endpointslices, not %q", *resource)
+	}
 	if *limit <= 0 {
 		return nil, errors.New("--limit must be positive")
 	}

@@ -33,7 +33,7 @@ use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, UpstreamReviewer};
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
 use crate::logs::{Rejection, RejectionLog};
-use crate::metrics::{Metrics, ServedBy};
+use crate::metrics::{Metrics, ResourceLabels, ServedBy, code_label, method_label, verb_label};
 use crate::rules::Matched;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::status::{Reason, Refusal};
@@ -88,8 +88,8 @@ impl ProxyError {
 /// The metric labels of one request, filled in by whichever stage learns them.
 #[derive(Debug, Clone)]
 struct Labels {
-    verb: String,
-    resource: &'static str,
+    verb: &'static str,
+    resource: Arc<str>,
 }
 
 type LabelSlot = Arc<OnceLock<Labels>>;
@@ -146,7 +146,7 @@ where
         let who = WhoSlot::default();
         request.extensions_mut().insert(who.clone());
         let log = self.log.clone();
-        let method = request.method().as_str().to_ascii_lowercase();
+        let method = method_label(request.method());
         let started = Instant::now();
         let metrics = self.metrics.clone();
         let mut inner = self.inner.clone();
@@ -179,20 +179,20 @@ where
             };
             let labels = slot.get().cloned().unwrap_or(Labels {
                 verb: method,
-                resource: "",
+                resource: Arc::from(""),
             });
             metrics
                 .requests_total
                 .with_label_values(&[
-                    labels.verb.as_str(),
-                    labels.resource,
-                    response.status().as_str(),
+                    labels.verb,
+                    &labels.resource,
+                    code_label(&response.status()),
                     served_by.as_str(),
                 ])
                 .inc();
             metrics
                 .request_duration_seconds
-                .with_label_values(&[labels.verb.as_str(), served_by.as_str()])
+                .with_label_values(&[labels.verb, served_by.as_str()])
                 .observe(started.elapsed().as_secs_f64());
             Ok(response)
         })
@@ -201,18 +201,24 @@ where
 
 /// Classifies the request (400 for malformed paths) and records its labels.
 #[derive(Clone, Default)]
-pub struct ClassifyLayer;
+pub struct ClassifyLayer {
+    resources: ResourceLabels,
+}
 
 /// See [`ClassifyLayer`].
 #[derive(Clone)]
 pub struct Classify<S> {
     inner: S,
+    resources: ResourceLabels,
 }
 
 impl<S> Layer<S> for ClassifyLayer {
     type Service = Classify<S>;
     fn layer(&self, inner: S) -> Classify<S> {
-        Classify { inner }
+        Classify {
+            inner,
+            resources: self.resources.clone(),
+        }
     }
 }
 
@@ -234,8 +240,8 @@ where
         let info = classify::classify(request.method(), request.uri());
         if let (Ok(info), Some(slot)) = (&info, request.extensions().get::<LabelSlot>()) {
             let _ = slot.set(Labels {
-                verb: info.verb.to_string(),
-                resource: resource_label(info),
+                verb: verb_label(&info.verb),
+                resource: self.resources.label(info),
             });
         }
         let mut inner = self.inner.clone();
@@ -244,45 +250,6 @@ where
             inner.call(request).await
         })
     }
-}
-
-/// Resources that get their own metric label; the rest are `other`, so labels stay bounded.
-const KNOWN_RESOURCES: [&str; 24] = [
-    "configmaps",
-    "customresourcedefinitions",
-    "daemonsets",
-    "deployments",
-    "endpoints",
-    "endpointslices",
-    "events",
-    "jobs",
-    "leases",
-    "namespaces",
-    "nodes",
-    "persistentvolumeclaims",
-    "persistentvolumes",
-    "pods",
-    "replicasets",
-    "rolebindings",
-    "roles",
-    "secrets",
-    "serviceaccounts",
-    "services",
-    "statefulsets",
-    "subjectaccessreviews",
-    "tokenreviews",
-    "ingresses",
-];
-
-fn resource_label(info: &RequestInfo) -> &'static str {
-    if !info.resource_request {
-        return "";
-    }
-    KNOWN_RESOURCES
-        .iter()
-        .find(|r| **r == info.resource)
-        .copied()
-        .unwrap_or("other")
 }
 
 /// Establishes who the client is: certificate first, then bearer token, then the anonymous
@@ -619,6 +586,7 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
 /// The whole request path as one service, outermost layer first.
 pub fn stack(
     metrics: Metrics,
+    resources: ResourceLabels,
     tokens: Arc<TokenCache>,
     anonymous: Vec<String>,
     admit: AdmitLayer,
@@ -638,7 +606,7 @@ pub fn stack(
             log: Arc::new(RejectionLog::default()),
         })
         // Malformed paths never reach identity or upstream.
-        .layer(ClassifyLayer)
+        .layer(ClassifyLayer { resources })
         // Certificate, token review or the anonymous allowlist; 401 otherwise.
         .layer(IdentifyLayer {
             tokens,
@@ -748,6 +716,7 @@ impl Running {
         };
         let service = stack(
             metrics.clone(),
+            ResourceLabels::new(config.cache.resources.iter().map(String::as_str)),
             tokens,
             config.identity.anonymous.clone(),
             AdmitLayer {

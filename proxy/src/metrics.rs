@@ -264,7 +264,7 @@ impl Metrics {
         );
         let authz_reviews_total = counter(
             "authz_reviews_total",
-            "TokenReviews and SubjectAccessReviews, by kind and result.",
+            "TokenReviews and SubjectAccessReviews, by kind and result (cached and limited made no review).",
             &["kind", "result"],
         );
         let shadow_rejections_total = counter(

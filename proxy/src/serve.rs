@@ -69,6 +69,9 @@ impl ProxyError {
             ProxyError::Identity(IdentityError::ReviewFailed(_)) => {
                 Refusal::new(Reason::UpstreamError, message).retry_after(Duration::from_secs(1))
             }
+            ProxyError::Identity(IdentityError::ReviewLimited(limited)) => {
+                Refusal::new(Reason::ReviewLimited, message).retry_after(limited.retry_after)
+            }
             ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, message),
             ProxyError::Forward(ForwardError::ClientImpersonation) => {
                 Refusal::new(Reason::Forbidden, message)
@@ -322,9 +325,8 @@ async fn identify(
     tokens: &TokenCache,
     anonymous: &[String],
 ) -> Result<Identity, IdentityError> {
-    let chain = extensions
-        .get::<ConnInfo>()
-        .and_then(|c| c.client_chain.clone());
+    let conn = extensions.get::<ConnInfo>();
+    let chain = conn.and_then(|c| c.client_chain.clone());
     if let Some(leaf) = chain.as_deref().and_then(|c| c.first()) {
         let user = identity::user_from_certificate(leaf)?;
         return Ok(Identity::User {
@@ -333,7 +335,9 @@ async fn identify(
         });
     }
     if let Some(token) = identity::bearer_token(headers)? {
-        let user = tokens.authenticate(&token).await?;
+        let user = tokens
+            .authenticate(&token, conn.map(|c| c.peer.ip()))
+            .await?;
         return Ok(Identity::User {
             user,
             credential: Credential::Token(token),

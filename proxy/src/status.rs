@@ -21,6 +21,8 @@ pub enum Reason {
     ByteBudget,
     /// The flow has as many open watches as its rule allows.
     WatchLimit,
+    /// A bearer token needs a TokenReview, and Bulwark makes no more reviews for now.
+    ReviewLimited,
     /// No usable credentials.
     Unauthenticated,
     /// The identity may not do this.
@@ -37,12 +39,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 11] = [
+    pub const ALL: [Reason; 12] = [
         Reason::RateLimited,
         Reason::QueueFull,
         Reason::QueueTimeout,
         Reason::ByteBudget,
         Reason::WatchLimit,
+        Reason::ReviewLimited,
         Reason::Unauthenticated,
         Reason::Forbidden,
         Reason::BadRequest,
@@ -59,6 +62,7 @@ impl Reason {
             Reason::QueueTimeout => "queue_timeout",
             Reason::ByteBudget => "byte_budget",
             Reason::WatchLimit => "watch_limit",
+            Reason::ReviewLimited => "review_limited",
             Reason::Unauthenticated => "unauthenticated",
             Reason::Forbidden => "forbidden",
             Reason::BadRequest => "bad_request",
@@ -75,7 +79,8 @@ impl Reason {
             | Reason::QueueFull
             | Reason::QueueTimeout
             | Reason::ByteBudget
-            | Reason::WatchLimit => StatusCode::TOO_MANY_REQUESTS,
+            | Reason::WatchLimit
+            | Reason::ReviewLimited => StatusCode::TOO_MANY_REQUESTS,
             Reason::Unauthenticated => StatusCode::UNAUTHORIZED,
             Reason::Forbidden => StatusCode::FORBIDDEN,
             Reason::BadRequest => StatusCode::BAD_REQUEST,

@@ -9,7 +9,7 @@ use rand::Rng;
 use rand::distr::Alphanumeric;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{Cluster, Setup, get};
+use crate::harness::{Cluster, GOOD_TOKEN, Setup, get};
 
 /// A random alphanumeric string of `len` characters.
 fn random(len: usize) -> String {
@@ -31,6 +31,24 @@ async fn metrics(cluster: &Cluster) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
     out
+}
+
+fn token_reviews(cluster: &Cluster) -> usize {
+    cluster
+        .fleet
+        .seen_requests()
+        .iter()
+        .filter(|s| s.path.contains("/tokenreviews"))
+        .count()
+}
+
+fn bearer(path: &str, token: &str) -> Request<Full<Bytes>> {
+    let mut request = get(path);
+    request.headers_mut().insert(
+        http::header::AUTHORIZATION,
+        format!("Bearer {token}").parse().unwrap(),
+    );
+    request
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,4 +108,108 @@ async fn random_methods_paths_and_headers_leave_no_trace_in_the_metrics() {
         "/metrics grew to {} bytes",
         text.len()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_thousand_random_tokens_make_a_bounded_number_of_reviews() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let path = "/api/v1/namespaces/default/configmaps";
+    let mut client = cluster.anonymous_client().await;
+    assert_eq!(client.send(bearer(path, GOOD_TOKEN)).await.status, 200);
+    cluster.fleet.clear_seen();
+
+    let started = tokio::time::Instant::now();
+    let sender = client.sender();
+    let mut tasks = tokio::task::JoinSet::new();
+    let per_task = 3000 / 50;
+    for _ in 0..50 {
+        let mut sender = sender.clone();
+        tasks.spawn(async move {
+            let mut answers = Vec::new();
+            for _ in 0..per_task {
+                sender.ready().await.unwrap();
+                let response = sender
+                    .send_request(bearer(path, &random(40)))
+                    .await
+                    .unwrap();
+                let retry_after = response.headers().get("retry-after").cloned();
+                let reason = response.headers().get("x-bulwark-reason").cloned();
+                answers.push((response.status(), retry_after, reason));
+            }
+            answers
+        });
+    }
+    let mut answers = Vec::new();
+    while let Some(done) = tasks.join_next().await {
+        answers.extend(done.unwrap());
+    }
+    let elapsed = started.elapsed();
+    let reviews = token_reviews(&cluster);
+    let limited = answers.iter().filter(|(s, ..)| *s == 429).count();
+    println!(
+        "3000 random tokens in {elapsed:?}: {reviews} TokenReviews upstream, {limited} answered 429"
+    );
+    for (status, retry_after, reason) in &answers {
+        match status.as_u16() {
+            401 => {}
+            429 => {
+                assert!(retry_after.is_some(), "a 429 without Retry-After");
+                assert_eq!(reason.as_ref().unwrap(), "review_limited");
+            }
+            other => panic!("a random token got {other}"),
+        }
+    }
+    // One source: its bucket (burst 100, 20 per second) bounds the reviews.
+    let bound = 100 + (20.0 * elapsed.as_secs_f64()).ceil() as usize + 5;
+    assert!(
+        reviews <= bound,
+        "{reviews} reviews in {elapsed:?}, bound {bound}"
+    );
+
+    // The good token is still known: no review, still tina.
+    cluster.fleet.clear_seen();
+    assert_eq!(client.send(bearer(path, GOOD_TOKEN)).await.status, 200);
+    assert_eq!(
+        token_reviews(&cluster),
+        0,
+        "the good token was reviewed again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_bearer_tokens_get_401_without_a_review() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let mut client = cluster.anonymous_client().await;
+    let path = "/api/v1/namespaces/default/configmaps";
+    let long = "a".repeat(17 * 1024);
+    for value in [
+        "Bearer".to_string(),
+        "Bearer a b".to_string(),
+        format!("Bearer  {GOOD_TOKEN}"),
+        format!("Bearer {long}"),
+        "Bearer tök".to_string(),
+    ] {
+        let mut request = get(path);
+        request.headers_mut().insert(
+            http::header::AUTHORIZATION,
+            http::HeaderValue::from_bytes(value.as_bytes()).unwrap(),
+        );
+        let answer = client.send(request).await;
+        let shown = &value[..value.len().min(20)];
+        assert_eq!(answer.status, 401, "{shown}");
+        assert_eq!(answer.json()["reason"], "Unauthorized", "{shown}");
+        assert_eq!(
+            answer.headers["x-bulwark-reason"], "unauthenticated",
+            "{shown}"
+        );
+    }
+    assert_eq!(token_reviews(&cluster), 0, "a malformed token was reviewed");
 }

@@ -89,8 +89,16 @@ pub struct ListenLimits {
     /// A client that does not answer a keepalive ping within this time is dropped.
     #[serde(with = "humantime_serde")]
     pub keepalive_timeout: Duration,
-    /// Largest request body in bytes (the apiserver's own limit is 3 MiB).
+    /// Largest request body in bytes (the apiserver's own limit is 3 MiB); larger gets 413.
     pub max_body_bytes: usize,
+    /// Request bodies held in memory at once, all requests together. A body is read whole
+    /// before it is sent upstream, so that a retry can send it again, and is held until
+    /// the apiserver answers; a request whose body does not fit gets 429 at once.
+    pub buffered_body_bytes: Quantity,
+    /// Request bodies held in memory at once for one flow of the rules (`rule/user`,
+    /// `rule/namespace` or `rule`), exempt or not, so that one flow cannot take the whole
+    /// `bufferedBodyBytes`.
+    pub buffered_body_bytes_per_flow: Quantity,
     /// How often the certificate, key and client CA files are re-read to catch a change
     /// that file-system notifications missed (notifications usually see it at once).
     #[serde(with = "humantime_serde")]
@@ -108,6 +116,8 @@ impl Default for ListenLimits {
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
             max_body_bytes: 3 * 1024 * 1024,
+            buffered_body_bytes: Quantity(256 * 1024 * 1024),
+            buffered_body_bytes_per_flow: Quantity(32 * 1024 * 1024),
             file_check_interval: Duration::from_secs(30),
         }
     }
@@ -755,6 +765,18 @@ impl Config {
         p.positive("listen.limits.keepaliveInterval", l.keepalive_interval);
         p.positive("listen.limits.keepaliveTimeout", l.keepalive_timeout);
         p.nonzero("listen.limits.maxBodyBytes", l.max_body_bytes as u64);
+        if l.buffered_body_bytes_per_flow.0 < l.max_body_bytes as u64 {
+            p.add(
+                "listen.limits.bufferedBodyBytesPerFlow",
+                "must be at least listen.limits.maxBodyBytes",
+            );
+        }
+        if l.buffered_body_bytes.0 < l.buffered_body_bytes_per_flow.0 {
+            p.add(
+                "listen.limits.bufferedBodyBytes",
+                "must be at least listen.limits.bufferedBodyBytesPerFlow",
+            );
+        }
         // A zero pause is a valid choice (no balancer to wait for); a zero grace is not.
         p.positive("listen.shutdown.grace", listen.shutdown.grace);
     }

@@ -37,7 +37,9 @@ use crate::metrics::{Metrics, ResourceLabels, ServedBy, code_label, method_label
 use crate::rules::Matched;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::status::{Reason, Refusal};
-use crate::upstream::{PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
+use crate::upstream::{
+    BodyBudget, BodyFlow, PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls,
+};
 use crate::{Body, admin};
 
 /// Why a request was answered by Bulwark itself.
@@ -362,6 +364,7 @@ pub struct AdmitLayer {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
+    bodies: Arc<BodyBudget>,
 }
 
 /// See [`AdmitLayer`].
@@ -371,6 +374,7 @@ pub struct Admit<S> {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
+    bodies: Arc<BodyBudget>,
 }
 
 impl<S> Layer<S> for AdmitLayer {
@@ -381,6 +385,7 @@ impl<S> Layer<S> for AdmitLayer {
             rules: self.rules.clone(),
             admission: self.admission.clone(),
             cache: self.cache.clone(),
+            bodies: self.bodies.clone(),
         }
     }
 }
@@ -425,6 +430,7 @@ where
         let rules = self.rules.current();
         let admission = self.admission.clone();
         let cache = self.cache.clone();
+        let bodies = self.bodies.clone();
         let mut inner = self.inner.clone();
         Box::pin(async move {
             let info = request
@@ -487,6 +493,11 @@ where
                     .extensions_mut()
                     .insert(PreferReplica(Arc::from(replica)));
             }
+            // The body is held for retries within the budget of its flow, exempt or not.
+            request.extensions_mut().insert(BodyFlow {
+                budget: bodies,
+                flow: Arc::from(matched.flow.as_str()),
+            });
             let mut response = inner.call(request).await?;
             name_rule(&mut response, &matched);
             if info.is_long_running() {
@@ -727,6 +738,7 @@ impl Running {
                 rules: rules.clone(),
                 admission: admission.clone(),
                 cache: cache.clone(),
+                bodies: BodyBudget::new(&config.listen.limits),
             },
             forward,
         );
@@ -803,7 +815,8 @@ async fn shutdown_signal() {
 
 impl UpstreamError {
     /// The refusal for an upstream failure: 503 with `Retry-After` when no replica is
-    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, else 502.
+    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, 429 with
+    /// `Retry-After` for a body the body budget has no room for, else 502.
     pub fn refusal(&self) -> Refusal {
         let message = self.to_string();
         match self {
@@ -811,7 +824,10 @@ impl UpstreamError {
                 Refusal::new(Reason::NoHealthyUpstream, message).retry_after(*retry_after)
             }
             UpstreamError::Timeout => Refusal::new(Reason::UpstreamTimeout, message),
-            UpstreamError::BodyTooLarge => {
+            UpstreamError::BodyBudget(_) => {
+                Refusal::new(Reason::BodyBudget, message).retry_after(Duration::from_secs(1))
+            }
+            UpstreamError::BodyTooLarge(_) => {
                 Refusal::new(Reason::BadRequest, message).with_status(StatusCode::PAYLOAD_TOO_LARGE)
             }
             _ => Refusal::new(Reason::UpstreamError, message),

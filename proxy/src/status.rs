@@ -21,6 +21,9 @@ pub enum Reason {
     ByteBudget,
     /// The flow has as many open watches as its rule allows.
     WatchLimit,
+    /// The request bodies held in memory for all requests, or for the request's flow, have
+    /// no room for this one.
+    BodyBudget,
     /// A bearer token needs a TokenReview, and Bulwark makes no more reviews for now.
     ReviewLimited,
     /// No usable credentials.
@@ -39,12 +42,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 13] = [
         Reason::RateLimited,
         Reason::QueueFull,
         Reason::QueueTimeout,
         Reason::ByteBudget,
         Reason::WatchLimit,
+        Reason::BodyBudget,
         Reason::ReviewLimited,
         Reason::Unauthenticated,
         Reason::Forbidden,
@@ -62,6 +66,7 @@ impl Reason {
             Reason::QueueTimeout => "queue_timeout",
             Reason::ByteBudget => "byte_budget",
             Reason::WatchLimit => "watch_limit",
+            Reason::BodyBudget => "body_budget",
             Reason::ReviewLimited => "review_limited",
             Reason::Unauthenticated => "unauthenticated",
             Reason::Forbidden => "forbidden",
@@ -80,6 +85,7 @@ impl Reason {
             | Reason::QueueTimeout
             | Reason::ByteBudget
             | Reason::WatchLimit
+            | Reason::BodyBudget
             | Reason::ReviewLimited => StatusCode::TOO_MANY_REQUESTS,
             Reason::Unauthenticated => StatusCode::UNAUTHORIZED,
             Reason::Forbidden => StatusCode::FORBIDDEN,

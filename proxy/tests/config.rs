@@ -285,6 +285,8 @@ const INVALID: &[(&str, &str, &str, &str)] = &[
     ("listen.limits.headerReadTimeout", "0s", "listen.limits.headerReadTimeout", "greater than 0"),
     ("listen.limits.maxConcurrentStreams", "0", "listen.limits.maxConcurrentStreams", "greater than 0"),
     ("listen.limits.idleTimeout", "0s", "listen.limits.idleTimeout", "greater than 0"),
+    ("listen.limits", "{bufferedBodyBytesPerFlow: 1Mi}", "listen.limits.bufferedBodyBytesPerFlow", "at least listen.limits.maxBodyBytes"),
+    ("listen.limits", "{bufferedBodyBytes: 16Mi}", "listen.limits.bufferedBodyBytes", "at least listen.limits.bufferedBodyBytesPerFlow"),
     ("listen.shutdown.grace", "0s", "listen.shutdown.grace", "greater than 0"),
     ("identity.anonymous", "[/version, healthz]", "identity.anonymous[1]", "must start with '/'"),
     ("identity.anonymous", "[\"/version?x=1\"]", "identity.anonymous[0]", "without query"),

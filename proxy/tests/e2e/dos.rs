@@ -2,6 +2,8 @@
 //! reviews, metric series, buffered request bodies) stays bounded, and it is told so with
 //! the usual `Status` answers.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
@@ -212,4 +214,144 @@ async fn malformed_bearer_tokens_get_401_without_a_review() {
         );
     }
     assert_eq!(token_reviews(&cluster), 0, "a malformed token was reviewed");
+}
+
+/// A Lease of about 3 MiB: one annotation of padding.
+fn big_lease(name: &str) -> Bytes {
+    let padding = "x".repeat(3 * 1024 * 1024 - 512);
+    Bytes::from(
+        serde_json::to_vec(&serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "annotations": {"padding": padding}},
+            "spec": {"holderIdentity": name},
+        }))
+        .unwrap(),
+    )
+}
+
+/// Sends `count` concurrent PUTs of `body` to `path`, spread over `users`, to `addr`;
+/// returns every answer's status, `X-Bulwark-Reason` and `Status` body.
+async fn put_storm(
+    cluster: &Cluster,
+    addr: std::net::SocketAddr,
+    users: &[String],
+    count: usize,
+    path: &str,
+    body: Bytes,
+) -> Vec<(u16, String, serde_json::Value)> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for user in users {
+        let cert = cluster.pki.client_ca.client_cert(user, &[]);
+        let client = crate::harness::Client::connect(addr, &cluster.pki, Some(&cert)).await;
+        for _ in 0..count / users.len() {
+            let mut sender = client.sender();
+            let request = Request::put(format!("https://127.0.0.1{path}"))
+                .header("content-type", "application/json")
+                .body(Full::new(body.clone()))
+                .unwrap();
+            tasks.spawn(async move {
+                sender.ready().await.unwrap();
+                let response = sender.send_request(request).await.unwrap();
+                let status = response.status().as_u16();
+                let reason = response
+                    .headers()
+                    .get("x-bulwark-reason")
+                    .map(|v| v.to_str().unwrap().to_string())
+                    .unwrap_or_default();
+                let body = http_body_util::BodyExt::collect(response.into_body())
+                    .await
+                    .map(|b| b.to_bytes())
+                    .unwrap_or_default();
+                let status_json = serde_json::from_slice(&body).unwrap_or_default();
+                (status, reason, status_json)
+            });
+        }
+    }
+    let mut answers = Vec::new();
+    let all = async {
+        while let Some(done) = tasks.join_next().await {
+            answers.push(done.unwrap());
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(90), all)
+        .await
+        .expect("every PUT is answered");
+    answers
+}
+
+/// Rules with nothing exempt but the built-in ones.
+const NO_EXTRA_EXEMPTIONS: &str = r#"
+rules:
+  - name: nobody
+    precedence: 5000
+    match:
+      users: [nobody]
+    level: catch-all
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_cannot_pass_big_lease_writes_as_heartbeats() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        rules: NO_EXTRA_EXEMPTIONS,
+        ..Setup::default()
+    })
+    .await;
+    let process = cluster.spawn_process().await;
+    cluster.fleet.replica(0).set_delay(Duration::from_secs(2));
+    let answers = put_storm(
+        &cluster,
+        process.addr,
+        &["mallory".to_string()],
+        200,
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/node-1",
+        big_lease("node-1"),
+    )
+    .await;
+    let peak = process.peak_rss_bytes();
+    let throttled = answers.iter().filter(|(s, ..)| *s == 429).count();
+    println!(
+        "200 concurrent 3 MiB Lease PUTs by a non-node user: bulwark peak RSS {} MiB, {throttled} answered 429",
+        peak >> 20
+    );
+    assert!(throttled > 0, "a user's Lease writes were never throttled");
+    assert!(peak < 160 << 20, "bulwark held {} MiB", peak >> 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn buffered_request_bodies_stay_within_the_budget_even_when_exempt() {
+    // Every test client is exempt: only the body budget (default 256 MiB) stands between
+    // 200 slow 3 MiB PUTs and 600 MiB of buffers.
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let process = cluster.spawn_process().await;
+    cluster.fleet.replica(0).set_delay(Duration::from_secs(3));
+    let users: Vec<String> = (0..20).map(|i| format!("writer-{i}")).collect();
+    let answers = put_storm(
+        &cluster,
+        process.addr,
+        &users,
+        200,
+        "/api/v1/namespaces/default/configmaps/big",
+        big_lease("big"),
+    )
+    .await;
+    let peak = process.peak_rss_bytes();
+    let refused: Vec<_> = answers.iter().filter(|(s, ..)| *s == 429).collect();
+    println!(
+        "200 concurrent 3 MiB exempt PUTs: bulwark peak RSS {} MiB, {} answered 429",
+        peak >> 20,
+        refused.len()
+    );
+    assert!(!refused.is_empty(), "nothing was refused");
+    for (_, reason, status) in &refused {
+        assert_eq!(reason, "body_budget");
+        assert_eq!(status["kind"], "Status");
+        assert_eq!(status["reason"], "TooManyRequests");
+    }
+    assert!(peak < 400 << 20, "bulwark held {} MiB", peak >> 20);
 }

@@ -47,6 +47,7 @@ use crate::status::{Reason, Refusal};
 use crate::upstream::Upstream;
 
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
+pub(crate) use flows::TokioClock;
 pub use flows::WatchGuard;
 
 use cost::CostModel;

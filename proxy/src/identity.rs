@@ -2,10 +2,11 @@
 //!
 //! A verified client certificate wins over a bearer token, as in the apiserver. A token is
 //! resolved with a TokenReview made with Bulwark's own identity and cached by its hash; a
-//! token the review rejects is never passed on. The [`forward`] submodule rewrites the
-//! request headers for the configured mode.
+//! token the review rejects is never passed on, and reviews are bounded ([`limits`]). The
+//! [`forward`] submodule rewrites the request headers for the configured mode.
 
 pub mod forward;
+pub mod limits;
 pub mod review;
 
 use std::collections::BTreeMap;
@@ -93,6 +94,12 @@ pub enum IdentityError {
     /// The `Authorization` header is not a usable bearer token.
     #[error("the Authorization header is not a bearer token")]
     MalformedAuthorization,
+    /// The bearer token is longer than any Bulwark reviews.
+    #[error("the bearer token is longer than {0} bytes")]
+    TokenTooLong(usize),
+    /// A review would be needed, and a bound on reviews says not now.
+    #[error("{}; retry later", .0.bound)]
+    ReviewLimited(limits::Limited),
     /// The TokenReview said no.
     #[error("the token was rejected: {0}")]
     TokenRejected(String),
@@ -137,7 +144,10 @@ pub fn user_from_certificate(leaf: &CertificateDer<'_>) -> Result<User, Identity
     .with_authenticated_group())
 }
 
-/// The bearer token of a request, if it carries one.
+/// The bearer token of a request, if it carries one: `Bearer`, one space, and a token of
+/// visible ASCII (no spaces). Anything else is refused before a review is made: the
+/// apiserver authenticates no such token either (it reads `Bearer  x` as an empty token,
+/// and ServiceAccount, OIDC and bootstrap tokens are all visible ASCII).
 pub fn bearer_token(headers: &http::HeaderMap) -> Result<Option<String>, IdentityError> {
     let Some(value) = headers.get(http::header::AUTHORIZATION) else {
         return Ok(None);
@@ -146,10 +156,13 @@ pub fn bearer_token(headers: &http::HeaderMap) -> Result<Option<String>, Identit
         .to_str()
         .map_err(|_| IdentityError::MalformedAuthorization)?;
     let (scheme, token) = value
+        .trim()
         .split_once(' ')
         .ok_or(IdentityError::MalformedAuthorization)?;
-    let token = token.trim();
-    if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
+    if !scheme.eq_ignore_ascii_case("bearer")
+        || token.is_empty()
+        || !token.bytes().all(|b| b.is_ascii_graphic())
+    {
         return Err(IdentityError::MalformedAuthorization);
     }
     Ok(Some(token.to_string()))
@@ -229,10 +242,30 @@ mod tests {
             bearer_token(&headers),
             Err(IdentityError::MalformedAuthorization)
         );
-        headers.insert("authorization", "Bearer ".parse().unwrap());
+        for malformed in [
+            "Bearer ",
+            "Bearer",
+            "Bearer  abc",
+            "Bearer a b",
+            "Bearer a\tb",
+            "Bearerabc",
+        ] {
+            headers.insert("authorization", malformed.parse().unwrap());
+            assert_eq!(
+                bearer_token(&headers),
+                Err(IdentityError::MalformedAuthorization),
+                "{malformed:?}"
+            );
+        }
+        headers.insert(
+            "authorization",
+            http::HeaderValue::from_bytes("Bearer t\u{f6}k".as_bytes()).unwrap(),
+        );
         assert_eq!(
             bearer_token(&headers),
             Err(IdentityError::MalformedAuthorization)
         );
+        headers.insert("authorization", "bearer a-Z_0.9~+/=".parse().unwrap());
+        assert_eq!(bearer_token(&headers), Ok(Some("a-Z_0.9~+/=".into())));
     }
 }

@@ -33,11 +33,13 @@ use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, UpstreamReviewer};
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
 use crate::logs::{Rejection, RejectionLog};
-use crate::metrics::{Metrics, ServedBy};
+use crate::metrics::{Metrics, ResourceLabels, ServedBy, code_label, method_label, verb_label};
 use crate::rules::Matched;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::status::{Reason, Refusal};
-use crate::upstream::{PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
+use crate::upstream::{
+    BodyBudget, BodyFlow, PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls,
+};
 use crate::{Body, admin};
 
 /// Why a request was answered by Bulwark itself.
@@ -84,6 +86,9 @@ impl ProxyError {
                 Refusal::new(Reason::UpstreamError, "the token could not be reviewed")
                     .retry_after(Duration::from_secs(1))
             }
+            ProxyError::Identity(IdentityError::ReviewLimited(limited)) => {
+                Refusal::new(Reason::ReviewLimited, message).retry_after(limited.retry_after)
+            }
             ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, "Unauthorized"),
             ProxyError::Forward(ForwardError::ClientImpersonation) => {
                 Refusal::new(Reason::Forbidden, message)
@@ -128,8 +133,8 @@ impl ProxyError {
 /// The metric labels of one request, filled in by whichever stage learns them.
 #[derive(Debug, Clone)]
 struct Labels {
-    verb: String,
-    resource: &'static str,
+    verb: &'static str,
+    resource: Arc<str>,
 }
 
 type LabelSlot = Arc<OnceLock<Labels>>;
@@ -186,7 +191,7 @@ where
         let who = WhoSlot::default();
         request.extensions_mut().insert(who.clone());
         let log = self.log.clone();
-        let method = request.method().as_str().to_ascii_lowercase();
+        let method = method_label(request.method());
         let started = Instant::now();
         let metrics = self.metrics.clone();
         let mut inner = self.inner.clone();
@@ -227,20 +232,20 @@ where
             };
             let labels = slot.get().cloned().unwrap_or(Labels {
                 verb: method,
-                resource: "",
+                resource: Arc::from(""),
             });
             metrics
                 .requests_total
                 .with_label_values(&[
-                    labels.verb.as_str(),
-                    labels.resource,
-                    response.status().as_str(),
+                    labels.verb,
+                    &labels.resource,
+                    code_label(&response.status()),
                     served_by.as_str(),
                 ])
                 .inc();
             metrics
                 .request_duration_seconds
-                .with_label_values(&[labels.verb.as_str(), served_by.as_str()])
+                .with_label_values(&[labels.verb, served_by.as_str()])
                 .observe(started.elapsed().as_secs_f64());
             Ok(response)
         })
@@ -249,18 +254,24 @@ where
 
 /// Classifies the request (400 for malformed paths) and records its labels.
 #[derive(Clone, Default)]
-pub struct ClassifyLayer;
+pub struct ClassifyLayer {
+    resources: ResourceLabels,
+}
 
 /// See [`ClassifyLayer`].
 #[derive(Clone)]
 pub struct Classify<S> {
     inner: S,
+    resources: ResourceLabels,
 }
 
 impl<S> Layer<S> for ClassifyLayer {
     type Service = Classify<S>;
     fn layer(&self, inner: S) -> Classify<S> {
-        Classify { inner }
+        Classify {
+            inner,
+            resources: self.resources.clone(),
+        }
     }
 }
 
@@ -282,8 +293,8 @@ where
         let info = classify::classify(request.method(), request.uri());
         if let (Ok(info), Some(slot)) = (&info, request.extensions().get::<LabelSlot>()) {
             let _ = slot.set(Labels {
-                verb: info.verb.to_string(),
-                resource: resource_label(info),
+                verb: verb_label(&info.verb),
+                resource: self.resources.label(info),
             });
         }
         let mut inner = self.inner.clone();
@@ -292,45 +303,6 @@ where
             inner.call(request).await
         })
     }
-}
-
-/// Resources that get their own metric label; the rest are `other`, so labels stay bounded.
-const KNOWN_RESOURCES: [&str; 24] = [
-    "configmaps",
-    "customresourcedefinitions",
-    "daemonsets",
-    "deployments",
-    "endpoints",
-    "endpointslices",
-    "events",
-    "jobs",
-    "leases",
-    "namespaces",
-    "nodes",
-    "persistentvolumeclaims",
-    "persistentvolumes",
-    "pods",
-    "replicasets",
-    "rolebindings",
-    "roles",
-    "secrets",
-    "serviceaccounts",
-    "services",
-    "statefulsets",
-    "subjectaccessreviews",
-    "tokenreviews",
-    "ingresses",
-];
-
-fn resource_label(info: &RequestInfo) -> &'static str {
-    if !info.resource_request {
-        return "";
-    }
-    KNOWN_RESOURCES
-        .iter()
-        .find(|r| **r == info.resource)
-        .copied()
-        .unwrap_or("other")
 }
 
 /// Establishes who the client is: certificate first, then bearer token, then the anonymous
@@ -403,9 +375,8 @@ async fn identify(
     tokens: &TokenCache,
     anonymous: &[String],
 ) -> Result<Identity, IdentityError> {
-    let chain = extensions
-        .get::<ConnInfo>()
-        .and_then(|c| c.client_chain.clone());
+    let conn = extensions.get::<ConnInfo>();
+    let chain = conn.and_then(|c| c.client_chain.clone());
     if let Some(leaf) = chain.as_deref().and_then(|c| c.first()) {
         let user = identity::user_from_certificate(leaf)?;
         return Ok(Identity::User {
@@ -414,7 +385,9 @@ async fn identify(
         });
     }
     if let Some(token) = identity::bearer_token(headers)? {
-        let user = tokens.authenticate(&token).await?;
+        let user = tokens
+            .authenticate(&token, conn.map(|c| c.peer.ip()))
+            .await?;
         return Ok(Identity::User {
             user,
             credential: Credential::Token(token),
@@ -439,6 +412,7 @@ pub struct AdmitLayer {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
+    bodies: Arc<BodyBudget>,
 }
 
 /// See [`AdmitLayer`].
@@ -448,6 +422,7 @@ pub struct Admit<S> {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
+    bodies: Arc<BodyBudget>,
 }
 
 impl<S> Layer<S> for AdmitLayer {
@@ -458,6 +433,7 @@ impl<S> Layer<S> for AdmitLayer {
             rules: self.rules.clone(),
             admission: self.admission.clone(),
             cache: self.cache.clone(),
+            bodies: self.bodies.clone(),
         }
     }
 }
@@ -502,6 +478,7 @@ where
         let rules = self.rules.current();
         let admission = self.admission.clone();
         let cache = self.cache.clone();
+        let bodies = self.bodies.clone();
         let mut inner = self.inner.clone();
         Box::pin(async move {
             let info = request
@@ -573,6 +550,11 @@ where
                     .extensions_mut()
                     .insert(PreferReplica(Arc::from(replica)));
             }
+            // The body is held for retries within the budget of its flow, exempt or not.
+            request.extensions_mut().insert(BodyFlow {
+                budget: bodies,
+                flow: Arc::from(matched.flow.as_str()),
+            });
             let mut response = inner.call(request).await?;
             name_rule(&mut response, &matched);
             if info.is_long_running() {
@@ -676,6 +658,7 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
 /// The whole request path as one service, outermost layer first.
 pub fn stack(
     metrics: Metrics,
+    resources: ResourceLabels,
     tokens: Arc<TokenCache>,
     anonymous: Vec<String>,
     admit: AdmitLayer,
@@ -695,7 +678,7 @@ pub fn stack(
             log: Arc::new(RejectionLog::default()),
         })
         // Malformed paths never reach identity or upstream.
-        .layer(ClassifyLayer)
+        .layer(ClassifyLayer { resources })
         // Certificate, token review or the anonymous allowlist; 401 otherwise.
         .layer(IdentifyLayer {
             tokens,
@@ -805,12 +788,14 @@ impl Running {
         };
         let service = stack(
             metrics.clone(),
+            ResourceLabels::new(config.cache.resources.iter().map(String::as_str)),
             tokens,
             config.identity.anonymous.clone(),
             AdmitLayer {
                 rules: rules.clone(),
                 admission: admission.clone(),
                 cache: cache.clone(),
+                bodies: BodyBudget::new(&config.listen.limits),
             },
             forward,
         );
@@ -887,9 +872,10 @@ async fn shutdown_signal() {
 
 impl UpstreamError {
     /// The refusal for an upstream failure: 503 with `Retry-After` when no replica is
-    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, else 502. The
-    /// message names no replica (clients have no use for the fleet's addresses); the
-    /// rejection log does.
+    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, 429 with
+    /// `Retry-After` for a body the body budget has no room for, else 502. The message
+    /// names no replica (clients have no use for the fleet's addresses); the rejection log
+    /// does.
     pub fn refusal(&self) -> Refusal {
         let message = self.to_string();
         match self {
@@ -897,7 +883,10 @@ impl UpstreamError {
                 Refusal::new(Reason::NoHealthyUpstream, message).retry_after(*retry_after)
             }
             UpstreamError::Timeout => Refusal::new(Reason::UpstreamTimeout, message),
-            UpstreamError::BodyTooLarge => {
+            UpstreamError::BodyBudget(_) => {
+                Refusal::new(Reason::BodyBudget, message).retry_after(Duration::from_secs(1))
+            }
+            UpstreamError::BodyTooLarge(_) => {
                 Refusal::new(Reason::BadRequest, message).with_status(StatusCode::PAYLOAD_TOO_LARGE)
             }
             UpstreamError::RequestBody(_) | UpstreamError::NotUpgradable => {

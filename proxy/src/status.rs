@@ -21,6 +21,11 @@ pub enum Reason {
     ByteBudget,
     /// The flow has as many open watches as its rule allows.
     WatchLimit,
+    /// The request bodies held in memory for all requests, or for the request's flow, have
+    /// no room for this one.
+    BodyBudget,
+    /// A bearer token needs a TokenReview, and Bulwark makes no more reviews for now.
+    ReviewLimited,
     /// No usable credentials.
     Unauthenticated,
     /// The identity may not do this.
@@ -37,12 +42,14 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 11] = [
+    pub const ALL: [Reason; 13] = [
         Reason::RateLimited,
         Reason::QueueFull,
         Reason::QueueTimeout,
         Reason::ByteBudget,
         Reason::WatchLimit,
+        Reason::BodyBudget,
+        Reason::ReviewLimited,
         Reason::Unauthenticated,
         Reason::Forbidden,
         Reason::BadRequest,
@@ -59,6 +66,8 @@ impl Reason {
             Reason::QueueTimeout => "queue_timeout",
             Reason::ByteBudget => "byte_budget",
             Reason::WatchLimit => "watch_limit",
+            Reason::BodyBudget => "body_budget",
+            Reason::ReviewLimited => "review_limited",
             Reason::Unauthenticated => "unauthenticated",
             Reason::Forbidden => "forbidden",
             Reason::BadRequest => "bad_request",
@@ -75,7 +84,9 @@ impl Reason {
             | Reason::QueueFull
             | Reason::QueueTimeout
             | Reason::ByteBudget
-            | Reason::WatchLimit => StatusCode::TOO_MANY_REQUESTS,
+            | Reason::WatchLimit
+            | Reason::BodyBudget
+            | Reason::ReviewLimited => StatusCode::TOO_MANY_REQUESTS,
             Reason::Unauthenticated => StatusCode::UNAUTHORIZED,
             Reason::Forbidden => StatusCode::FORBIDDEN,
             Reason::BadRequest => StatusCode::BAD_REQUEST,

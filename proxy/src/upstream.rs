@@ -8,6 +8,7 @@
 //! Upgrades (exec, attach, port-forward) get their own HTTP/1.1 connection and are spliced.
 
 mod body;
+mod buffer;
 mod pick;
 mod pool;
 mod tls;
@@ -18,7 +19,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body::Body as _;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
@@ -35,10 +35,12 @@ use body::{Framing, OnFailure};
 use pick::{Balancer, Cause, Load, PendingGuard, WatchGuard};
 use pool::{Lease, Pool, ReqBody};
 
+pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
 pub use tls::UpstreamTls;
 
-/// Largest request body forwarded: the apiserver's own limit. Bodies are buffered so that
-/// a retry can send them again.
+/// Largest request body of Bulwark's own requests, and the default of
+/// `listen.limits.maxBodyBytes`: the apiserver's own limit. Bodies are buffered so that a
+/// retry can send them again ([`buffer`]).
 pub const MAX_REQUEST_BODY: usize = 3 * 1024 * 1024;
 
 /// Which upstream credential a request travels with; each has its own connections.
@@ -155,9 +157,12 @@ pub enum UpstreamError {
     /// write, so it was not sent again.
     #[error("the request may have reached apiserver {0} but no answer came; not retried")]
     Interrupted(String),
-    /// The request body is larger than [`MAX_REQUEST_BODY`].
-    #[error("the request body is larger than {MAX_REQUEST_BODY} bytes")]
-    BodyTooLarge,
+    /// The request body is larger than the largest allowed (the bytes).
+    #[error("the request body is larger than {0} bytes")]
+    BodyTooLarge(usize),
+    /// Holding the request body would pass the budget of request bodies held at once.
+    #[error("the request bodies held for {0} would pass their budget; retry later")]
+    BodyBudget(BudgetScope),
     /// The client's request body could not be read.
     #[error("reading the request body: {0}")]
     RequestBody(String),
@@ -176,7 +181,7 @@ impl UpstreamError {
     /// The status the client gets.
     pub fn status(&self) -> StatusCode {
         match self {
-            UpstreamError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            UpstreamError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             _ => self.reason().status(),
         }
     }
@@ -186,7 +191,8 @@ impl UpstreamError {
         match self {
             UpstreamError::NoHealthyReplica { .. } => Reason::NoHealthyUpstream,
             UpstreamError::Timeout => Reason::UpstreamTimeout,
-            UpstreamError::BodyTooLarge
+            UpstreamError::BodyBudget(_) => Reason::BodyBudget,
+            UpstreamError::BodyTooLarge(_)
             | UpstreamError::RequestBody(_)
             | UpstreamError::NotUpgradable => Reason::BadRequest,
             UpstreamError::Connect(_)
@@ -425,7 +431,9 @@ impl Inner {
             .extensions
             .get::<PreferReplica>()
             .and_then(|p| self.balancer.replicas().iter().position(|r| r.name == p.0));
-        let body = buffer(body, &parts.headers).await?;
+        // Held until the apiserver has answered (or every attempt failed).
+        let (body, _held) =
+            buffer::buffer(body, &parts.headers, parts.extensions.get::<BodyFlow>()).await?;
         let path_and_query = parts
             .uri
             .path_and_query()
@@ -770,25 +778,6 @@ fn wants_upgrade(headers: &HeaderMap) -> bool {
         .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
 }
 
-/// Reads the request body whole, up to [`MAX_REQUEST_BODY`].
-async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > MAX_REQUEST_BODY as u64) {
-        return Err(UpstreamError::BodyTooLarge);
-    }
-    if body.is_end_stream() {
-        return Ok(Bytes::new());
-    }
-    match crate::read_to_limit(body, MAX_REQUEST_BODY).await {
-        Ok(bytes) => Ok(bytes),
-        Err(crate::ReadError::TooLarge(_)) => Err(UpstreamError::BodyTooLarge),
-        Err(crate::ReadError::Failed(e)) => Err(UpstreamError::RequestBody(chain(&*e))),
-    }
-}
-
 /// Removes the HTTP/1.1 connection-level headers an HTTP/2 request must not carry (hyper
 /// would drop them too, but with a warning per request).
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -951,25 +940,6 @@ mod tests {
         assert!(wants_upgrade(&headers));
         headers.insert(header::CONNECTION, HeaderValue::from_static("keep-alive"));
         assert!(!wants_upgrade(&headers));
-    }
-
-    #[tokio::test]
-    async fn bodies_over_three_mebibytes_are_refused() {
-        let big = vec![b'x'; MAX_REQUEST_BODY + 1];
-        let err = buffer(crate::full(big), &HeaderMap::new())
-            .await
-            .unwrap_err();
-        assert!(matches!(err, UpstreamError::BodyTooLarge));
-        assert_eq!(err.status(), StatusCode::PAYLOAD_TOO_LARGE);
-
-        let mut headers = HeaderMap::new();
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("4000000"));
-        let err = buffer(crate::empty(), &headers).await.unwrap_err();
-        assert!(matches!(err, UpstreamError::BodyTooLarge));
-
-        let exact = vec![b'x'; MAX_REQUEST_BODY];
-        let ok = buffer(crate::full(exact), &HeaderMap::new()).await.unwrap();
-        assert_eq!(ok.len(), MAX_REQUEST_BODY);
     }
 
     #[test]

@@ -3,10 +3,15 @@
 //!
 //! - [`selector`]: `labelSelector` and `fieldSelector`, parsed and matched as the
 //!   apiserver does;
+//! - [`continue_token`]: the continue tokens of paginated lists, and the storage-key order
+//!   that pages walk;
 //! - [`client_cert`]: client certificates as the apiserver reads identities from them
 //!   (CN is the user, each O a group);
+//! - [`params`]: query parameter values as the apiserver's parameter codec reads them;
 //! - [`watch`]: the event types of a watch stream.
 
 pub mod client_cert;
+pub mod continue_token;
+pub mod params;
 pub mod selector;
 pub mod watch;

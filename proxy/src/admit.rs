@@ -16,12 +16,14 @@
 //! [`Admission::update_levels`] with the levels of every new rule set, and for each matched
 //! request `admit` it. Keep the [`Permit`] alive until the response body ends; for a
 //! long-running request call [`Permit::release_seats`] at the response head, and for a watch
-//! keep [`Permit::watch_guard`] with the stream. After a LIST, report its body size (and
-//! item count) with [`Admission::observe_list`] so that costs follow the collection.
+//! keep [`Permit::watch_guard`] with the stream. A LIST's response teaches the cost model
+//! through [`hold`] with a [`Learn`]: the JSON size the apiserver built, measured on the
+//! wire where the response shows it ([`measure`]), so that costs follow the collection.
 
 mod budget;
 mod cost;
 mod flows;
+pub mod measure;
 mod queue;
 #[cfg(test)]
 mod tests;
@@ -45,6 +47,7 @@ use crate::status::{Reason, Refusal};
 use crate::upstream::Upstream;
 
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
+pub(crate) use flows::TokioClock;
 pub use flows::WatchGuard;
 
 use cost::CostModel;
@@ -154,6 +157,12 @@ impl Permit {
         self.seats = None;
     }
 
+    /// Takes the seats out of the permit, to be given back when the returned [`Seats`] is
+    /// dropped: a cached watch holds them while it sends its initial state.
+    pub fn take_seats(&mut self) -> Option<Seats> {
+        self.seats.take().map(|grant| Seats { _grant: grant })
+    }
+
     /// The LIST bytes the request was admitted with (0 for anything but a LIST).
     pub fn expected_bytes(&self) -> u64 {
         self.expected_bytes
@@ -174,6 +183,11 @@ impl Permit {
     pub fn watch_guard(&mut self) -> Option<WatchGuard> {
         self.watch.take()
     }
+}
+
+/// Seats taken out of a [`Permit`]; dropping them gives them back to their level.
+pub struct Seats {
+    _grant: SeatGrant,
 }
 
 /// A would-be refusal, before it is turned into a [`Refusal`] or counted in shadow mode.
@@ -346,9 +360,12 @@ impl Admission {
     /// cluster-wide LISTs answered from the cache would otherwise take every core from the
     /// small requests of other levels).
     ///
-    /// A cached watch only counts against the flow's watch limit: its head goes out at
-    /// once, where a seat would be released, so queueing it would guard nothing and only
-    /// delay its first events.
+    /// A cached watch from a version only counts against the flow's watch limit: it sends
+    /// events as they come, so queueing it would guard nothing and only delay them. A
+    /// cached watch that starts with the current state (`resourceVersion=0` or unset,
+    /// `sendInitialEvents=true`) sends a LIST's worth of objects first: `answer_bytes` is
+    /// that state's size, and it waits for seats like a LIST of that size (the caller
+    /// holds them, with [`Permit::take_seats`], until the initial state is sent).
     pub async fn admit_cached(
         &self,
         m: &Matched,
@@ -356,7 +373,7 @@ impl Admission {
         info: &RequestInfo,
         answer_bytes: u64,
     ) -> Result<Permit, Refusal> {
-        if info.verb == Verb::Watch {
+        if info.verb == Verb::Watch && answer_bytes == 0 {
             return self.admit_watch_only(m, user);
         }
         self.admit_cost(m, user, info, answer_bytes, 0).await
@@ -631,15 +648,43 @@ fn queue_full(m: &Matched, level: &Level) -> Verdict {
 
 /// The response body of an admitted request: it holds `permit` until it ends (or is
 /// dropped), and with `learn` reports the LIST's size to the cost model when it ends.
-pub fn hold(body: Body, permit: Permit, learn: Option<(Arc<Admission>, Arc<RequestInfo>)>) -> Body {
+pub fn hold(body: Body, permit: Permit, learn: Option<Learn>) -> Body {
     use http_body_util::BodyExt;
     Guarded {
         body,
         _permit: permit,
         learn,
-        bytes: 0,
     }
     .boxed_unsync()
+}
+
+/// A LIST response that teaches the cost model what the LIST cost the apiserver, once its
+/// body has ended.
+pub struct Learn {
+    admission: Arc<Admission>,
+    info: Arc<RequestInfo>,
+    meter: measure::Meter,
+}
+
+impl Learn {
+    /// For a successful LIST whose response headers show the apiserver's cost; `None` for
+    /// anything else (a protobuf, Table or metadata-only answer is far smaller than the
+    /// JSON the apiserver built, and would shrink the estimate that guards its memory).
+    pub fn list(
+        admission: Arc<Admission>,
+        info: Arc<RequestInfo>,
+        response: &http::Response<Body>,
+    ) -> Option<Learn> {
+        if !info.is_list() || response.status() != http::StatusCode::OK {
+            return None;
+        }
+        let encoding = measure::Encoding::of(response.headers())?;
+        Some(Learn {
+            admission,
+            info,
+            meter: measure::Meter::new(encoding),
+        })
+    }
 }
 
 pin_project_lite::pin_project! {
@@ -649,8 +694,7 @@ pin_project_lite::pin_project! {
         #[pin]
         body: Body,
         _permit: Permit,
-        learn: Option<(Arc<Admission>, Arc<RequestInfo>)>,
-        bytes: u64,
+        learn: Option<Learn>,
     }
 }
 
@@ -666,16 +710,20 @@ impl http_body::Body for Guarded {
         let polled = this.body.poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    *this.bytes += data.len() as u64;
+                if let (Some(learn), Some(data)) = (this.learn.as_mut(), frame.data_ref()) {
+                    learn.meter.feed(data);
                 }
             }
             Poll::Ready(None) => {
-                if let Some((admission, info)) = this.learn.take() {
-                    admission.observe_list(&info, *this.bytes, None);
+                if let Some(learn) = this.learn.take()
+                    && let Some(bytes) = learn.meter.json_bytes()
+                {
+                    learn.admission.observe_list(&learn.info, bytes, None);
                 }
             }
-            _ => {}
+            // A body that failed did not show its whole size.
+            Poll::Ready(Some(Err(_))) => *this.learn = None,
+            Poll::Pending => {}
         }
         polled
     }

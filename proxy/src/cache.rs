@@ -7,38 +7,44 @@
 //!    or cannot take JSON, excluded namespaces or names, parameters the cache does not
 //!    answer (an *Exact* list, selectors on other fields, values the apiserver would
 //!    refuse — it writes the error);
-//! 2. **miss** (`Ok(None)`): the first full list is not in, or the cache cannot show it is
-//!    fresh enough (consistent reads need the freshness proof of [`fresh`]; `staleness`
-//!    from the client's rule allows a cache that lags at most that much);
-//! 3. **authorize** with a SubjectAccessReview for that user ([`authz`]): denied is 403,
-//!    no answer is an error, never data;
+//! 2. **miss** (`Ok(None)`): the first full list is not in, or the cache cannot show at
+//!    once that it is fresh enough. The cache never waits for its own watch: a
+//!    `resourceVersion=0` read takes what it has; a `NotOlderThan` read (or a watch from
+//!    a version) is answered when the cache has already reached that version; a
+//!    consistent read (no `resourceVersion`) goes upstream, unless the client's rule
+//!    grants `staleness` and the cache lags at most that much. (The cache's version only
+//!    moves with its own resource's events and bookmarks, while other writes — Leases —
+//!    move the apiserver's: waiting to prove a consistent read fresh cost seconds and
+//!    then went upstream anyway.)
+//! 3. **authorize** with a SubjectAccessReview for that user ([`authz`]): denied is 403
+//!    (audited for Secrets, like an answer), no answer is an error, never data;
 //! 4. **answer**: GET, LIST (a chain of the objects' bytes, reused from a byte-bounded
 //!    LRU) or WATCH ([`watch`]). Secret reads are written to the audit log.
 //!
 //! **Pagination**: `limit` is honoured on every cached LIST, `resourceVersion=0` included
-//! (the apiserver's cache does the same since it serves lists from snapshots): a page ends
-//! with the apiserver's own continue token (version and last key), so either the cache or
-//! the apiserver can continue it. A continue is served from the cache while its version is
-//! within the ring (the cache rolls its state back to it), else it goes upstream.
+//! (the apiserver's cache does the same since it serves lists from snapshots). Objects are
+//! listed in etcd's key order, and a page ends with the apiserver's own continue token
+//! (version, and the last key relative to the list's prefix; see
+//! [`apimachinery::continue_token`]), so either the cache or the apiserver can continue
+//! it. A continue is served from the cache while its version is within the ring (the cache
+//! rolls its state back to it), else it goes upstream; a token the apiserver would refuse
+//! goes upstream for its 400.
 //!
-//! **Watches newer than the cache**: the cache waits up to `freshnessWait` for the version.
-//! If it does not get there and the apiserver itself has that version (the freshness probe
-//! says so), the cache is merely behind and the watch goes upstream; a version newer than
-//! the apiserver's gets 504 `ResourceVersionTooLarge`, never 410.
+//! **Versions newer than the cache** go upstream, where the apiserver decides (it waits for
+//! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
 
 pub mod audit;
 pub mod authz;
-mod fresh;
 mod informer;
 mod respond;
 mod store;
 mod watch;
 
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::FutureExt;
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -58,19 +64,19 @@ pub use audit::AuditLog;
 pub use authz::{AccessCache, AccessReviewer, Attributes, Decision, UpstreamAccessReviewer};
 pub use respond::Status;
 
+use apimachinery::continue_token::{self, Scope};
 use apimachinery::selector as select;
-use fresh::{Freshness, Probe};
 use respond::{Continue, Details};
 use select::{FieldSelector, LabelSelector};
-use store::{Kind, Obj, ResourceStore};
+use store::{Obj, ResourceStore};
 
 /// Why the cache refused a request it would otherwise answer.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    /// An answer in the apiserver's own words: 403 Forbidden, or 504 with cause
-    /// `ResourceVersionTooLarge`.
+    /// An answer in the apiserver's own words (403 Forbidden), with the request's
+    /// `Audit-Id`, which its audit line names too.
     #[error("{}", .0.message)]
-    Status(Box<Status>),
+    Status(Box<Status>, String),
     /// No SubjectAccessReview could be made: the request gets an error, never data.
     #[error("the access review for a cached read could not be made: {0}")]
     ReviewFailed(String),
@@ -83,9 +89,9 @@ impl CacheError {
     /// The reason label for metrics and `X-Bulwark-Reason`.
     pub fn reason(&self) -> Reason {
         match self {
-            CacheError::Status(status) if status.code == 403 => Reason::Forbidden,
-            CacheError::Status(status) if status.code == 504 => Reason::UpstreamTimeout,
-            CacheError::Status(_) => Reason::BadRequest,
+            CacheError::Status(status, _) if status.code == 403 => Reason::Forbidden,
+            CacheError::Status(status, _) if status.code == 504 => Reason::UpstreamTimeout,
+            CacheError::Status(..) => Reason::BadRequest,
             CacheError::ReviewFailed(_) => Reason::UpstreamError,
             CacheError::Refused(refusal) => refusal.reason,
         }
@@ -96,10 +102,11 @@ impl CacheError {
     pub fn into_response(self) -> Response<Body> {
         let reason = self.reason();
         let mut response = match self {
-            CacheError::Status(status) => (*status).into_response(&audit::new_audit_id()),
-            CacheError::ReviewFailed(why) => crate::status::Refusal::new(
+            CacheError::Status(status, audit_id) => (*status).into_response(&audit_id),
+            // Why goes to the log (Rescue's rejection line), not to the client.
+            CacheError::ReviewFailed(_) => crate::status::Refusal::new(
                 Reason::UpstreamError,
-                format!("the access review could not be made: {why}"),
+                "the access review could not be made",
             )
             .retry_after(Duration::from_secs(1))
             .into_response(),
@@ -133,7 +140,6 @@ struct Slot {
     gr: GroupResource,
     label: String,
     store: Arc<OnceLock<Arc<ResourceStore>>>,
-    freshness: OnceLock<Arc<Freshness>>,
 }
 
 impl Slot {
@@ -196,7 +202,6 @@ pub struct Cache {
     metrics: Metrics,
     lists: Mutex<Lists>,
     started: Instant,
-    probe: Box<dyn Fn(&Kind) -> Probe + Send + Sync>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -241,14 +246,7 @@ impl Cache {
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
         let reviewer = Arc::new(UpstreamAccessReviewer::new(upstream.clone(), own_token));
-        let probe_upstream = upstream.clone();
-        let cache = Cache::build(
-            cfg,
-            reviewer,
-            Box::new(move |kind: &Kind| upstream_probe(probe_upstream.clone(), kind)),
-            metrics,
-            audit,
-        );
+        let cache = Cache::build(cfg, reviewer, metrics, audit);
         if cfg.enabled {
             let mut tasks = Vec::new();
             for slot in &cache.slots {
@@ -280,7 +278,6 @@ impl Cache {
     fn build(
         cfg: &config::Cache,
         reviewer: Arc<dyn AccessReviewer>,
-        probe: Box<dyn Fn(&Kind) -> Probe + Send + Sync>,
         metrics: Metrics,
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
@@ -291,7 +288,6 @@ impl Cache {
                     label: gr.to_string(),
                     gr,
                     store: Arc::new(OnceLock::new()),
-                    freshness: OnceLock::new(),
                 })
                 .collect()
         } else {
@@ -313,7 +309,6 @@ impl Cache {
             }),
             metrics,
             started: Instant::now(),
-            probe,
             tasks: Mutex::new(Vec::new()),
         })
     }
@@ -349,9 +344,8 @@ impl Cache {
             .sum()
     }
 
-    /// Serves the request from the cache when it may (cacheable, fresh enough, authorized);
-    /// `Ok(None)` means "go upstream" (bypass or miss); `Err` is a refusal (403, 504 as a
-    /// `Status`; a review that cannot be made is an error, never data).
+    /// [`Cache::serve_from`] a client whose address is not known (its audit lines name
+    /// only the addresses its headers give).
     pub async fn serve(
         &self,
         info: &RequestInfo,
@@ -360,13 +354,33 @@ impl Cache {
         staleness: Option<Duration>,
         gate: Option<Gate<'_>>,
     ) -> Result<Option<Response<Body>>, CacheError> {
+        self.serve_from(info, user, headers, None, staleness, gate)
+            .await
+    }
+
+    /// Serves the request from the cache when it may (cacheable, fresh enough, authorized);
+    /// `Ok(None)` means "go upstream" (bypass or miss); `Err` is a refusal (403 as a
+    /// `Status`; a review that cannot be made is an error, never data). `peer` is the
+    /// client's address, for the audit log's `sourceIPs`.
+    pub async fn serve_from(
+        &self,
+        info: &RequestInfo,
+        user: &User,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+        staleness: Option<Duration>,
+        gate: Option<Gate<'_>>,
+    ) -> Result<Option<Response<Body>>, CacheError> {
         let Some(slot) = self.slot_for(info) else {
             return Ok(None);
         };
         let verb = info.verb.to_string();
-        let result = self
-            .answer(slot, info, user, headers, staleness, gate)
-            .await;
+        let reader = Reader {
+            user,
+            headers,
+            peer,
+        };
+        let result = self.answer(slot, info, reader, staleness, gate).await;
         let label = match &result {
             Ok(Outcome::Hit(_)) | Err(_) => "hit",
             Ok(Outcome::Miss(why)) => {
@@ -401,8 +415,11 @@ impl Cache {
         &self,
         slot: &Slot,
         info: &RequestInfo,
-        user: &User,
-        headers: &HeaderMap,
+        Reader {
+            user,
+            headers,
+            peer,
+        }: Reader<'_>,
         staleness: Option<Duration>,
         gate: Option<Gate<'_>>,
     ) -> Result<Outcome, CacheError> {
@@ -450,6 +467,7 @@ impl Cache {
             info,
             user,
             headers,
+            peer,
             filter,
             audit_id,
             gate,
@@ -511,34 +529,16 @@ impl Cache {
         hit.then_some("an excluded name")
     }
 
-    /// Waits until the store is fresh enough; false when it cannot be shown to be.
-    async fn fresh(&self, request: &Request<'_>, need: Need, staleness: Option<Duration>) -> bool {
+    /// Whether the store is fresh enough for `need` now; the cache never waits for it.
+    fn fresh(&self, request: &Request<'_>, need: Need, staleness: Option<Duration>) -> bool {
         let store = &request.store;
         match need {
             Need::Any => true,
-            Need::AtLeast(rv) => store.wait_for(rv, self.cfg.freshness_wait).await,
-            Need::Consistent => {
-                if let Some(bound) = staleness.map(|s| s.min(self.cfg.max_staleness))
-                    && store.lag() <= bound
-                {
-                    return true;
-                }
-                match self.current_version(request.slot, store).await {
-                    Ok(rv) => store.wait_for(rv, self.cfg.freshness_wait).await,
-                    Err(e) => {
-                        tracing::debug!(resource = %request.slot.label, error = %e, "freshness probe failed");
-                        false
-                    }
-                }
-            }
+            Need::AtLeast(rv) => store.rv() >= rv,
+            Need::Consistent => staleness
+                .map(|s| s.min(self.cfg.max_staleness))
+                .is_some_and(|bound| store.lag() <= bound),
         }
-    }
-
-    async fn current_version(&self, slot: &Slot, store: &ResourceStore) -> Result<u64, String> {
-        slot.freshness
-            .get_or_init(|| Freshness::new((self.probe)(&store.kind)))
-            .current()
-            .await
     }
 
     /// Asks the apiserver, through the decision cache, whether the user may do this.
@@ -570,11 +570,15 @@ impl Cache {
         };
         match self.access.check(request.user, &attrs).await {
             Ok(Decision::Allowed) => Ok(attrs),
-            Ok(Decision::Denied(reason)) => Err(CacheError::Status(Box::new(forbidden(
-                request.user,
-                &attrs,
-                &reason,
-            )))),
+            Ok(Decision::Denied(reason)) => {
+                // The apiserver audits the requests it refuses too.
+                self.audit(request, verb, Some(name).filter(|n| !n.is_empty()), 403);
+                let status = forbidden(request.user, &attrs, &reason);
+                Err(CacheError::Status(
+                    Box::new(status),
+                    request.audit_id.clone(),
+                ))
+            }
             Err(e) => Err(CacheError::ReviewFailed(e)),
         }
     }
@@ -606,6 +610,7 @@ impl Cache {
                 .headers
                 .get(http::header::USER_AGENT)
                 .and_then(|v| v.to_str().ok()),
+            source_ips: &audit::source_ips(request.headers, request.peer),
         });
     }
 
@@ -623,9 +628,7 @@ impl Cache {
             return Ok(Outcome::Bypass("a get without a name"));
         };
         let need = match rv {
-            // One key read costs the apiserver little; proving the cache fresh can cost the
-            // client up to the freshness wait. Only an identity that accepts staleness
-            // gets a consistent GET from the cache.
+            // Only an identity that accepts staleness gets a consistent GET from the cache.
             None if staleness.is_none() => {
                 return Ok(Outcome::Bypass("a consistent get (one key read upstream)"));
             }
@@ -633,7 +636,7 @@ impl Cache {
             Some(0) => Need::Any,
             Some(n) => Need::AtLeast(n),
         };
-        if !self.fresh(&request, need, staleness).await {
+        if !self.fresh(&request, need, staleness) {
             return Ok(Outcome::Miss("not fresh enough"));
         }
         self.authorize(&request, "get", &name).await?;
@@ -667,20 +670,28 @@ impl Cache {
     /// The reader's admission ([`Gate`]) for an answer of about `bytes`, once it is
     /// authorized and before it is built, so that an answer that waited for its seats is
     /// built from the cache as it is when they are granted. The seats are held until the
-    /// answer's body ends.
+    /// answer's body ends (a watch takes them out, see [`Cache::watch`]).
     async fn admit(&self, request: &Request<'_>, bytes: u64) -> Result<Option<Permit>, CacheError> {
         let Some(gate) = request.gate else {
             return Ok(None);
         };
-        let mut permit = gate
+        let permit = gate
             .admission
             .admit_cached(gate.matched, request.user, request.info, bytes)
             .await
             .map_err(CacheError::Refused)?;
-        if request.info.is_long_running() {
-            permit.release_seats();
-        }
         Ok(Some(permit))
+    }
+
+    /// The bytes of the objects a watch that starts with the current state sends first.
+    fn initial_bytes(&self, request: &Request<'_>) -> u64 {
+        let ns = request.info.namespace.as_deref();
+        if request.filter.selects() {
+            let (items, _) = request.store.list(ns, |o| request.filter.matches(o));
+            items.iter().map(|o| o.body.len() as u64).sum()
+        } else {
+            request.store.size(ns).1
+        }
     }
 
     /// Gives an admitted answer, holding its `permit`, and writes its audit line `(verb,
@@ -709,26 +720,45 @@ impl Cache {
         let q = &request.info.query;
         let ns = request.info.namespace.as_deref();
         if let Some(token) = &q.continue_token {
-            if rv.is_some() || q.resource_version_match.is_some() {
+            // The apiserver continues with `resourceVersion=0` as without one, and refuses
+            // any other version (400) or a resourceVersionMatch (422): it writes those.
+            if rv.is_some_and(|rv| rv != 0) || q.resource_version_match.is_some() {
                 return Ok(Outcome::Bypass("continue with a resourceVersion"));
             }
-            let Some((at, after)) = respond::decode_continue(token) else {
-                return Ok(Outcome::Bypass("a continue token the cache cannot read"));
+            // A token the apiserver refuses goes to it rather than being refused here: its
+            // 400 quotes Go's JSON errors, which the cache cannot word byte for byte, and
+            // it answers only after its own authorization (403 before 400).
+            let Ok(resume) = continue_token::decode(token) else {
+                return Ok(Outcome::Bypass("a continue token the apiserver refuses"));
             };
-            if !request.store.wait_for(at, Duration::ZERO).await {
-                return Ok(Outcome::Miss("a continue newer than the cache"));
-            }
-            let Some(all) = request.store.list_at(ns, at) else {
-                return Ok(Outcome::Miss("a continue older than the ring"));
+            let from = Scope::of(ns).resume_key(&resume.start);
+            let (all, at) = match resume.at() {
+                Some(at) => {
+                    if request.store.rv() < at {
+                        return Ok(Outcome::Miss("a continue newer than the cache"));
+                    }
+                    match request.store.list_from(ns, Some(at), &from) {
+                        Some(listed) => listed,
+                        None => return Ok(Outcome::Miss("a continue older than the ring")),
+                    }
+                }
+                // A negative version: the token the apiserver hands out with its 410 for a
+                // continue it compacted away. The rest of the list at the latest version, a
+                // consistent read, as the apiserver's watch cache serves it.
+                None => {
+                    if !self.fresh(&request, Need::Consistent, staleness) {
+                        return Ok(Outcome::Miss("not fresh enough"));
+                    }
+                    match request.store.list_from(ns, None, &from) {
+                        Some(listed) => listed,
+                        None => return Ok(Outcome::Miss("a continue the cache cannot list")),
+                    }
+                }
             };
             self.authorize_collection(&request, "list").await?;
-            let start = all.partition_point(|o| {
-                (o.namespace.as_str(), o.name.as_str()) <= (after.0.as_str(), after.1.as_str())
-            });
-            let items: Vec<Arc<Obj>> = all[start..]
-                .iter()
+            let items: Vec<Arc<Obj>> = all
+                .into_iter()
                 .filter(|o| request.filter.matches(o))
-                .cloned()
                 .collect();
             let total_after = if request.filter.selects() {
                 None
@@ -753,7 +783,7 @@ impl Cache {
             (Some(n), None) => Need::AtLeast(n),
             (Some(_), Some(_)) => return Ok(Outcome::Bypass("an unknown resourceVersionMatch")),
         };
-        if !self.fresh(&request, need, staleness).await {
+        if !self.fresh(&request, need, staleness) {
             return Ok(Outcome::Miss("not fresh enough"));
         }
         self.authorize_collection(&request, "list").await?;
@@ -819,11 +849,12 @@ impl Cache {
         total: Option<u64>,
     ) -> Response<Body> {
         let limit = page_limit(request);
+        let scope = Scope::of(request.info.namespace.as_deref());
         let next = (items.len() > limit).then(|| {
-            let last = &items[limit - 1];
+            let last = items[limit - 1].key();
             Continue {
                 rv,
-                after: last.key(),
+                start: format!("{}\0", scope.relative(&last)),
                 remaining: total.map(|t| t - limit as u64),
             }
         });
@@ -883,24 +914,19 @@ impl Cache {
             (Some(n), true) => (Need::AtLeast(n), None),
             (Some(n), false) => (Need::AtLeast(n), Some(n)),
         };
-        if !self.fresh(&request, need, staleness).await {
-            let Need::AtLeast(n) = need else {
-                return Ok(Outcome::Miss("not fresh enough"));
-            };
-            // Behind the apiserver, or asked for a version nobody has?
-            match self.current_version(request.slot, &request.store).await {
-                Ok(current) if current >= n => return Ok(Outcome::Miss("behind the apiserver")),
-                Ok(_) => {}
-                Err(_) => return Ok(Outcome::Miss("the apiserver's version is unknown")),
-            }
-            self.authorize_collection(&request, "watch").await?;
-            return Err(CacheError::Status(Box::new(too_large(
-                n,
-                request.store.rv(),
-            ))));
+        if !self.fresh(&request, need, staleness) {
+            return Ok(Outcome::Miss("not fresh enough"));
         }
         let attrs = self.authorize_collection(&request, "watch").await?;
-        let permit = self.admit(&request, 0).await?;
+        // A watch that starts with the current state sends a LIST's worth of objects
+        // first: it waits for seats like a LIST of that size and holds them until the
+        // initial state is sent. A watch from a version takes none.
+        let initial_bytes = match from {
+            None => self.initial_bytes(&request),
+            Some(_) => 0,
+        };
+        let mut permit = self.admit(&request, initial_bytes).await?;
+        let initial_seats = permit.as_mut().and_then(Permit::take_seats);
         let start = match request.store.watch(from) {
             Ok(start) => start,
             Err(expired) => {
@@ -922,12 +948,12 @@ impl Cache {
                 return Ok(self.give(&request, ("watch", None, 200), response, permit));
             }
         };
-        let timeout = match q.timeout_seconds {
-            Some(seconds) => Duration::from_secs(seconds),
-            // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread
-            // re-watches.
-            None => Duration::from_secs(1800 + rand::random_range(0..1800)),
-        };
+        // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
+        // spread re-watches, a negative value ends the watch at once.
+        let timeout = apimachinery::params::watch_timeout(
+            q.timeout_seconds,
+            apimachinery::params::MIN_REQUEST_TIMEOUT,
+        );
         let options = watch::Options {
             filter: request.filter.clone(),
             bookmarks: q
@@ -948,6 +974,7 @@ impl Cache {
             start,
             options,
             Some(reauth),
+            initial_seats,
             self.metrics.clone(),
         );
         let response = respond::json_response(StatusCode::OK, body, &request.audit_id);
@@ -992,9 +1019,17 @@ struct Request<'a> {
     info: &'a RequestInfo,
     user: &'a User,
     headers: &'a HeaderMap,
+    peer: Option<IpAddr>,
     filter: watch::Filter,
     audit_id: String,
     gate: Option<Gate<'a>>,
+}
+
+/// Who asks: the user, the request's headers and the client's address.
+struct Reader<'a> {
+    user: &'a User,
+    headers: &'a HeaderMap,
+    peer: Option<IpAddr>,
 }
 
 /// The apiserver's 403 for a denied request.
@@ -1024,23 +1059,6 @@ fn forbidden(user: &User, attrs: &Attributes, reason: &str) -> Status {
             name: attrs.name.clone(),
             group: attrs.group.clone(),
             kind: attrs.resource.clone(),
-            ..Details::default()
-        }),
-    )
-}
-
-/// The apiserver's 504 for a version it has not reached.
-fn too_large(asked: u64, current: u64) -> Status {
-    Status::failure(
-        504,
-        "Timeout",
-        format!("Timeout: Too large resource version: {asked}, current: {current}"),
-        Some(Details {
-            causes: vec![respond::Cause {
-                reason: "ResourceVersionTooLarge".into(),
-                message: "Too large resource version".into(),
-            }],
-            retry_after_seconds: Some(1),
             ..Details::default()
         }),
     )
@@ -1088,54 +1106,6 @@ fn wants_gzip(headers: &HeaderMap) -> bool {
             });
             name.eq_ignore_ascii_case("gzip") && !refused
         })
-}
-
-/// The freshness probe: a consistent `limit=1` LIST with Bulwark's own identity.
-fn upstream_probe(upstream: Upstream, kind: &Kind) -> Probe {
-    let path = format!("{}?limit=1", informer::collection_path(kind));
-    Arc::new(move || {
-        let upstream = upstream.clone();
-        let path = path.clone();
-        async move {
-            let request = http::Request::get(&path)
-                .header(http::header::ACCEPT, "application/json")
-                .body(crate::empty())
-                .map_err(|e| e.to_string())?;
-            let route = crate::upstream::Route {
-                credential: crate::upstream::Credential::Own,
-                retry: crate::upstream::RetryPolicy::Read,
-                long_running: false,
-                watch: false,
-                timeout: Some(Duration::from_secs(5)),
-            };
-            let response = upstream
-                .send(request, route)
-                .await
-                .map_err(|e| e.to_string())?;
-            let status = response.status();
-            let body = crate::read_to_limit(response.into_body(), 16 * 1024 * 1024)
-                .await
-                .map_err(|e| e.to_string())?;
-            if !status.is_success() {
-                return Err(format!("{path} answered {status}"));
-            }
-            #[derive(serde::Deserialize)]
-            #[serde(rename_all = "camelCase")]
-            struct Meta {
-                resource_version: String,
-            }
-            #[derive(serde::Deserialize)]
-            struct Page {
-                metadata: Meta,
-            }
-            let page: Page = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-            page.metadata
-                .resource_version
-                .parse::<u64>()
-                .map_err(|_| format!("{path}: resourceVersion is not a number"))
-        }
-        .boxed()
-    })
 }
 
 /// Keeps the per-resource gauges current while the cache lives.

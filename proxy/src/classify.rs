@@ -101,6 +101,9 @@ pub struct RequestInfo {
     /// keeps `None` here (the name decides get vs list); see
     /// [`RequestInfo::field_selector_name`].
     pub name: Option<String>,
+    /// The verb came from the legacy `/watch/` path prefix. The apiserver then takes the
+    /// object name from the path only, never from `fieldSelector=metadata.name=X`.
+    pub watch_prefix: bool,
     /// The exact path that was classified, still percent-encoded; it is what gets forwarded.
     pub path: String,
     /// The query parameters Bulwark acts on, plus the raw query.
@@ -155,9 +158,14 @@ impl RequestInfo {
     /// For a list or watch, the name X required by `fieldSelector=metadata.name=X` (or
     /// `==X`), as the apiserver uses it for authorization. `None` when there is no such
     /// term, when the value is escaped, or when it is not a valid path segment name (the
-    /// apiserver then authorizes without a name too).
+    /// apiserver then authorizes without a name too), and on the legacy `/watch/` paths,
+    /// where `RequestInfoFactory` reads the name from the path alone (a collection watched
+    /// there is authorized without a name, whatever its selector).
     pub fn field_selector_name(&self) -> Option<&str> {
-        if !self.resource_request || !matches!(self.verb, Verb::List | Verb::Watch) {
+        if !self.resource_request
+            || self.watch_prefix
+            || !matches!(self.verb, Verb::List | Verb::Watch)
+        {
             return None;
         }
         let selector = self.query.field_selector.as_deref()?;
@@ -296,6 +304,7 @@ fn classify_parts(
             resource: String::new(),
             subresource: None,
             name: None,
+            watch_prefix: false,
             path: path.to_owned(),
             query: params.query(false)?,
         })
@@ -319,6 +328,7 @@ fn classify_parts(
     let api_version = parts[0].clone();
     parts = &parts[1..];
 
+    let watch_prefix = parts[0] == "watch";
     let mut verb = match parts[0].as_str() {
         "watch" => {
             if parts.len() < 2 {
@@ -395,6 +405,7 @@ fn classify_parts(
         resource,
         subresource,
         name,
+        watch_prefix,
         path: path.to_owned(),
         query,
     })

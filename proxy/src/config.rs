@@ -89,8 +89,16 @@ pub struct ListenLimits {
     /// A client that does not answer a keepalive ping within this time is dropped.
     #[serde(with = "humantime_serde")]
     pub keepalive_timeout: Duration,
-    /// Largest request body in bytes (the apiserver's own limit is 3 MiB).
+    /// Largest request body in bytes (the apiserver's own limit is 3 MiB); larger gets 413.
     pub max_body_bytes: usize,
+    /// Request bodies held in memory at once, all requests together. A body is read whole
+    /// before it is sent upstream, so that a retry can send it again, and is held until
+    /// the apiserver answers; a request whose body does not fit gets 429 at once.
+    pub buffered_body_bytes: Quantity,
+    /// Request bodies held in memory at once for one flow of the rules (`rule/user`,
+    /// `rule/namespace` or `rule`), exempt or not, so that one flow cannot take the whole
+    /// `bufferedBodyBytes`.
+    pub buffered_body_bytes_per_flow: Quantity,
     /// How often the certificate, key and client CA files are re-read to catch a change
     /// that file-system notifications missed (notifications usually see it at once).
     #[serde(with = "humantime_serde")]
@@ -108,6 +116,8 @@ impl Default for ListenLimits {
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
             max_body_bytes: 3 * 1024 * 1024,
+            buffered_body_bytes: Quantity(256 * 1024 * 1024),
+            buffered_body_bytes_per_flow: Quantity(32 * 1024 * 1024),
             file_check_interval: Duration::from_secs(30),
         }
     }
@@ -245,7 +255,7 @@ pub struct HeaderNames {
     /// Header carrying the user name.
     pub user: String,
     /// Header carrying the user's UID (apiserver `--requestheader-uid-headers`, v1.32+);
-    /// empty to send none.
+    /// empty to send none. Clients' own `X-Remote-*` headers are stripped whatever the names.
     pub uid: String,
     /// Header carrying each group, repeated.
     pub group: String,
@@ -354,28 +364,74 @@ pub enum IdentityMode {
     Passthrough,
 }
 
-/// The cache of TokenReview results.
+/// The cache of TokenReview results, and the bounds on the reviews it makes.
+///
+/// A token in neither cache costs one upstream TokenReview before any rule applies, so
+/// reviews are bounded on their own: per source address, overall, and in flight.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct TokenReview {
-    /// How long an accepted token is trusted (capped by the token's own expiry).
+    /// How long an accepted token is trusted (capped by the token's own expiry). The
+    /// apiserver's own cache of token checks keeps a result 10 s, so a revoked token stops
+    /// working about as soon as it would without Bulwark.
     #[serde(with = "humantime_serde")]
     pub ttl: Duration,
-    /// How long a rejected token or a failed review is remembered.
+    /// How long a rejected token is remembered (a review that failed is not).
     #[serde(with = "humantime_serde")]
     pub failure_ttl: Duration,
-    /// Most tokens remembered.
+    /// Most accepted tokens remembered.
     pub max_entries: usize,
+    /// Most rejected tokens remembered, in a cache of their own so that a flood of bad
+    /// tokens cannot push good ones out.
+    pub max_rejected_entries: usize,
+    /// Longest bearer token reviewed; a longer one gets 401 without a review.
+    pub max_token_bytes: usize,
+    /// Reviews Bulwark makes for all clients together.
+    pub rate: ReviewRate,
+    /// Reviews Bulwark makes for one client address (IPv6 by /64).
+    pub per_source: ReviewRate,
+    /// Client addresses whose review rate is remembered; the least recently seen beyond
+    /// this starts again with a full bucket.
+    pub max_sources: usize,
+    /// Reviews in flight at once.
+    pub max_concurrent: usize,
+    /// How long a request waits for a review to start while `maxConcurrent` are in flight
+    /// before it gets 429.
+    #[serde(with = "humantime_serde")]
+    pub max_wait: Duration,
 }
 
 impl Default for TokenReview {
     fn default() -> Self {
         Self {
-            ttl: Duration::from_secs(120),
+            ttl: Duration::from_secs(10),
             failure_ttl: Duration::from_secs(10),
             max_entries: 10_000,
+            max_rejected_entries: 1_000,
+            max_token_bytes: 16 * 1024,
+            rate: ReviewRate {
+                qps: 500.0,
+                burst: 1_000,
+            },
+            per_source: ReviewRate {
+                qps: 20.0,
+                burst: 100,
+            },
+            max_sources: 10_000,
+            max_concurrent: 32,
+            max_wait: Duration::from_secs(1),
         }
     }
+}
+
+/// A token bucket of TokenReviews.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ReviewRate {
+    /// Reviews per second, sustained.
+    pub qps: f64,
+    /// Reviews allowed at once on a full bucket.
+    pub burst: u32,
 }
 
 /// Where the rule files live.
@@ -405,11 +461,6 @@ pub struct Cache {
     /// anyway (cacheable requests go upstream until a cache is synced).
     #[serde(with = "humantime_serde")]
     pub sync_cap: Duration,
-    /// How long a consistent read waits for the cache to reach the current version, and a
-    /// watch from a version newer than the cache waits for it, before going upstream or
-    /// getting 504 `ResourceVersionTooLarge`.
-    #[serde(with = "humantime_serde")]
-    pub freshness_wait: Duration,
     /// The largest bounded staleness a rule may grant (a rule's `staleness` above it is
     /// capped to it).
     #[serde(with = "humantime_serde")]
@@ -447,7 +498,6 @@ impl Default for Cache {
             exclude_names: Vec::new(),
             ring_size: 10_000,
             sync_cap: Duration::from_secs(60),
-            freshness_wait: Duration::from_secs(3),
             max_staleness: Duration::from_secs(10),
             list_cache_bytes: Quantity(256 * 1024 * 1024),
             watcher_buffer: 1_000,
@@ -715,6 +765,18 @@ impl Config {
         p.positive("listen.limits.keepaliveInterval", l.keepalive_interval);
         p.positive("listen.limits.keepaliveTimeout", l.keepalive_timeout);
         p.nonzero("listen.limits.maxBodyBytes", l.max_body_bytes as u64);
+        if l.buffered_body_bytes_per_flow.0 < l.max_body_bytes as u64 {
+            p.add(
+                "listen.limits.bufferedBodyBytesPerFlow",
+                "must be at least listen.limits.maxBodyBytes",
+            );
+        }
+        if l.buffered_body_bytes.0 < l.buffered_body_bytes_per_flow.0 {
+            p.add(
+                "listen.limits.bufferedBodyBytes",
+                "must be at least listen.limits.bufferedBodyBytesPerFlow",
+            );
+        }
         // A zero pause is a valid choice (no balancer to wait for); a zero grace is not.
         p.positive("listen.shutdown.grace", listen.shutdown.grace);
     }
@@ -837,6 +899,29 @@ impl Config {
         p.positive("identity.tokenReview.ttl", tr.ttl);
         p.positive("identity.tokenReview.failureTtl", tr.failure_ttl);
         p.nonzero("identity.tokenReview.maxEntries", tr.max_entries as u64);
+        p.nonzero(
+            "identity.tokenReview.maxRejectedEntries",
+            tr.max_rejected_entries as u64,
+        );
+        p.nonzero(
+            "identity.tokenReview.maxTokenBytes",
+            tr.max_token_bytes as u64,
+        );
+        for (field, rate) in [
+            ("identity.tokenReview.rate", tr.rate),
+            ("identity.tokenReview.perSource", tr.per_source),
+        ] {
+            if !(rate.qps.is_finite() && rate.qps > 0.0) {
+                p.add(format!("{field}.qps"), "must be greater than 0");
+            }
+            p.nonzero(&format!("{field}.burst"), u64::from(rate.burst));
+        }
+        p.nonzero("identity.tokenReview.maxSources", tr.max_sources as u64);
+        p.nonzero(
+            "identity.tokenReview.maxConcurrent",
+            tr.max_concurrent as u64,
+        );
+        p.positive("identity.tokenReview.maxWait", tr.max_wait);
     }
 
     fn validate_cache(&self, p: &mut Problems) {
@@ -879,7 +964,6 @@ impl Config {
         }
         p.nonzero("cache.ringSize", cache.ring_size as u64);
         p.positive("cache.syncCap", cache.sync_cap);
-        p.positive("cache.freshnessWait", cache.freshness_wait);
         p.nonzero("cache.listCacheBytes", cache.list_cache_bytes.0);
         p.nonzero("cache.watcherBuffer", cache.watcher_buffer as u64);
         p.positive("cache.reauthorizeInterval", cache.reauthorize_interval);

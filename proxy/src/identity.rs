@@ -2,10 +2,11 @@
 //!
 //! A verified client certificate wins over a bearer token, as in the apiserver. A token is
 //! resolved with a TokenReview made with Bulwark's own identity and cached by its hash; a
-//! token the review rejects is never passed on. The [`forward`] submodule rewrites the
-//! request headers for the configured mode.
+//! token the review rejects is never passed on, and reviews are bounded ([`limits`]). The
+//! [`forward`] submodule rewrites the request headers for the configured mode.
 
 pub mod forward;
+pub mod limits;
 pub mod review;
 
 use std::collections::BTreeMap;
@@ -93,25 +94,38 @@ pub enum IdentityError {
     /// The `Authorization` header is not a usable bearer token.
     #[error("the Authorization header is not a bearer token")]
     MalformedAuthorization,
+    /// The bearer token is longer than any Bulwark reviews.
+    #[error("the bearer token is longer than {0} bytes")]
+    TokenTooLong(usize),
+    /// A review would be needed, and a bound on reviews says not now.
+    #[error("{}; retry later", .0.bound)]
+    ReviewLimited(limits::Limited),
     /// The TokenReview said no.
     #[error("the token was rejected: {0}")]
     TokenRejected(String),
     /// No TokenReview could be made; the request is refused rather than passed on.
     #[error("the token could not be reviewed: {0}")]
     ReviewFailed(String),
-    /// The verified certificate has no usable subject.
+    /// The verified certificate has no usable subject (no CN, or more than one).
     #[error("the client certificate has no usable common name: {0}")]
     BadCertificate(String),
 }
 
 /// The user named by a verified client certificate: CN is the user, each O a group.
+///
+/// A subject with more than one CN is refused: Go's `pkix.Name` keeps the last one, so the
+/// apiserver would take such a certificate for a user other than the first CN, and no
+/// choice here could be sure to agree with every hop that reads it.
 pub fn user_from_certificate(leaf: &CertificateDer<'_>) -> Result<User, IdentityError> {
     let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
         .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
     let subject = cert.subject();
-    let username = subject
-        .iter_common_name()
-        .next()
+    let mut common_names = subject.iter_common_name();
+    let first = common_names.next();
+    if common_names.next().is_some() {
+        return Err(IdentityError::BadCertificate("more than one CN".into()));
+    }
+    let username = first
         .and_then(|cn| cn.as_str().ok())
         .filter(|cn| !cn.is_empty())
         .ok_or_else(|| IdentityError::BadCertificate("no CN".into()))?
@@ -130,7 +144,10 @@ pub fn user_from_certificate(leaf: &CertificateDer<'_>) -> Result<User, Identity
     .with_authenticated_group())
 }
 
-/// The bearer token of a request, if it carries one.
+/// The bearer token of a request, if it carries one: `Bearer`, one space, and a token of
+/// visible ASCII (no spaces). Anything else is refused before a review is made: the
+/// apiserver authenticates no such token either (it reads `Bearer  x` as an empty token,
+/// and ServiceAccount, OIDC and bootstrap tokens are all visible ASCII).
 pub fn bearer_token(headers: &http::HeaderMap) -> Result<Option<String>, IdentityError> {
     let Some(value) = headers.get(http::header::AUTHORIZATION) else {
         return Ok(None);
@@ -139,10 +156,13 @@ pub fn bearer_token(headers: &http::HeaderMap) -> Result<Option<String>, Identit
         .to_str()
         .map_err(|_| IdentityError::MalformedAuthorization)?;
     let (scheme, token) = value
+        .trim()
         .split_once(' ')
         .ok_or(IdentityError::MalformedAuthorization)?;
-    let token = token.trim();
-    if !scheme.eq_ignore_ascii_case("bearer") || token.is_empty() {
+    if !scheme.eq_ignore_ascii_case("bearer")
+        || token.is_empty()
+        || !token.bytes().all(|b| b.is_ascii_graphic())
+    {
         return Err(IdentityError::MalformedAuthorization);
     }
     Ok(Some(token.to_string()))
@@ -187,6 +207,31 @@ mod tests {
     }
 
     #[test]
+    fn certificate_with_more_than_one_cn_is_refused() {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "alice");
+        params.distinguished_name.push(
+            rcgen::DnType::CustomDnType(vec![2, 5, 4, 3]),
+            "system:admin",
+        );
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap().der().clone();
+        let cns = x509_parser::parse_x509_certificate(cert.as_ref())
+            .unwrap()
+            .1
+            .subject()
+            .iter_common_name()
+            .count();
+        assert_eq!(cns, 2, "the test certificate carries both CNs");
+        assert_eq!(
+            user_from_certificate(&cert),
+            Err(IdentityError::BadCertificate("more than one CN".into()))
+        );
+    }
+
+    #[test]
     fn bearer_tokens_are_parsed_strictly() {
         let mut headers = http::HeaderMap::new();
         assert_eq!(bearer_token(&headers), Ok(None));
@@ -197,10 +242,30 @@ mod tests {
             bearer_token(&headers),
             Err(IdentityError::MalformedAuthorization)
         );
-        headers.insert("authorization", "Bearer ".parse().unwrap());
+        for malformed in [
+            "Bearer ",
+            "Bearer",
+            "Bearer  abc",
+            "Bearer a b",
+            "Bearer a\tb",
+            "Bearerabc",
+        ] {
+            headers.insert("authorization", malformed.parse().unwrap());
+            assert_eq!(
+                bearer_token(&headers),
+                Err(IdentityError::MalformedAuthorization),
+                "{malformed:?}"
+            );
+        }
+        headers.insert(
+            "authorization",
+            http::HeaderValue::from_bytes("Bearer t\u{f6}k".as_bytes()).unwrap(),
+        );
         assert_eq!(
             bearer_token(&headers),
             Err(IdentityError::MalformedAuthorization)
         );
+        headers.insert("authorization", "bearer a-Z_0.9~+/=".parse().unwrap());
+        assert_eq!(bearer_token(&headers), Ok(Some("a-Z_0.9~+/=".into())));
     }
 }

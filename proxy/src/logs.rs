@@ -2,8 +2,9 @@
 //! and a bounded number of lines per interval overall, so a storm of 429s cannot flood the
 //! log (the metrics count every refusal; the log names who and why).
 //!
-//! A line carries the identity's user name, rule, level, reason and how many refusals were
-//! left unlogged since the last line — never a token, a header or a body.
+//! A line carries the identity's user name, rule, level, reason, the detail the client is not
+//! told (which replica failed, why a token was rejected) and how many refusals were left
+//! unlogged since the last line — never a token, a header or a body.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -51,6 +52,9 @@ pub struct Rejection<'a> {
     pub level: &'a str,
     /// Why.
     pub reason: Reason,
+    /// What went wrong, for operators: the error behind the refusal, which may name a
+    /// replica or a file the client's answer leaves out.
+    pub detail: &'a str,
 }
 
 impl RejectionLog {
@@ -77,6 +81,7 @@ impl RejectionLog {
                 rule = rejection.rule,
                 level = rejection.level,
                 reason = rejection.reason.as_str(),
+                detail = rejection.detail,
                 suppressed,
                 "request rejected"
             );
@@ -133,6 +138,7 @@ mod tests {
             rule: "secret-lists",
             level: "list-heavy",
             reason,
+            detail: "waited 15s",
         }
     }
 
@@ -168,7 +174,8 @@ mod tests {
         );
     }
 
-    /// The line itself: names identity, rule and reason, and nothing else of the request.
+    /// The line itself: names identity, rule, reason and detail, and nothing else of the
+    /// request.
     #[test]
     fn the_line_names_identity_rule_and_reason() {
         use std::sync::{Arc, Mutex};
@@ -212,6 +219,7 @@ mod tests {
         assert_eq!(fields["rule"], "secret-lists");
         assert_eq!(fields["level"], "list-heavy");
         assert_eq!(fields["reason"], "queue_timeout");
+        assert_eq!(fields["detail"], "waited 15s");
         assert_eq!(fields["suppressed"], 0);
     }
 }

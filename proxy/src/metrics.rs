@@ -1,15 +1,20 @@
 //! Bulwark's Prometheus metrics: registered once, passed to every stage, never global.
 //!
-//! Names and labels are the contract of DESIGN.md's metrics table; label values are bounded
-//! (resources known or `other`, replicas from config, reasons from [`Reason`]).
+//! Names and labels are the contract of DESIGN.md's metrics table. Every label value comes
+//! from a closed set, never from what a client sent: verbs and methods known or `other`
+//! ([`verb_label`], [`method_label`]), status codes registered or `other` ([`code_label`]),
+//! resources built in or configured or `other` ([`ResourceLabels`]), replicas, rules and
+//! levels from config, reasons from [`Reason`].
 
 use std::sync::Arc;
 
+use http::{Method, StatusCode};
 use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
 
+use crate::classify::{RequestInfo, Verb};
 use crate::status::Reason;
 
 /// Who produced a response.
@@ -31,6 +36,124 @@ impl ServedBy {
             ServedBy::Upstream => "upstream",
             ServedBy::Bulwark => "bulwark",
         }
+    }
+}
+
+/// The `verb` label of a classified request: the apiserver's verb, or for a non-resource
+/// request its method as [`method_label`] bounds it.
+pub fn verb_label(verb: &Verb) -> &'static str {
+    match verb {
+        Verb::Get => "get",
+        Verb::List => "list",
+        Verb::Watch => "watch",
+        Verb::Create => "create",
+        Verb::Update => "update",
+        Verb::Patch => "patch",
+        Verb::Delete => "delete",
+        Verb::DeleteCollection => "deletecollection",
+        Verb::NonResource(method) => method_label(method),
+    }
+}
+
+/// The `verb` label of a request that could not be classified: the standard methods in
+/// lower case, `other` for any extension method (a client may send any token as a method).
+pub fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "get",
+        Method::HEAD => "head",
+        Method::POST => "post",
+        Method::PUT => "put",
+        Method::PATCH => "patch",
+        Method::DELETE => "delete",
+        Method::OPTIONS => "options",
+        Method::CONNECT => "connect",
+        Method::TRACE => "trace",
+        _ => "other",
+    }
+}
+
+/// The `code` label: a registered status code as its three digits, `other` for the rest
+/// (an answer relayed from a pod through the `proxy` subresource may carry any of 900).
+pub fn code_label(status: &StatusCode) -> &str {
+    if status.canonical_reason().is_some() {
+        status.as_str()
+    } else {
+        "other"
+    }
+}
+
+/// Resources that always get their own `resource` label.
+const BUILT_IN_RESOURCES: [&str; 24] = [
+    "configmaps",
+    "customresourcedefinitions",
+    "daemonsets",
+    "deployments",
+    "endpoints",
+    "endpointslices",
+    "events",
+    "ingresses",
+    "jobs",
+    "leases",
+    "namespaces",
+    "nodes",
+    "persistentvolumeclaims",
+    "persistentvolumes",
+    "pods",
+    "replicasets",
+    "rolebindings",
+    "roles",
+    "secrets",
+    "serviceaccounts",
+    "services",
+    "statefulsets",
+    "subjectaccessreviews",
+    "tokenreviews",
+];
+
+/// The closed set of `resource` label values: the built-in resources, those the cache is
+/// configured for, `other` for every other resource and `""` for non-resource requests.
+/// Fixed at start, so a client naming a million resources still makes one series.
+#[derive(Clone, Debug)]
+pub struct ResourceLabels {
+    known: Arc<[Arc<str>]>,
+    other: Arc<str>,
+    none: Arc<str>,
+}
+
+impl ResourceLabels {
+    /// The built-in resources plus `extra`, each `resource` or `resource.group` (the group
+    /// is dropped: the label is the resource name).
+    pub fn new<'a>(extra: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut known: Vec<Arc<str>> = BUILT_IN_RESOURCES.iter().map(|r| Arc::from(*r)).collect();
+        for name in extra {
+            let resource = name.split('.').next().unwrap_or(name);
+            if !known.iter().any(|k| &**k == resource) {
+                known.push(Arc::from(resource));
+            }
+        }
+        Self {
+            known: known.into(),
+            other: Arc::from("other"),
+            none: Arc::from(""),
+        }
+    }
+
+    /// The label of a classified request.
+    pub fn label(&self, info: &RequestInfo) -> Arc<str> {
+        if !info.resource_request {
+            return self.none.clone();
+        }
+        self.known
+            .iter()
+            .find(|k| ***k == *info.resource)
+            .unwrap_or(&self.other)
+            .clone()
+    }
+}
+
+impl Default for ResourceLabels {
+    fn default() -> Self {
+        Self::new([])
     }
 }
 
@@ -141,7 +264,7 @@ impl Metrics {
         );
         let authz_reviews_total = counter(
             "authz_reviews_total",
-            "TokenReviews and SubjectAccessReviews, by kind and result.",
+            "TokenReviews and SubjectAccessReviews, by kind and result (cached and limited made no review).",
             &["kind", "result"],
         );
         let shadow_rejections_total = counter(
@@ -329,5 +452,32 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_come_from_closed_sets() {
+        let odd = Method::from_bytes(b"XYZZYSOMETHINGLONG").unwrap();
+        assert_eq!(method_label(&odd), "other");
+        assert_eq!(method_label(&Method::PATCH), "patch");
+        assert_eq!(verb_label(&Verb::NonResource(odd)), "other");
+        assert_eq!(verb_label(&Verb::DeleteCollection), "deletecollection");
+        assert_eq!(code_label(&StatusCode::TOO_MANY_REQUESTS), "429");
+        assert_eq!(code_label(&StatusCode::from_u16(599).unwrap()), "other");
+
+        let labels = ResourceLabels::new(["widgets.example.com", "secrets"]);
+        let info =
+            |path: &str| crate::classify::classify(&Method::GET, &path.parse().unwrap()).unwrap();
+        assert_eq!(&*labels.label(&info("/api/v1/namespaces/a/pods")), "pods");
+        assert_eq!(
+            &*labels.label(&info("/apis/example.com/v1/widgets")),
+            "widgets"
+        );
+        assert_eq!(&*labels.label(&info("/api/v1/zq8f3kd")), "other");
+        assert_eq!(&*labels.label(&info("/zq8f3kd")), "");
     }
 }

@@ -33,11 +33,13 @@ use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{self, Credential, Identity, IdentityError, TokenCache, UpstreamReviewer};
 use crate::listen::{ConnInfo, DrainPhase, ListenError, Listener};
 use crate::logs::{Rejection, RejectionLog};
-use crate::metrics::{Metrics, ServedBy};
+use crate::metrics::{Metrics, ResourceLabels, ServedBy, code_label, method_label, verb_label};
 use crate::rules::Matched;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::status::{Reason, Refusal};
-use crate::upstream::{PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls};
+use crate::upstream::{
+    BodyBudget, BodyFlow, PreferReplica, RetryPolicy, Route, Upstream, UpstreamError, UpstreamTls,
+};
 use crate::{Body, admin};
 
 /// Why a request was answered by Bulwark itself.
@@ -58,29 +60,72 @@ pub enum ProxyError {
     /// Admission said no (429 with rule, level, reason and `Retry-After`).
     #[error("{}", .0.message)]
     Refused(Refusal),
+    /// The cache refused a read it would otherwise answer: 403 from the reader's
+    /// SubjectAccessReview, in the apiserver's own words, or an error when no review could
+    /// be made.
+    #[error("{error}")]
+    Cache {
+        /// Why.
+        error: CacheError,
+        /// The reader's rule.
+        rule: Arc<str>,
+        /// The reader's priority level.
+        level: String,
+    },
 }
 
 impl ProxyError {
-    /// The refusal the client sees.
+    /// The refusal the client sees. Its message never names a replica, a file or why a
+    /// credential failed (a 401 says only `Unauthorized`, as the apiserver's does): the
+    /// rejection log has the whole error.
     pub fn refusal(&self) -> Refusal {
         let message = self.to_string();
         match self {
             ProxyError::Classify(_) => Refusal::new(Reason::BadRequest, message),
             ProxyError::Identity(IdentityError::ReviewFailed(_)) => {
-                Refusal::new(Reason::UpstreamError, message).retry_after(Duration::from_secs(1))
+                Refusal::new(Reason::UpstreamError, "the token could not be reviewed")
+                    .retry_after(Duration::from_secs(1))
             }
-            ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, message),
+            ProxyError::Identity(IdentityError::ReviewLimited(limited)) => {
+                Refusal::new(Reason::ReviewLimited, message).retry_after(limited.retry_after)
+            }
+            ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, "Unauthorized"),
             ProxyError::Forward(ForwardError::ClientImpersonation) => {
                 Refusal::new(Reason::Forbidden, message)
             }
             ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
                 Refusal::new(Reason::BadRequest, message)
             }
-            ProxyError::Forward(ForwardError::OwnToken(_)) => {
-                Refusal::new(Reason::UpstreamError, message)
-            }
+            ProxyError::Forward(ForwardError::OwnToken(_)) => Refusal::new(
+                Reason::UpstreamError,
+                "bulwark's own credential is unavailable",
+            ),
             ProxyError::Upstream(e) => e.refusal(),
             ProxyError::Refused(refusal) => refusal.clone(),
+            ProxyError::Cache { error, rule, level } => Refusal {
+                rule: Some(rule.to_string()),
+                level: Some(level.clone()),
+                ..Refusal::new(error.reason(), message)
+            },
+        }
+    }
+
+    /// The response for this error, whose [`ProxyError::refusal`] is `refusal`.
+    fn into_response(self, refusal: Refusal) -> Response<Body> {
+        match self {
+            ProxyError::Cache { error, .. } => {
+                let mut response = error.into_response();
+                for (name, value) in [
+                    ("x-bulwark-rule", refusal.rule),
+                    ("x-bulwark-level", refusal.level),
+                ] {
+                    if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
+                        response.headers_mut().insert(name, value);
+                    }
+                }
+                response
+            }
+            _ => refusal.into_response(),
         }
     }
 }
@@ -88,8 +133,8 @@ impl ProxyError {
 /// The metric labels of one request, filled in by whichever stage learns them.
 #[derive(Debug, Clone)]
 struct Labels {
-    verb: String,
-    resource: &'static str,
+    verb: &'static str,
+    resource: Arc<str>,
 }
 
 type LabelSlot = Arc<OnceLock<Labels>>;
@@ -146,7 +191,7 @@ where
         let who = WhoSlot::default();
         request.extensions_mut().insert(who.clone());
         let log = self.log.clone();
-        let method = request.method().as_str().to_ascii_lowercase();
+        let method = method_label(request.method());
         let started = Instant::now();
         let metrics = self.metrics.clone();
         let mut inner = self.inner.clone();
@@ -162,37 +207,45 @@ where
                 }
                 Err(error) => {
                     let refusal = error.refusal();
-                    tracing::debug!(reason = %refusal.reason, error = %error, "refused");
+                    let detail = error.to_string();
+                    tracing::debug!(reason = %refusal.reason, error = %detail, "refused");
                     log.rejected(Rejection {
                         identity: who.0.get().map_or("-", String::as_str),
                         rule: refusal.rule.as_deref().unwrap_or(""),
                         level: refusal.level.as_deref().unwrap_or(""),
                         reason: refusal.reason,
+                        detail: &detail,
                     });
                     metrics.reject(
                         refusal.rule.as_deref().unwrap_or(""),
                         refusal.level.as_deref().unwrap_or(""),
                         refusal.reason,
                     );
-                    (refusal.into_response(), ServedBy::Bulwark)
+                    let response = error.into_response(refusal);
+                    let served_by = response
+                        .extensions()
+                        .get::<ServedBy>()
+                        .copied()
+                        .unwrap_or(ServedBy::Bulwark);
+                    (response, served_by)
                 }
             };
             let labels = slot.get().cloned().unwrap_or(Labels {
                 verb: method,
-                resource: "",
+                resource: Arc::from(""),
             });
             metrics
                 .requests_total
                 .with_label_values(&[
-                    labels.verb.as_str(),
-                    labels.resource,
-                    response.status().as_str(),
+                    labels.verb,
+                    &labels.resource,
+                    code_label(&response.status()),
                     served_by.as_str(),
                 ])
                 .inc();
             metrics
                 .request_duration_seconds
-                .with_label_values(&[labels.verb.as_str(), served_by.as_str()])
+                .with_label_values(&[labels.verb, served_by.as_str()])
                 .observe(started.elapsed().as_secs_f64());
             Ok(response)
         })
@@ -201,18 +254,24 @@ where
 
 /// Classifies the request (400 for malformed paths) and records its labels.
 #[derive(Clone, Default)]
-pub struct ClassifyLayer;
+pub struct ClassifyLayer {
+    resources: ResourceLabels,
+}
 
 /// See [`ClassifyLayer`].
 #[derive(Clone)]
 pub struct Classify<S> {
     inner: S,
+    resources: ResourceLabels,
 }
 
 impl<S> Layer<S> for ClassifyLayer {
     type Service = Classify<S>;
     fn layer(&self, inner: S) -> Classify<S> {
-        Classify { inner }
+        Classify {
+            inner,
+            resources: self.resources.clone(),
+        }
     }
 }
 
@@ -234,8 +293,8 @@ where
         let info = classify::classify(request.method(), request.uri());
         if let (Ok(info), Some(slot)) = (&info, request.extensions().get::<LabelSlot>()) {
             let _ = slot.set(Labels {
-                verb: info.verb.to_string(),
-                resource: resource_label(info),
+                verb: verb_label(&info.verb),
+                resource: self.resources.label(info),
             });
         }
         let mut inner = self.inner.clone();
@@ -244,45 +303,6 @@ where
             inner.call(request).await
         })
     }
-}
-
-/// Resources that get their own metric label; the rest are `other`, so labels stay bounded.
-const KNOWN_RESOURCES: [&str; 24] = [
-    "configmaps",
-    "customresourcedefinitions",
-    "daemonsets",
-    "deployments",
-    "endpoints",
-    "endpointslices",
-    "events",
-    "jobs",
-    "leases",
-    "namespaces",
-    "nodes",
-    "persistentvolumeclaims",
-    "persistentvolumes",
-    "pods",
-    "replicasets",
-    "rolebindings",
-    "roles",
-    "secrets",
-    "serviceaccounts",
-    "services",
-    "statefulsets",
-    "subjectaccessreviews",
-    "tokenreviews",
-    "ingresses",
-];
-
-fn resource_label(info: &RequestInfo) -> &'static str {
-    if !info.resource_request {
-        return "";
-    }
-    KNOWN_RESOURCES
-        .iter()
-        .find(|r| **r == info.resource)
-        .copied()
-        .unwrap_or("other")
 }
 
 /// Establishes who the client is: certificate first, then bearer token, then the anonymous
@@ -355,9 +375,8 @@ async fn identify(
     tokens: &TokenCache,
     anonymous: &[String],
 ) -> Result<Identity, IdentityError> {
-    let chain = extensions
-        .get::<ConnInfo>()
-        .and_then(|c| c.client_chain.clone());
+    let conn = extensions.get::<ConnInfo>();
+    let chain = conn.and_then(|c| c.client_chain.clone());
     if let Some(leaf) = chain.as_deref().and_then(|c| c.first()) {
         let user = identity::user_from_certificate(leaf)?;
         return Ok(Identity::User {
@@ -366,7 +385,9 @@ async fn identify(
         });
     }
     if let Some(token) = identity::bearer_token(headers)? {
-        let user = tokens.authenticate(&token).await?;
+        let user = tokens
+            .authenticate(&token, conn.map(|c| c.peer.ip()))
+            .await?;
         return Ok(Identity::User {
             user,
             credential: Credential::Token(token),
@@ -391,6 +412,7 @@ pub struct AdmitLayer {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
+    bodies: Arc<BodyBudget>,
 }
 
 /// See [`AdmitLayer`].
@@ -400,6 +422,7 @@ pub struct Admit<S> {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
+    bodies: Arc<BodyBudget>,
 }
 
 impl<S> Layer<S> for AdmitLayer {
@@ -410,6 +433,7 @@ impl<S> Layer<S> for AdmitLayer {
             rules: self.rules.clone(),
             admission: self.admission.clone(),
             cache: self.cache.clone(),
+            bodies: self.bodies.clone(),
         }
     }
 }
@@ -454,6 +478,7 @@ where
         let rules = self.rules.current();
         let admission = self.admission.clone();
         let cache = self.cache.clone();
+        let bodies = self.bodies.clone();
         let mut inner = self.inner.clone();
         Box::pin(async move {
             let info = request
@@ -474,11 +499,13 @@ where
                     admission: &admission,
                     matched: &matched,
                 };
+                let peer = request.extensions().get::<ConnInfo>().map(|c| c.peer.ip());
                 let answer = match cache
-                    .serve(
+                    .serve_from(
                         &info,
                         &user,
                         request.headers(),
+                        peer,
                         matched.staleness,
                         Some(gate),
                     )
@@ -487,7 +514,14 @@ where
                     Ok(Some(response)) => Some(response),
                     Ok(None) => None,
                     Err(CacheError::Refused(refusal)) => return Err(ProxyError::Refused(refusal)),
-                    Err(refused) => Some(refused.into_response()),
+                    // Counted, logged and answered by Rescue like every refusal.
+                    Err(error) => {
+                        return Err(ProxyError::Cache {
+                            error,
+                            rule: matched.rule.clone(),
+                            level: matched.level.name.clone(),
+                        });
+                    }
                 };
                 if let Some(mut response) = answer {
                     response.extensions_mut().insert(ServedBy::Cache);
@@ -516,13 +550,17 @@ where
                     .extensions_mut()
                     .insert(PreferReplica(Arc::from(replica)));
             }
+            // The body is held for retries within the budget of its flow, exempt or not.
+            request.extensions_mut().insert(BodyFlow {
+                budget: bodies,
+                flow: Arc::from(matched.flow.as_str()),
+            });
             let mut response = inner.call(request).await?;
             name_rule(&mut response, &matched);
             if info.is_long_running() {
                 permit.release_seats();
             }
-            let learn = (info.is_list() && response.status() == StatusCode::OK)
-                .then_some((admission, info));
+            let learn = crate::admit::Learn::list(admission, info, &response);
             Ok(response.map(|body| crate::admit::hold(body, permit, learn)))
         })
     }
@@ -620,6 +658,7 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
 /// The whole request path as one service, outermost layer first.
 pub fn stack(
     metrics: Metrics,
+    resources: ResourceLabels,
     tokens: Arc<TokenCache>,
     anonymous: Vec<String>,
     admit: AdmitLayer,
@@ -639,7 +678,7 @@ pub fn stack(
             log: Arc::new(RejectionLog::default()),
         })
         // Malformed paths never reach identity or upstream.
-        .layer(ClassifyLayer)
+        .layer(ClassifyLayer { resources })
         // Certificate, token review or the anonymous allowlist; 401 otherwise.
         .layer(IdentifyLayer {
             tokens,
@@ -749,12 +788,14 @@ impl Running {
         };
         let service = stack(
             metrics.clone(),
+            ResourceLabels::new(config.cache.resources.iter().map(String::as_str)),
             tokens,
             config.identity.anonymous.clone(),
             AdmitLayer {
                 rules: rules.clone(),
                 admission: admission.clone(),
                 cache: cache.clone(),
+                bodies: BodyBudget::new(&config.listen.limits),
             },
             forward,
         );
@@ -831,7 +872,10 @@ async fn shutdown_signal() {
 
 impl UpstreamError {
     /// The refusal for an upstream failure: 503 with `Retry-After` when no replica is
-    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, else 502.
+    /// healthy, 504 on timeout, 413 for a body over the apiserver's limit, 429 with
+    /// `Retry-After` for a body the body budget has no room for, else 502. The message
+    /// names no replica (clients have no use for the fleet's addresses); the rejection log
+    /// does.
     pub fn refusal(&self) -> Refusal {
         let message = self.to_string();
         match self {
@@ -839,10 +883,90 @@ impl UpstreamError {
                 Refusal::new(Reason::NoHealthyUpstream, message).retry_after(*retry_after)
             }
             UpstreamError::Timeout => Refusal::new(Reason::UpstreamTimeout, message),
-            UpstreamError::BodyTooLarge => {
+            UpstreamError::BodyBudget(_) => {
+                Refusal::new(Reason::BodyBudget, message).retry_after(Duration::from_secs(1))
+            }
+            UpstreamError::BodyTooLarge(_) => {
                 Refusal::new(Reason::BadRequest, message).with_status(StatusCode::PAYLOAD_TOO_LARGE)
             }
-            _ => Refusal::new(Reason::UpstreamError, message),
+            UpstreamError::RequestBody(_) | UpstreamError::NotUpgradable => {
+                Refusal::new(Reason::BadRequest, message)
+            }
+            UpstreamError::Connect(_) | UpstreamError::Tls(_) => {
+                Refusal::new(Reason::UpstreamError, "the apiserver could not be reached")
+            }
+            UpstreamError::Protocol(_) => Refusal::new(
+                Reason::UpstreamError,
+                "the exchange with the apiserver failed",
+            ),
+            UpstreamError::Interrupted(_) => Refusal::new(
+                Reason::UpstreamError,
+                "the request may have reached the apiserver but no answer came; not retried",
+            ),
+            UpstreamError::MissingCredential(_) | UpstreamError::Config(_) => {
+                Refusal::new(Reason::UpstreamError, "bulwark cannot forward this request")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole answer a client gets for `error`, as Rescue writes it.
+    async fn answer(error: ProxyError) -> (StatusCode, String) {
+        let refusal = error.refusal();
+        let response = error.into_response(refusal);
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn failures_upstream_name_no_replica_and_no_file_to_the_client() {
+        let replica = "10.0.0.7:6443";
+        let errors = [
+            ProxyError::Upstream(UpstreamError::Connect(format!("{replica}: refused"))),
+            ProxyError::Upstream(UpstreamError::Tls(format!("{replica}: bad certificate"))),
+            ProxyError::Upstream(UpstreamError::Protocol(format!("{replica}: reset"))),
+            ProxyError::Upstream(UpstreamError::Interrupted(format!("{replica}: GOAWAY"))),
+            ProxyError::Upstream(UpstreamError::Config(format!("replica {replica}"))),
+            ProxyError::Identity(IdentityError::ReviewFailed(format!(
+                "POST https://{replica}/apis/authentication.k8s.io/v1/tokenreviews: refused"
+            ))),
+            ProxyError::Forward(ForwardError::OwnToken(format!(
+                "/var/run/secrets/{replica}/token: not found"
+            ))),
+            ProxyError::Cache {
+                error: CacheError::ReviewFailed(format!("{replica}: refused")),
+                rule: Arc::from("r"),
+                level: "l".into(),
+            },
+        ];
+        for error in errors {
+            let detail = error.to_string();
+            let (status, body) = answer(error).await;
+            assert!(status.is_server_error(), "{detail}: {status}");
+            assert!(!body.contains(replica), "{detail}: {body}");
+            assert!(!body.contains("/var/run"), "{detail}: {body}");
+        }
+    }
+
+    #[tokio::test]
+    async fn every_401_says_unauthorized_and_nothing_more() {
+        for error in [
+            IdentityError::NoCredentials,
+            IdentityError::MalformedAuthorization,
+            IdentityError::TokenRejected("token expired".into()),
+            IdentityError::BadCertificate("more than one CN".into()),
+        ] {
+            let (status, body) = answer(ProxyError::Identity(error)).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED);
+            let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(status["message"], "Unauthorized");
+            assert_eq!(status["reason"], "Unauthorized");
+            assert_eq!(status["code"], 401);
         }
     }
 }

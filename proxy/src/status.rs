@@ -21,6 +21,11 @@ pub enum Reason {
     ByteBudget,
     /// The flow has as many open watches as its rule allows.
     WatchLimit,
+    /// The request bodies held in memory for all requests, or for the request's flow, have
+    /// no room for this one.
+    BodyBudget,
+    /// A bearer token needs a TokenReview, and Bulwark makes no more reviews for now.
+    ReviewLimited,
     /// No usable credentials.
     Unauthenticated,
     /// The identity may not do this.
@@ -37,12 +42,14 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, for documentation and tests.
-    pub const ALL: [Reason; 11] = [
+    pub const ALL: [Reason; 13] = [
         Reason::RateLimited,
         Reason::QueueFull,
         Reason::QueueTimeout,
         Reason::ByteBudget,
         Reason::WatchLimit,
+        Reason::BodyBudget,
+        Reason::ReviewLimited,
         Reason::Unauthenticated,
         Reason::Forbidden,
         Reason::BadRequest,
@@ -59,6 +66,8 @@ impl Reason {
             Reason::QueueTimeout => "queue_timeout",
             Reason::ByteBudget => "byte_budget",
             Reason::WatchLimit => "watch_limit",
+            Reason::BodyBudget => "body_budget",
+            Reason::ReviewLimited => "review_limited",
             Reason::Unauthenticated => "unauthenticated",
             Reason::Forbidden => "forbidden",
             Reason::BadRequest => "bad_request",
@@ -75,7 +84,9 @@ impl Reason {
             | Reason::QueueFull
             | Reason::QueueTimeout
             | Reason::ByteBudget
-            | Reason::WatchLimit => StatusCode::TOO_MANY_REQUESTS,
+            | Reason::WatchLimit
+            | Reason::BodyBudget
+            | Reason::ReviewLimited => StatusCode::TOO_MANY_REQUESTS,
             Reason::Unauthenticated => StatusCode::UNAUTHORIZED,
             Reason::Forbidden => StatusCode::FORBIDDEN,
             Reason::BadRequest => StatusCode::BAD_REQUEST,
@@ -154,11 +165,14 @@ impl Refusal {
         self
     }
 
-    /// The `Status` JSON body, as the apiserver writes it.
+    /// The `Status` JSON body, as the apiserver writes it. A 401 says `Unauthorized` and
+    /// nothing more, as the apiserver's does: what failed is for the log.
     pub fn body(&self) -> Bytes {
         let status = self.status();
         let mut message = self.message.clone();
-        if let (Some(rule), Some(level)) = (&self.rule, &self.level) {
+        if status == StatusCode::UNAUTHORIZED {
+            message = "Unauthorized".to_owned();
+        } else if let (Some(rule), Some(level)) = (&self.rule, &self.level) {
             message = format!(
                 "{message} (bulwark rule {rule}, level {level}, reason {})",
                 self.reason
@@ -246,6 +260,28 @@ mod tests {
         let message = status["message"].as_str().unwrap();
         assert!(message.contains("secret-operators") && message.contains("list-heavy"));
         assert!(message.contains("queue_full"));
+    }
+
+    #[test]
+    fn a_401_is_the_apiservers_bare_unauthorized() {
+        let mut refusal = Refusal::new(Reason::Unauthenticated, "the token was rejected: expired");
+        refusal.rule = Some("r".into());
+        refusal.level = Some("l".into());
+        let status: serde_json::Value = serde_json::from_slice(&refusal.body()).unwrap();
+        assert_eq!(
+            status,
+            json!({
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": "Unauthorized",
+                "reason": "Unauthorized",
+                "code": 401,
+            })
+        );
+        let response = refusal.into_response();
+        assert_eq!(response.headers()["x-bulwark-reason"], "unauthenticated");
     }
 
     #[test]

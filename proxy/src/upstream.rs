@@ -8,6 +8,7 @@
 //! Upgrades (exec, attach, port-forward) get their own HTTP/1.1 connection and are spliced.
 
 mod body;
+mod buffer;
 mod pick;
 mod pool;
 mod tls;
@@ -18,7 +19,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body::Body as _;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
@@ -35,10 +35,12 @@ use body::{Framing, OnFailure};
 use pick::{Balancer, Cause, Load, PendingGuard, WatchGuard};
 use pool::{Lease, Pool, ReqBody};
 
+pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
 pub use tls::UpstreamTls;
 
-/// Largest request body forwarded: the apiserver's own limit. Bodies are buffered so that
-/// a retry can send them again.
+/// Largest request body of Bulwark's own requests, and the default of
+/// `listen.limits.maxBodyBytes`: the apiserver's own limit. Bodies are buffered so that a
+/// retry can send them again ([`buffer`]).
 pub const MAX_REQUEST_BODY: usize = 3 * 1024 * 1024;
 
 /// Which upstream credential a request travels with; each has its own connections.
@@ -100,6 +102,8 @@ pub struct ReplicaView {
     pub in_flight_bytes: u64,
     /// Open pooled HTTP/2 connections, all credentials together.
     pub connections: usize,
+    /// Counted heavier in the pick after a 429 of its own (not a flow's APF rejection).
+    pub throttled: bool,
 }
 
 /// LIST bytes counted against a replica while this lives (see
@@ -153,9 +157,12 @@ pub enum UpstreamError {
     /// write, so it was not sent again.
     #[error("the request may have reached apiserver {0} but no answer came; not retried")]
     Interrupted(String),
-    /// The request body is larger than [`MAX_REQUEST_BODY`].
-    #[error("the request body is larger than {MAX_REQUEST_BODY} bytes")]
-    BodyTooLarge,
+    /// The request body is larger than the largest allowed (the bytes).
+    #[error("the request body is larger than {0} bytes")]
+    BodyTooLarge(usize),
+    /// Holding the request body would pass the budget of request bodies held at once.
+    #[error("the request bodies held for {0} would pass their budget; retry later")]
+    BodyBudget(BudgetScope),
     /// The client's request body could not be read.
     #[error("reading the request body: {0}")]
     RequestBody(String),
@@ -174,7 +181,7 @@ impl UpstreamError {
     /// The status the client gets.
     pub fn status(&self) -> StatusCode {
         match self {
-            UpstreamError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            UpstreamError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             _ => self.reason().status(),
         }
     }
@@ -184,7 +191,8 @@ impl UpstreamError {
         match self {
             UpstreamError::NoHealthyReplica { .. } => Reason::NoHealthyUpstream,
             UpstreamError::Timeout => Reason::UpstreamTimeout,
-            UpstreamError::BodyTooLarge
+            UpstreamError::BodyBudget(_) => Reason::BodyBudget,
+            UpstreamError::BodyTooLarge(_)
             | UpstreamError::RequestBody(_)
             | UpstreamError::NotUpgradable => Reason::BadRequest,
             UpstreamError::Connect(_)
@@ -196,6 +204,33 @@ impl UpstreamError {
         }
     }
 }
+
+/// How long a response lowers its replica's weight: a 429 does, for its `Retry-After`,
+/// unless API Priority and Fairness wrote it (it names the flow schema and priority level it
+/// classified the request into). That one refuses the request's own flow — one user or
+/// controller over its share, or its level full on this replica — and lowering the replica
+/// for everyone would push the other flows away from a replica with room for them.
+fn replica_throttle(status: StatusCode, headers: &http::HeaderMap) -> Option<Duration> {
+    if status != StatusCode::TOO_MANY_REQUESTS
+        || headers.contains_key(APF_FLOW_SCHEMA_UID)
+        || headers.contains_key(APF_PRIORITY_LEVEL_UID)
+    {
+        return None;
+    }
+    let retry_after = headers
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs)
+        .filter(|d| !d.is_zero())
+        .unwrap_or(pick::THROTTLE_DEFAULT);
+    Some(retry_after)
+}
+
+/// The response header API Priority and Fairness names a request's flow schema in.
+const APF_FLOW_SCHEMA_UID: &str = "x-kubernetes-pf-flowschema-uid";
+/// The response header API Priority and Fairness names a request's priority level in.
+const APF_PRIORITY_LEVEL_UID: &str = "x-kubernetes-pf-prioritylevel-uid";
 
 /// The apiserver replicas and the connections to them. Cheap to clone.
 #[derive(Clone)]
@@ -396,7 +431,9 @@ impl Inner {
             .extensions
             .get::<PreferReplica>()
             .and_then(|p| self.balancer.replicas().iter().position(|r| r.name == p.0));
-        let body = buffer(body, &parts.headers).await?;
+        // Held until the apiserver has answered (or every attempt failed).
+        let (body, _held) =
+            buffer::buffer(body, &parts.headers, parts.extensions.get::<BodyFlow>()).await?;
         let path_and_query = parts
             .uri
             .path_and_query()
@@ -532,8 +569,9 @@ impl Inner {
         }
     }
 
-    /// Turns a response head into the client's response: counts it, lowers the weight on
-    /// 429, splices an upgrade, streams the body.
+    /// Turns a response head into the client's response: counts it, lowers the weight on a
+    /// 429 of the replica's own (see [`replica_throttle`]), splices an upgrade, streams the
+    /// body.
     fn respond(
         &self,
         index: usize,
@@ -550,16 +588,8 @@ impl Inner {
             .with_label_values(&[&*replica.name, code_class(status)])
             .inc();
         self.balancer.succeeded(index, now);
-        if status == StatusCode::TOO_MANY_REQUESTS {
-            let retry_after = response
-                .headers()
-                .get(header::RETRY_AFTER)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(Duration::from_secs)
-                .filter(|d| !d.is_zero())
-                .unwrap_or(pick::THROTTLE_DEFAULT);
-            self.balancer.throttle(index, retry_after, now);
+        if let Some(for_how_long) = replica_throttle(status, response.headers()) {
+            self.balancer.throttle(index, for_how_long, now);
         }
         if status == StatusCode::SWITCHING_PROTOCOLS
             && let Some(downstream) = downstream_upgrade.take()
@@ -748,25 +778,6 @@ fn wants_upgrade(headers: &HeaderMap) -> bool {
         .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
 }
 
-/// Reads the request body whole, up to [`MAX_REQUEST_BODY`].
-async fn buffer(body: Body, headers: &HeaderMap) -> Result<Bytes, UpstreamError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|len| len > MAX_REQUEST_BODY as u64) {
-        return Err(UpstreamError::BodyTooLarge);
-    }
-    if body.is_end_stream() {
-        return Ok(Bytes::new());
-    }
-    match crate::read_to_limit(body, MAX_REQUEST_BODY).await {
-        Ok(bytes) => Ok(bytes),
-        Err(crate::ReadError::TooLarge(_)) => Err(UpstreamError::BodyTooLarge),
-        Err(crate::ReadError::Failed(e)) => Err(UpstreamError::RequestBody(chain(&*e))),
-    }
-}
-
 /// Removes the HTTP/1.1 connection-level headers an HTTP/2 request must not carry (hyper
 /// would drop them too, but with a warning per request).
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -931,25 +942,6 @@ mod tests {
         assert!(!wants_upgrade(&headers));
     }
 
-    #[tokio::test]
-    async fn bodies_over_three_mebibytes_are_refused() {
-        let big = vec![b'x'; MAX_REQUEST_BODY + 1];
-        let err = buffer(crate::full(big), &HeaderMap::new())
-            .await
-            .unwrap_err();
-        assert!(matches!(err, UpstreamError::BodyTooLarge));
-        assert_eq!(err.status(), StatusCode::PAYLOAD_TOO_LARGE);
-
-        let mut headers = HeaderMap::new();
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("4000000"));
-        let err = buffer(crate::empty(), &headers).await.unwrap_err();
-        assert!(matches!(err, UpstreamError::BodyTooLarge));
-
-        let exact = vec![b'x'; MAX_REQUEST_BODY];
-        let ok = buffer(crate::full(exact), &HeaderMap::new()).await.unwrap();
-        assert_eq!(ok.len(), MAX_REQUEST_BODY);
-    }
-
     #[test]
     fn errors_map_to_the_statuses_the_client_sees() {
         let no = UpstreamError::NoHealthyReplica {
@@ -1060,6 +1052,33 @@ mod tests {
     fn send_is_send_in_generic_callers(upstream: &Upstream, req: Request<Body>, route: Route) {
         fn is_send<T: Send>(_: T) {}
         is_send(upstream.send(req, route));
+    }
+
+    #[test]
+    fn only_a_429_of_the_replicas_own_lowers_its_weight() {
+        let headers = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = http::HeaderMap::new();
+            for (name, value) in pairs {
+                h.insert(*name, HeaderValue::from_static(value));
+            }
+            h
+        };
+        let too_many = StatusCode::TOO_MANY_REQUESTS;
+        // Overloaded as a whole (max-in-flight, or a hop without APF): lowered.
+        assert_eq!(
+            replica_throttle(too_many, &headers(&[("retry-after", "7")])),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(
+            replica_throttle(too_many, &headers(&[])),
+            Some(pick::THROTTLE_DEFAULT)
+        );
+        // One flow refused by API Priority and Fairness: the replica keeps its weight.
+        for apf in [APF_FLOW_SCHEMA_UID, APF_PRIORITY_LEVEL_UID] {
+            let h = headers(&[("retry-after", "7"), (apf, "5f8a4d0c")]);
+            assert_eq!(replica_throttle(too_many, &h), None, "{apf}");
+        }
+        assert_eq!(replica_throttle(StatusCode::OK, &headers(&[])), None);
     }
 
     #[test]

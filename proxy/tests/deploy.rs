@@ -559,7 +559,7 @@ impl<'a> Mounts<'a> {
 
 /// DESIGN.md's metrics table: `bulwark_NAME` → its labels.
 fn contract() -> BTreeMap<String, BTreeSet<String>> {
-    let design = read(&repo("../shared/DESIGN.md"));
+    let design = read(&repo("docs/DESIGN.md"));
     let section = design
         .split("**Metrics**")
         .nth(1)

@@ -202,7 +202,7 @@ fn the_examples_load_and_route_their_clients() {
     );
     assert_eq!(&*heartbeat.rule, "node-heartbeats");
     assert!(heartbeat.level.exempt);
-    assert_eq!(heartbeat.flow, "node-heartbeats");
+    assert_eq!(heartbeat.flow, "node-heartbeats/system:node:node-7");
     let status = route(&kubelet, "patch", "/api/v1/nodes/node-7/status");
     assert_eq!(&*status.rule, "node-status");
     let pods = route(&kubelet, "watch", "/api/v1/pods");
@@ -340,6 +340,54 @@ fn the_builtin_set_has_both_levels_heartbeats_and_the_catch_all() {
     assert_eq!(json["rules"][3]["precedence"], serde_json::Value::Null);
     assert_eq!(json["rules"][0]["source"], "built-in");
     assert!(json["loadedAt"].as_str().unwrap().ends_with('Z'));
+}
+
+#[test]
+fn only_nodes_and_control_plane_identities_heartbeat_unthrottled() {
+    let set = RuleSet::builtin();
+    let lease = |ns: &str| format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/x");
+    let rule = |who: &User, verb: &str, path: &str| {
+        let m = set.matches(who, &rules::request_for(verb, path).unwrap());
+        (m.rule.to_string(), m.level.exempt)
+    };
+    let node = user("system:node:n1", &["system:nodes"]);
+    let mallory = user("mallory", &["devs"]);
+    let scheduler = user("system:kube-scheduler", &[]);
+    let system_sa = user("system:serviceaccount:kube-system:cloud-controller", &[]);
+    let other_sa = user("system:serviceaccount:default:operator", &[]);
+    let heartbeat = ("node-heartbeats".to_string(), true);
+    let election = ("leader-election".to_string(), true);
+    let throttled = ("catch-all".to_string(), false);
+
+    assert_eq!(rule(&node, "update", &lease("kube-node-lease")), heartbeat);
+    assert_eq!(
+        rule(&mallory, "update", &lease("kube-node-lease")),
+        throttled
+    );
+    assert_eq!(rule(&mallory, "create", &lease("kube-system")), throttled);
+    assert_eq!(
+        rule(&mallory, "patch", "/api/v1/nodes/n1/status"),
+        throttled
+    );
+    assert_eq!(rule(&other_sa, "update", &lease("default")), throttled);
+    for who in [
+        &scheduler,
+        &system_sa,
+        &user("system:kube-controller-manager", &[]),
+    ] {
+        for verb in ["get", "create", "update"] {
+            assert_eq!(rule(who, verb, &lease("kube-system")), election, "{verb}");
+        }
+        // APF's system-leader-election has no patch or delete.
+        assert_eq!(rule(who, "patch", &lease("kube-system")), throttled);
+        assert_eq!(rule(who, "delete", &lease("kube-system")), throttled);
+    }
+    // Each node and controller is a flow of its own.
+    let m = set.matches(
+        &scheduler,
+        &rules::request_for("update", &lease("kube-system")).unwrap(),
+    );
+    assert_eq!(m.flow, "leader-election/system:kube-scheduler");
 }
 
 #[test]

@@ -366,6 +366,44 @@ async fn five_hundreds_are_counted_and_never_eject() -> Result<()> {
     Ok(())
 }
 
+/// API Priority and Fairness refusing one flow says nothing about the replica as a whole:
+/// the 429 reaches the client as the apiserver wrote it, and the replica keeps its weight.
+#[tokio::test]
+async fn a_flows_own_apf_429_passes_through_and_lowers_no_weight() -> Result<()> {
+    let s = setup(2, vec![seed("secrets", 1, 100)], "").await?;
+    s.fleet.replica(0).set_fail(Some(429));
+    let throttling = s.fleet.addrs()[0].to_string();
+    let mut refused = 0;
+    for _ in 0..30 {
+        let r = s
+            .upstream
+            .send(get("/api/v1/namespaces/ns-0/secrets/secret-0"), read())
+            .await?;
+        if r.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+            assert_eq!(replica_of(&r), throttling);
+            assert_eq!(r.headers()["retry-after"], "1");
+            assert!(
+                r.headers()
+                    .contains_key("x-kubernetes-pf-prioritylevel-uid")
+            );
+            assert_eq!(
+                drain(r).await?,
+                "Too many requests, please try again later.\n"
+            );
+        } else {
+            drain(r).await?;
+        }
+    }
+    assert!(refused > 0, "the throttling replica kept getting requests");
+    assert!(
+        s.upstream.snapshot().iter().all(|r| !r.throttled),
+        "{:?}",
+        s.upstream.snapshot()
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn every_replica_down_is_no_healthy_replica_with_retry_after() -> Result<()> {
     let s = setup(2, vec![], "").await?;

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use base64::Engine;
+use apimachinery::continue_token::{self, Scope, object_key};
+use apimachinery::params::bool_param as truthy;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 use http_body_util::BodyExt;
@@ -73,6 +74,30 @@ fn object_response(code: u16, obj: Bytes) -> Response<SimBody> {
     json_response(code, SimBody::chunks(vec![obj, Bytes::from_static(b"\n")]))
 }
 
+/// The UIDs API Priority and Fairness names in its response headers: those of the
+/// `global-default` flow schema and priority level, which a simulated request falls into.
+pub const APF_FLOW_SCHEMA_UID: &str = "5f8a4d0c-35b3-4b7a-9c41-2c0bd0a7a001";
+/// See [`APF_FLOW_SCHEMA_UID`].
+pub const APF_PRIORITY_LEVEL_UID: &str = "5f8a4d0c-35b3-4b7a-9c41-2c0bd0a7a002";
+
+/// API Priority and Fairness rejecting a request (`tooManyRequests` in the apiserver's
+/// filters): the flow schema and priority level it was classified into, `Retry-After`, and
+/// Go's `http.Error` plain-text body.
+pub fn apf_rejection() -> Response<SimBody> {
+    let mut r = text(429, "Too many requests, please try again later.\n");
+    let headers = r.headers_mut();
+    headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    headers.insert(
+        "x-kubernetes-pf-flowschema-uid",
+        HeaderValue::from_static(APF_FLOW_SCHEMA_UID),
+    );
+    headers.insert(
+        "x-kubernetes-pf-prioritylevel-uid",
+        HeaderValue::from_static(APF_PRIORITY_LEVEL_UID),
+    );
+    r
+}
+
 /// A `Status` error response.
 pub fn status_response(e: &ApiError) -> Response<SimBody> {
     json_response(e.code, SimBody::full(e.to_bytes()))
@@ -124,10 +149,6 @@ pub fn parse_query(q: Option<&str>) -> Query {
 /// The first value of a parameter.
 pub fn param<'a>(q: &'a Query, name: &str) -> Option<&'a str> {
     q.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-}
-
-fn truthy(v: Option<&str>) -> bool {
-    matches!(v, Some(s) if !s.is_empty() && s != "0" && s != "false")
 }
 
 /// Derives request info as the apiserver's RequestInfoFactory does.
@@ -214,7 +235,10 @@ fn attributes(
     fields: Option<&FieldSelector>,
 ) -> Attributes {
     let mut name = ri.name.clone();
+    // RequestInfoFactory reads the selector's name only where it turned a GET into a list
+    // or watch, never on the legacy `/watch/` paths, whose name is the path's alone.
     if name.is_empty()
+        && !ri.legacy_watch
         && (ri.verb == "list" || ri.verb == "watch")
         && let Some(n) = fields.and_then(FieldSelector::pinned_name)
     {
@@ -566,47 +590,6 @@ fn parse_rv(s: &str) -> Result<u64, ApiError> {
     })
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
-struct ContinueToken {
-    v: String,
-    rv: u64,
-    start: String,
-}
-
-fn encode_continue(rv: u64, last: &Obj) -> String {
-    let start = if last.namespace.is_empty() {
-        format!("{}\u{0}", last.name)
-    } else {
-        format!("{}/{}\u{0}", last.namespace, last.name)
-    };
-    let t = ContinueToken {
-        v: "meta.k8s.io/v1".into(),
-        rv,
-        start,
-    };
-    base64::engine::general_purpose::URL_SAFE.encode(serde_json::to_vec(&t).unwrap_or_default())
-}
-
-fn decode_continue(s: &str) -> Result<(u64, (String, String)), ApiError> {
-    let bad = || {
-        status::bad_request("continue key is not valid: incorrect encoded start resourceVersion (version meta.k8s.io/v1)".into())
-    };
-    let raw = base64::engine::general_purpose::URL_SAFE
-        .decode(s)
-        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(s))
-        .map_err(|_| bad())?;
-    let t: ContinueToken = serde_json::from_slice(&raw).map_err(|_| bad())?;
-    if t.v != "meta.k8s.io/v1" || t.rv == 0 {
-        return Err(bad());
-    }
-    let start = t.start.trim_end_matches('\u{0}');
-    let key = match start.split_once('/') {
-        Some((ns, n)) => (ns.to_string(), n.to_string()),
-        None => (String::new(), start.to_string()),
-    };
-    Ok((t.rv, key))
-}
-
 async fn list(
     rep: &Arc<ReplicaInner>,
     def: &'static ResourceDef,
@@ -630,11 +613,11 @@ async fn list(
         None => 0,
     };
     let cont = param(q, "continue").filter(|s| !s.is_empty());
-    if cont.is_some() && rv_param.is_some() {
+    if rv_match.is_some() && cont.is_some() {
         return Err(invalid_list_options(
-            "resourceVersion",
+            "resourceVersionMatch",
             "Forbidden",
-            "specifying resource version is not allowed when using continue",
+            "resourceVersionMatch is forbidden when continue is provided",
         ));
     }
     if rv_match.is_some() && rv_param.is_none() {
@@ -663,17 +646,28 @@ async fn list(
         ));
     }
     let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
+    let scope = Scope::of(ns);
     let key = def.key();
+    // The storage layer reads the token before the version: a bad token is the first 400.
+    let resume = cont
+        .map(continue_token::decode)
+        .transpose()
+        .map_err(|e| status::bad_request(e.status_message()))?;
+    if resume.is_some() && rv.is_some_and(|rv| rv != 0) {
+        return Err(status::bad_request(
+            "specifying resource version is not allowed when using continue".into(),
+        ));
+    }
     // Which read path: the watch cache (any state at least as new as rv) or etcd (consistent
     // or an exact revision, paginated).
-    let (from_cache, at, start) = match (cont, rv, rv_match) {
-        (Some(c), _, _) => {
-            let (crv, start) = decode_continue(c)?;
-            if crv < sh.store.oldest_watchable() {
-                return Err(status::continue_expired());
+    let (from_cache, at, start) = match (&resume, rv, rv_match) {
+        // A negative version continues at the latest state.
+        (Some(resume), _, _) => match resume.at() {
+            Some(crv) if crv < sh.store.oldest_watchable() => {
+                return Err(status::continue_expired(&resume.start));
             }
-            (false, Some(crv), Some(start))
-        }
+            at => (false, at, Some(scope.resume_key(&resume.start))),
+        },
         (None, None, _) => (false, None, None),
         (None, Some(0), _) => (true, None, None),
         (None, Some(n), Some("Exact")) => (false, Some(n), None),
@@ -692,13 +686,13 @@ async fn list(
         return Err(status::rv_too_large());
     }
     let (list_rv, items) = sh.store.list(&key, ns, at).map_err(|e| match e {
-        StoreError::Expired { .. } if cont.is_some() => status::continue_expired(),
+        StoreError::Expired { .. } if resume.is_some() => {
+            status::continue_expired(resume.as_ref().map_or("", |r| r.start.as_str()))
+        }
         e => store_error(def, e),
     })?;
     let start_idx = match &start {
-        Some(k) => items.partition_point(|o| {
-            (o.namespace.as_str(), o.name.as_str()) <= (k.0.as_str(), k.1.as_str())
-        }),
+        Some(from) => items.partition_point(|o| object_key(&o.namespace, &o.name) < *from),
         None => 0,
     };
     let filtered = !labels.is_empty() || !fields.is_empty();
@@ -718,7 +712,10 @@ async fn list(
     if more && let Some(last) = chosen.last() {
         meta.push_str(&format!(
             ",\"continue\":\"{}\"",
-            encode_continue(list_rv, last)
+            continue_token::encode_after(
+                i64::try_from(list_rv).unwrap_or(i64::MAX),
+                scope.relative(&object_key(&last.namespace, &last.name))
+            )
         ));
         if !filtered {
             meta.push_str(&format!(
@@ -818,6 +815,22 @@ async fn watch(
         Ok(l) => l,
         Err(e) => return status_response(&status::bad_request(e.to_string())),
     };
+    // A watch of one named object (the legacy `/watch/…/NAME` path), as ListResource has
+    // it: the name selects, and a field selector may only repeat it.
+    let fields = if ri.name.is_empty() {
+        fields
+    } else if fields.is_empty() {
+        match FieldSelector::parse(&format!("metadata.name={}", ri.name)) {
+            Ok(f) => f,
+            Err(e) => return status_response(&status::bad_request(e.to_string())),
+        }
+    } else if fields.pinned_name() == Some(ri.name.as_str()) {
+        fields
+    } else {
+        return status_response(&status::bad_request(
+            "fieldSelector metadata.name doesn't match requested name".into(),
+        ));
+    };
     let rv = match param(q, "resourceVersion")
         .filter(|s| !s.is_empty())
         .map(parse_rv)
@@ -827,7 +840,7 @@ async fn watch(
         Err(e) => return status_response(&e),
     };
     let bookmarks = truthy(param(q, "allowWatchBookmarks"));
-    let send_initial = param(q, "sendInitialEvents").map(|v| v == "true");
+    let send_initial = param(q, "sendInitialEvents").map(|v| truthy(Some(v)));
     if send_initial.is_some() {
         if param(q, "resourceVersionMatch") != Some("NotOlderThan") {
             return status_response(&invalid_list_options(
@@ -855,14 +868,12 @@ async fn watch(
     {
         return status_response(&status::rv_too_large());
     }
-    let timeout = match param(q, "timeoutSeconds")
-        .and_then(|t| t.parse::<u64>().ok())
-        .filter(|t| *t > 0)
-    {
-        Some(t) => Duration::from_secs(t),
-        // The apiserver picks a random timeout in [min-request-timeout, 2x) to spread re-watches.
-        None => Duration::from_secs(1800 + rand::random_range(0..1800)),
-    };
+    // The apiserver picks a random timeout in [min-request-timeout, 2x) for 0 or none, to
+    // spread re-watches; a negative value ends the watch at once.
+    let timeout = apimachinery::params::watch_timeout(
+        param(q, "timeoutSeconds").and_then(|t| t.parse::<i64>().ok()),
+        apimachinery::params::MIN_REQUEST_TIMEOUT,
+    );
     let start = match sh.store.watch(&def.key(), from) {
         Ok(s) => s,
         Err(StoreError::Expired { requested, oldest }) => {
@@ -1076,8 +1087,33 @@ mod tests {
         assert_eq!(r.verb, "watch");
         let r = ri(Method::GET, "/api/v1/namespaces/ns/secrets?watch=false");
         assert_eq!(r.verb, "list");
+        // An empty value is true to apimachinery's bool conversion, and the first value wins.
+        for query in ["watch=", "watch", "watch=&watch=0", "watch=FALSE&watch=1"] {
+            let r = ri(
+                Method::GET,
+                &format!("/api/v1/namespaces/ns/secrets?{query}"),
+            );
+            let expected = if query.contains("FALSE") {
+                "list"
+            } else {
+                "watch"
+            };
+            assert_eq!(r.verb, expected, "{query}");
+        }
         let r = ri(Method::GET, "/api/v1/watch/namespaces/ns/secrets");
         assert_eq!((r.verb.as_str(), r.legacy_watch), ("watch", true));
+        // Authorization takes a selector's name on the `?watch=1` form only.
+        let user = UserInfo::default();
+        let fields = FieldSelector::parse("metadata.name=x").unwrap();
+        for (path, name) in [
+            ("/api/v1/namespaces/ns/secrets?watch=1", "x"),
+            ("/api/v1/namespaces/ns/secrets", "x"),
+            ("/api/v1/watch/namespaces/ns/secrets", ""),
+            ("/api/v1/watch/namespaces/ns/secrets/y", "y"),
+        ] {
+            let attrs = attributes(&user, &ri(Method::GET, path), path, Some(&fields));
+            assert_eq!(attrs.name, name, "{path}");
+        }
         let r = ri(Method::GET, "/api/v1/namespaces/ns");
         assert_eq!(
             (r.resource.as_str(), r.name.as_str(), r.namespace.as_str()),
@@ -1094,23 +1130,5 @@ mod tests {
             ("create", "exec")
         );
         assert!(!ri(Method::GET, "/version").resource_request);
-    }
-
-    #[test]
-    fn continue_tokens_round_trip() {
-        let o = Obj {
-            namespace: "ns".into(),
-            name: "a".into(),
-            rv: 1,
-            uid: String::new(),
-            labels: Default::default(),
-            body: Bytes::from_static(b"{}"),
-        };
-        let t = encode_continue(42, &o);
-        assert_eq!(
-            decode_continue(&t).unwrap(),
-            (42, ("ns".to_string(), "a".to_string()))
-        );
-        assert!(decode_continue("garbage").is_err());
     }
 }

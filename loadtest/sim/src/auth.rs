@@ -93,11 +93,12 @@ impl DeferredVerifier {
         let client_ca_ok = self.client.verify_client_cert(end, rest, now).is_ok();
         let front_proxy_ok = self.front_proxy.verify_client_cert(end, rest, now).is_ok();
         let (_, cert) = x509_parser::parse_x509_certificate(end).ok()?;
+        // Go's `pkix.Name` keeps the last CN of a subject that has several.
         let cn = cert
             .subject()
             .iter_common_name()
             .filter_map(|a| a.as_str().ok())
-            .next()
+            .last()
             .unwrap_or_default()
             .to_string();
         let orgs = cert

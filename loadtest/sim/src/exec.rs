@@ -164,7 +164,7 @@ pub async fn logs(rep: &Arc<ReplicaInner>, ri: &RequestInfo, q: &Query) -> Respo
         return status_response(&e);
     }
     let _ = discovery::by_key("pods");
-    let follow = param(q, "follow") == Some("true");
+    let follow = apimachinery::params::bool_param(param(q, "follow"));
     let pod = ri.name.clone();
     if !follow {
         return text(

@@ -183,7 +183,10 @@ impl Replica {
         self.inner.faults.set_delay(d);
     }
 
-    /// Answers every non-probe request with this status (a `Status` body).
+    /// Answers every non-probe request with this status: a `Status` body, except 429,
+    /// which is API Priority and Fairness rejecting the request's flow (as the apiserver's
+    /// filter answers it: plain text, `Retry-After`, the flow schema's and priority
+    /// level's UIDs).
     pub fn set_fail(&self, status: Option<u16>) {
         self.inner.faults.set_fail(status);
     }
@@ -398,7 +401,11 @@ async fn serve_request(
         tokio::time::sleep(delay).await;
     }
     let mut resp = if let Some(code) = f.fail() {
-        crate::api::status_response(&crate::status::injected(code))
+        if code == 429 {
+            crate::api::apf_rejection()
+        } else {
+            crate::api::status_response(&crate::status::injected(code))
+        }
     } else {
         crate::api::handle(&inner, peer.as_ref().as_ref(), req, cancel).await
     };

@@ -1,5 +1,6 @@
 //! Kubernetes `Status` error bodies, worded as the apiserver words them.
 
+use apimachinery::continue_token;
 use serde_json::{Value, json};
 
 /// A `Status` failure: HTTP code plus the JSON body the apiserver would send.
@@ -113,14 +114,18 @@ pub fn conflict(resource: &str, group: &str, name: &str) -> ApiError {
     )
 }
 
-/// 410 for a continue token older than the retained history.
-pub fn continue_expired() -> ApiError {
-    ApiError::new(
+/// 410 for a continue token older than the retained history, carrying the token that
+/// continues from `start` at the latest version (`rv: -1`), as the apiserver's
+/// `handleCompactedErrorForPaging` hands it out.
+pub fn continue_expired(start: &str) -> ApiError {
+    let mut error = ApiError::new(
         410,
         "Expired",
         "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.".into(),
         None,
-    )
+    );
+    error.body["metadata"] = json!({ "continue": continue_token::encode(-1, start) });
+    error
 }
 
 /// 410 for an exact LIST at a resourceVersion older than the retained history.
@@ -209,7 +214,6 @@ pub fn invalid(
 /// The 5xx (or other) failure a faulted replica answers with.
 pub fn injected(code: u16) -> ApiError {
     let (reason, message) = match code {
-        429 => ("TooManyRequests", "Too many requests, please try again later.".to_string()),
         500 => ("InternalError", "Internal error occurred: injected fault".to_string()),
         503 => ("ServiceUnavailable", "The server is currently unable to handle the request".to_string()),
         504 => ("Timeout", "The server was unable to return a response in the time allotted, but may still be processing the request".to_string()),

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use apimachinery::continue_token::{Scope, object_key};
 use bytes::{BufMut, Bytes, BytesMut};
 use serde_json::{Map, Value, json};
 use tokio::sync::{broadcast, watch};
@@ -228,7 +229,9 @@ impl FromStr for Seed {
 
 struct Inner {
     rv: u64,
-    tables: HashMap<String, BTreeMap<(String, String), Arc<Obj>>>,
+    /// Per resource, objects by their etcd key after the resource's prefix
+    /// ([`object_key`]): the apiserver's LIST order.
+    tables: HashMap<String, BTreeMap<String, Arc<Obj>>>,
     ring: VecDeque<Arc<Event>>,
     ring_cap: usize,
     /// Highest revision whose events may have been dropped: history after it is complete.
@@ -619,7 +622,7 @@ impl Store {
         self.lock()
             .tables
             .get(resource)?
-            .get(&(namespace.to_string(), name.to_string()))
+            .get(&object_key(namespace, name))
             .cloned()
     }
 
@@ -638,7 +641,7 @@ impl Store {
         obj: Arc<Obj>,
         prev: Option<Arc<Obj>>,
     ) {
-        let key = (obj.namespace.clone(), obj.name.clone());
+        let key = object_key(&obj.namespace, &obj.name);
         let table = g.tables.entry(resource.to_string()).or_default();
         let old_len = prev.as_ref().map_or(0, |p| p.body.len() as u64);
         if kind == EventType::Deleted {
@@ -729,7 +732,7 @@ impl Store {
         apply_defaults(def, &mut v);
         let ns = if def.namespaced { namespace } else { "" };
         let mut g = self.lock();
-        let key = (ns.to_string(), name.clone());
+        let key = object_key(ns, &name);
         if g.tables
             .get(&def.key())
             .is_some_and(|t| t.contains_key(&key))
@@ -835,7 +838,7 @@ impl Store {
         let ns = if def.namespaced { namespace } else { "" };
         let rk = def.key();
         let mut g = self.lock();
-        let key = (ns.to_string(), name.to_string());
+        let key = object_key(ns, name);
         let old = g
             .tables
             .get(&rk)
@@ -895,7 +898,7 @@ impl Store {
         let ns = if def.namespaced { namespace } else { "" };
         let rk = def.key();
         let mut g = self.lock();
-        let key = (ns.to_string(), name.to_string());
+        let key = object_key(ns, name);
         let old = g
             .tables
             .get(&rk)
@@ -924,8 +927,8 @@ impl Store {
         Ok(obj)
     }
 
-    /// Every object of a resource in `namespace` (or all namespaces when `None`), sorted by
-    /// (namespace, name), as of revision `at` (current when `None`), and that revision.
+    /// Every object of a resource in `namespace` (or all namespaces when `None`) in the
+    /// apiserver's key order, as of revision `at` (current when `None`), and that revision.
     /// History older than the ring is `Expired`.
     pub fn list(
         &self,
@@ -935,16 +938,13 @@ impl Store {
     ) -> Result<(u64, Vec<Arc<Obj>>), StoreError> {
         let g = self.lock();
         let in_scope = |ns: &str| namespace.is_none_or(|n| n == ns);
-        let mut items: BTreeMap<(String, String), Arc<Obj>> =
-            match (g.tables.get(resource), namespace) {
-                (None, _) => BTreeMap::new(),
-                (Some(t), Some(ns)) => t
-                    .range((ns.to_string(), String::new())..)
-                    .take_while(|((n, _), _)| n == ns)
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-                (Some(t), None) => t.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            };
+        let mut items: BTreeMap<String, Arc<Obj>> = match g.tables.get(resource) {
+            None => BTreeMap::new(),
+            Some(t) => t
+                .range::<String, _>(Scope::of(namespace).range())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        };
         let rv = match at {
             None => g.rv,
             Some(at) if at >= g.rv => g.rv,
@@ -960,7 +960,7 @@ impl Store {
                     if ev.resource != resource || !in_scope(&ev.obj.namespace) {
                         continue;
                     }
-                    let key = (ev.obj.namespace.clone(), ev.obj.name.clone());
+                    let key = object_key(&ev.obj.namespace, &ev.obj.name);
                     match &ev.prev {
                         Some(p) => items.insert(key, p.clone()),
                         None => items.remove(&key),
@@ -978,14 +978,9 @@ impl Store {
         let Some(t) = g.tables.get(resource) else {
             return 0;
         };
-        match namespace {
-            Some(ns) => t
-                .range((ns.to_string(), String::new())..)
-                .take_while(|((n, _), _)| n == ns)
-                .map(|(_, o)| o.body.len() as u64)
-                .sum(),
-            None => t.values().map(|o| o.body.len() as u64).sum(),
-        }
+        t.range::<String, _>(Scope::of(namespace).range())
+            .map(|(_, o)| o.body.len() as u64)
+            .sum()
     }
 
     /// Subscribes a watch on a resource (all namespaces; the caller filters).
@@ -1042,14 +1037,14 @@ impl Store {
             g.tables
                 .entry(rk.to_string())
                 .or_default()
-                .insert((o.namespace.clone(), o.name.clone()), Arc::new(o));
+                .insert(object_key(&o.namespace, &o.name), Arc::new(o));
         };
         if def.namespaced {
             for ns in &seed.namespaces {
                 let exists = g
                     .tables
                     .get("namespaces")
-                    .is_some_and(|t| t.contains_key(&(String::new(), ns.clone())));
+                    .is_some_and(|t| t.contains_key(ns));
                 if !exists {
                     add(
                         &mut g,

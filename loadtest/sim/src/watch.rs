@@ -105,7 +105,8 @@ struct W {
     rx: broadcast::Receiver<Arc<Event>>,
     last_rv: u64,
     bookmarks: Option<Interval>,
-    deadline: Instant,
+    /// `None`: further away than time can count.
+    deadline: Option<Instant>,
     done: bool,
 }
 
@@ -220,7 +221,12 @@ impl W {
                     bookmark_line(&mut out, self.def, self.last_rv, false);
                     return Some(out.freeze());
                 }
-                _ = tokio::time::sleep_until(self.deadline) => {
+                _ = async {
+                    match self.deadline {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
                     self.done = true;
                     return None;
                 }
@@ -253,7 +259,7 @@ pub fn stream(
         rx: start.rx,
         last_rv: from_rv.unwrap_or(start.rv),
         bookmarks,
-        deadline: Instant::now() + opts.timeout,
+        deadline: Instant::now().checked_add(opts.timeout),
         done: false,
     };
     futures::stream::unfold(

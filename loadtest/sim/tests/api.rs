@@ -172,13 +172,155 @@ async fn resource_version_semantics() {
         (bad.status, bad.json()["reason"].clone()),
         (422, json!("Invalid"))
     );
+    // The storage layer reads a continue token before the version: a bad one is a 400.
     let bad = get(
         &fleet,
         "/api/v1/namespaces/a/secrets?resourceVersion=1&continue=abc",
         &[],
     )
     .await;
+    assert_eq!(
+        (bad.status, bad.json()["reason"].clone()),
+        (400, json!("BadRequest"))
+    );
+}
+
+#[tokio::test]
+async fn continue_tokens_are_the_apiservers() {
+    use apimachinery::continue_token::{self, ContinueError};
+    let fleet = fleet("secrets=6x256B@team,team-a").await;
+    let rv = fleet.store().resource_version() as i64;
+    let list = |path: String| {
+        let fleet = &fleet;
+        async move { get(fleet, &path, &[]).await }
+    };
+    let keys = |r: &Reply| {
+        r.json()["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                let meta = &i["metadata"];
+                format!(
+                    "{}/{}",
+                    meta["namespace"].as_str().unwrap(),
+                    meta["name"].as_str().unwrap()
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // Across namespaces, keys in etcd's byte order (`team-a/` before `team/`), and tokens
+    // carrying `namespace/name`, unpadded.
+    let page = list("/api/v1/secrets?limit=3".into()).await;
+    assert_eq!(
+        keys(&page),
+        ["team-a/secret-1", "team-a/secret-3", "team-a/secret-5"]
+    );
+    let token = page.json()["metadata"]["continue"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(!token.contains('='));
+    assert_eq!(token, continue_token::encode_after(rv, "team-a/secret-5"));
+    assert_eq!(page.json()["metadata"]["remainingItemCount"], 3);
+    // In a namespace, the name alone.
+    let page = list("/api/v1/namespaces/team/secrets?limit=1".into()).await;
+    let token = page.json()["metadata"]["continue"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(token, continue_token::encode_after(rv, "secret-0"));
+    // A token an apiserver wrote continues, with `resourceVersion=0` too.
+    let next = continue_token::encode_after(rv, "secret-0");
+    let page = list(format!(
+        "/api/v1/namespaces/team/secrets?limit=5&resourceVersion=0&continue={next}"
+    ))
+    .await;
+    assert_eq!(keys(&page), ["team/secret-2", "team/secret-4"]);
+    let next = continue_token::encode_after(rv, "team-a/secret-5");
+    let page = list(format!("/api/v1/secrets?limit=1&continue={next}")).await;
+    assert_eq!(keys(&page), ["team/secret-0"]);
+    // The apiserver's refusals, in its words.
+    let padded = format!("{}=", continue_token::encode_after(rv, "secret-0"));
+    let climbing = continue_token::encode(rv, "../kube-system/x");
+    for (token, error) in [
+        (padded.clone(), ContinueError::Base64(padded.len() - 1)),
+        (climbing, ContinueError::NotClean("../kube-system/x".into())),
+        (continue_token::encode(0, "x"), ContinueError::ZeroVersion),
+    ] {
+        let bad = list(format!(
+            "/api/v1/namespaces/team/secrets?limit=1&continue={token}"
+        ))
+        .await;
+        assert_eq!(
+            (
+                bad.status,
+                bad.json()["reason"].clone(),
+                bad.json()["message"].clone()
+            ),
+            (400, json!("BadRequest"), json!(error.status_message()))
+        );
+    }
+    let good = continue_token::encode_after(rv, "secret-0");
+    let bad = list(format!(
+        "/api/v1/namespaces/team/secrets?resourceVersion=5&continue={good}"
+    ))
+    .await;
+    assert_eq!(
+        (bad.status, bad.json()["message"].clone()),
+        (
+            400,
+            json!("specifying resource version is not allowed when using continue")
+        )
+    );
+    let bad = list(format!(
+        "/api/v1/namespaces/team/secrets?resourceVersion=0&resourceVersionMatch=NotOlderThan&continue={good}"
+    ))
+    .await;
     assert_eq!(bad.status, 422);
+}
+
+#[tokio::test]
+async fn an_expired_continue_hands_out_a_token_for_the_latest_state() {
+    use apimachinery::continue_token;
+    let fleet = Fleet::start(SimConfig {
+        seed: vec!["secrets=4x256B@a".parse().unwrap()],
+        event_ring: 2,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let first = get(&fleet, "/api/v1/namespaces/a/secrets?limit=1", &[]).await;
+    let token = first.json()["metadata"]["continue"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for name in ["a-late", "z-late", "zz-late"] {
+        fleet
+            .store()
+            .create("secrets", "a", json!({"metadata": {"name": name}}))
+            .unwrap();
+    }
+    let path = |token: &str| format!("/api/v1/namespaces/a/secrets?limit=10&continue={token}");
+    let expired = get(&fleet, &path(&token), &[]).await;
+    assert_eq!(expired.status, 410);
+    let inconsistent = expired.json()["metadata"]["continue"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let resume = continue_token::decode(&inconsistent).unwrap();
+    assert_eq!((resume.rv, resume.start.as_str()), (-1, "secret-0\0"));
+    // It continues after the same key, at the latest state.
+    let rest = get(&fleet, &path(&inconsistent), &[]).await;
+    assert_eq!(rest.status, 200);
+    assert_eq!(
+        names(&rest),
+        ["secret-1", "secret-2", "secret-3", "z-late", "zz-late"]
+    );
+    assert_eq!(
+        rest.json()["metadata"]["resourceVersion"],
+        fleet.store().resource_version().to_string()
+    );
 }
 
 #[tokio::test]
@@ -353,6 +495,41 @@ async fn selector_watches_see_objects_enter_and_leave() {
     )
     .await;
     assert_eq!(String::from_utf8_lossy(&r.body).lines().count(), 2);
+    // A negative timeout is a deadline already past: the state, then the end, at once.
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        get(
+            &fleet,
+            "/api/v1/watch/namespaces/a/secrets?timeoutSeconds=-1",
+            &[],
+        ),
+    )
+    .await
+    .expect("a negative timeoutSeconds ends the watch at once");
+    assert_eq!(String::from_utf8_lossy(&r.body).lines().count(), 2);
+    // A named legacy watch sees its object alone; a field selector may only repeat the name.
+    for query in ["", "&fieldSelector=metadata.name%3Ds"] {
+        let r = get(
+            &fleet,
+            &format!("/api/v1/watch/namespaces/a/secrets/s?timeoutSeconds=-1{query}"),
+            &[],
+        )
+        .await;
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        assert_eq!(body.lines().count(), 1, "{query}: {body}");
+        assert!(body.contains("\"name\":\"s\""), "{query}: {body}");
+    }
+    let r = get(
+        &fleet,
+        "/api/v1/watch/namespaces/a/secrets/s?timeoutSeconds=-1&fieldSelector=metadata.name%3Dother",
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.json()["message"],
+        "fieldSelector metadata.name doesn't match requested name"
+    );
 }
 
 #[tokio::test]

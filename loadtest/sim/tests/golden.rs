@@ -1,5 +1,5 @@
 //! The simulator's answers held against real kube-apiserver v1.36 responses
-//! (`../shared/fixtures/kube-apiserver-v1.36/`): same kinds, fields, field order and framing.
+//! (`fixtures/kube-apiserver-v1.36/`): same kinds, fields, field order and framing.
 
 use std::fmt;
 
@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 const FIXTURES: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/fixtures/kube-apiserver-v1.36/"
+    "/../../fixtures/kube-apiserver-v1.36/"
 );
 
 #[derive(serde::Deserialize)]

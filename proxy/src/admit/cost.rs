@@ -4,9 +4,11 @@
 //! A LIST read from etcd (no resourceVersion, or an exact read with `limit`) reads its whole
 //! unfiltered scope whatever its selectors, so it costs the scope's bytes; a LIST served from
 //! the apiserver's watch cache (`resourceVersion=0`, or a not-older-than read) costs its
-//! expected response. Both are learned from the responses Bulwark sees: an unfiltered
-//! response replaces the scope's size at once, any larger response raises it, so the
-//! estimate follows a growing collection within a request or two.
+//! expected response. Both are learned from the JSON sizes of the responses Bulwark sees
+//! (measured as [`super::measure`] allows): a larger response raises an estimate at once,
+//! so it follows a growing collection within a request or two; a smaller one only lowers
+//! it by a quarter of the difference, so that one odd observation cannot open the byte
+//! budget that guards the apiserver's memory.
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
@@ -157,13 +159,17 @@ impl CostModel {
         let known = state.scopes.get(&scope).copied();
         // An unfiltered, unpaged response is the scope; a filtered or paged one is at
         // least a part of it.
-        let size = if whole_scope {
-            bytes
-        } else {
-            known.map_or(bytes, |k| k.max(bytes))
+        let size = match known {
+            None => bytes,
+            Some(known) if whole_scope => settle(known, bytes),
+            Some(known) => known.max(bytes),
         };
         if shape.label_selector.is_some() || shape.field_selector.is_some() {
-            state.shapes.put(shape, bytes);
+            let size = match state.shapes.get(&shape) {
+                Some(&known) => settle(known, bytes),
+                None => bytes,
+            };
+            state.shapes.put(shape, size);
         }
         state.set_scope(scope, size);
     }
@@ -177,6 +183,15 @@ impl CostModel {
         }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.set_scope(scope(info), bytes);
+    }
+}
+
+/// An estimate after an observation: up at once, down by a quarter of the difference.
+fn settle(known: u64, observed: u64) -> u64 {
+    if observed >= known {
+        observed
+    } else {
+        known - (known - observed) / 4
     }
 }
 
@@ -226,6 +241,25 @@ mod tests {
             4,
             "capped at the level"
         );
+    }
+
+    #[test]
+    fn a_small_observation_decays_an_estimate_instead_of_replacing_it() {
+        let model = CostModel::new(1000, 50_000, 100);
+        let all = info("/api/v1/secrets");
+        model.observe(&all, 400_000_000, None);
+        // A 20x smaller answer (a collection that shrank, or one this model should not
+        // have been shown) lowers the estimate by a quarter of the gap, not to itself.
+        model.observe(&all, 20_000_000, None);
+        assert_eq!(model.bytes(&all), 305_000_000);
+        // The collection really shrank: the estimate follows within a few LISTs.
+        for _ in 0..15 {
+            model.observe(&all, 20_000_000, None);
+        }
+        assert!(model.bytes(&all) < 25_000_000, "{}", model.bytes(&all));
+        // It grows again: up at once.
+        model.observe(&all, 400_000_000, None);
+        assert_eq!(model.bytes(&all), 400_000_000);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! for Secrets that gap matters, and Bulwark writes the line the apiserver would have.
 
 use std::io::Write;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -43,6 +44,8 @@ pub struct Record<'a> {
     pub code: u16,
     /// `User-Agent`.
     pub user_agent: Option<&'a str>,
+    /// The client's addresses, as [`source_ips`] gives them.
+    pub source_ips: &'a [String],
 }
 
 impl AuditLog {
@@ -94,11 +97,12 @@ fn event(r: &Record<'_>) -> Vec<u8> {
         "apiVersion": "audit.k8s.io/v1",
         "level": "Metadata",
         "auditID": r.audit_id,
-        "stage": if r.verb == "watch" { "ResponseStarted" } else { "ResponseComplete" },
+        // A watch that streams is audited when its response starts; a refused one is complete.
+        "stage": if r.verb == "watch" && r.code < 300 { "ResponseStarted" } else { "ResponseComplete" },
         "requestURI": r.request_uri,
         "verb": r.verb,
         "user": user,
-        "sourceIPs": [],
+        "sourceIPs": r.source_ips,
         "objectRef": object,
         "responseStatus": {"metadata": {}, "code": r.code},
         "requestReceivedTimestamp": now,
@@ -111,6 +115,37 @@ fn event(r: &Record<'_>) -> Vec<u8> {
     let mut line = serde_json::to_vec(&value).unwrap_or_default();
     line.push(b'\n');
     line
+}
+
+/// The `sourceIPs` the apiserver would record for a request from `peer` with these
+/// headers (`utilnet.SourceIPs`): every address in `X-Forwarded-For`, then `X-Real-Ip`
+/// unless already there, then the peer unless it is the last one.
+pub fn source_ips(headers: &http::HeaderMap, peer: Option<IpAddr>) -> Vec<String> {
+    let parse = |text: &str| {
+        text.trim()
+            .parse::<IpAddr>()
+            .ok()
+            .map(|ip| ip.to_canonical())
+    };
+    let mut ips: Vec<IpAddr> = headers
+        .get("x-forwarded-for")
+        .and_then(|v| v.to_str().ok())
+        .map(|list| list.split(',').filter_map(parse).collect())
+        .unwrap_or_default();
+    if let Some(real) = headers
+        .get("x-real-ip")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse)
+        && !ips.contains(&real)
+    {
+        ips.push(real);
+    }
+    if let Some(peer) = peer.map(|p| p.to_canonical())
+        && ips.last() != Some(&peer)
+    {
+        ips.push(peer);
+    }
+    ips.iter().map(IpAddr::to_string).collect()
 }
 
 /// A new `Audit-Id`: a random RFC 4122 version 4 UUID.
@@ -147,6 +182,7 @@ mod tests {
             version: "v1",
             code: 200,
             user_agent: None,
+            source_ips: &["10.0.0.7".into()],
         });
         assert_eq!(line.last(), Some(&b'\n'));
         let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
@@ -157,6 +193,33 @@ mod tests {
         assert_eq!(v["verb"], "get");
         assert_eq!(v["objectRef"]["name"], "a");
         assert_eq!(v["responseStatus"]["code"], 200);
+        assert_eq!(v["sourceIPs"], serde_json::json!(["10.0.0.7"]));
+    }
+
+    #[test]
+    fn source_ips_are_the_forwarded_chain_then_the_peer() {
+        let peer = Some("::ffff:192.0.2.9".parse().unwrap());
+        assert_eq!(source_ips(&http::HeaderMap::new(), peer), ["192.0.2.9"]);
+        let mut headers = http::HeaderMap::new();
+        headers.insert(
+            "x-forwarded-for",
+            "10.1.1.1, bogus, 10.2.2.2".parse().unwrap(),
+        );
+        headers.insert("x-real-ip", "10.1.1.1".parse().unwrap());
+        assert_eq!(
+            source_ips(&headers, peer),
+            ["10.1.1.1", "10.2.2.2", "192.0.2.9"]
+        );
+        headers.insert("x-real-ip", "10.3.3.3".parse().unwrap());
+        headers.insert("x-forwarded-for", "192.0.2.9".parse().unwrap());
+        // The peer is left out only when it is the last address already.
+        assert_eq!(
+            source_ips(&headers, peer),
+            ["192.0.2.9", "10.3.3.3", "192.0.2.9"]
+        );
+        headers.remove("x-real-ip");
+        assert_eq!(source_ips(&headers, peer), ["192.0.2.9"]);
+        assert!(source_ips(&http::HeaderMap::new(), None).is_empty());
     }
 
     #[test]

@@ -12,6 +12,8 @@ use http::{HeaderValue, Response, StatusCode};
 use http_body::{Frame, SizeHint};
 use serde::Serialize;
 
+use apimachinery::continue_token;
+
 use super::store::{Kind, Obj};
 use crate::{Body, BoxError};
 
@@ -87,49 +89,18 @@ impl http_body::Body for Chain {
     }
 }
 
-/// Where a list continues: the version and the last key of the page.
+/// Where a list continues: the version and the key after the last item of the page.
 #[derive(Debug, Clone)]
 pub struct Continue {
     /// The version the list is a snapshot of.
     pub rv: u64,
-    /// Namespace and name of the last item sent.
-    pub after: (String, String),
+    /// Where the next page starts, after the list's key prefix: the last item's key
+    /// relative to the list's scope (`name` in a namespace, `namespace/name` across all),
+    /// then NUL, as the apiserver writes it (so that either Bulwark or the apiserver can
+    /// continue the list).
+    pub start: String,
     /// Items after this page when the list has no selector (else unknown).
     pub remaining: Option<u64>,
-}
-
-/// The apiserver's continue token: base64 of `{"v":"meta.k8s.io/v1","rv":N,"start":K}`,
-/// where `start` is the storage key after the last item, `ns/name\0` (so either Bulwark or
-/// the apiserver can continue it).
-pub fn encode_continue(rv: u64, after: &(String, String)) -> String {
-    use base64::Engine;
-    let start = if after.0.is_empty() {
-        format!("{}\u{0}", after.1)
-    } else {
-        format!("{}/{}\u{0}", after.0, after.1)
-    };
-    let token = serde_json::json!({"v": "meta.k8s.io/v1", "rv": rv, "start": start});
-    base64::engine::general_purpose::URL_SAFE.encode(token.to_string())
-}
-
-/// The version and last key of a continue token; `None` if it is not one.
-pub fn decode_continue(token: &str) -> Option<(u64, (String, String))> {
-    use base64::Engine;
-    let raw = base64::engine::general_purpose::URL_SAFE
-        .decode(token)
-        .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token))
-        .ok()?;
-    let value: serde_json::Value = serde_json::from_slice(&raw).ok()?;
-    if value["v"] != "meta.k8s.io/v1" {
-        return None;
-    }
-    let rv = value["rv"].as_u64().filter(|rv| *rv > 0)?;
-    let start = value["start"].as_str()?.trim_end_matches('\u{0}');
-    let key = match start.split_once('/') {
-        Some((ns, name)) => (ns.to_owned(), name.to_owned()),
-        None => (String::new(), start.to_owned()),
-    };
-    Some((rv, key))
 }
 
 /// A LIST response: `{"kind":"SecretList","apiVersion":"v1","metadata":{…},"items":[…]}\n`,
@@ -144,7 +115,7 @@ pub fn list_pieces(
     if let Some(next) = next {
         meta.push_str(&format!(
             ",\"continue\":\"{}\"",
-            encode_continue(next.rv, &next.after)
+            continue_token::encode(i64::try_from(next.rv).unwrap_or(i64::MAX), &next.start)
         ));
         if let Some(remaining) = next.remaining {
             meta.push_str(&format!(",\"remainingItemCount\":{remaining}"));
@@ -378,13 +349,22 @@ mod tests {
     }
 
     #[test]
-    fn continue_tokens_round_trip_in_the_apiserver_format() {
-        let token = encode_continue(42, &("ns".into(), "a".into()));
+    fn a_page_ends_with_the_apiservers_continue_token() {
+        let kind = Kind::new("", "v1", "secrets", "Secret", true);
+        let next = Continue {
+            rv: 12345,
+            start: "foo\0".into(),
+            remaining: Some(3),
+        };
+        let pieces = list_pieces(&kind, 12345, Some(&next), &[obj("a", 1)]);
+        let body = pieces.concat();
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        // `{"v":"meta.k8s.io/v1","rv":12345,"start":"foo\u0000"}`, unpadded base64url.
         assert_eq!(
-            decode_continue(&token),
-            Some((42, ("ns".into(), "a".into())))
+            value["metadata"]["continue"],
+            "eyJ2IjoibWV0YS5rOHMuaW8vdjEiLCJydiI6MTIzNDUsInN0YXJ0IjoiZm9vXHUwMDAwIn0"
         );
-        assert_eq!(decode_continue("garbage"), None);
+        assert_eq!(value["metadata"]["remainingItemCount"], 3);
     }
 
     #[test]

@@ -5,11 +5,17 @@
 //! One writer (the informer), many readers (requests). Readers take the read lock only long
 //! enough to clone `Arc`s; a watch subscribes to the broadcast under the same lock that
 //! writers send under, so its snapshot and its live feed neither overlap nor leave a gap.
+//!
+//! Objects are keyed by their etcd key after the resource's prefix (`namespace/name`, or
+//! `name`), so that lists walk them in the apiserver's order and a page can end where the
+//! apiserver would continue it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use apimachinery::continue_token::{Scope, object_key};
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::Deserialize;
 use tokio::sync::{broadcast, watch};
@@ -141,9 +147,9 @@ impl Obj {
         })
     }
 
-    /// The store key.
-    pub fn key(&self) -> (String, String) {
-        (self.namespace.clone(), self.name.clone())
+    /// The store key: the object's etcd key after its resource's prefix.
+    pub fn key(&self) -> String {
+        object_key(&self.namespace, &self.name)
     }
 
     /// The same object with its `metadata.resourceVersion` replaced: what a selector watch
@@ -302,7 +308,7 @@ struct Size {
 }
 
 struct State {
-    objects: BTreeMap<(String, String), Arc<Obj>>,
+    objects: BTreeMap<String, Arc<Obj>>,
     ring: VecDeque<Arc<Event>>,
     /// The version the cache has reached.
     rv: u64,
@@ -535,59 +541,57 @@ impl ResourceStore {
         self.tx.receiver_count()
     }
 
-    /// Waits until the cache reaches `rv`, at most `limit`; true when it did.
-    pub async fn wait_for(&self, rv: u64, limit: std::time::Duration) -> bool {
-        let mut rx = self.rv_tx.subscribe();
-        tokio::time::timeout(limit, rx.wait_for(|current| *current >= rv))
-            .await
-            .is_ok_and(|r| r.is_ok())
-    }
-
     /// The object under `namespace/name`, with the cache's version.
     pub fn get(&self, namespace: &str, name: &str) -> (Option<Arc<Obj>>, u64) {
         let state = self.read();
-        let obj = state
-            .objects
-            .get(&(namespace.to_owned(), name.to_owned()))
-            .cloned();
+        let obj = state.objects.get(&object_key(namespace, name)).cloned();
         (obj, state.rv)
     }
 
-    /// Every object in scope (all namespaces when `None`) that `keep` accepts, sorted by
-    /// namespace and name, with the cache's version.
+    /// Every object in scope (all namespaces when `None`) that `keep` accepts, in the
+    /// apiserver's key order, with the cache's version.
     pub fn list(
         &self,
         namespace: Option<&str>,
         keep: impl Fn(&Obj) -> bool,
     ) -> (Vec<Arc<Obj>>, u64) {
         let state = self.read();
-        let items = scope(&state.objects, namespace)
+        let items = scope(&state.objects, namespace, "")
             .filter(|o| keep(o))
             .cloned()
             .collect();
         (items, state.rv)
     }
 
-    /// The objects in scope as of version `at` (rolled back through the ring), for a
-    /// continued list; `None` when `at` is older than the ring or newer than the cache.
-    pub fn list_at(&self, namespace: Option<&str>, at: u64) -> Option<Vec<Arc<Obj>>> {
+    /// For a continued list: the objects in scope whose key is `from` or after, in key
+    /// order, as of version `at` (rolled back through the ring) or the latest when `None`,
+    /// with that version; `None` when `at` is older than the ring or newer than the cache.
+    pub fn list_from(
+        &self,
+        namespace: Option<&str>,
+        at: Option<u64>,
+        from: &str,
+    ) -> Option<(Vec<Arc<Obj>>, u64)> {
         let state = self.read();
+        let at = at.unwrap_or(state.rv);
         if at < state.floor || at > state.rv {
             return None;
         }
-        let mut items: BTreeMap<(String, String), Arc<Obj>> = scope(&state.objects, namespace)
+        let mut items: BTreeMap<String, Arc<Obj>> = scope(&state.objects, namespace, from)
             .map(|o| (o.key(), o.clone()))
             .collect();
+        let wanted = |key: &str| Scope::of(namespace).contains(key) && key >= from;
         for event in state.ring.iter().rev().take_while(|e| e.rv > at) {
-            if namespace.is_some_and(|ns| ns != event.obj.namespace) {
+            let key = event.obj.key();
+            if !wanted(&key) {
                 continue;
             }
             match &event.prev {
-                Some(prev) => items.insert(prev.key(), prev.clone()),
-                None => items.remove(&event.obj.key()),
+                Some(prev) => items.insert(key, prev.clone()),
+                None => items.remove(&key),
             };
         }
-        Some(items.into_values().collect())
+        Some((items.into_values().collect(), at))
     }
 
     /// Subscribes a watch. `after: None` starts with the current objects (synthetic
@@ -624,22 +628,24 @@ impl ResourceStore {
     }
 }
 
+/// The objects in scope (all namespaces when `None`) whose key is `from` or after.
 fn scope<'a>(
-    objects: &'a BTreeMap<(String, String), Arc<Obj>>,
+    objects: &'a BTreeMap<String, Arc<Obj>>,
     namespace: Option<&str>,
-) -> Box<dyn Iterator<Item = &'a Arc<Obj>> + 'a> {
-    match namespace {
-        Some(ns) => {
-            let ns = ns.to_owned();
-            Box::new(
-                objects
-                    .range((ns.clone(), String::new())..)
-                    .take_while(move |((n, _), _)| *n == ns)
-                    .map(|(_, o)| o),
-            )
-        }
-        None => Box::new(objects.values()),
-    }
+    from: &str,
+) -> impl Iterator<Item = &'a Arc<Obj>> + 'a {
+    let (low, high) = Scope::of(namespace).range();
+    let low = match low {
+        Bound::Included(low) if low.as_str() > from => low,
+        _ => from.to_owned(),
+    };
+    objects
+        .range::<String, _>(low..)
+        .take_while(move |(key, _)| match &high {
+            Bound::Excluded(high) => key.as_str() < high.as_str(),
+            _ => true,
+        })
+        .map(|(_, o)| o)
 }
 
 #[cfg(test)]
@@ -692,11 +698,19 @@ mod tests {
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
         s.apply(EventType::Added, secret("ns", "b", 6, "web"));
         s.apply(EventType::Deleted, secret("ns", "a", 7, "web"));
-        let names = |v: Vec<Arc<Obj>>| v.iter().map(|o| o.name.clone()).collect::<Vec<_>>();
-        assert_eq!(names(s.list_at(None, 5).unwrap()), ["a"]);
-        assert_eq!(names(s.list_at(None, 6).unwrap()), ["a", "b"]);
-        assert_eq!(names(s.list_at(Some("ns"), 7).unwrap()), ["b"]);
-        assert!(s.list_at(None, 8).is_none());
+        let names = |v: Option<(Vec<Arc<Obj>>, u64)>| {
+            v.unwrap()
+                .0
+                .iter()
+                .map(|o| o.name.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(s.list_from(None, Some(5), "")), ["a"]);
+        assert_eq!(names(s.list_from(None, Some(6), "")), ["a", "b"]);
+        assert_eq!(names(s.list_from(Some("ns"), Some(7), "")), ["b"]);
+        assert_eq!(names(s.list_from(None, Some(6), "ns/a\0")), ["b"]);
+        assert_eq!(names(s.list_from(Some("ns"), None, "ns/b")), ["b"]);
+        assert!(s.list_from(None, Some(8), "").is_none());
     }
 
     #[test]

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
+use crate::admit::Seats;
 use crate::identity::User;
 use crate::metrics::Metrics;
 
@@ -85,11 +86,14 @@ struct Watcher {
     generation: tokio::sync::watch::Receiver<u64>,
     last_rv: u64,
     next_bookmark: Option<Instant>,
-    deadline: Instant,
+    /// `None`: further away than time can count (no end but the others).
+    deadline: Option<Instant>,
     reauth: Option<Reauthorize>,
     next_reauth: Option<Instant>,
     review: Option<JoinHandle<Result<Decision, String>>>,
     metrics: Metrics,
+    /// Seats held while the initial state is sent (a watch without a version).
+    initial_seats: Option<Seats>,
     done: bool,
 }
 
@@ -151,6 +155,8 @@ impl Watcher {
         } {
             return Some(chunk);
         }
+        // The initial state is out: its seats go back to the level.
+        self.initial_seats = None;
         let mut out = BytesMut::new();
         if let Some(rv) = self.end_bookmark.take() {
             out.extend_from_slice(&bookmark_line(&kind, rv, true));
@@ -235,7 +241,7 @@ impl Watcher {
                     }
                     self.next_reauth = self.reauth.as_ref().map(|r| Instant::now() + jittered(r.every));
                 }
-                _ = tokio::time::sleep_until(self.deadline) => {
+                _ = sleep_until(self.deadline) => {
                     self.done = true;
                     return None;
                 }
@@ -265,6 +271,7 @@ pub fn body(
     start: WatchStart,
     options: Options,
     reauth: Option<Reauthorize>,
+    initial_seats: Option<Seats>,
     metrics: Metrics,
 ) -> crate::Body {
     let now = Instant::now();
@@ -283,13 +290,14 @@ pub fn body(
         generation,
         last_rv: options.from.unwrap_or(rv),
         next_bookmark: options.bookmarks.map(|every| now + every),
-        deadline: now + options.timeout,
+        deadline: now.checked_add(options.timeout),
         next_reauth: reauth.as_ref().map(|r| now + jittered(r.every)),
         reauth,
         review: None,
         store,
         options,
         metrics,
+        initial_seats,
         done: false,
     };
     let stream = futures::stream::unfold(watcher, |mut w| async move {

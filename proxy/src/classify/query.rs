@@ -5,6 +5,8 @@
 //! false only when absent, `0` or `false` (any case): an empty value (`?watch` or
 //! `?watch=`) is true (apimachinery's `Convert_Slice_string_To_bool`).
 
+use apimachinery::params::bool_param as truthy;
+
 use super::{ClassifyError, percent_decode};
 
 /// The query parameters that change how Bulwark treats a request.
@@ -26,8 +28,9 @@ pub struct Query {
     pub label_selector: Option<String>,
     /// `fieldSelector`; empty is none.
     pub field_selector: Option<String>,
-    /// `timeoutSeconds`.
-    pub timeout_seconds: Option<u64>,
+    /// `timeoutSeconds` as given: the apiserver takes 0 as unset and a negative value as
+    /// a deadline already past (see `apimachinery::params::watch_timeout`).
+    pub timeout_seconds: Option<i64>,
     /// `sendInitialEvents` (a WatchList when true); `None` when absent.
     pub send_initial_events: Option<bool>,
     /// `allowWatchBookmarks`.
@@ -104,11 +107,12 @@ impl Params {
         Ok(params)
     }
 
-    /// Whether the `watch` parameter is true: any value but `0`, `false` or empty
-    /// (DESIGN.md step 4; the apiserver's own decoding also reads an empty value as true,
-    /// but Bulwark treats such a request as the list it most likely is).
+    /// Whether the `watch` parameter is true: any first value but `0` or `false`, the
+    /// empty one included, as the apiserver's RequestInfoFactory decides between `list`
+    /// and `watch`. (Reading `?watch=` as a list would hold LIST seats and byte budget for
+    /// the life of what the apiserver serves as a watch.)
     pub(super) fn watch(&self) -> bool {
-        self.watch.as_deref().is_some_and(|v| !v.is_empty()) && truthy(self.watch.as_deref())
+        truthy(self.watch.as_deref())
     }
 
     /// Interprets the parameters. With `strict` (lists and watches, where the apiserver
@@ -116,20 +120,7 @@ impl Params {
     /// `timeoutSeconds` is an error; otherwise it is ignored, as the apiserver ignores it.
     pub(super) fn query(&self, strict: bool) -> Result<Query, ClassifyError> {
         let limit = integer("limit", self.limit.as_deref(), strict)?;
-        let timeout = integer("timeoutSeconds", self.timeout_seconds.as_deref(), strict)?;
-        let timeout_seconds = match timeout {
-            Some(seconds) if seconds < 0 => {
-                if strict {
-                    return Err(ClassifyError::InvalidParameter {
-                        param: "timeoutSeconds",
-                        value: seconds.to_string(),
-                        expected: "a number of seconds, 0 or more",
-                    });
-                }
-                None
-            }
-            other => other.map(|seconds| seconds.unsigned_abs()),
-        };
+        let timeout_seconds = integer("timeoutSeconds", self.timeout_seconds.as_deref(), strict)?;
         let non_empty = |value: &Option<String>| value.clone().filter(|v| !v.is_empty());
         Ok(Query {
             watch: self.watch(),
@@ -145,14 +136,6 @@ impl Params {
             follow: truthy(self.follow.as_deref()),
             raw: self.raw.clone(),
         })
-    }
-}
-
-/// apimachinery's boolean rule: false when absent, `0` or `false` (any case), else true.
-fn truthy(value: Option<&str>) -> bool {
-    match value {
-        None => false,
-        Some(v) => v != "0" && !v.eq_ignore_ascii_case("false"),
     }
 }
 

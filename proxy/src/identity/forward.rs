@@ -1,8 +1,9 @@
 //! Rewrites a request's headers so the apiserver sees the client's identity and nothing a
 //! client could use to pass as someone else (DESIGN.md step 3).
 //!
-//! Always: the configured request-header names are stripped (a client must never set
-//! `X-Remote-User`), and so are hop-by-hop headers. `Authorization` is stripped except in
+//! Always: the configured request-header names and the default ones (`X-Remote-User`,
+//! `-Group`, `-Uid`, `-Extra-*`) are stripped (a client must never set them), and so are
+//! hop-by-hop headers. `Authorization` is stripped except in
 //! passthrough mode. A client's own `Impersonate-*` headers travel on in front-proxy and
 //! passthrough modes (the apiserver authorizes them against the real user) and are refused
 //! in impersonate mode, where they would be read as Bulwark's own.
@@ -99,6 +100,12 @@ struct Names {
     uid: Option<HeaderName>,
     group: HeaderName,
     extra_prefix: String,
+    /// Every name a client must not send: the configured ones and the defaults, since an
+    /// apiserver whose flags differ from this config (or that reads `X-Remote-Uid` while the
+    /// config sends no uid) would take a client's own as the truth.
+    strip: Vec<HeaderName>,
+    /// Every extra prefix a client must not send, configured and default, lowercase.
+    strip_prefixes: Vec<String>,
 }
 
 impl Forwarding {
@@ -114,6 +121,27 @@ impl Forwarding {
             HeaderName::try_from(n.to_ascii_lowercase())
                 .map_err(|_| ForwardError::Unrepresentable(format!("bad header name {n:?}")))
         };
+        let mut strip = Vec::new();
+        for name in [
+            &names.user,
+            &names.uid,
+            &names.group,
+            &defaults.user,
+            &defaults.uid,
+            &defaults.group,
+        ] {
+            if !name.is_empty() {
+                let name = parse(name)?;
+                if !strip.contains(&name) {
+                    strip.push(name);
+                }
+            }
+        }
+        let mut strip_prefixes = vec![names.extra_prefix.to_ascii_lowercase()];
+        let default_prefix = defaults.extra_prefix.to_ascii_lowercase();
+        if !strip_prefixes.contains(&default_prefix) {
+            strip_prefixes.push(default_prefix);
+        }
         Ok(Self {
             mode,
             names: Names {
@@ -125,6 +153,8 @@ impl Forwarding {
                 },
                 group: parse(&names.group)?,
                 extra_prefix: names.extra_prefix.to_ascii_lowercase(),
+                strip,
+                strip_prefixes,
             },
             front_proxy: front_proxy.is_some(),
             own_token,
@@ -188,14 +218,18 @@ impl Forwarding {
     }
 
     fn strip_request_headers(&self, headers: &mut HeaderMap) {
-        headers.remove(&self.names.user);
-        headers.remove(&self.names.group);
-        if let Some(uid) = &self.names.uid {
-            headers.remove(uid);
+        for name in &self.names.strip {
+            headers.remove(name);
         }
         let extras: Vec<HeaderName> = headers
             .keys()
-            .filter(|name| name.as_str().starts_with(&self.names.extra_prefix))
+            .filter(|name| {
+                let name = name.as_str();
+                self.names
+                    .strip_prefixes
+                    .iter()
+                    .any(|prefix| name.starts_with(prefix.as_str()))
+            })
             .cloned()
             .collect();
         for name in extras {
@@ -333,6 +367,49 @@ mod tests {
             "web-0"
         );
         assert!(headers.get("authorization").is_none());
+    }
+
+    #[test]
+    fn default_identity_headers_are_stripped_whatever_names_are_configured() {
+        let front = config::FrontProxy {
+            cert: "fp.crt".into(),
+            key: "fp.key".into(),
+            headers: config::HeaderNames {
+                user: "X-Proxy-User".into(),
+                uid: String::new(),
+                group: "X-Proxy-Group".into(),
+                extra_prefix: "X-Proxy-Extra-".into(),
+            },
+        };
+        for mode in [
+            IdentityMode::FrontProxy,
+            IdentityMode::Impersonate,
+            IdentityMode::Passthrough,
+        ] {
+            let forwarding = Forwarding::new(mode, Some(&front), None).unwrap();
+            let mut headers = spoofing_headers();
+            headers.insert("x-proxy-user", "system:admin".parse().unwrap());
+            headers.insert("x-proxy-group", "system:masters".parse().unwrap());
+            headers.insert("x-proxy-extra-scopes", "all".parse().unwrap());
+            forwarding.prepare(&alice(), &mut headers, false).unwrap();
+            for name in [
+                "x-remote-user",
+                "x-remote-group",
+                "x-remote-uid",
+                "x-remote-extra-scopes",
+                "x-proxy-extra-scopes",
+            ] {
+                assert!(headers.get(name).is_none(), "{mode:?} kept {name}");
+            }
+            if mode == IdentityMode::FrontProxy {
+                assert_eq!(headers["x-proxy-user"], "alice");
+                let groups: Vec<_> = headers.get_all("x-proxy-group").iter().collect();
+                assert_eq!(groups, ["dev", "system:authenticated"]);
+            } else {
+                assert!(headers.get("x-proxy-user").is_none(), "{mode:?}");
+                assert!(headers.get("x-proxy-group").is_none(), "{mode:?}");
+            }
+        }
     }
 
     #[test]

@@ -1,12 +1,16 @@
 //! Bearer tokens resolved by TokenReview, cached by the token's hash and coalesced.
 //!
 //! An accepted token is trusted for min(ttl, the token's own expiry); a rejected one is
-//! remembered for `failure_ttl` so that a client retrying a bad token cannot flood the
-//! apiserver with reviews. A review that could not be made is not remembered: the request
-//! is refused (never passed on) and the next one tries again. Concurrent requests with the
-//! same token share one review.
+//! remembered for `failure_ttl` in a smaller cache of its own, so that a client retrying a
+//! bad token cannot flood the apiserver with reviews and a flood of bad tokens cannot push
+//! good ones out. A review that could not be made is not remembered: the request is refused
+//! (never passed on) and the next one tries again. Concurrent requests with the same token
+//! share one review. A token in neither cache needs a review, and reviews are bounded per
+//! client address, overall and in flight ([`ReviewLimits`]): over a bound, the request gets
+//! [`IdentityError::ReviewLimited`] (429 with `Retry-After`) and no review is made.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +22,7 @@ use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
 use super::forward::OwnToken;
+use super::limits::{Limited, ReviewLimits};
 use super::{IdentityError, User};
 use crate::config;
 use crate::metrics::Metrics;
@@ -40,7 +45,17 @@ pub trait TokenReviewer: Send + Sync + 'static {
 }
 
 type Key = [u8; 32];
-type Pending = Shared<BoxFuture<'static, Result<ReviewOutcome, String>>>;
+
+/// Why a shared review has no outcome.
+#[derive(Debug, Clone)]
+enum NoOutcome {
+    /// No slot among the reviews in flight came free in time; nothing was sent.
+    Limited(Limited),
+    /// The review was sent and no answer could be had.
+    Failed(String),
+}
+
+type Pending = Shared<BoxFuture<'static, Result<ReviewOutcome, NoOutcome>>>;
 
 struct Entry {
     outcome: ReviewOutcome,
@@ -48,90 +63,138 @@ struct Entry {
 }
 
 struct State {
-    entries: lru::LruCache<Key, Entry>,
+    /// Accepted tokens.
+    accepted: lru::LruCache<Key, Entry>,
+    /// Rejected tokens, apart so that they cannot evict accepted ones.
+    rejected: lru::LruCache<Key, Entry>,
     pending: HashMap<Key, Pending>,
+}
+
+impl State {
+    /// The remembered outcome of a token, dropping it when it has expired.
+    fn remembered(&mut self, key: &Key, now: Instant) -> Option<ReviewOutcome> {
+        for cache in [&mut self.accepted, &mut self.rejected] {
+            if let Some(entry) = cache.get(key) {
+                if entry.expires > now {
+                    return Some(entry.outcome.clone());
+                }
+                cache.pop(key);
+            }
+        }
+        None
+    }
 }
 
 /// The TokenReview cache in front of a [`TokenReviewer`].
 pub struct TokenCache {
     reviewer: Arc<dyn TokenReviewer>,
     settings: config::TokenReview,
+    limits: Arc<ReviewLimits>,
     state: Mutex<State>,
     metrics: Metrics,
 }
 
 impl TokenCache {
-    /// A cache with the configured lifetimes and bound.
+    /// A cache with the configured lifetimes, bounds and review limits.
     pub fn new(
         reviewer: Arc<dyn TokenReviewer>,
         settings: config::TokenReview,
         metrics: Metrics,
     ) -> Self {
-        let capacity = NonZeroUsize::new(settings.max_entries.max(1)).expect("at least one");
+        let capacity = |n: usize| NonZeroUsize::new(n.max(1)).expect("at least one");
         Self {
             reviewer,
-            settings,
+            limits: Arc::new(ReviewLimits::new(&settings)),
             state: Mutex::new(State {
-                entries: lru::LruCache::new(capacity),
+                accepted: lru::LruCache::new(capacity(settings.max_entries)),
+                rejected: lru::LruCache::new(capacity(settings.max_rejected_entries)),
                 pending: HashMap::new(),
             }),
+            settings,
             metrics,
         }
     }
 
-    /// The user a token belongs to, from the cache or a (shared) review.
-    pub async fn authenticate(&self, token: &str) -> Result<User, IdentityError> {
+    /// The user a token belongs to, from the cache or a (shared) review. `source` is the
+    /// client's address, whose review rate is bounded.
+    pub async fn authenticate(
+        &self,
+        token: &str,
+        source: Option<IpAddr>,
+    ) -> Result<User, IdentityError> {
+        if token.len() > self.settings.max_token_bytes {
+            return Err(IdentityError::TokenTooLong(self.settings.max_token_bytes));
+        }
         let key: Key = Sha256::digest(token.as_bytes()).into();
         let pending = {
             let mut state = self.state.lock().expect("token cache lock");
-            if let Some(entry) = state.entries.get(&key) {
-                if entry.expires > Instant::now() {
-                    self.count("cached");
-                    return into_result(entry.outcome.clone());
-                }
-                state.entries.pop(&key);
+            if let Some(outcome) = state.remembered(&key, Instant::now()) {
+                self.count("cached");
+                return into_result(outcome);
             }
-            state
-                .pending
-                .entry(key)
-                .or_insert_with(|| self.reviewer.review(token).shared())
-                .clone()
+            match state.pending.get(&key) {
+                Some(pending) => pending.clone(),
+                None => {
+                    if let Err(limited) = self.limits.take(source) {
+                        self.count("limited");
+                        return Err(IdentityError::ReviewLimited(limited));
+                    }
+                    let pending = self.review(token);
+                    state.pending.insert(key, pending.clone());
+                    pending
+                }
+            }
         };
         let result = pending.await;
         let mut state = self.state.lock().expect("token cache lock");
         // The first waiter to get here records the result; the others find it gone.
         if state.pending.remove(&key).is_some() {
+            let now = Instant::now();
             match &result {
                 Ok(outcome @ ReviewOutcome::Authenticated(_)) => {
                     let ttl = token_lifetime(token)
                         .map_or(self.settings.ttl, |left| left.min(self.settings.ttl));
                     self.count("allowed");
-                    state.entries.put(
+                    state.accepted.put(
                         key,
                         Entry {
                             outcome: outcome.clone(),
-                            expires: Instant::now() + ttl,
+                            expires: now + ttl,
                         },
                     );
                 }
                 Ok(outcome @ ReviewOutcome::Rejected(_)) => {
                     self.count("denied");
-                    state.entries.put(
+                    state.rejected.put(
                         key,
                         Entry {
                             outcome: outcome.clone(),
-                            expires: Instant::now() + self.settings.failure_ttl,
+                            expires: now + self.settings.failure_ttl,
                         },
                     );
                 }
-                Err(_) => self.count("error"),
+                Err(NoOutcome::Limited(_)) => self.count("limited"),
+                Err(NoOutcome::Failed(_)) => self.count("error"),
             }
         }
         drop(state);
         match result {
             Ok(outcome) => into_result(outcome),
-            Err(why) => Err(IdentityError::ReviewFailed(why)),
+            Err(NoOutcome::Limited(limited)) => Err(IdentityError::ReviewLimited(limited)),
+            Err(NoOutcome::Failed(why)) => Err(IdentityError::ReviewFailed(why)),
         }
+    }
+
+    /// One review, sent once a slot among the reviews in flight is free.
+    fn review(&self, token: &str) -> Pending {
+        let (reviewer, limits, token) =
+            (self.reviewer.clone(), self.limits.clone(), token.to_owned());
+        async move {
+            let _slot = limits.slot().await.map_err(NoOutcome::Limited)?;
+            reviewer.review(&token).await.map_err(NoOutcome::Failed)
+        }
+        .boxed()
+        .shared()
     }
 
     fn count(&self, result: &str) {
@@ -274,22 +337,40 @@ mod tests {
 
     use super::*;
 
+    /// Reviews by the token's first word: `good…` is alice, `fail…` gets no answer,
+    /// anything else is rejected; counts the reviews made and the most at once.
     struct Counting {
         calls: AtomicUsize,
-        answer: Result<ReviewOutcome, String>,
+        in_flight: AtomicUsize,
+        most_in_flight: AtomicUsize,
         delay: Duration,
     }
 
     impl TokenReviewer for Arc<Counting> {
-        fn review(&self, _token: &str) -> BoxFuture<'static, Result<ReviewOutcome, String>> {
+        fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, String>> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            let answer = self.answer.clone();
-            let delay = self.delay;
+            let answer = if token.starts_with("good") {
+                Ok(ReviewOutcome::Authenticated(alice()))
+            } else if token.starts_with("fail") {
+                Err("connection refused".to_string())
+            } else {
+                Ok(ReviewOutcome::Rejected("expired".into()))
+            };
+            let this = self.clone();
             async move {
-                tokio::time::sleep(delay).await;
+                let now = this.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                this.most_in_flight.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(this.delay).await;
+                this.in_flight.fetch_sub(1, Ordering::SeqCst);
                 answer
             }
             .boxed()
+        }
+    }
+
+    impl Counting {
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
         }
     }
 
@@ -301,64 +382,171 @@ mod tests {
         }
     }
 
-    fn cache(answer: Result<ReviewOutcome, String>) -> (Arc<Counting>, TokenCache) {
+    fn cache_with(tweak: impl FnOnce(&mut config::TokenReview)) -> (Arc<Counting>, TokenCache) {
         let reviewer = Arc::new(Counting {
             calls: AtomicUsize::new(0),
-            answer,
+            in_flight: AtomicUsize::new(0),
+            most_in_flight: AtomicUsize::new(0),
             delay: Duration::from_millis(50),
         });
-        let cache = TokenCache::new(
-            Arc::new(reviewer.clone()),
-            config::TokenReview::default(),
-            Metrics::new(),
-        );
+        let mut settings = config::TokenReview::default();
+        tweak(&mut settings);
+        let cache = TokenCache::new(Arc::new(reviewer.clone()), settings, Metrics::new());
         (reviewer, cache)
     }
 
+    fn cache() -> (Arc<Counting>, TokenCache) {
+        cache_with(|_| {})
+    }
+
+    const HERE: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+
     #[tokio::test(start_paused = true)]
     async fn accepted_tokens_are_cached_for_the_ttl_then_reviewed_again() {
-        let (reviewer, cache) = cache(Ok(ReviewOutcome::Authenticated(alice())));
-        assert_eq!(cache.authenticate("t").await.unwrap().username, "alice");
-        tokio::time::advance(Duration::from_secs(119)).await;
-        cache.authenticate("t").await.unwrap();
-        assert_eq!(reviewer.calls.load(Ordering::SeqCst), 1);
+        let (reviewer, cache) = cache();
+        assert_eq!(
+            cache.authenticate("good", HERE).await.unwrap().username,
+            "alice"
+        );
+        tokio::time::advance(Duration::from_secs(9)).await;
+        cache.authenticate("good", HERE).await.unwrap();
+        assert_eq!(reviewer.calls(), 1);
         tokio::time::advance(Duration::from_secs(2)).await;
-        cache.authenticate("t").await.unwrap();
-        assert_eq!(reviewer.calls.load(Ordering::SeqCst), 2);
+        cache.authenticate("good", HERE).await.unwrap();
+        assert_eq!(reviewer.calls(), 2);
     }
 
     #[tokio::test(start_paused = true)]
     async fn concurrent_requests_share_one_review() {
-        let (reviewer, cache) = cache(Ok(ReviewOutcome::Authenticated(alice())));
-        let results = futures::future::join_all((0..20).map(|_| cache.authenticate("t"))).await;
+        let (reviewer, cache) = cache();
+        let results =
+            futures::future::join_all((0..20).map(|_| cache.authenticate("good", HERE))).await;
         assert!(results.iter().all(|r| r.is_ok()));
-        assert_eq!(reviewer.calls.load(Ordering::SeqCst), 1);
+        assert_eq!(reviewer.calls(), 1);
     }
 
     #[tokio::test(start_paused = true)]
     async fn rejections_are_remembered_briefly() {
-        let (reviewer, cache) = cache(Ok(ReviewOutcome::Rejected("expired".into())));
+        let (reviewer, cache) = cache();
         assert_eq!(
-            cache.authenticate("bad").await,
+            cache.authenticate("bad", HERE).await,
             Err(IdentityError::TokenRejected("expired".into()))
         );
         tokio::time::advance(Duration::from_secs(9)).await;
-        assert!(cache.authenticate("bad").await.is_err());
-        assert_eq!(reviewer.calls.load(Ordering::SeqCst), 1);
+        assert!(cache.authenticate("bad", HERE).await.is_err());
+        assert_eq!(reviewer.calls(), 1);
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert!(cache.authenticate("bad").await.is_err());
-        assert_eq!(reviewer.calls.load(Ordering::SeqCst), 2);
+        assert!(cache.authenticate("bad", HERE).await.is_err());
+        assert_eq!(reviewer.calls(), 2);
     }
 
     #[tokio::test(start_paused = true)]
     async fn failed_reviews_refuse_the_request_and_are_not_cached() {
-        let (reviewer, cache) = cache(Err("connection refused".into()));
+        let (reviewer, cache) = cache();
         assert!(matches!(
-            cache.authenticate("t").await,
+            cache.authenticate("fail", HERE).await,
             Err(IdentityError::ReviewFailed(_))
         ));
-        assert!(cache.authenticate("t").await.is_err());
-        assert_eq!(reviewer.calls.load(Ordering::SeqCst), 2);
+        assert!(cache.authenticate("fail", HERE).await.is_err());
+        assert_eq!(reviewer.calls(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rejected_tokens_cannot_push_accepted_ones_out() {
+        let (reviewer, cache) = cache_with(|s| {
+            s.max_entries = 10;
+            s.max_rejected_entries = 5;
+        });
+        cache.authenticate("good", HERE).await.unwrap();
+        for i in 0..50 {
+            let source = Some(IpAddr::from([10, 0, 0, i]));
+            assert!(
+                cache
+                    .authenticate(&format!("bad-{i}"), source)
+                    .await
+                    .is_err()
+            );
+        }
+        assert_eq!(reviewer.calls(), 51);
+        cache.authenticate("good", HERE).await.unwrap();
+        assert_eq!(
+            reviewer.calls(),
+            51,
+            "the accepted token was reviewed again"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_over_the_length_limit_is_refused_without_a_review() {
+        let (reviewer, cache) = cache();
+        let long = format!("good{}", "a".repeat(16 * 1024));
+        assert_eq!(
+            cache.authenticate(&long, HERE).await,
+            Err(IdentityError::TokenTooLong(16 * 1024))
+        );
+        assert_eq!(reviewer.calls(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn unknown_tokens_past_the_source_rate_are_refused_without_a_review() {
+        let (reviewer, cache) = cache_with(|s| {
+            s.per_source = config::ReviewRate { qps: 1.0, burst: 2 };
+        });
+        cache.authenticate("good", HERE).await.unwrap();
+        assert!(matches!(
+            cache.authenticate("bad-1", HERE).await,
+            Err(IdentityError::TokenRejected(_))
+        ));
+        let Err(IdentityError::ReviewLimited(limited)) = cache.authenticate("bad-2", HERE).await
+        else {
+            panic!("a third review from one address within a second");
+        };
+        assert!(limited.retry_after <= Duration::from_secs(1));
+        assert_eq!(reviewer.calls(), 2);
+        // Known tokens need no review and are still answered.
+        cache.authenticate("good", HERE).await.unwrap();
+        assert!(matches!(
+            cache.authenticate("bad-1", HERE).await,
+            Err(IdentityError::TokenRejected(_))
+        ));
+        // Another address has its own bucket.
+        let other = Some(IpAddr::from([10, 9, 9, 9]));
+        assert!(matches!(
+            cache.authenticate("bad-2", other).await,
+            Err(IdentityError::TokenRejected(_))
+        ));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(cache.authenticate("bad-3", HERE).await.is_err());
+        assert_eq!(reviewer.calls(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reviews_in_flight_are_capped_and_the_excess_waits_briefly_then_gets_429() {
+        let (reviewer, cache) = cache_with(|s| {
+            s.max_concurrent = 2;
+            s.max_wait = Duration::from_millis(120);
+        });
+        // Reviews take 50 ms: of six at once, two run, two wait 50 ms, two wait 100 ms;
+        // all are answered within the wait.
+        let tokens: Vec<String> = (0..6).map(|i| format!("bad-{i}")).collect();
+        let results =
+            futures::future::join_all(tokens.iter().map(|t| cache.authenticate(t, HERE))).await;
+        assert!(
+            results
+                .iter()
+                .all(|r| matches!(r, Err(IdentityError::TokenRejected(_))))
+        );
+        assert_eq!(reviewer.most_in_flight.load(Ordering::SeqCst), 2);
+        // Of eight more, the last two would wait 150 ms: they get ReviewLimited unreviewed.
+        let tokens: Vec<String> = (0..8).map(|i| format!("more-{i}")).collect();
+        let results =
+            futures::future::join_all(tokens.iter().map(|t| cache.authenticate(t, HERE))).await;
+        let limited = results
+            .iter()
+            .filter(|r| matches!(r, Err(IdentityError::ReviewLimited(_))))
+            .count();
+        assert_eq!(limited, 2, "{results:?}");
+        assert_eq!(reviewer.calls(), 12);
     }
 
     #[test]

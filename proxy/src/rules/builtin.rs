@@ -5,7 +5,11 @@
 //!   to change its numbers;
 //! - the heartbeat rules (`node-heartbeats`, `node-status`, `leader-election`): small
 //!   writes that keep nodes and controllers alive, exempt unless a file defines a rule of the
-//!   same name, which then replaces the built-in one;
+//!   same name, which then replaces the built-in one. Like APF's `system-node-high` and
+//!   `system-leader-election` FlowSchemas, they match only the identities that heartbeat
+//!   (nodes; kube-controller-manager, kube-scheduler and kube-system's ServiceAccounts):
+//!   anyone else's Lease writes are ordinary, throttled traffic. One flow per user, so that
+//!   each node and controller has its own share of the request-body budget;
 //! - rule `catch-all`: matches every request no other rule did, after all of them, one flow
 //!   per user with a per-user token bucket; it cannot be redefined (a rule with an empty
 //!   `match` and precedence 10000 catches everything before it).
@@ -68,11 +72,12 @@ rules:
   - name: node-heartbeats
     precedence: 10
     match:
+      groups: ["system:nodes"]
       verbs: [get, create, update, patch]
       resources: [{group: coordination.k8s.io, resource: leases}]
       namespaces: [kube-node-lease]
     level: exempt
-    flow: none
+    flow: user
   # Kubelets report node status; before Leases this was the heartbeat.
   - name: node-status
     precedence: 11
@@ -81,14 +86,16 @@ rules:
       verbs: [get, create, update, patch]
       resources: [{group: "", resource: nodes}, {group: "", resource: nodes/status}]
     level: exempt
-    flow: none
+    flow: user
   # Controllers and schedulers renew their leader-election Lease; a missed renewal makes
-  # them restart.
+  # them restart. The subjects and verbs of APF's system-leader-election.
   - name: leader-election
     precedence: 12
     match:
-      verbs: [get, create, update, patch]
+      users: ["system:kube-controller-manager", "system:kube-scheduler"]
+      serviceAccounts: [kube-system/*]
+      verbs: [get, create, update]
       resources: [{group: coordination.k8s.io, resource: leases}]
     level: exempt
-    flow: none
+    flow: user
 "#;

@@ -423,6 +423,7 @@ impl Balancer {
                 watches: r.watches(),
                 in_flight_bytes: r.in_flight_bytes(),
                 connections: connections(i),
+                throttled: health[i].throttled_until.is_some_and(|until| now < until),
             })
             .collect()
     }

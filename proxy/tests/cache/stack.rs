@@ -326,8 +326,9 @@ async fn handle(
     else {
         return refuse(StatusCode::UNAUTHORIZED, "no client certificate".into());
     };
+    let peer = request.extensions().get::<ConnInfo>().map(|c| c.peer.ip());
     match cache
-        .serve(&info, &user, request.headers(), None, None)
+        .serve_from(&info, &user, request.headers(), peer, None, None)
         .await
     {
         Ok(Some(response)) => return response,

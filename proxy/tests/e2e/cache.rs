@@ -84,6 +84,45 @@ async fn secret_reads_come_from_the_cache_for_readers_the_apiserver_would_allow(
     );
 }
 
+/// A 403 from the cache is a refusal like any other: counted with its reason, rule and
+/// level, and audited with the client's address, as the apiserver audits what it refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_refusals_are_counted_and_audited() {
+    let cluster = synced(
+        1,
+        vec!["secrets=3x1KiB@team"],
+        crate::harness::UNLIMITED_RULES,
+    )
+    .await;
+    let mut nobody = cluster.client("nobody", &[]).await;
+    let answer = nobody
+        .get("/api/v1/namespaces/team/secrets/secret-1?resourceVersion=0")
+        .await;
+    assert_eq!(answer.status, 403);
+    assert_eq!(answer.json()["reason"], "Forbidden");
+    assert_eq!(answer.headers["x-bulwark-reason"], "forbidden");
+    let metrics = cluster.bulwark.admin.metrics.render();
+    assert!(
+        metrics.contains(
+            r#"bulwark_rejected_requests_total{level="exempt",reason="forbidden",rule="test-clients"} 1"#
+        ),
+        "{metrics}"
+    );
+    let events = cluster.audit_events();
+    let refused: Vec<_> = events
+        .iter()
+        .filter(|e| e["user"]["username"] == "nobody")
+        .collect();
+    assert_eq!(refused.len(), 1, "{events:?}");
+    assert_eq!(refused[0]["responseStatus"]["code"], 403);
+    assert_eq!(refused[0]["objectRef"]["name"], "secret-1");
+    assert_eq!(
+        refused[0]["auditID"],
+        answer.headers["audit-id"].to_str().unwrap()
+    );
+    assert_eq!(refused[0]["sourceIPs"], serde_json::json!(["127.0.0.1"]));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flow_rate_applies_to_answers_from_the_cache_too() {
     let cluster = synced(
@@ -168,14 +207,29 @@ rules:
     assert_eq!(refused.headers["x-bulwark-reason"], "queue_timeout");
     assert_eq!(refused.headers["x-bulwark-level"], "one-seat");
 
-    // A cached watch starts at once all the same: its head would release a seat as soon
-    // as it took one, so it only counts against the flow's watch limit.
-    let watch = carol
-        .start(crate::harness::get(
-            "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0",
-        ))
+    // A watch that starts with the current state sends a LIST's worth of Secrets: it
+    // waits for seats like that LIST, and is refused at maxWait too.
+    let initial = carol
+        .get("/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0")
         .await;
-    assert_eq!(watch.status(), 200, "a cached watch waited for a seat");
+    assert_eq!(
+        initial.status, 429,
+        "an initial-state watch skipped the queue"
+    );
+    assert_eq!(initial.headers["x-bulwark-reason"], "queue_timeout");
+    // A cached watch from a version starts at once all the same: it sends events as they
+    // come, so it only counts against the flow's watch limit.
+    let version = cluster.fleet.store().resource_version();
+    let watch = carol
+        .start(crate::harness::get(&format!(
+            "/api/v1/namespaces/team/secrets?watch=true&resourceVersion={version}"
+        )))
+        .await;
+    assert_eq!(
+        watch.status(),
+        200,
+        "a cached watch from a version waited for a seat"
+    );
     drop(watch);
 
     let body = unread.into_body().collect().await.unwrap().to_bytes();
@@ -183,9 +237,35 @@ rules:
         .as_array()
         .map_or(0, Vec::len);
     assert_eq!(items, 200);
+    // The initial-state watch now starts; once its 200 ADDED events are read, it gives the
+    // seat back while it stays open, and carol's GET is answered.
+    let mut watch = carol
+        .start(crate::harness::get(
+            "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0",
+        ))
+        .await
+        .into_body();
+    let mut added = 0;
+    let mut pending = Vec::new();
+    while added < 200 {
+        let frame = watch.frame().await.expect("the watch ended early").unwrap();
+        if let Ok(data) = frame.into_data() {
+            pending.extend_from_slice(&data);
+            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let event: serde_json::Value = serde_json::from_slice(&line).unwrap();
+                assert_eq!(event["type"], "ADDED");
+                added += 1;
+            }
+        }
+    }
     let answered = carol.get(one).await;
-    assert_eq!(answered.status, 200);
+    assert_eq!(
+        answered.status, 200,
+        "the watch kept its seat after its initial state"
+    );
     assert_eq!(answered.json()["metadata"]["name"], "secret-3");
+    drop(watch);
     assert!(
         cluster
             .fleet

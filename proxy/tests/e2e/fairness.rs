@@ -120,3 +120,82 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
         "{rules}"
     );
 }
+
+/// The LIST bytes admission holds on the replicas now, from `bulwark_list_bytes_in_flight`.
+fn list_bytes_in_flight(cluster: &Cluster) -> f64 {
+    cluster
+        .bulwark
+        .admin
+        .metrics
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("bulwark_list_bytes_in_flight{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// client-go and kubectl accept gzip, and the apiserver compresses every list over
+/// 128 KiB: a LIST seen compressed teaches the cost model the JSON the apiserver built
+/// (the gzip trailer's length), not the bytes on the wire, and a Table answer teaches it
+/// nothing. Otherwise the byte budget that guards the apiserver's memory would let tens of
+/// times more LISTs in at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gzip_or_table_list_teaches_the_cost_model_the_json_the_apiserver_built() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        seed: vec!["configmaps=100x100KiB@team"],
+        rules: r#"
+levels:
+  - name: lists
+    seats: 10
+    queues: 8
+    handSize: 2
+    queueLength: 5
+    maxWait: 5s
+rules:
+  - name: alice
+    precedence: 100
+    match:
+      users: ["alice"]
+    level: lists
+    flow: user
+"#,
+        ..Setup::default()
+    })
+    .await;
+    let mut alice = cluster.client("alice", &[]).await;
+    let path = "/api/v1/namespaces/team/configmaps";
+    let request = |accept: &str| {
+        let mut request = crate::harness::get(path);
+        let headers = request.headers_mut();
+        headers.insert("accept-encoding", "gzip".parse().unwrap());
+        headers.insert("accept", accept.parse().unwrap());
+        request
+    };
+    let table = alice
+        .send(request("application/json;as=Table;v=v1;g=meta.k8s.io"))
+        .await;
+    assert_eq!(table.status, 200);
+    let gzipped = alice.send(request("application/json")).await;
+    assert_eq!(gzipped.status, 200);
+    assert_eq!(gzipped.headers["content-encoding"], "gzip");
+    let json = {
+        use std::io::Read;
+        let mut out = Vec::new();
+        flate2::read::GzDecoder::new(&gzipped.body[..])
+            .read_to_end(&mut out)
+            .unwrap();
+        out.len() as f64
+    };
+    let wire = gzipped.body.len() as f64;
+    assert!(wire * 20.0 < json, "the list compresses: {wire} of {json}");
+    // A second LIST of the scope, held unread: admission reserves what it learned.
+    let unread = alice.start(crate::harness::get(path)).await;
+    assert_eq!(unread.status(), 200);
+    let in_flight = list_bytes_in_flight(&cluster);
+    assert!(
+        in_flight > 0.9 * json && in_flight < 1.1 * json,
+        "in-flight LIST bytes {in_flight}: the JSON is {json} bytes, {wire} on the wire"
+    );
+    drop(unread);
+}

@@ -193,6 +193,8 @@ rules:
 cache:
   enabled: {cache}
   syncCap: 5s
+audit:
+  path: {d}/audit.jsonl
 "#,
             cache = setup.cache,
             replicas = replicas.join("\n")
@@ -245,6 +247,15 @@ cache:
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         BulwarkProcess { child, addr }
+    }
+
+    /// The audit events Bulwark has written (reads it answered from its cache).
+    pub fn audit_events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self._dir.path().join("audit.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("an audit line is JSON"))
+            .collect()
     }
 
     /// A client with a certificate for `user` in `groups`.

@@ -88,6 +88,7 @@ async fn front_proxy_resolves_tokens_by_review_and_never_forwards_a_rejected_one
     assert_eq!(answer.status, 401);
     assert_eq!(answer.headers["x-bulwark-reason"], "unauthenticated");
     assert_eq!(answer.json()["reason"], "Unauthorized");
+    assert_eq!(answer.json()["message"], "Unauthorized");
     let seen = cluster.fleet.seen_requests();
     assert!(
         seen.iter()
@@ -110,6 +111,8 @@ async fn no_credentials_get_401_except_the_anonymous_allowlist() {
     let status = answer.json();
     assert_eq!(status["kind"], "Status");
     assert_eq!(status["code"], 401);
+    // The apiserver's own words, and nothing about what was missing.
+    assert_eq!(status["message"], "Unauthorized");
 }
 
 #[tokio::test]

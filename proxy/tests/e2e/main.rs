@@ -3,6 +3,7 @@
 mod bad_input;
 mod balance;
 mod cache;
+mod dos;
 mod fairness;
 mod harness;
 mod identity;

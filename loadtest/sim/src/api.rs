@@ -714,7 +714,7 @@ async fn list(
             ",\"continue\":\"{}\"",
             continue_token::encode_after(
                 i64::try_from(list_rv).unwrap_or(i64::MAX),
-                scope.relative(&object_key(&last.namespace, &last.name))
+                &scope.relative(&object_key(&last.namespace, &last.name))
             )
         ));
         if !filtered {
@@ -849,13 +849,6 @@ async fn watch(
                 "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
             ));
         }
-        if send_initial == Some(true) && !bookmarks {
-            return status_response(&invalid_list_options(
-                "allowWatchBookmarks",
-                "Forbidden",
-                "sendInitialEvents requires setting allowWatchBookmarks to true",
-            ));
-        }
     }
     let from = match (send_initial, rv) {
         (Some(true), _) | (None, None | Some(0)) => WatchFrom::Now,
@@ -870,8 +863,19 @@ async fn watch(
     }
     // The apiserver picks a random timeout in [min-request-timeout, 2x) for 0 or none, to
     // spread re-watches; a negative value ends the watch at once.
+    let timeout_seconds = match param(q, "timeoutSeconds") {
+        None => None,
+        Some(t) => match t.parse::<i64>() {
+            Ok(n) => Some(n),
+            Err(_) => {
+                return status_response(&status::bad_request(format!(
+                    "strconv.ParseInt: parsing {t:?}: invalid syntax"
+                )));
+            }
+        },
+    };
     let timeout = apimachinery::params::watch_timeout(
-        param(q, "timeoutSeconds").and_then(|t| t.parse::<i64>().ok()),
+        timeout_seconds,
         apimachinery::params::MIN_REQUEST_TIMEOUT,
     );
     let start = match sh.store.watch(&def.key(), from) {
@@ -891,7 +895,8 @@ async fn watch(
     };
     let opts = WatchOptions {
         bookmarks: bookmarks.then_some(sh.bookmark_interval),
-        initial_events_end: send_initial == Some(true),
+        // Without allowWatchBookmarks the apiserver sends no bookmark, that one included.
+        initial_events_end: send_initial == Some(true) && bookmarks,
         timeout,
     };
     let from_rv = match from {
@@ -965,6 +970,16 @@ async fn update(
     need_json(&h)?;
     let v = parse_body(&h, &b)?;
     check_namespace(def, ri, &v)?;
+    let name = v
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if !name.is_empty() && name != ri.name {
+        return Err(status::bad_request(format!(
+            "the name of the object ({name}) does not match the name on the URL ({})",
+            ri.name
+        )));
+    }
     let o = rep
         .shared
         .store
@@ -1019,7 +1034,26 @@ async fn delete(
         .store
         .delete_obj(def, &ri.namespace, &ri.name, want.as_deref())
         .map_err(|e| store_error(def, e))?;
-    Ok(object_response(200, o.with_kind(def)))
+    // The apiserver answers a delete that completes at once with a success Status; only
+    // what deletes gracefully (pods) answers with the object.
+    if def.resource == "pods" {
+        return Ok(object_response(200, o.with_kind(def)));
+    }
+    let status = json!({
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success",
+        "details": {"name": ri.name, "kind": def.resource, "uid": o.uid},
+    });
+    let mut status = status;
+    if !def.group.is_empty() {
+        status["details"]["group"] = json!(def.group);
+    }
+    Ok(json_response(
+        200,
+        SimBody::full(status::to_ordered_bytes(&status)),
+    ))
 }
 
 async fn delete_collection(

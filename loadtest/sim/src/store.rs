@@ -764,7 +764,8 @@ impl Store {
         path_name: Option<&str>,
         obj: Value,
     ) -> Result<Arc<Obj>, StoreError> {
-        let v = as_object(obj, path_name.unwrap_or_default())?;
+        let mut v = as_object(obj, path_name.unwrap_or_default())?;
+        apply_defaults(def, &mut v);
         let name = meta_str(&v, "name").unwrap_or_default().to_string();
         if let Some(p) = path_name
             && p != name
@@ -1075,6 +1076,16 @@ impl Store {
 
 /// The apiserver's defaulting for the fields clients commonly leave out.
 fn apply_defaults(def: &ResourceDef, v: &mut Map<String, Value>) {
+    // Empty maps are not written back (Go's `omitempty`).
+    if let Some(Value::Object(m)) = v.get_mut("metadata") {
+        for field in ["labels", "annotations"] {
+            if m.get(field)
+                .is_some_and(|l| l.as_object().is_some_and(Map::is_empty))
+            {
+                m.remove(field);
+            }
+        }
+    }
     match def.kind {
         "Secret"
             if v.get("type")

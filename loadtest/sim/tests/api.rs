@@ -221,15 +221,15 @@ async fn continue_tokens_are_the_apiservers() {
         .unwrap()
         .to_owned();
     assert!(!token.contains('='));
-    assert_eq!(token, continue_token::encode_after(rv, "team-a/secret-5"));
+    assert_eq!(token, continue_token::encode_after(rv, "/team-a/secret-5"));
     assert_eq!(page.json()["metadata"]["remainingItemCount"], 3);
-    // In a namespace, the name alone.
+    // In a namespace, `/name` (relative to the namespace's prefix without its slash).
     let page = list("/api/v1/namespaces/team/secrets?limit=1".into()).await;
     let token = page.json()["metadata"]["continue"]
         .as_str()
         .unwrap()
         .to_owned();
-    assert_eq!(token, continue_token::encode_after(rv, "secret-0"));
+    assert_eq!(token, continue_token::encode_after(rv, "/secret-0"));
     // A token an apiserver wrote continues, with `resourceVersion=0` too.
     let next = continue_token::encode_after(rv, "secret-0");
     let page = list(format!(
@@ -389,13 +389,15 @@ async fn writes_and_their_errors() {
         json!({}),
     )
     .await;
+    // A delete that completes at once answers with a success Status naming the object.
     assert_eq!(
         (
             d.status,
             d.json()["kind"].clone(),
-            d.json()["metadata"]["name"].clone()
+            d.json()["status"].clone(),
+            d.json()["details"]["name"].clone()
         ),
-        (200, json!("Secret"), json!("w"))
+        (200, json!("Status"), json!("Success"), json!("w"))
     );
     assert_eq!(fleet.applied_writes(), writes + 1);
     let d = send(

@@ -1,0 +1,245 @@
+//! The requests of the differential suite, in order: each target gets the same sequence,
+//! so their states move in step. A path may name values of an earlier answer of the same
+//! target as `{case-id:/json/pointer}` (a continue token, a resourceVersion), since those
+//! differ between the two apiservers.
+
+use http::Method;
+use serde_json::{Value, json};
+
+/// The namespace the suite works in; nothing else in it.
+pub const NS: &str = "differential";
+
+pub struct Case {
+    pub id: &'static str,
+    pub method: Method,
+    pub path: String,
+    pub body: Option<Value>,
+    /// Content-Type of the body, when not `application/json`.
+    pub content_type: Option<&'static str>,
+    /// A finite watch (`timeoutSeconds` set): read to its end, compared event by event.
+    pub watch: bool,
+}
+
+fn case(id: &'static str, method: Method, path: impl Into<String>) -> Case {
+    Case {
+        id,
+        method,
+        path: path.into(),
+        body: None,
+        content_type: None,
+        watch: false,
+    }
+}
+
+fn get(id: &'static str, path: impl Into<String>) -> Case {
+    case(id, Method::GET, path)
+}
+
+fn watch(id: &'static str, path: impl Into<String>) -> Case {
+    Case {
+        watch: true,
+        ..get(id, path)
+    }
+}
+
+fn with_body(mut c: Case, body: Value) -> Case {
+    c.body = Some(body);
+    c
+}
+
+/// A Secret of the suite; every labelled one also carries `suite`, so that cluster-wide
+/// lists can select the suite's objects alone.
+fn secret(name: &str, mut labels: Value) -> Value {
+    if let Some(map) = labels.as_object_mut().filter(|m| !m.is_empty()) {
+        map.insert("suite".into(), json!("differential"));
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": NS, "labels": labels},
+        "data": {"k": "dmFsdWU="},
+    })
+}
+
+pub fn all() -> Vec<Case> {
+    let ns = format!("/api/v1/namespaces/{NS}");
+    let secrets = format!("{ns}/secrets");
+    let mut cases = vec![
+        // Writes that set up the state, compared like every other answer.
+        with_body(
+            case("create-namespace", Method::POST, "/api/v1/namespaces"),
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
+        ),
+        get("list-empty", &secrets),
+    ];
+    let labelled = [
+        ("a-0", json!({"app": "a"})),
+        ("a-1", json!({"app": "a", "tier": "x"})),
+        ("a-2", json!({"app": "a"})),
+        ("b-0", json!({"app": "b", "tier": "x"})),
+        ("b-1", json!({"app": "b"})),
+        ("b-10", json!({"app": "b"})),
+        ("c", json!({})),
+    ];
+    for (i, (name, labels)) in labelled.into_iter().enumerate() {
+        const IDS: [&str; 7] = [
+            "create-a-0",
+            "create-a-1",
+            "create-a-2",
+            "create-b-0",
+            "create-b-1",
+            "create-b-10",
+            "create-c",
+        ];
+        cases.push(with_body(
+            case(IDS[i], Method::POST, &secrets),
+            secret(name, labels),
+        ));
+    }
+    cases.extend([
+        with_body(
+            case("create-duplicate", Method::POST, &secrets),
+            secret("a-0", json!({})),
+        ),
+        with_body(
+            case("create-invalid-name", Method::POST, &secrets),
+            secret("Not_A_Name", json!({})),
+        ),
+        with_body(
+            case(
+                "create-missing-namespace",
+                Method::POST,
+                "/api/v1/namespaces/nowhere/secrets",
+            ),
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}}),
+        ),
+        with_body(
+            case("create-namespace-mismatch", Method::POST, &secrets),
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x", "namespace": "other"}}),
+        ),
+        // GET.
+        get("get", format!("{secrets}/a-1")),
+        get("get-rv0", format!("{secrets}/a-1?resourceVersion=0")),
+        get("get-missing", format!("{secrets}/nope")),
+        get("get-missing-namespace", "/api/v1/namespaces/nowhere/secrets/x"),
+        get("get-watch-param-ignored", format!("{secrets}/a-1?watch=true")),
+        // LIST and its query parameters.
+        get("list", &secrets),
+        get("list-rv0", format!("{secrets}?resourceVersion=0")),
+        get("list-label-eq", format!("{secrets}?labelSelector=app%3Da")),
+        get("list-label-neq", format!("{secrets}?labelSelector=app!%3Da")),
+        get("list-label-in", format!("{secrets}?labelSelector=app+in+(a,b)")),
+        get("list-label-notin", format!("{secrets}?labelSelector=app+notin+(a)")),
+        get("list-label-exists", format!("{secrets}?labelSelector=tier")),
+        get("list-label-not-exists", format!("{secrets}?labelSelector=!tier")),
+        get("list-label-and", format!("{secrets}?labelSelector=app%3Da,tier%3Dx")),
+        get("list-label-double-eq", format!("{secrets}?labelSelector=app%3D%3Db")),
+        get("list-label-bad", format!("{secrets}?labelSelector=app+in+(")),
+        get("list-label-bad-value", format!("{secrets}?labelSelector=app%3D-bad-")),
+        get("list-field-name", format!("{secrets}?fieldSelector=metadata.name%3Da-1")),
+        get("list-field-name-neq", format!("{secrets}?fieldSelector=metadata.name!%3Da-1")),
+        get("list-field-namespace", format!("{secrets}?fieldSelector=metadata.namespace%3D{NS}")),
+        get("list-field-type", format!("{secrets}?fieldSelector=type%3DOpaque")),
+        get("list-field-unknown", format!("{secrets}?fieldSelector=spec.nodeName%3Dx")),
+        get("list-field-and-label", format!("{secrets}?fieldSelector=metadata.name!%3Da-0&labelSelector=app%3Da")),
+        get("list-limit-3", format!("{secrets}?limit=3")),
+        get("list-limit-3-page-2", format!("{secrets}?limit=3&continue={{list-limit-3:/metadata/continue}}")),
+        get("list-limit-3-page-3", format!("{secrets}?limit=3&continue={{list-limit-3-page-2:/metadata/continue}}")),
+        get("list-limit-selector", format!("{secrets}?limit=1&labelSelector=tier")),
+        get("list-limit-selector-page-2", format!("{secrets}?limit=1&labelSelector=tier&continue={{list-limit-selector:/metadata/continue}}")),
+        get("list-limit-rv0", format!("{secrets}?limit=2&resourceVersion=0")),
+        get("list-all-namespaces-selected", "/api/v1/secrets?labelSelector=suite"),
+        get("list-all-namespaces-limit", "/api/v1/secrets?labelSelector=suite&limit=2"),
+        get("list-all-namespaces-page-2", "/api/v1/secrets?labelSelector=suite&limit=2&continue={list-all-namespaces-limit:/metadata/continue}"),
+        get("list-limit-0", format!("{secrets}?limit=0")),
+        get("list-limit-negative", format!("{secrets}?limit=-1")),
+        get("list-limit-not-a-number", format!("{secrets}?limit=abc")),
+        get("list-continue-garbage", format!("{secrets}?limit=2&continue=garbage")),
+        get("list-continue-with-rv", format!("{secrets}?limit=2&resourceVersion=0&continue={{list-limit-3:/metadata/continue}}")),
+        get("list-rv-not-older", format!("{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=NotOlderThan")),
+        get("list-rv-exact", format!("{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=Exact")),
+        get("list-rv-exact-limit", format!("{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=Exact&limit=2")),
+        get("list-rv-match-without-rv", format!("{secrets}?resourceVersionMatch=NotOlderThan")),
+        get("list-rv-match-unknown", format!("{secrets}?resourceVersion=0&resourceVersionMatch=Newest")),
+        get("list-rv-exact-zero", format!("{secrets}?resourceVersion=0&resourceVersionMatch=Exact")),
+        get("list-rv-not-a-number", format!("{secrets}?resourceVersion=abc")),
+        get("list-semicolon-query", format!("{secrets}?limit=1;labelSelector=app%3Da")),
+        get("list-unknown-resource", format!("{ns}/notaresource")),
+        get("list-missing-namespace", "/api/v1/namespaces/nowhere/secrets"),
+        // Updates and deletes, then watches that replay them.
+        with_body(
+            case("update", Method::PUT, format!("{secrets}/a-2")),
+            secret("a-2", json!({"app": "b"})),
+        ),
+        with_body(
+            case("update-name-mismatch", Method::PUT, format!("{secrets}/a-2")),
+            secret("a-0", json!({})),
+        ),
+        Case {
+            content_type: Some("application/merge-patch+json"),
+            ..with_body(
+                case("patch-merge", Method::PATCH, format!("{secrets}/b-1")),
+                json!({"metadata": {"labels": {"tier": "y"}}}),
+            )
+        },
+        Case {
+            content_type: Some("text/plain"),
+            ..with_body(
+                case("patch-bad-content-type", Method::PATCH, format!("{secrets}/b-1")),
+                json!({}),
+            )
+        },
+        case("delete", Method::DELETE, format!("{secrets}/c")),
+        case("delete-missing", Method::DELETE, format!("{secrets}/c")),
+        watch(
+            "watch-replay",
+            format!("{secrets}?watch=1&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-replay-selector",
+            format!("{secrets}?watch=1&labelSelector=app%3Da&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-replay-field",
+            format!("{secrets}?watch=1&fieldSelector=metadata.name%3Da-2&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
+        ),
+        watch("watch-rv0", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1")),
+        watch("watch-empty-value", format!("{secrets}?watch=&resourceVersion=0&timeoutSeconds=1")),
+        watch(
+            "watch-legacy-path",
+            format!("/api/v1/watch/namespaces/{NS}/secrets?resourceVersion=0&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-legacy-path-name",
+            format!("/api/v1/watch/namespaces/{NS}/secrets/a-1?resourceVersion=0&timeoutSeconds=1"),
+        ),
+        watch(
+            "watchlist",
+            format!("{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds=1"),
+        ),
+        watch(
+            "watchlist-rv0",
+            format!("{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=1"),
+        ),
+        watch(
+            "watchlist-without-bookmarks",
+            format!("{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&timeoutSeconds=1"),
+        ),
+        watch(
+            "watchlist-without-match",
+            format!("{secrets}?watch=1&sendInitialEvents=true&allowWatchBookmarks=true&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-send-initial-false",
+            format!("{secrets}?watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan&resourceVersion={{list:/metadata/resourceVersion}}&allowWatchBookmarks=true&timeoutSeconds=1"),
+        ),
+        watch("watch-rv-not-a-number", format!("{secrets}?watch=1&resourceVersion=abc&timeoutSeconds=1")),
+        watch("watch-timeout-not-a-number", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=soon")),
+        watch("watch-label-bad", format!("{secrets}?watch=1&labelSelector=app+in+(&timeoutSeconds=1")),
+        watch("watch-rv-match-exact", format!("{secrets}?watch=1&resourceVersion=0&resourceVersionMatch=Exact&timeoutSeconds=1")),
+        get("list-after-writes", &secrets),
+        get("list-after-writes-limit", format!("{secrets}?limit=4")),
+        get("list-after-writes-page-2", format!("{secrets}?limit=4&continue={{list-after-writes-limit:/metadata/continue}}")),
+    ]);
+    cases
+}

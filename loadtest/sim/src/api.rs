@@ -841,14 +841,12 @@ async fn watch(
     };
     let bookmarks = truthy(param(q, "allowWatchBookmarks"));
     let send_initial = param(q, "sendInitialEvents").map(|v| truthy(Some(v)));
-    if send_initial.is_some() {
-        if param(q, "resourceVersionMatch") != Some("NotOlderThan") {
-            return status_response(&invalid_list_options(
-                "resourceVersionMatch",
-                "Forbidden",
-                "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
-            ));
-        }
+    if send_initial.is_some() && param(q, "resourceVersionMatch") != Some("NotOlderThan") {
+        return status_response(&invalid_list_options(
+            "resourceVersionMatch",
+            "Forbidden",
+            "sendInitialEvents requires setting resourceVersionMatch to NotOlderThan",
+        ));
     }
     let from = match (send_initial, rv) {
         (Some(true), _) | (None, None | Some(0)) => WatchFrom::Now,

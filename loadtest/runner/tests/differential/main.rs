@@ -21,7 +21,7 @@ use bulwark_sim::{Fleet, SimConfig};
 use suite::Endpoint;
 
 /// The TLS of a kubeconfig: its CA and client certificate, offering HTTP/2.
-fn endpoint_from_kubeconfig(name: &'static str, path: &std::path::Path) -> Endpoint {
+fn endpoint_from_kubeconfig(path: &std::path::Path) -> Endpoint {
     let text = std::fs::read_to_string(path).expect("kubeconfig");
     let config: serde_json::Value = serde_norway::from_str(&text).expect("kubeconfig YAML");
     let field = |pointer: &str| -> Vec<u8> {
@@ -63,7 +63,7 @@ fn endpoint_from_kubeconfig(name: &'static str, path: &std::path::Path) -> Endpo
     .with_client_auth_cert(chain, key)
     .expect("client certificate");
     tls.alpn_protocols = vec![b"h2".to_vec()];
-    Endpoint { name, addr, tls }
+    Endpoint { addr, tls }
 }
 
 /// The differences the simulator's README accepts: `- \`case-id\`: why` lines under its
@@ -95,7 +95,7 @@ async fn the_simulator_answers_as_the_real_apiserver_does() {
     let control_plane = ControlPlane::start(options)
         .await
         .expect("the real control plane starts (loadtest/controlplane/build.sh builds it)");
-    let real = endpoint_from_kubeconfig("real", &control_plane.kubeconfig("direct-admin"));
+    let real = endpoint_from_kubeconfig(&control_plane.kubeconfig("direct-admin"));
 
     let fleet = Fleet::start(SimConfig::default()).await.expect("simulator");
     let admin = fleet
@@ -103,7 +103,6 @@ async fn the_simulator_answers_as_the_real_apiserver_does() {
         .client_ca
         .client_cert("admin", &["system:masters"]);
     let sim = Endpoint {
-        name: "sim",
         addr: fleet.addrs()[0],
         tls: bulwark_sim::client::tls_config(fleet.pki(), Some(&admin), &[b"h2"]).expect("TLS"),
     };

@@ -13,7 +13,6 @@ use crate::normalize::{self, Shape};
 
 /// An apiserver to ask: its address, and TLS trusting it with an admin's certificate.
 pub struct Endpoint {
-    pub name: &'static str,
     pub addr: SocketAddr,
     pub tls: ClientConfig,
 }

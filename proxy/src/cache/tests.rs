@@ -519,14 +519,34 @@ async fn excluded_namespaces_and_names_go_upstream() {
     );
 }
 
+/// kube-apiserver v1.36 answers a `resourceVersion=0` LIST whole from its watch cache,
+/// whatever its `limit`, and so does the cache.
+#[tokio::test]
+async fn a_version_zero_list_ignores_its_limit_as_the_apiserver_does() {
+    let s = seeded();
+    let (_, list) = json(
+        ask(&s, "alice", "/api/v1/secrets?resourceVersion=0&limit=1")
+            .await
+            .unwrap()
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(names(&list), ["one", "two", "three"]);
+    assert!(list["metadata"].get("continue").is_none());
+}
+
 #[tokio::test]
 async fn pages_follow_each_other_over_a_fixed_snapshot() {
     let s = seeded();
     let (_, first) = json(
-        ask(&s, "alice", "/api/v1/secrets?resourceVersion=0&limit=2")
-            .await
-            .unwrap()
-            .unwrap(),
+        ask(
+            &s,
+            "alice",
+            "/api/v1/secrets?resourceVersion=10&resourceVersionMatch=NotOlderThan&limit=2",
+        )
+        .await
+        .unwrap()
+        .unwrap(),
     )
     .await;
     assert_eq!(names(&first), ["one", "two"]);
@@ -599,8 +619,11 @@ async fn page_through(s: &Setup, first: &str) -> (Vec<String>, Vec<String>, Vec<
 #[tokio::test]
 async fn pages_across_namespaces_follow_the_apiservers_key_order() {
     let s = teams();
-    let (items, starts, remaining) =
-        page_through(&s, "/api/v1/secrets?resourceVersion=0&limit=1").await;
+    let (items, starts, remaining) = page_through(
+        &s,
+        "/api/v1/secrets?resourceVersion=10&resourceVersionMatch=NotOlderThan&limit=1",
+    )
+    .await;
     assert_eq!(items, ["team-a/b", "team-a/x", "team/a", "team/x"]);
     assert_eq!(starts, ["team-a/b\0", "team-a/x\0", "team/a\0"]);
     assert_eq!(remaining, [3, 2, 1]);
@@ -611,7 +634,7 @@ async fn a_namespaced_lists_tokens_carry_names_relative_to_the_namespace() {
     let s = teams();
     let (items, starts, remaining) = page_through(
         &s,
-        "/api/v1/namespaces/team/secrets?resourceVersion=0&limit=1",
+        "/api/v1/namespaces/team/secrets?resourceVersion=10&resourceVersionMatch=NotOlderThan&limit=1",
     )
     .await;
     assert_eq!(items, ["team/a", "team/x"]);

@@ -274,9 +274,11 @@ async fn page(
 ) -> (Vec<String>, Option<(String, u64, String)>) {
     let path = match (token, by) {
         (Some(token), _) => format!("{base}?limit=1&continue={token}"),
-        // A first page the cache answers whatever its freshness; the apiserver reads it
-        // from etcd (at version 0 it would ignore the limit).
-        (None, Answerer::Cache) => format!("{base}?resourceVersion=0&limit=1"),
+        // A first page the cache answers without a freshness proof (any version it has
+        // reached; at version 0 both it and the apiserver would ignore the limit).
+        (None, Answerer::Cache) => {
+            format!("{base}?resourceVersion=1&resourceVersionMatch=NotOlderThan&limit=1")
+        }
         (None, Answerer::Apiserver) => format!("{base}?limit=1"),
     };
     let list = match by {

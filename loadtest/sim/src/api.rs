@@ -666,7 +666,8 @@ async fn list(
             Some(crv) if crv < sh.store.oldest_watchable() => {
                 return Err(status::continue_expired(&resume.start));
             }
-            at => (false, at, Some(scope.resume_key(&resume.start))),
+            // At version 0 the watch cache answers the rest of the list, whatever the limit.
+            at => (rv == Some(0), at, Some(scope.resume_key(&resume.start))),
         },
         (None, None, _) => (false, None, None),
         (None, Some(0), _) => (true, None, None),

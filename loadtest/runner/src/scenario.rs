@@ -406,6 +406,7 @@ impl Env {
             replica_peak_inflight: stats.iter().map(|s| s.peak_in_flight).collect(),
             upstream_requests: stats.iter().map(|s| s.requests).sum(),
             upstream_watches: peak_watches,
+            ..report::Apiserver::default()
         };
         for (name, stats, _) in &driven.classes {
             if let Some(e) = stats.sample_error() {

@@ -9,6 +9,7 @@ pub mod demo;
 pub mod events_poll;
 pub mod informers;
 pub mod list_storm;
+pub mod on_controlplane;
 pub mod passthrough;
 pub mod skew;
 

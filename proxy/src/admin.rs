@@ -1,5 +1,5 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/levels`, `/debug/rules`
-//! (DESIGN.md step 10).
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/levels`, `/debug/rules`,
+//! `/debug/upstream` (DESIGN.md step 10).
 //!
 //! Plain HTTP on its own address (localhost unless configured), apart from client traffic
 //! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
@@ -144,6 +144,7 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
     match path {
         "/debug/levels" => json(state.admission.levels_json()),
         "/debug/rules" => json(state.rules.current().to_json()),
+        "/debug/upstream" => json(upstream_json(&state.upstream)),
         "/metrics" => text(
             StatusCode::OK,
             "text/plain; version=0.0.4",
@@ -156,6 +157,27 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
         },
         _ => text(StatusCode::NOT_FOUND, "text/plain", "not found".into()),
     }
+}
+
+/// `/debug/upstream`: each replica's state in the pick — in rotation, counted heavier after
+/// a 429 of its own, pending requests, watches, LIST bytes, connections.
+fn upstream_json(upstream: &Upstream) -> serde_json::Value {
+    let replicas: Vec<serde_json::Value> = upstream
+        .snapshot()
+        .into_iter()
+        .map(|r| {
+            serde_json::json!({
+                "name": r.name,
+                "healthy": r.healthy,
+                "throttled": r.throttled,
+                "pending": r.pending,
+                "watches": r.watches,
+                "inFlightBytes": r.in_flight_bytes,
+                "connections": r.connections,
+            })
+        })
+        .collect();
+    serde_json::json!({ "replicas": replicas })
 }
 
 fn json(value: serde_json::Value) -> Response<Body> {

@@ -172,6 +172,11 @@ pub struct Options {
     pub cgroup_root: PathBuf,
     /// How long etcd, each kube-apiserver and the RBAC seed may take to be ready.
     pub ready_timeout: Duration,
+    /// Objects to create before Bulwark starts (so that its byte budget sees the replicas'
+    /// memory with them), as the simulated fleet seeds them.
+    pub seed: Vec<bulwark_sim::Seed>,
+    /// Whether every authenticated user may do everything, as in the scenarios' fleet.
+    pub open_rbac: bool,
 }
 
 impl Options {
@@ -186,6 +191,8 @@ impl Options {
             rules: None,
             cgroup_root: PathBuf::from(cgroup::DEFAULT_ROOT),
             ready_timeout: Duration::from_secs(180),
+            seed: Vec::new(),
+            open_rbac: false,
         }
     }
 }
@@ -298,6 +305,10 @@ impl ControlPlane {
         cp.started_in = began.elapsed();
         let admin = cp.admin_client(0).await?;
         seed::seed(&admin).await?;
+        if opts.open_rbac {
+            seed::open_rbac(&admin).await?;
+        }
+        seed::bulk(&admin, &opts.seed).await?;
         for i in 0..cp.replicas.len() {
             let client = cp.admin_client(i).await?;
             seed::wait_for_rbac(&client, cp.ready_timeout).await?;
@@ -317,6 +328,12 @@ impl ControlPlane {
     /// The folder holding everything.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The CAs: the serving CA of the replicas, and the client CA that mints identities
+    /// they (and Bulwark) accept.
+    pub fn pki(&self) -> &bulwark_sim::pki::Pki {
+        &self.pki.pki
     }
 
     /// The Go binaries used (its `kubectl` matches the apiservers' version).
@@ -347,6 +364,11 @@ impl ControlPlane {
         self.proxy.as_ref().map(|p| p.admin)
     }
 
+    /// Bulwark's peak RSS and CPU time so far.
+    pub fn bulwark_cost(&self) -> Option<crate::report::ProxyCost> {
+        self.proxy.as_ref().and_then(|p| p.cost().ok())
+    }
+
     /// The PEM of the CA that signed Bulwark's serving certificate.
     pub fn bulwark_ca_pem(&self) -> Option<&str> {
         self.proxy.as_ref().map(|p| p.target.ca_pem.as_str())
@@ -365,7 +387,18 @@ impl ControlPlane {
             path: path.clone(),
             source,
         })?;
-        client_from_yaml(&text).await
+        client_from_yaml(&text, true).await
+    }
+
+    /// Like [`ControlPlane::client`], without kube's retries of 429, 503 and 504 answers:
+    /// for callers that want to see those answers, headers and all.
+    pub async fn client_without_retries(&self, name: &str) -> Result<Client, Error> {
+        let path = self.kubeconfig(name);
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        client_from_yaml(&text, false).await
     }
 
     /// How long etcd and every replica took to be ready.
@@ -661,7 +694,7 @@ impl ControlPlane {
             &admin.cert_pem,
             &admin.key_pem,
         );
-        client_from_yaml(&yaml).await
+        client_from_yaml(&yaml, true).await
     }
 }
 
@@ -974,12 +1007,14 @@ fn log_tail(log: &Path) -> String {
 }
 
 /// A `kube` client from kubeconfig text, with short timeouts: every server is local.
-async fn client_from_yaml(yaml: &str) -> Result<Client, Error> {
+/// `retry` keeps kube's default retries of 429, 503 and 504 answers.
+async fn client_from_yaml(yaml: &str, retry: bool) -> Result<Client, Error> {
     let kubeconfig = Kubeconfig::from_yaml(yaml)?;
     let mut config =
         kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
     config.connect_timeout = Some(Duration::from_secs(5));
     config.read_timeout = Some(Duration::from_secs(30));
+    config.default_retry = retry;
     Client::try_from(config).map_err(|source| Error::Kube {
         what: "building a client".into(),
         source,

@@ -39,11 +39,29 @@ struct Common {
     only: Option<String>,
 }
 
+/// `list-storm`'s options: the common ones, and a real control plane instead of the
+/// simulator.
+#[derive(Args, Debug, Clone)]
+struct ListStormArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Run against a real control plane (etcd and kube-apiservers, each in a memory
+    /// cgroup) instead of the simulated fleet; needs cgroup v1's memory controller.
+    #[arg(long)]
+    controlplane: bool,
+    /// kube-apiserver replicas, with --controlplane.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=16))]
+    replicas: u16,
+    /// Each kube-apiserver's memory limit, with --controlplane: bytes, or with Ki, Mi, Gi.
+    #[arg(long, value_parser = bytes, default_value = "1200Mi")]
+    apiserver_memory_limit: u64,
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Many identities LIST all large Secrets in a loop; innocent clients and heartbeats
     /// carry on beside them.
-    ListStorm(Common),
+    ListStorm(ListStormArgs),
     /// Long-lived HTTP/2 clients while one replica restarts.
     Skew(Common),
     /// Per-node informers on EndpointSlices and their own Secrets under churn.
@@ -140,7 +158,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
             opts.rules = rules;
             return run_controlplane(opts).await;
         }
-        Command::ListStorm(c) => (scenario::run(&ListStorm, &opts(&c)).await?, c),
+        Command::ListStorm(a) if a.controlplane => {
+            let cp = scenario::on_controlplane::ControlPlaneOptions {
+                replicas: usize::from(a.replicas),
+                memory_limit: a.apiserver_memory_limit,
+            };
+            let report = scenario::on_controlplane::list_storm(&opts(&a.common), &cp).await?;
+            (report, a.common)
+        }
+        Command::ListStorm(a) => (scenario::run(&ListStorm, &opts(&a.common)).await?, a.common),
         Command::Skew(c) => (scenario::run(&Skew, &opts(&c)).await?, c),
         Command::Informers(c) => (scenario::run(&Informers, &opts(&c)).await?, c),
         Command::EventsPoll(c) => (scenario::run(&EventsPoll, &opts(&c)).await?, c),

@@ -260,6 +260,11 @@ impl ProxyProcess {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
+    /// Its peak RSS and CPU time so far.
+    pub fn cost(&self) -> anyhow::Result<ProxyCost> {
+        cost_of(&self.child)
+    }
+
     /// Measures the process, then stops it with SIGTERM (its drain is configured short) and
     /// waits for it to exit.
     pub async fn stop(mut self) -> anyhow::Result<ProxyCost> {

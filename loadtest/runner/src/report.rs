@@ -64,6 +64,12 @@ pub struct Apiserver {
     pub upstream_requests: u64,
     /// Peak of concurrently open watches over the whole fleet.
     pub upstream_watches: u64,
+    /// Each replica's peak memory (real control plane only: its cgroup's peak usage).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replica_peak_memory_bytes: Vec<u64>,
+    /// Each replica's OOM kills by the kernel (real control plane only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replica_oom_kills: Vec<u64>,
 }
 
 /// The proxy process's resource use as the operating system counted it.
@@ -157,6 +163,23 @@ pub fn table(report: &Report) -> String {
         human_bytes(r.apiserver.peak_heap_bytes)
     }));
     rows.push(row("OOM kills", &|r| r.apiserver.ooms.to_string()));
+    if runs
+        .iter()
+        .any(|r| !r.apiserver.replica_peak_memory_bytes.is_empty())
+    {
+        rows.push(row("peak memory per replica", &|r| {
+            let peaks: Vec<String> = r
+                .apiserver
+                .replica_peak_memory_bytes
+                .iter()
+                .map(|b| human_bytes(*b))
+                .collect();
+            peaks.join(", ")
+        }));
+        rows.push(row("OOM kills per replica", &|r| {
+            list(&r.apiserver.replica_oom_kills)
+        }));
+    }
     rows.push(row("requests per replica", &|r| {
         list(&r.apiserver.replica_requests)
     }));

@@ -9,6 +9,7 @@ pub mod demo;
 pub mod events_poll;
 pub mod informers;
 pub mod list_storm;
+pub mod on_controlplane;
 pub mod passthrough;
 pub mod skew;
 
@@ -406,6 +407,7 @@ impl Env {
             replica_peak_inflight: stats.iter().map(|s| s.peak_in_flight).collect(),
             upstream_requests: stats.iter().map(|s| s.requests).sum(),
             upstream_watches: peak_watches,
+            ..report::Apiserver::default()
         };
         for (name, stats, _) in &driven.classes {
             if let Some(e) = stats.sample_error() {

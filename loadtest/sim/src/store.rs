@@ -177,6 +177,23 @@ pub struct Seed {
     pub namespaces: Vec<String>,
 }
 
+impl Seed {
+    /// Object `i` of the seed as the fleet stores it: its namespace (empty when
+    /// cluster-scoped), name and JSON, for seeding the same objects elsewhere (a real
+    /// control plane).
+    pub fn object(&self, i: usize) -> Result<(String, String, Value), StoreError> {
+        let def = def_of(&self.resource)?;
+        let ns = if def.namespaced && !self.namespaces.is_empty() {
+            self.namespaces[i % self.namespaces.len()].clone()
+        } else {
+            String::new()
+        };
+        let name = format!("{}-{i}", def.singular);
+        let object = seed_object(def, &ns, &name, i, self.size);
+        Ok((ns, name, object))
+    }
+}
+
 /// A seed string that does not parse.
 #[derive(Debug, thiserror::Error)]
 #[error("bad seed {0:?}: expected RESOURCE=COUNTxSIZE[@ns,…], e.g. secrets=5000x10KiB")]

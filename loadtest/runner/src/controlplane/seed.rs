@@ -252,6 +252,99 @@ where
     }
 }
 
+/// Creates the objects of simulator-style seeds (`secrets=1500x100KiB`), the same objects
+/// the simulated fleet would hold, with a few requests in flight at once; their namespaces
+/// are created first. Objects that already exist are left as they are.
+pub async fn bulk(admin: &Client, seeds: &[bulwark_sim::Seed]) -> Result<(), Error> {
+    use futures::StreamExt as _;
+    for seed in seeds {
+        let def = bulwark_sim::discovery::by_key(&seed.resource)
+            .ok_or_else(|| Error::Seed(format!("{}: no such resource", seed.resource)))?;
+        if def.namespaced {
+            for ns in &seed.namespaces {
+                post(
+                    admin,
+                    "/api/v1/namespaces".into(),
+                    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+                )
+                .await?;
+            }
+        }
+        let api_version = if def.group.is_empty() {
+            def.version.to_string()
+        } else {
+            format!("{}/{}", def.group, def.version)
+        };
+        let prefix = if def.group.is_empty() {
+            "/api/v1".to_string()
+        } else {
+            format!("/apis/{}/{}", def.group, def.version)
+        };
+        let results: Vec<Result<(), Error>> = futures::stream::iter(0..seed.count)
+            .map(|i| {
+                let (api_version, prefix) = (&api_version, &prefix);
+                async move {
+                    let (ns, _, mut object) = seed
+                        .object(i)
+                        .map_err(|e| Error::Seed(format!("{}: {e}", seed.resource)))?;
+                    object["apiVersion"] = json!(api_version);
+                    object["kind"] = json!(def.kind);
+                    if let Some(meta) = object["metadata"].as_object_mut() {
+                        meta.remove("uid");
+                        meta.remove("creationTimestamp");
+                    }
+                    let path = if ns.is_empty() {
+                        format!("{prefix}/{}", def.resource)
+                    } else {
+                        format!("{prefix}/namespaces/{ns}/{}", def.resource)
+                    };
+                    post(admin, path, object).await
+                }
+            })
+            .buffer_unordered(SEED_CONCURRENCY)
+            .collect()
+            .await;
+        results.into_iter().collect::<Result<(), Error>>()?;
+    }
+    Ok(())
+}
+
+/// Creates held in flight at once while seeding in bulk.
+const SEED_CONCURRENCY: usize = 16;
+
+/// POSTs `object` to `path`; an object that exists already is fine.
+async fn post(admin: &Client, path: String, object: Value) -> Result<(), Error> {
+    let request = http::Request::post(&path)
+        .header("Content-Type", "application/json")
+        .body(object.to_string().into_bytes())
+        .map_err(|e| Error::Seed(format!("{path}: {e}")))?;
+    match admin.request_text(request).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(()),
+        Err(source) => Err(Error::Kube {
+            what: format!("POST {path}"),
+            source,
+        }),
+    }
+}
+
+/// Lets every authenticated user do everything (`cluster-admin`), as the scenarios'
+/// simulated fleet does: the scenarios measure load, not authorization.
+pub async fn open_rbac(admin: &Client) -> Result<(), Error> {
+    post(
+        admin,
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings".into(),
+        json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "loadtest:everyone"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "system:authenticated"}],
+        }),
+    )
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,241 @@
+//! `list-storm --controlplane`: the list storm against a real control plane (etcd and
+//! kube-apiservers, each in a memory cgroup the kernel enforces) instead of the simulated
+//! fleet. `direct` reaches the replicas through a TCP balancer (each connection to the
+//! next replica, as a cloud load balancer does), `bulwark` through Bulwark; each run gets
+//! a fresh control plane. The apiservers' figures are the kernel's: cgroup peak memory and
+//! OOM kills.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::list_storm::{self, Sizes};
+use super::{Mode, Options, spawn_loads};
+use crate::client::Target;
+use crate::controlplane::{self, ControlPlane};
+use crate::report::{self, Report, Run};
+
+/// The control plane each run starts.
+#[derive(Clone, Debug)]
+pub struct ControlPlaneOptions {
+    /// kube-apiserver replicas.
+    pub replicas: usize,
+    /// Each replica's memory limit in bytes.
+    pub memory_limit: u64,
+}
+
+/// Bytes of each seeded Secret: fewer, larger objects than the simulated storm's, so that
+/// seeding a real apiserver takes seconds.
+const SECRET_BYTES: &str = "100KiB";
+
+/// Seeded Secrets per simulated one: three times the simulated storm's bytes (150 MB at
+/// scale 1) in 100 KiB Secrets.
+fn secrets(sizes: &Sizes) -> usize {
+    (sizes.secrets * 3 / 10).max(10)
+}
+
+/// The seeds: the list storm's Secrets, ConfigMaps and Leases.
+fn seeds(sizes: &Sizes) -> anyhow::Result<Vec<bulwark_sim::Seed>> {
+    let secrets = secrets(sizes);
+    [
+        format!("secrets={secrets}x{SECRET_BYTES}"),
+        format!("configmaps={}x1KiB", sizes.configmaps),
+        format!("leases={}x300B@kube-node-lease", sizes.heartbeat),
+    ]
+    .iter()
+    .map(|s| s.parse().map_err(anyhow::Error::from))
+    .collect()
+}
+
+/// Runs the list storm against a fresh control plane per target.
+pub async fn list_storm(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Result<Report> {
+    let mut sizes = Sizes::at(opts);
+    let seeds = seeds(&sizes)?;
+    // The innocents read `secret-N` for N below the seeded count.
+    sizes.secrets = secrets(&sizes);
+    let mut runs = Vec::new();
+    for mode in [Mode::Direct, Mode::Bulwark] {
+        if opts
+            .only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|o| o == mode.name()))
+        {
+            continue;
+        }
+        eprintln!(
+            "== list-storm on a control plane ({}): starting",
+            mode.name()
+        );
+        let run = one_run(mode, opts, cp, &sizes, &seeds).await?;
+        eprintln!("== list-storm on a control plane ({}): done", mode.name());
+        runs.push((mode.name().to_string(), run));
+    }
+    Ok(Report {
+        scenario: "list-storm-controlplane".into(),
+        scale: opts.scale,
+        runs,
+    })
+}
+
+async fn one_run(
+    mode: Mode,
+    opts: &Options,
+    cp_opts: &ControlPlaneOptions,
+    sizes: &Sizes,
+    seeds: &[bulwark_sim::Seed],
+) -> anyhow::Result<Run> {
+    let dir = std::env::temp_dir().join(format!(
+        "bulwark-loadtest-cp-{}-{}",
+        std::process::id(),
+        mode.name()
+    ));
+    let mut options = controlplane::Options::new(&dir);
+    options.replicas = cp_opts.replicas;
+    options.apiserver_memory_limit = Some(cp_opts.memory_limit);
+    options.seed = seeds.to_vec();
+    options.open_rbac = true;
+    let began = Instant::now();
+    let cp = ControlPlane::start(options)
+        .await
+        .context("starting the control plane")?;
+    let at_rest: Vec<String> = cp
+        .report()
+        .iter()
+        .map(|r| report::human_bytes(r.peak_memory_bytes.unwrap_or(0)))
+        .collect();
+    eprintln!(
+        "  control plane seeded and ready in {:.1} s; replicas peaked at [{}] so far, limit {}",
+        began.elapsed().as_secs_f64(),
+        at_rest.join(", "),
+        report::human_bytes(cp_opts.memory_limit)
+    );
+    let (target, balancer) = match mode {
+        Mode::Bulwark => (
+            Target {
+                addr: cp.bulwark_addr(),
+                ca_pem: cp.bulwark_ca_pem().unwrap_or_default().to_string(),
+            },
+            None,
+        ),
+        _ => {
+            let (addr, task) = tcp_balancer(cp.replica_addrs()).await?;
+            (
+                Target {
+                    addr,
+                    ca_pem: cp.pki().server_ca.cert_pem(),
+                },
+                Some(task),
+            )
+        }
+    };
+    let duration = opts.duration_or(Duration::from_secs(60));
+    let started = Instant::now();
+    let loads = list_storm::loads(cp.pki(), sizes);
+    let (classes, all) = spawn_loads(&target, loads, started + duration)?;
+    let progress = {
+        let classes = classes.clone();
+        let mode = mode.name();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let mut line = format!("  [{mode} {:>3}s]", started.elapsed().as_secs());
+                for (name, c) in &classes {
+                    let l = &c.live;
+                    line.push_str(&format!(
+                        " {name}: {} ok {} 429 {} err;",
+                        l.ok.load(Ordering::Relaxed),
+                        l.rejected.load(Ordering::Relaxed),
+                        l.errors.load(Ordering::Relaxed)
+                    ));
+                }
+                eprintln!("{line}");
+            }
+        })
+    };
+    all.await.context("a client loop panicked")?;
+    progress.abort();
+    let elapsed = started.elapsed();
+    if let Some(task) = balancer {
+        task.abort();
+    }
+    let proxy = match mode {
+        Mode::Bulwark => cp.bulwark_cost(),
+        _ => None,
+    };
+    let replicas = cp.report();
+    for (i, r) in replicas.iter().enumerate() {
+        eprintln!(
+            "  replica {i}: peak {} of {}, {} OOM kills, {} restarts",
+            report::human_bytes(r.peak_memory_bytes.unwrap_or(0)),
+            report::human_bytes(r.memory_limit_bytes.unwrap_or(0)),
+            r.oom_kills,
+            r.restarts
+        );
+    }
+    cp.stop().await.context("stopping the control plane")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    for (name, stats) in &classes {
+        if let Some(e) = stats.sample_error() {
+            eprintln!("  {} {name}: errors such as: {e}", mode.name());
+        }
+    }
+    let peaks: Vec<u64> = replicas
+        .iter()
+        .map(|r| r.peak_memory_bytes.unwrap_or(0))
+        .collect();
+    let apiserver = report::Apiserver {
+        heap_limit_bytes: cp_opts.memory_limit,
+        peak_heap_bytes: peaks.iter().copied().max().unwrap_or(0),
+        ooms: replicas.iter().map(|r| r.oom_kills).sum(),
+        replica_peak_memory_bytes: peaks,
+        replica_oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
+        ..report::Apiserver::default()
+    };
+    Ok(Run {
+        apiserver,
+        proxy,
+        classes: classes
+            .iter()
+            .map(|(name, stats)| (name.clone(), stats.summary(elapsed)))
+            .collect(),
+        event_delivery_p99_ms: None,
+    })
+}
+
+/// A TCP balancer on 127.0.0.1: each connection goes to the next replica that accepts it
+/// and stays there, as with a cloud load balancer in front of apiservers.
+async fn tcp_balancer(replicas: Vec<SocketAddr>) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("binding the TCP balancer")?;
+    let addr = listener.local_addr()?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = client.set_nodelay(true);
+            let replicas = replicas.clone();
+            let first = next.fetch_add(1, Ordering::Relaxed);
+            tokio::spawn(async move {
+                for k in 0..replicas.len() {
+                    let replica = replicas[(first + k) % replicas.len()];
+                    if let Ok(upstream) = TcpStream::connect(replica).await {
+                        let _ = upstream.set_nodelay(true);
+                        let (mut c, mut u) = (client, upstream);
+                        let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Ok((addr, task))
+}

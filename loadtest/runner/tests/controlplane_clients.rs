@@ -1,0 +1,553 @@
+//! Real clients through Bulwark in front of a real control plane, each compared with what
+//! the kube-apiserver itself says: a user whose RBAC names one Secret reads it from the
+//! cache and nothing else (the cache asks the real authorizer with SubjectAccessReviews);
+//! client-go informers (kubelet's and kube-proxy's content types, LIST+WATCH and
+//! WatchList) hold the same objects through Bulwark as straight from a replica, also
+//! across replica restarts; continue tokens minted on one path are redeemed on the other;
+//! kubectl apply, client-side and server-side, writes what it says. One control plane
+//! serves every section.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bulwark_loadtest::controlplane::{ControlPlane, Options};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+/// kubelet's `Accept` (protobuf, JSON for what has no protobuf).
+const KUBELET_ACCEPT: &str = "application/vnd.kubernetes.protobuf,application/json";
+/// kube-proxy's `Accept`.
+const KUBE_PROXY_ACCEPT: &str = "application/vnd.kubernetes.protobuf, */*";
+
+/// The namespaces of the extra Secrets: `team-a/` sorts before `team/` in etcd's key
+/// order ('-' < '/') but after it by namespace name.
+const TEAM_NAMESPACES: [&str; 2] = ["team", "team-a"];
+/// Their names, likewise ordered differently by key and by name.
+const TEAM_SECRETS: [&str; 5] = ["x", "x-1", "x.1", "x1", "xa"];
+
+/// Runs the control plane's kubectl with a kubeconfig; returns success and all output.
+async fn kubectl(cp: &ControlPlane, kubeconfig: &str, args: &[&str]) -> (bool, String) {
+    let out = tokio::process::Command::new(cp.binaries().kubectl())
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig(kubeconfig))
+        .args(args)
+        .output()
+        .await
+        .expect("kubectl runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Runs `cpdriver` and parses its one JSON document; panics with its stderr on failure.
+async fn cpdriver(cp: &ControlPlane, args: &[String]) -> Value {
+    let out = tokio::process::Command::new(cp.binaries().dir().join("cpdriver"))
+        .args(args)
+        .output()
+        .await
+        .expect("cpdriver runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "cpdriver {args:?} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "cpdriver {args:?} printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn path_arg(cp: &ControlPlane, kubeconfig: &str) -> String {
+    cp.kubeconfig(kubeconfig).display().to_string()
+}
+
+/// A raw request; the body on 2xx, the status code otherwise.
+async fn call(client: &Client, request: http::Request<Vec<u8>>) -> Result<String, u16> {
+    match client.request_text(request).await {
+        Ok(text) => Ok(text),
+        Err(kube::Error::Api(status)) => Err(status.code),
+        Err(e) => panic!("the request failed without an answer: {e}"),
+    }
+}
+
+fn get(path: &str) -> http::Request<Vec<u8>> {
+    http::Request::get(path).body(Vec::new()).unwrap()
+}
+
+/// The apiserver's own answer to `nobody` (the admin impersonating it, straight at a
+/// replica): the RBAC truth Bulwark's answers are held to.
+async fn apiserver_answers_nobody(direct: &Client, path: &str) -> Result<String, u16> {
+    let request = http::Request::get(path)
+        .header("Impersonate-User", "nobody")
+        .body(Vec::new())
+        .unwrap();
+    call(direct, request).await
+}
+
+/// The sum of `bulwark_requests_total` samples with all of `labels`, from Bulwark's admin
+/// `/metrics`.
+async fn requests_total(cp: &ControlPlane, labels: &[&str]) -> f64 {
+    let admin = cp.bulwark_admin_addr().expect("Bulwark runs");
+    let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: bulwark\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("bulwark_requests_total{"))
+        .filter(|l| labels.iter().all(|label| l.contains(label)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Bulwark's `cache.accessReviewTtl`: from the config the control plane wrote, else the
+/// default.
+fn access_review_ttl(cp: &ControlPlane) -> Duration {
+    let config = std::fs::read_to_string(cp.dir().join("bulwark/bulwark.yaml")).unwrap();
+    let config: serde_norway::Value = serde_norway::from_str(&config).unwrap();
+    match config["cache"]["accessReviewTtl"].as_str() {
+        Some(ttl) => humantime::parse_duration(ttl).unwrap(),
+        None => bulwark::config::Cache::default().access_review_ttl,
+    }
+}
+
+/// Namespaces `team` and `team-a` with [`TEAM_SECRETS`] each.
+async fn seed_team_secrets(admin: &Client) {
+    for ns in TEAM_NAMESPACES {
+        let namespace = serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap();
+        Api::<Namespace>::all(admin.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .unwrap();
+        let secrets = Api::<Secret>::namespaced(admin.clone(), ns);
+        for name in TEAM_SECRETS {
+            let secret: Secret = serde_json::from_value(json!({
+                "metadata": {"name": name},
+                "stringData": {"who": format!("{ns}/{name}")},
+            }))
+            .unwrap();
+            secrets
+                .create(&PostParams::default(), &secret)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// Section 1: `nobody` may get one named Secret, `team/x`.
+async fn cache_authorization(cp: &ControlPlane, admin: &Client, direct: &Client) {
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "get-x"},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["x"], "verbs": ["get", "watch"]}],
+    }))
+    .unwrap();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "nobody-get-x"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "get-x"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "nobody"}],
+    }))
+    .unwrap();
+    Api::<Role>::namespaced(admin.clone(), "team")
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let bindings = Api::<RoleBinding>::namespaced(admin.clone(), "team");
+    bindings
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let ttl = access_review_ttl(cp);
+    let nobody = cp.client("nobody").await.unwrap();
+    let x = "/api/v1/namespaces/team/secrets/x?resourceVersion=0";
+
+    // Each replica's RBAC authorizer sees the binding a moment after it is written, and a
+    // denial is remembered for a while: allow both.
+    let cache_gets = [
+        "served_by=\"cache\"",
+        "verb=\"get\"",
+        "resource=\"secrets\"",
+        "code=\"200\"",
+    ];
+    let began = Instant::now();
+    let body = loop {
+        match call(&nobody, get(x)).await {
+            Ok(body) => break body,
+            Err(403) if began.elapsed() < ttl + Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(code) => panic!("nobody's GET of team/x: {code} after {:?}", began.elapsed()),
+        }
+    };
+    let secret: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(secret["metadata"]["name"], "x", "{body}");
+    assert_eq!(secret["metadata"]["namespace"], "team", "{body}");
+    let before = requests_total(cp, &cache_gets).await;
+    let body = call(&nobody, get(x)).await.expect("granted");
+    assert!(body.contains("\"name\":\"x\""), "{body}");
+    let after = requests_total(cp, &cache_gets).await;
+    assert_eq!(
+        after - before,
+        1.0,
+        "the GET was served from Bulwark's cache"
+    );
+
+    // Everything RBAC does not name is refused, by the cache too.
+    for path in [
+        "/api/v1/namespaces/team/secrets/x-1?resourceVersion=0",
+        "/api/v1/namespaces/team-a/secrets/x?resourceVersion=0",
+        "/api/v1/namespaces/team/secrets?resourceVersion=0",
+        "/api/v1/namespaces/team/secrets",
+        "/api/v1/namespaces/team/secrets?resourceVersion=0&fieldSelector=metadata.name%3Dx",
+        "/api/v1/secrets?resourceVersion=0",
+    ] {
+        assert_eq!(call(&nobody, get(path)).await, Err(403), "{path}");
+        assert_eq!(
+            apiserver_answers_nobody(direct, path).await.map(|_| ()),
+            Err(403),
+            "the apiserver agrees: {path}"
+        );
+    }
+
+    // A watch by name is a watch of that Secret: allowed for x, 403 for another name.
+    let cache_watches = [
+        "served_by=\"cache\"",
+        "verb=\"watch\"",
+        "resource=\"secrets\"",
+    ];
+    let before = requests_total(cp, &cache_watches).await;
+    let watch = |name: &str| {
+        format!(
+            "/api/v1/namespaces/team/secrets?fieldSelector=metadata.name%3D{name}\
+             &resourceVersion=0&watch=1&timeoutSeconds=2"
+        )
+    };
+    let events = call(&nobody, get(&watch("x")))
+        .await
+        .expect("nobody watches team/x");
+    let events: Vec<Value> = events
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["type"], "ADDED");
+    assert_eq!(events[0]["object"]["metadata"]["name"], "x");
+    assert_eq!(requests_total(cp, &cache_watches).await - before, 1.0);
+    assert_eq!(call(&nobody, get(&watch("x-1"))).await, Err(403));
+    for (name, code) in [("x", Ok(())), ("x-1", Err(403))] {
+        assert_eq!(
+            apiserver_answers_nobody(direct, &watch(name))
+                .await
+                .map(|_| ()),
+            code,
+            "the apiserver agrees: watch {name}"
+        );
+    }
+
+    // Revoked: within the TTL of the last allowed review (plus RBAC's own propagation).
+    bindings
+        .delete("nobody-get-x", &DeleteParams::default())
+        .await
+        .unwrap();
+    let revoked = Instant::now();
+    loop {
+        match call(&nobody, get(x)).await {
+            Err(403) => break,
+            Ok(_) => {
+                assert!(
+                    revoked.elapsed() < ttl + Duration::from_secs(3),
+                    "nobody still reads team/x {:?} after the RoleBinding went (TTL {ttl:?})",
+                    revoked.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(code) => panic!("{code}"),
+        }
+    }
+    eprintln!(
+        "the RoleBinding's deletion took effect in {:.1} s (accessReviewTtl {ttl:?})",
+        revoked.elapsed().as_secs_f64()
+    );
+    assert_eq!(call(&nobody, get(&watch("x"))).await, Err(403));
+}
+
+/// Section 3: pages through Bulwark continued straight at the replica, and the other way.
+async fn pagination_across(cp: &ControlPlane) {
+    let via = path_arg(cp, "admin");
+    let direct = path_arg(cp, "direct-admin");
+    let pages = async |first: &str, second: &str, limit: &str| {
+        let args = [
+            "list-pages",
+            "--kubeconfig",
+            first,
+            "--continue-via",
+            second,
+            "--resource",
+            "secrets",
+            "--limit",
+            limit,
+        ]
+        .map(String::from);
+        cpdriver(cp, &args).await
+    };
+    let names = |v: &Value| -> Vec<String> {
+        v["names"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_str().unwrap().to_string())
+            .collect()
+    };
+    let full = names(&pages(&direct, &direct, "10000").await);
+    assert!(full.len() >= 40, "{full:?}");
+    for ns in TEAM_NAMESPACES {
+        for name in TEAM_SECRETS {
+            assert!(full.contains(&format!("{ns}/{name}")), "{full:?}");
+        }
+    }
+    let (bulwark_first, direct_first) =
+        tokio::join!(pages(&via, &direct, "3"), pages(&direct, &via, "3"),);
+    for (what, result) in [
+        ("through Bulwark, continued directly", bulwark_first),
+        ("directly, continued through Bulwark", direct_first),
+    ] {
+        let got = names(&result);
+        eprintln!("{what}: {} names in {} pages", got.len(), result["pages"]);
+        assert_eq!(got, full, "{what}");
+        assert_eq!(
+            result["pages"].as_u64(),
+            Some(full.len().div_ceil(3) as u64),
+            "{what}"
+        );
+    }
+    let mut unique = full.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), full.len(), "no Secret twice");
+}
+
+/// One `informer-compare` run; panics unless the stores agree.
+async fn informers_agree(cp: &ControlPlane, resource: &str, accept: &str, watchlist: bool) {
+    let mut args: Vec<String> = [
+        "informer-compare",
+        "--via",
+        &path_arg(cp, "admin"),
+        "--direct",
+        &path_arg(cp, "direct-admin"),
+        "--resource",
+        resource,
+        "--accept",
+        accept,
+        "--churn",
+        "30",
+        "--timeout",
+        "120s",
+    ]
+    .map(String::from)
+    .into();
+    if watchlist {
+        args.push("--watchlist".into());
+    }
+    let result = cpdriver(cp, &args).await;
+    eprintln!("{resource}, Accept {accept:?}, watchlist {watchlist}: {result}");
+    assert_eq!(
+        result["equal"], true,
+        "{resource}, Accept {accept:?}, watchlist {watchlist}: {result}"
+    );
+    assert_eq!(result["churned"], 30, "{result}");
+    assert!(result["via_count"].as_u64() > Some(0), "{result}");
+}
+
+/// Section 2: every combination of resource, content type and list mode, at once.
+async fn informers(cp: &ControlPlane) {
+    let mut runs = Vec::new();
+    for resource in ["secrets", "endpointslices"] {
+        for accept in [KUBELET_ACCEPT, KUBE_PROXY_ACCEPT] {
+            for watchlist in [false, true] {
+                runs.push(informers_agree(cp, resource, accept, watchlist));
+            }
+        }
+    }
+    futures::future::join_all(runs).await;
+}
+
+/// Section 2, restarts: informers through Bulwark started while replica 1 is down (it comes
+/// back a second later), then after replica 0 was down while objects changed through
+/// Bulwark (so through replica 1): Bulwark's cache follows them through replica 1, and
+/// agrees with replica 0 once it is back.
+async fn informers_across_restarts(cp: &ControlPlane, admin_via_bulwark: &Client) {
+    cp.stop_replica(1).await.unwrap();
+    let restart = async {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cp.start_replica(1).await.unwrap();
+    };
+    tokio::join!(
+        informers_agree(cp, "secrets", KUBELET_ACCEPT, true),
+        informers_agree(cp, "endpointslices", KUBE_PROXY_ACCEPT, false),
+        restart,
+    );
+
+    cp.stop_replica(0).await.unwrap();
+    let (post, delete) = (PostParams::default(), DeleteParams::default());
+    let secrets = Api::<Secret>::namespaced(admin_via_bulwark.clone(), "team-a");
+    let slices = Api::<EndpointSlice>::namespaced(admin_via_bulwark.clone(), "team-a");
+    for i in 0..5 {
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {"name": format!("while-down-{i}")},
+            "stringData": {"i": i.to_string()},
+        }))
+        .unwrap();
+        retry(|| secrets.create(&post, &secret)).await;
+    }
+    retry(|| secrets.delete("while-down-0", &delete)).await;
+    let slice: EndpointSlice = serde_json::from_value(json!({
+        "metadata": {"name": "while-down"},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["192.0.2.7"]}],
+    }))
+    .unwrap();
+    retry(|| slices.create(&post, &slice)).await;
+    let began = Instant::now();
+    let cached = "/api/v1/namespaces/team-a/secrets/while-down-4?resourceVersion=0";
+    while call(admin_via_bulwark, get(cached)).await.is_err() {
+        assert!(
+            began.elapsed() < Duration::from_secs(15),
+            "Bulwark's cache did not follow a write made while replica 0 was down"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    cp.start_replica(0).await.unwrap();
+    tokio::join!(
+        informers_agree(cp, "secrets", KUBE_PROXY_ACCEPT, false),
+        informers_agree(cp, "endpointslices", KUBELET_ACCEPT, true),
+    );
+}
+
+/// Retries a write for a few seconds while Bulwark notices a replica went away.
+async fn retry<T, F, Fut>(mut write: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = kube::Result<T>>,
+{
+    let began = Instant::now();
+    loop {
+        match write().await {
+            Ok(v) => return v,
+            Err(e) if began.elapsed() < Duration::from_secs(15) => {
+                eprintln!("retrying a write: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("a write through Bulwark failed: {e}"),
+        }
+    }
+}
+
+/// Section 4: kubectl apply through Bulwark, client-side (validated against the OpenAPI
+/// document read through Bulwark) and server-side, twice each.
+async fn kubectl_apply(cp: &ControlPlane, direct: &Client) {
+    let dir = cp.dir().join("manifests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let manifest = |name: &str, value: &str| {
+        format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {name}\n  namespace: team\n\
+             data:\n  setting: {value}\n---\napiVersion: v1\nkind: Secret\nmetadata:\n  \
+             name: {name}\n  namespace: team\ntype: Opaque\nstringData:\n  password: {value}\n"
+        )
+    };
+    let configmaps = Api::<ConfigMap>::namespaced(direct.clone(), "team");
+    let secrets = Api::<Secret>::namespaced(direct.clone(), "team");
+    for (name, server_side) in [
+        ("applied-client-side", false),
+        ("applied-server-side", true),
+    ] {
+        for value in ["first", "second"] {
+            let file = dir.join(format!("{name}-{value}.yaml"));
+            std::fs::write(&file, manifest(name, value)).unwrap();
+            let file = file.display().to_string();
+            let mut args = vec!["apply", "-f", &file];
+            if server_side {
+                args.push("--server-side");
+            }
+            let (ok, text) = kubectl(cp, "admin", &args).await;
+            assert!(ok, "kubectl {args:?}: {text}");
+            let configmap = configmaps.get(name).await.unwrap();
+            let data = configmap.data.unwrap_or_default();
+            assert_eq!(
+                data.get("setting").map(String::as_str),
+                Some(value),
+                "{name}"
+            );
+            let secret = secrets.get(name).await.unwrap();
+            let data = secret.data.unwrap_or_default();
+            assert_eq!(
+                data.get("password").map(|b| b.0.as_slice()),
+                Some(value.as_bytes()),
+                "{name}"
+            );
+            let annotations = configmap.metadata.annotations.unwrap_or_default();
+            assert_eq!(
+                annotations.contains_key("kubectl.kubernetes.io/last-applied-configuration"),
+                !server_side,
+                "{name}"
+            );
+            let managers: Vec<_> = configmap
+                .metadata
+                .managed_fields
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|m| Some((m.manager?, m.operation?)))
+                .collect();
+            let expected = if server_side {
+                ("kubectl".to_string(), "Apply".to_string())
+            } else {
+                (
+                    "kubectl-client-side-apply".to_string(),
+                    "Update".to_string(),
+                )
+            };
+            assert!(managers.contains(&expected), "{name}: {managers:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_clients_through_bulwark_agree_with_the_apiserver() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = Options::new(dir.path());
+    opts.replicas = 2;
+    opts.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));
+    let began = Instant::now();
+    let cp = ControlPlane::start(opts)
+        .await
+        .unwrap_or_else(|e| panic!("the control plane did not start: {e}"));
+    eprintln!(
+        "control plane ready in {:.1} s",
+        began.elapsed().as_secs_f64()
+    );
+    let direct = cp.client("direct-admin").await.unwrap();
+    let admin = cp.client("admin").await.unwrap();
+    seed_team_secrets(&direct).await;
+
+    let mut lap = Instant::now();
+    let mut timed = |what: &str| {
+        eprintln!("{what}: {:.1} s", lap.elapsed().as_secs_f64());
+        lap = Instant::now();
+    };
+    pagination_across(&cp).await;
+    timed("pagination across paths");
+    cache_authorization(&cp, &admin, &direct).await;
+    timed("cache authorization");
+    kubectl_apply(&cp, &direct).await;
+    timed("kubectl apply");
+    informers(&cp).await;
+    timed("informers, 8 combinations");
+    informers_across_restarts(&cp, &admin).await;
+    timed("informers across restarts");
+    cp.stop().await.unwrap();
+    eprintln!("whole test: {:.1} s", began.elapsed().as_secs_f64());
+}

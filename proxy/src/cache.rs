@@ -33,8 +33,8 @@
 pub mod audit;
 pub mod authz;
 mod informer;
-mod respond;
-mod store;
+pub(crate) mod respond;
+pub(crate) mod store;
 mod watch;
 
 use std::sync::{Arc, Mutex, OnceLock};

@@ -105,13 +105,17 @@ pub enum IdentityError {
 }
 
 /// The user named by a verified client certificate: CN is the user, each O a group.
+///
+/// A subject with several CNs names the last one, as Go's `pkix.Name` reads it for the
+/// apiserver (and for CSR approvers, which check the same CN): taking another would let a
+/// certificate mean one user to them and another to Bulwark.
 pub fn user_from_certificate(leaf: &CertificateDer<'_>) -> Result<User, IdentityError> {
     let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
         .map_err(|e| IdentityError::BadCertificate(e.to_string()))?;
     let subject = cert.subject();
     let username = subject
         .iter_common_name()
-        .next()
+        .last()
         .and_then(|cn| cn.as_str().ok())
         .filter(|cn| !cn.is_empty())
         .ok_or_else(|| IdentityError::BadCertificate("no CN".into()))?
@@ -176,6 +180,22 @@ mod tests {
         let user = user_from_certificate(&cert_for("alice", &["dev", "ops"])).unwrap();
         assert_eq!(user.username, "alice");
         assert_eq!(user.groups, ["dev", "ops", AUTHENTICATED]);
+    }
+
+    #[test]
+    fn the_last_of_several_common_names_is_the_user_as_in_the_apiserver() {
+        // Seen while writing the client_cert fuzz target: Bulwark took the first CN, the
+        // apiserver (Go's pkix.Name) takes the last.
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "system:admin");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CustomDnType(vec![2, 5, 4, 3]), "alice");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap().der().clone();
+        assert_eq!(user_from_certificate(&cert).unwrap().username, "alice");
     }
 
     #[test]

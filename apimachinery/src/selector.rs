@@ -136,40 +136,50 @@ fn parse_set(s: String) -> Option<Vec<String>> {
     Some(inner.split(',').map(|v| v.trim().to_string()).collect())
 }
 
+/// A field selector term split at its operator, as apimachinery's `splitTerm`: at the first
+/// position where `!=`, `==` or `=` starts (tried in that order).
+fn split_term(term: &str) -> Option<(&str, &'static str, &str)> {
+    term.char_indices().find_map(|(i, _)| {
+        let rest = &term[i..];
+        ["!=", "==", "="]
+            .into_iter()
+            .find(|op| rest.starts_with(op))
+            .map(|op| (&term[..i], op, &rest[op.len()..]))
+    })
+}
+
 /// A parsed field selector over `metadata.name` and `metadata.namespace`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct FieldSelector(Vec<Req>);
 
 impl FieldSelector {
-    /// Parses a `fieldSelector` value; other fields are rejected as the apiserver rejects
-    /// fields a resource does not index.
+    /// Parses a `fieldSelector` value as apimachinery's `fields.ParseSelector` does: terms
+    /// split on `,`, empty terms skipped, each term split at the first operator, and nothing
+    /// trimmed (` metadata.name=a` names another field, `metadata.name= a` another name).
+    /// Other fields are rejected as the apiserver rejects fields a resource does not index,
+    /// and so are values with `\` escapes or an unescaped `=` (left to the apiserver).
     pub fn parse(s: &str) -> Result<FieldSelector, SelectError> {
         let mut reqs = Vec::new();
-        if s.trim().is_empty() {
-            return Ok(FieldSelector(reqs));
-        }
-        for part in s.split(',') {
-            let p = part.trim();
-            let req = if let Some((k, v)) = p.split_once("!=") {
-                Req::Ne(k.trim().to_string(), v.trim().to_string())
-            } else if let Some((k, v)) = p.split_once("==") {
-                Req::Eq(k.trim().to_string(), v.trim().to_string())
-            } else if let Some((k, v)) = p.split_once('=') {
-                Req::Eq(k.trim().to_string(), v.trim().to_string())
-            } else {
+        for p in s.split(',').filter(|p| !p.is_empty()) {
+            let Some((k, op, v)) = split_term(p) else {
                 return Err(SelectError::Field(format!(
-                    "invalid selector: '{p}'; can't understand '{p}'"
+                    "invalid selector: '{s}'; can't understand '{p}'"
                 )));
-            };
-            let (Req::Eq(k, _) | Req::Ne(k, _)) = &req else {
-                continue;
             };
             if k != "metadata.name" && k != "metadata.namespace" {
                 return Err(SelectError::Field(format!(
                     "field label not supported: {k}"
                 )));
             }
-            reqs.push(req);
+            if v.contains(['\\', '=']) {
+                return Err(SelectError::Field(format!(
+                    "invalid field selector value {v:?}: escapes and '=' are not read here"
+                )));
+            }
+            reqs.push(match op {
+                "!=" => Req::Ne(k.to_string(), v.to_string()),
+                _ => Req::Eq(k.to_string(), v.to_string()),
+            });
         }
         Ok(FieldSelector(reqs))
     }
@@ -250,5 +260,27 @@ mod tests {
         assert!(!f.matches("y", "x"));
         assert_eq!(f.pinned_name(), Some("x"));
         assert!(FieldSelector::parse("spec.nodeName=n").is_err());
+    }
+
+    #[test]
+    fn field_selectors_are_not_trimmed() {
+        // Found by the `selectors` fuzz target: the apiserver keeps whitespace, so
+        // `metadata.name= web` asks for the name " web" (and is authorized for that name),
+        // not for "web".
+        let f = FieldSelector::parse("metadata.name==\n\0\0\0\0\0\0\0web").unwrap();
+        assert_eq!(f.pinned_name(), Some("\n\0\0\0\0\0\0\0web"));
+        assert!(!f.matches("ns", "\0\0\0\0\0\0\0web"));
+        let f = FieldSelector::parse("metadata.name= web").unwrap();
+        assert!(!f.matches("ns", "web") && f.matches("ns", " web"));
+        // ` metadata.name` is another field; a blank selector is a malformed term.
+        assert!(FieldSelector::parse(" metadata.name=web").is_err());
+        assert!(FieldSelector::parse(" ").is_err());
+        // Empty terms are skipped; `=` in a value is the apiserver's to refuse.
+        assert_eq!(
+            FieldSelector::parse("metadata.name=web,").unwrap(),
+            FieldSelector::parse("metadata.name=web").unwrap()
+        );
+        assert!(FieldSelector::parse("metadata.name===web").is_err());
+        assert!(FieldSelector::parse("").unwrap().is_empty());
     }
 }

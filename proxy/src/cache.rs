@@ -36,8 +36,8 @@
 pub mod audit;
 pub mod authz;
 mod informer;
-mod respond;
-mod store;
+pub(crate) mod respond;
+pub(crate) mod store;
 mod watch;
 
 use std::net::IpAddr;

@@ -11,6 +11,8 @@ pub mod cache;
 pub mod certs;
 pub mod classify;
 pub mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod identity;
 pub mod listen;
 pub mod logs;

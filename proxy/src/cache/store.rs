@@ -12,12 +12,15 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Bound;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use apimachinery::continue_token::{Scope, object_key};
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::Deserialize;
+use serde::de::IgnoredAny;
+use serde_json::value::RawValue;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
@@ -105,9 +108,15 @@ pub struct Obj {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Shape {
     #[serde(default)]
     metadata: Meta,
+    /// Whether `kind` and `apiVersion` are there, wherever they are.
+    #[serde(default)]
+    kind: Option<IgnoredAny>,
+    #[serde(default)]
+    api_version: Option<IgnoredAny>,
 }
 
 #[derive(Deserialize, Default)]
@@ -128,7 +137,17 @@ impl Obj {
     /// `apiVersion` in front; keeps the bytes of the item form.
     pub fn parse(raw: &[u8]) -> Result<Obj, String> {
         let shape: Shape = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
-        let meta = shape.metadata;
+        // Whitespace around the object stays out of its bytes: they are spliced into lists
+        // and newline-delimited watch events. (serde also reads a struct from an array.)
+        let raw = raw.trim_ascii();
+        if !raw.starts_with(b"{") {
+            return Err("the object is not a JSON object".into());
+        }
+        let Shape {
+            metadata: meta,
+            kind,
+            api_version,
+        } = shape;
         if meta.name.is_empty() {
             return Err("the object has no metadata.name".into());
         }
@@ -143,7 +162,7 @@ impl Obj {
             name: meta.name,
             rv,
             labels: meta.labels.unwrap_or_default(),
-            body: item_bytes(raw)?,
+            body: item_bytes(raw, kind.is_some() || api_version.is_some())?,
         })
     }
 
@@ -155,18 +174,17 @@ impl Obj {
     /// The same object with its `metadata.resourceVersion` replaced: what a selector watch
     /// sends as DELETED when an object leaves it (the previous object at the event's
     /// version, as the apiserver's cacher does).
-    fn at_version(&self, rv: u64) -> Bytes {
-        let old = format!("\"resourceVersion\":\"{}\"", self.rv);
-        let new = format!("\"resourceVersion\":\"{rv}\"");
-        // `metadata` comes first and `resourceVersion` precedes every free-form field of
-        // it (labels, annotations), and a quote inside a string is escaped: the first
-        // occurrence is the real one.
-        match find(&self.body, old.as_bytes()) {
-            Some(at) => {
+    pub(crate) fn at_version(&self, rv: u64) -> Bytes {
+        // Found where the JSON parser finds it, not by searching the text: an
+        // unstructured object's keys are sorted, so `annotations`, `labels` and
+        // `managedFields`, which may hold another `"resourceVersion"`, come before it.
+        match resource_version_span(&self.body) {
+            Some(span) => {
+                let new = format!("\"{rv}\"");
                 let mut out = BytesMut::with_capacity(self.body.len() + 8);
-                out.put_slice(&self.body[..at]);
+                out.put_slice(&self.body[..span.start]);
                 out.put_slice(new.as_bytes());
-                out.put_slice(&self.body[at + old.len()..]);
+                out.put_slice(&self.body[span.end..]);
                 out.freeze()
             }
             None => self.body.clone(),
@@ -174,20 +192,40 @@ impl Obj {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+/// Where the value of `metadata.resourceVersion` (with its quotes) sits in an object.
+fn resource_version_span(object: &[u8]) -> Option<Range<usize>> {
+    #[derive(Deserialize)]
+    struct Outer<'a> {
+        #[serde(borrow)]
+        metadata: &'a RawValue,
+    }
+    #[derive(Deserialize)]
+    struct Inner<'a> {
+        #[serde(borrow, rename = "resourceVersion")]
+        resource_version: &'a RawValue,
+    }
+    let outer: Outer<'_> = serde_json::from_slice(object).ok()?;
+    let inner: Inner<'_> = serde_json::from_str(outer.metadata.get()).ok()?;
+    // Both borrow from `object`: the value's offset is the distance between the pointers.
+    let value = inner.resource_version.get();
+    let start = (value.as_ptr() as usize).checked_sub(object.as_ptr() as usize)?;
+    let span = start..start + value.len();
+    (span.end <= object.len()).then_some(span)
 }
 
-/// The item form of an encoded object: `kind` and `apiVersion` taken off the front when
-/// they are there (the Go encoder writes them first), copied into an exact allocation.
-fn item_bytes(raw: &[u8]) -> Result<Bytes, String> {
+/// The item form of an encoded object: `kind` and `apiVersion` taken out when `typed` (they
+/// are there), copied into an exact allocation. The Go encoder writes them first, where
+/// they are cut off; elsewhere (an unstructured object's keys are sorted, and `Zeta` sorts
+/// before `apiVersion`) the object is rebuilt without them, or events and GETs would carry
+/// them twice.
+fn item_bytes(raw: &[u8], typed: bool) -> Result<Bytes, String> {
     if let Some(rest) = strip_type_meta(raw) {
         let mut out = BytesMut::with_capacity(rest.len() + 1);
         out.put_u8(b'{');
         out.put_slice(rest);
         return Ok(out.freeze());
     }
-    if raw.starts_with(b"{\"kind\"") || raw.starts_with(b"{\"apiVersion\"") {
+    if typed {
         // Not in the Go encoder's order: rebuild without them (key order then follows
         // serde_json's map, which is the only thing that changes).
         let mut value: serde_json::Map<String, serde_json::Value> =
@@ -674,6 +712,56 @@ mod tests {
         assert_eq!(value["apiVersion"], "v1");
         assert_eq!(value["type"], "Opaque");
         assert!(full.starts_with(b"{\"kind\":\"Secret\",\"apiVersion\":\"v1\",\"metadata\""));
+    }
+
+    #[test]
+    fn whitespace_around_an_object_stays_out_of_its_bytes() {
+        // Found by the `watch_event` fuzz target: the event line dropped the first byte of
+        // the object, a tab here, instead of its `{`.
+        let obj =
+            Obj::parse(b"\t\t{\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"1\"}}\n").unwrap();
+        assert!(obj.body.starts_with(b"{") && obj.body.ends_with(b"}"));
+        let kind = Kind::new("", "v1", "secrets", "Secret", true);
+        let line = event_line(&kind, EventType::Added, &obj.body);
+        let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(value["object"]["metadata"]["name"], "a");
+        assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
+        assert!(Obj::parse(b"[{\"name\":\"a\",\"resourceVersion\":\"1\"}]").is_err());
+    }
+
+    #[test]
+    fn kind_and_api_version_are_taken_out_wherever_they_are() {
+        // Found by the `watch_event` fuzz target: an object whose first key sorts before
+        // `apiVersion` kept its own, and its events carried two.
+        let obj = Obj::parse(
+            b"{\"Zeta\":1,\"apiVersion\":\"v2\",\"kind\":\"Secret\",\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"1\"}}",
+        )
+        .unwrap();
+        assert_eq!(
+            &obj.body[..],
+            b"{\"Zeta\":1,\"metadata\":{\"name\":\"a\",\"resourceVersion\":\"1\"}}"
+        );
+        let kind = Kind::new("", "v1", "secrets", "Secret", true);
+        let line = event_line(&kind, EventType::Added, &obj.body);
+        let text = std::str::from_utf8(&line).unwrap();
+        assert_eq!(text.matches("\"apiVersion\"").count(), 1, "{text}");
+    }
+
+    #[test]
+    fn a_new_version_goes_into_metadata_resource_version_only() {
+        // Found by the `watch_event` fuzz target: unstructured objects have sorted keys, so
+        // a `"resourceVersion"` inside managedFields (or labels, annotations) came first
+        // and was the one rewritten. An escaped key or value was not found at all.
+        let raw = br#"{"metadata":{"managedFields":[{"resourceVersion":"5"}],"name":"a","resourceVersion":"5"}}"#;
+        let moved = Obj::parse(raw).unwrap().at_version(6);
+        assert_eq!(
+            &moved[..],
+            br#"{"metadata":{"managedFields":[{"resourceVersion":"5"}],"name":"a","resourceVersion":"6"}}"#
+        );
+        let raw = br#"{"metadata":{"name":"a","resourceVers\u0069on":"\u0035"}}"#;
+        let moved = Obj::parse(raw).unwrap().at_version(6);
+        let value: serde_json::Value = serde_json::from_slice(&moved).unwrap();
+        assert_eq!(value["metadata"]["resourceVersion"], "6");
     }
 
     #[test]

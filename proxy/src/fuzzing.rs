@@ -1,0 +1,10 @@
+//! Entry points for the fuzz targets in `fuzz/` to reach parsers that are private to their
+//! stage. Not an API: hidden from the docs, and nothing in Bulwark uses it.
+
+pub use crate::cache::store::{EventType, Kind, Obj, event_line};
+
+/// The object with its `metadata.resourceVersion` replaced, as a selector watch sends an
+/// object that left it (see the cache's store).
+pub fn at_version(obj: &Obj, rv: u64) -> bytes::Bytes {
+    obj.at_version(rv)
+}

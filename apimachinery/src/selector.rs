@@ -57,10 +57,29 @@ fn valid_key(k: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
 }
 
-fn valid_value(v: &str) -> bool {
-    v.len() <= 63
-        && v.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+/// Why a label value is invalid, as apimachinery's `IsValidLabelValue` words it (its
+/// messages joined with "; "), or `None` when it is valid.
+fn invalid_value(v: &str) -> Option<String> {
+    let mut problems = Vec::new();
+    if v.len() > 63 {
+        problems.push("must be no more than 63 characters");
+    }
+    let bytes = v.as_bytes();
+    let shaped = bytes.is_empty()
+        || (bytes[0].is_ascii_alphanumeric()
+            && bytes[bytes.len() - 1].is_ascii_alphanumeric()
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(b)));
+    if !shaped {
+        problems.push(
+            "a valid label must be an empty string or consist of alphanumeric characters, \
+             '-', '_' or '.', and must start and end with an alphanumeric character (e.g. \
+             'MyValue',  or 'my_value',  or '12345', regex used for validation is \
+             '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')",
+        );
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
 }
 
 impl LabelSelector {
@@ -97,8 +116,15 @@ impl LabelSelector {
                 Req::In(k, vs) | Req::NotIn(k, vs) => (k, vs.iter().collect()),
                 Req::Exists(k) | Req::NotExists(k) => (k, vec![]),
             };
-            if !valid_key(key) || !values.iter().all(|v| valid_value(v)) {
+            if !valid_key(key) {
                 return Err(bad());
+            }
+            for (i, v) in values.iter().enumerate() {
+                if let Some(why) = invalid_value(v) {
+                    return Err(SelectError::Label(format!(
+                        "values[{i}][{key}]: Invalid value: {v:?}: {why}"
+                    )));
+                }
             }
             reqs.push(req);
         }
@@ -227,6 +253,34 @@ impl FieldSelector {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn label_values_are_validated_as_the_apiserver_validates_them() {
+        for good in ["", "a", "my_value", "My.Value-1", &"x".repeat(63)] {
+            assert!(
+                LabelSelector::parse(&format!("app={good}")).is_ok(),
+                "{good:?}"
+            );
+        }
+        let err = LabelSelector::parse("app=-bad-").unwrap_err().to_string();
+        assert!(
+            err.starts_with("unable to parse requirement: values[0][app]: Invalid value: \"-bad-\": a valid label must be an empty string"),
+            "{err}"
+        );
+        let err = LabelSelector::parse("app in (a,b_)")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("values[1][app]: Invalid value: \"b_\""),
+            "{err}"
+        );
+        let long = "x".repeat(64);
+        let err = LabelSelector::parse(&format!("app!={long}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must be no more than 63 characters"), "{err}");
+    }
+
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {

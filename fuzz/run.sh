@@ -60,7 +60,8 @@ for target in "${targets[@]}"; do
     -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     >"$log" 2>&1 || status=$?
   took=$((SECONDS - start))
-  runs=$(grep -Eo 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -Eo '[0-9]+$' | tail -1)
+  # The log holds the inputs' bytes too: read it as text, and a missing count is no error.
+  runs=$(grep -aEo 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -Eo '[0-9]+$' | tail -1 || true)
   if [[ $status -eq 0 ]]; then
     echo "$target: ${runs:-?} runs in $took s"
   else

@@ -36,7 +36,7 @@
 pub mod audit;
 pub mod authz;
 mod informer;
-pub(crate) mod respond;
+mod respond;
 pub(crate) mod store;
 mod watch;
 

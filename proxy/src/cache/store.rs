@@ -11,8 +11,7 @@
 //! apiserver would continue it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::ops::Bound;
-use std::ops::Range;
+use std::ops::{Bound, Range};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 

@@ -177,6 +177,8 @@ pub struct Options {
     pub seed: Vec<bulwark_sim::Seed>,
     /// Whether every authenticated user may do everything, as in the scenarios' fleet.
     pub open_rbac: bool,
+    /// Bulwark's `identity.mode`; `None` is `front-proxy`.
+    pub identity_mode: Option<String>,
 }
 
 impl Options {
@@ -193,6 +195,7 @@ impl Options {
             ready_timeout: Duration::from_secs(180),
             seed: Vec::new(),
             open_rbac: false,
+            identity_mode: None,
         }
     }
 }
@@ -636,6 +639,7 @@ impl ControlPlane {
             own_group: BULWARK_GROUP,
             heap_headroom: self.heap_headroom(),
             rules: opts.rules.clone(),
+            identity_mode: opts.identity_mode.as_deref(),
         };
         let dir = self.dir.join("bulwark");
         let exe = match &opts.bulwark_exe {

@@ -88,6 +88,8 @@ pub struct Upstream<'a> {
     /// Bulwark's `rules.folder`: `None` writes [`EXAMPLE_RULES`] into the run's folder and
     /// uses that.
     pub rules: Option<PathBuf>,
+    /// Bulwark's `identity.mode`; `None` is `front-proxy`.
+    pub identity_mode: Option<&'a str>,
 }
 
 /// A running Bulwark process.
@@ -163,7 +165,7 @@ pub fn write_config(
         },
         "admin": {"address": admin.to_string()},
         "upstream": upstream_cfg,
-        "identity": {"mode": "front-proxy"},
+        "identity": {"mode": upstream.identity_mode.unwrap_or("front-proxy")},
         "rules": {"folder": path_str(&rules)},
     });
     // JSON is YAML; serde_norway writes it in block style, which reads better in a file.
@@ -389,6 +391,7 @@ mod tests {
             own_group: "bulwark:proxies",
             heap_headroom: None,
             rules: None,
+            identity_mode: None,
         };
         let (path, _, _) = write_config(dir.path(), &upstream).unwrap();
         let config = bulwark::config::Config::load(&path).unwrap();

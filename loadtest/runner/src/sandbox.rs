@@ -204,6 +204,7 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
         own_group: "bulwark:proxies",
         heap_headroom: None,
         rules,
+        identity_mode: None,
     };
     let proxy = ProxyProcess::start(&dir.join("bulwark"), &upstream).await?;
     let server = proxy.target.addr;

@@ -345,6 +345,7 @@ impl Env {
                     own_group: BULWARK_GROUP,
                     heap_headroom: headroom,
                     rules,
+                    identity_mode: None,
                 };
                 let proxy = ProxyProcess::start(&dir, &upstream).await?;
                 (proxy.target.clone(), Some(Proxy::Bulwark(proxy)))

@@ -683,6 +683,25 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// Watches open on the replicas, as each counts them on its own `/metrics`
+    /// (`apiserver_longrunning_requests{verb="WATCH"}`), summed; a replica that does not
+    /// answer counts none.
+    pub async fn open_watches(&self) -> u64 {
+        let mut sum = 0;
+        for i in 0..self.replicas.len() {
+            let Ok(admin) = self.admin_client(i).await else {
+                continue;
+            };
+            let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
+                continue;
+            };
+            if let Ok(text) = admin.request_text(request).await {
+                sum += longrunning_watches(&text);
+            }
+        }
+        sum
+    }
+
     /// A `system:masters` client straight to replica `i`.
     async fn admin_client(&self, i: usize) -> Result<Client, Error> {
         let replica = self.replicas.get(i).ok_or(Error::NoReplica(i))?;
@@ -1010,6 +1029,18 @@ fn log_tail(log: &Path) -> String {
     lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
 }
 
+/// The sum of `apiserver_longrunning_requests{verb="WATCH",...}` in a Prometheus text
+/// exposition.
+fn longrunning_watches(metrics: &str) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("apiserver_longrunning_requests{") && l.contains("verb=\"WATCH\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
 /// A `kube` client from kubeconfig text, with short timeouts: every server is local.
 /// `retry` keeps kube's default retries of 429, 503 and 504 answers.
 async fn client_from_yaml(yaml: &str, retry: bool) -> Result<Client, Error> {
@@ -1028,6 +1059,16 @@ async fn client_from_yaml(yaml: &str, retry: bool) -> Result<Client, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn longrunning_watches_sums_the_watch_series() {
+        let text = "# TYPE apiserver_longrunning_requests gauge\n\
+apiserver_longrunning_requests{component=\"apiserver\",resource=\"secrets\",verb=\"WATCH\",version=\"v1\"} 7\n\
+apiserver_longrunning_requests{component=\"apiserver\",resource=\"pods\",verb=\"WATCH\",version=\"v1\"} 3\n\
+apiserver_longrunning_requests{component=\"apiserver\",resource=\"pods\",subresource=\"log\",verb=\"CONNECT\",version=\"v1\"} 2\n\
+apiserver_longrunning_requests_total 99\n";
+        assert_eq!(longrunning_watches(text), 10);
+    }
 
     /// The supervisor against the kernel's own OOM killer: a process that allocates past
     /// its cgroup's limit is killed, counted as an OOM kill and restarted.

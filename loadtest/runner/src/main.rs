@@ -39,10 +39,10 @@ struct Common {
     only: Option<String>,
 }
 
-/// `list-storm`'s options: the common ones, and a real control plane instead of the
-/// simulator.
+/// `list-storm`'s and `informers`' options: the common ones, and a real control plane
+/// instead of the simulator.
 #[derive(Args, Debug, Clone)]
-struct ListStormArgs {
+struct OnControlPlaneArgs {
     #[command(flatten)]
     common: Common,
     /// Run against a real control plane (etcd and kube-apiservers, each in a memory
@@ -61,11 +61,11 @@ struct ListStormArgs {
 enum Command {
     /// Many identities LIST all large Secrets in a loop; innocent clients and heartbeats
     /// carry on beside them.
-    ListStorm(ListStormArgs),
+    ListStorm(OnControlPlaneArgs),
     /// Long-lived HTTP/2 clients while one replica restarts.
     Skew(Common),
     /// Per-node informers on EndpointSlices and their own Secrets under churn.
-    Informers(Common),
+    Informers(OnControlPlaneArgs),
     /// A monitoring agent per node LISTs Events every few seconds.
     EventsPoll(Common),
     /// A wave of new nodes start their informers within seconds.
@@ -168,7 +168,15 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::ListStorm(a) => (scenario::run(&ListStorm, &opts(&a.common)).await?, a.common),
         Command::Skew(c) => (scenario::run(&Skew, &opts(&c)).await?, c),
-        Command::Informers(c) => (scenario::run(&Informers, &opts(&c)).await?, c),
+        Command::Informers(a) if a.controlplane => {
+            let cp = scenario::on_controlplane::ControlPlaneOptions {
+                replicas: usize::from(a.replicas),
+                memory_limit: a.apiserver_memory_limit,
+            };
+            let report = scenario::on_controlplane::informers(&opts(&a.common), &cp).await?;
+            (report, a.common)
+        }
+        Command::Informers(a) => (scenario::run(&Informers, &opts(&a.common)).await?, a.common),
         Command::EventsPoll(c) => (scenario::run(&EventsPoll, &opts(&c)).await?, c),
         Command::NodeJoin(c) => (scenario::run(&NodeJoin, &opts(&c)).await?, c),
         Command::Demo(c) => (scenario::run(&Demo, &opts(&c)).await?, c),

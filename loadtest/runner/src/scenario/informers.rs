@@ -14,7 +14,7 @@ use http::Method;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use super::{Driven, Env, Options, Persona, Scenario, Setup};
+use super::{Classes, Driven, Env, Options, Persona, Scenario, Setup};
 use crate::client::{ClassStats, Client, Identity, Outcome, Read, Tally, Target, new_histogram};
 
 /// The steady-state scenario.
@@ -39,19 +39,19 @@ struct Acks {
 type Delivery = (Arc<Acks>, Arc<Mutex<Histogram<u64>>>);
 
 /// The counts of one run.
-struct Sizes {
+pub(super) struct Sizes {
     nodes: usize,
     slices: usize,
 }
 
-fn sizes(opts: &Options, nodes: usize) -> Sizes {
+pub(super) fn sizes(opts: &Options, nodes: usize) -> Sizes {
     Sizes {
         nodes: opts.scaled(nodes, 2),
         slices: opts.scaled(500, 10),
     }
 }
 
-fn seed(s: &Sizes) -> Vec<String> {
+pub(super) fn seed(s: &Sizes) -> Vec<String> {
     vec![
         format!("endpointslices={}x1KiB", s.slices),
         format!("secrets={}x2KiB", 2 * s.nodes),
@@ -273,15 +273,16 @@ async fn churn(
     class.done(tally);
 }
 
-/// Runs `nodes` nodes whose informers start spread over `join_window`, plus the churn.
-async fn drive_nodes(
-    env: &Env,
+/// Runs `nodes` nodes whose informers start spread over `join_window`, plus the churn;
+/// `progress` reports on the classes while they run.
+pub(super) async fn drive_nodes(
+    target: &Target,
+    progress: impl FnOnce(&Classes) -> tokio::task::JoinHandle<()>,
     pki: &Pki,
     s: &Sizes,
     duration: Duration,
     join_window: Duration,
 ) -> anyhow::Result<Driven> {
-    let target: &Target = &env.target;
     let node_ids: Vec<Identity> = Persona::Nodes.mint(pki, s.nodes);
     // The EndpointSlice controller of kube-controller-manager.
     let churn_id = Persona::ServiceAccountsIn {
@@ -299,7 +300,7 @@ async fn drive_nodes(
         ("nodes".to_string(), nodes.clone()),
         ("churn".to_string(), churner.clone()),
     ];
-    let progress = env.progress(&classes);
+    let progress = progress(&classes);
     let mut tasks = Vec::new();
     for (i, id) in node_ids.iter().enumerate() {
         let start = started + join_window.mul_f64(i as f64 / s.nodes as f64);
@@ -357,7 +358,15 @@ impl Scenario for Informers {
         let duration = opts.duration_or(Duration::from_secs(60));
         // Nodes come up over the first few seconds, as a running cluster's already have.
         let window = Duration::from_secs(5).min(duration / 4);
-        drive_nodes(env, pki, &sizes(opts, 2_000), duration, window).await
+        drive_nodes(
+            &env.target,
+            |c| env.progress(c),
+            pki,
+            &sizes(opts, 2_000),
+            duration,
+            window,
+        )
+        .await
     }
 }
 
@@ -378,7 +387,15 @@ impl Scenario for NodeJoin {
         let duration = opts.duration_or(Duration::from_secs(30));
         // The whole wave joins within 10 seconds (less in very short runs).
         let window = Duration::from_secs(10).min(duration / 2);
-        drive_nodes(env, pki, &sizes(opts, 1_000), duration, window).await
+        drive_nodes(
+            &env.target,
+            |c| env.progress(c),
+            pki,
+            &sizes(opts, 1_000),
+            duration,
+            window,
+        )
+        .await
     }
 }
 

@@ -4,10 +4,13 @@
 //! next replica, as a cloud load balancer does), `bulwark` through Bulwark; each run gets
 //! a fresh control plane. The apiservers' figures are the kernel's: cgroup peak memory and
 //! OOM kills.
+//!
+//! `informers --controlplane` runs the informers scenario the same way; its figures are
+//! the watches the replicas count open on their own `/metrics` and event delivery.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -16,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::list_storm::{self, Sizes};
-use super::{Mode, Options, spawn_loads};
+use super::{Classes, Mode, Options, informers, spawn_loads};
 use crate::client::Target;
 use crate::controlplane::{self, ControlPlane};
 use crate::report::{self, Report, Run};
@@ -72,7 +75,7 @@ pub async fn list_storm(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Res
             "== list-storm on a control plane ({}): starting",
             mode.name()
         );
-        let run = one_run(mode, opts, cp, &sizes, &seeds).await?;
+        let run = one_run(mode, opts, cp, &Work::ListStorm(&sizes), &seeds).await?;
         eprintln!("== list-storm on a control plane ({}): done", mode.name());
         runs.push((mode.name().to_string(), run));
     }
@@ -83,11 +86,48 @@ pub async fn list_storm(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Res
     })
 }
 
+/// Runs the informers scenario against a fresh control plane per target.
+pub async fn informers(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Result<Report> {
+    let sizes = informers::sizes(opts, 2_000);
+    let seeds = informers::seed(&sizes)
+        .iter()
+        .map(|s| s.parse().map_err(anyhow::Error::from))
+        .collect::<anyhow::Result<Vec<bulwark_sim::Seed>>>()?;
+    let mut runs = Vec::new();
+    for mode in [Mode::Direct, Mode::Bulwark] {
+        if opts
+            .only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|o| o == mode.name()))
+        {
+            continue;
+        }
+        eprintln!(
+            "== informers on a control plane ({}): starting",
+            mode.name()
+        );
+        let run = one_run(mode, opts, cp, &Work::Informers(&sizes), &seeds).await?;
+        eprintln!("== informers on a control plane ({}): done", mode.name());
+        runs.push((mode.name().to_string(), run));
+    }
+    Ok(Report {
+        scenario: "informers-controlplane".into(),
+        scale: opts.scale,
+        runs,
+    })
+}
+
+/// What a run drives.
+enum Work<'a> {
+    ListStorm(&'a Sizes),
+    Informers(&'a informers::Sizes),
+}
+
 async fn one_run(
     mode: Mode,
     opts: &Options,
     cp_opts: &ControlPlaneOptions,
-    sizes: &Sizes,
+    work: &Work<'_>,
     seeds: &[bulwark_sim::Seed],
 ) -> anyhow::Result<Run> {
     let dir = std::env::temp_dir().join(format!(
@@ -136,30 +176,59 @@ async fn one_run(
     };
     let duration = opts.duration_or(Duration::from_secs(60));
     let started = Instant::now();
-    let loads = list_storm::loads(cp.pki(), sizes);
-    let (classes, all) = spawn_loads(&target, loads, started + duration)?;
-    let progress = {
-        let classes = classes.clone();
-        let mode = mode.name();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                let mut line = format!("  [{mode} {:>3}s]", started.elapsed().as_secs());
-                for (name, c) in &classes {
-                    let l = &c.live;
-                    line.push_str(&format!(
-                        " {name}: {} ok {} 429 {} err;",
-                        l.ok.load(Ordering::Relaxed),
-                        l.rejected.load(Ordering::Relaxed),
-                        l.errors.load(Ordering::Relaxed)
-                    ));
+    let (classes, event_delivery_p99_ms, upstream_watches) = match work {
+        Work::ListStorm(sizes) => {
+            let loads = list_storm::loads(cp.pki(), sizes);
+            let (classes, all) = spawn_loads(&target, loads, started + duration)?;
+            let progress = progress(mode, &classes);
+            all.await.context("a client loop panicked")?;
+            progress.abort();
+            (classes, None, 0)
+        }
+        Work::Informers(sizes) => {
+            // The replicas' own count of open watches, sampled while the informers run; the
+            // count before they start is the replicas' own informers (and Bulwark's).
+            eprintln!(
+                "  watches open on the replicas before the informers: {}",
+                cp.open_watches().await
+            );
+            let peak = Arc::new(AtomicU64::new(0));
+            let driven = {
+                let cp = &cp;
+                let peak = peak.clone();
+                let sampler = async move {
+                    loop {
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        peak.fetch_max(cp.open_watches().await, Ordering::Relaxed);
+                    }
+                };
+                let window = Duration::from_secs(5).min(duration / 4);
+                let nodes = informers::drive_nodes(
+                    &target,
+                    |c| progress(mode, c),
+                    cp.pki(),
+                    sizes,
+                    duration,
+                    window,
+                );
+                tokio::select! {
+                    d = nodes => d?,
+                    () = sampler => unreachable!("the sampler never ends"),
                 }
-                eprintln!("{line}");
-            }
-        })
+            };
+            let classes = driven
+                .classes
+                .into_iter()
+                .map(|(name, stats, _)| (name, stats))
+                .collect();
+            let watches = peak.load(Ordering::Relaxed);
+            eprintln!(
+                "  peak watches open on the replicas: {watches}; event delivery p99 {:.1} ms",
+                driven.event_delivery_p99_ms.unwrap_or(0.0)
+            );
+            (classes, driven.event_delivery_p99_ms, watches)
+        }
     };
-    all.await.context("a client loop panicked")?;
-    progress.abort();
     let elapsed = started.elapsed();
     if let Some(task) = balancer {
         task.abort();
@@ -195,6 +264,7 @@ async fn one_run(
         ooms: replicas.iter().map(|r| r.oom_kills).sum(),
         replica_peak_memory_bytes: peaks,
         replica_oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
+        upstream_watches,
         ..report::Apiserver::default()
     };
     Ok(Run {
@@ -204,7 +274,30 @@ async fn one_run(
             .iter()
             .map(|(name, stats)| (name.clone(), stats.summary(elapsed)))
             .collect(),
-        event_delivery_p99_ms: None,
+        event_delivery_p99_ms,
+    })
+}
+
+/// Prints each class's counts every five seconds.
+fn progress(mode: Mode, classes: &Classes) -> JoinHandle<()> {
+    let classes = classes.clone();
+    let mode = mode.name();
+    let started = Instant::now();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let mut line = format!("  [{mode} {:>3}s]", started.elapsed().as_secs());
+            for (name, c) in &classes {
+                let l = &c.live;
+                line.push_str(&format!(
+                    " {name}: {} ok {} 429 {} err;",
+                    l.ok.load(Ordering::Relaxed),
+                    l.rejected.load(Ordering::Relaxed),
+                    l.errors.load(Ordering::Relaxed)
+                ));
+            }
+            eprintln!("{line}");
+        }
     })
 }
 

@@ -51,6 +51,22 @@ pub enum Verb {
 }
 
 impl Verb {
+    /// The apiserver's name of a resource verb (`get`, …, `deletecollection`); `None` for
+    /// a non-resource request, whose method is its verb.
+    pub fn resource_verb(&self) -> Option<&'static str> {
+        Some(match self {
+            Verb::Get => "get",
+            Verb::List => "list",
+            Verb::Watch => "watch",
+            Verb::Create => "create",
+            Verb::Update => "update",
+            Verb::Patch => "patch",
+            Verb::Delete => "delete",
+            Verb::DeleteCollection => "deletecollection",
+            Verb::NonResource(_) => return None,
+        })
+    }
+
     /// Whether this is one of the apiserver's read verbs (`get`, `list`, `watch`) or a
     /// non-resource GET or HEAD.
     fn reads(&self) -> bool {
@@ -64,18 +80,10 @@ impl Verb {
 
 impl fmt::Display for Verb {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let verb = match self {
-            Verb::Get => "get",
-            Verb::List => "list",
-            Verb::Watch => "watch",
-            Verb::Create => "create",
-            Verb::Update => "update",
-            Verb::Patch => "patch",
-            Verb::Delete => "delete",
-            Verb::DeleteCollection => "deletecollection",
-            Verb::NonResource(method) => return f.write_str(&method.as_str().to_lowercase()),
-        };
-        f.write_str(verb)
+        match self {
+            Verb::NonResource(method) => f.write_str(&method.as_str().to_lowercase()),
+            resource => f.write_str(resource.resource_verb().unwrap_or_default()),
+        }
     }
 }
 

@@ -43,15 +43,8 @@ impl ServedBy {
 /// request its method as [`method_label`] bounds it.
 pub fn verb_label(verb: &Verb) -> &'static str {
     match verb {
-        Verb::Get => "get",
-        Verb::List => "list",
-        Verb::Watch => "watch",
-        Verb::Create => "create",
-        Verb::Update => "update",
-        Verb::Patch => "patch",
-        Verb::Delete => "delete",
-        Verb::DeleteCollection => "deletecollection",
         Verb::NonResource(method) => method_label(method),
+        resource => resource.resource_verb().unwrap_or_default(),
     }
 }
 

@@ -340,14 +340,6 @@ pub(crate) struct Matcher {
 /// The verb of a request as rules name it.
 pub(crate) fn verb_name(verb: &Verb) -> &'static str {
     match verb {
-        Verb::Get => "get",
-        Verb::List => "list",
-        Verb::Watch => "watch",
-        Verb::Create => "create",
-        Verb::Update => "update",
-        Verb::Patch => "patch",
-        Verb::Delete => "delete",
-        Verb::DeleteCollection => "deletecollection",
         Verb::NonResource(method) => match *method {
             Method::GET => "get",
             Method::POST => "post",
@@ -358,6 +350,7 @@ pub(crate) fn verb_name(verb: &Verb) -> &'static str {
             Method::OPTIONS => "options",
             _ => "other",
         },
+        resource => resource.resource_verb().unwrap_or_default(),
     }
 }
 

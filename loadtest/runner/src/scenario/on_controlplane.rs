@@ -62,28 +62,7 @@ pub async fn list_storm(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Res
     let seeds = seeds(&sizes)?;
     // The innocents read `secret-N` for N below the seeded count.
     sizes.secrets = secrets(&sizes);
-    let mut runs = Vec::new();
-    for mode in [Mode::Direct, Mode::Bulwark] {
-        if opts
-            .only
-            .as_deref()
-            .is_some_and(|only| !only.split(',').any(|o| o == mode.name()))
-        {
-            continue;
-        }
-        eprintln!(
-            "== list-storm on a control plane ({}): starting",
-            mode.name()
-        );
-        let run = one_run(mode, opts, cp, &Work::ListStorm(&sizes), &seeds).await?;
-        eprintln!("== list-storm on a control plane ({}): done", mode.name());
-        runs.push((mode.name().to_string(), run));
-    }
-    Ok(Report {
-        scenario: "list-storm-controlplane".into(),
-        scale: opts.scale,
-        runs,
-    })
+    run_modes("list-storm", opts, cp, &Work::ListStorm(&sizes), &seeds).await
 }
 
 /// Runs the informers scenario against a fresh control plane per target.
@@ -93,6 +72,18 @@ pub async fn informers(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Resu
         .iter()
         .map(|s| s.parse().map_err(anyhow::Error::from))
         .collect::<anyhow::Result<Vec<bulwark_sim::Seed>>>()?;
+    run_modes("informers", opts, cp, &Work::Informers(&sizes), &seeds).await
+}
+
+/// Runs `work` direct and through Bulwark (those `--only` names), each on a fresh control
+/// plane, into the report of scenario `NAME-controlplane`.
+async fn run_modes(
+    name: &str,
+    opts: &Options,
+    cp: &ControlPlaneOptions,
+    work: &Work<'_>,
+    seeds: &[bulwark_sim::Seed],
+) -> anyhow::Result<Report> {
     let mut runs = Vec::new();
     for mode in [Mode::Direct, Mode::Bulwark] {
         if opts
@@ -102,16 +93,13 @@ pub async fn informers(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Resu
         {
             continue;
         }
-        eprintln!(
-            "== informers on a control plane ({}): starting",
-            mode.name()
-        );
-        let run = one_run(mode, opts, cp, &Work::Informers(&sizes), &seeds).await?;
-        eprintln!("== informers on a control plane ({}): done", mode.name());
+        eprintln!("== {name} on a control plane ({}): starting", mode.name());
+        let run = one_run(mode, opts, cp, work, seeds).await?;
+        eprintln!("== {name} on a control plane ({}): done", mode.name());
         runs.push((mode.name().to_string(), run));
     }
     Ok(Report {
-        scenario: "informers-controlplane".into(),
+        scenario: format!("{name}-controlplane"),
         scale: opts.scale,
         runs,
     })

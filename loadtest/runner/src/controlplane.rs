@@ -383,6 +383,24 @@ impl ControlPlane {
         self.dir.join(format!("kubeconfig-{name}"))
     }
 
+    /// Runs the control plane's kubectl with one of the kubeconfigs: whether it succeeded,
+    /// and its stdout followed by its stderr.
+    pub async fn kubectl(
+        &self,
+        kubeconfig: &str,
+        args: &[&str],
+    ) -> std::io::Result<(bool, String)> {
+        let out = tokio::process::Command::new(self.binaries().kubectl())
+            .arg("--kubeconfig")
+            .arg(self.kubeconfig(kubeconfig))
+            .args(args)
+            .output()
+            .await?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        Ok((out.status.success(), text))
+    }
+
     /// A `kube` client from one of the kubeconfigs (see [`ControlPlane::kubeconfig`]).
     pub async fn client(&self, name: &str) -> Result<Client, Error> {
         let path = self.kubeconfig(name);

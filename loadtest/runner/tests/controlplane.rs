@@ -14,16 +14,7 @@ use serde_json::{Value, json};
 
 /// Runs the control plane's kubectl with a kubeconfig; returns success and all output.
 async fn kubectl(cp: &ControlPlane, kubeconfig: &str, args: &[&str]) -> (bool, String) {
-    let out = tokio::process::Command::new(cp.binaries().kubectl())
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig(kubeconfig))
-        .args(args)
-        .output()
-        .await
-        .expect("kubectl runs");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
+    cp.kubectl(kubeconfig, args).await.expect("kubectl runs")
 }
 
 /// A raw request; `Ok` with the JSON body on 2xx, `Err` with the status code otherwise.

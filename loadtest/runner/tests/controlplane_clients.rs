@@ -32,16 +32,7 @@ const TEAM_SECRETS: [&str; 5] = ["x", "x-1", "x.1", "x1", "xa"];
 
 /// Runs the control plane's kubectl with a kubeconfig; returns success and all output.
 async fn kubectl(cp: &ControlPlane, kubeconfig: &str, args: &[&str]) -> (bool, String) {
-    let out = tokio::process::Command::new(cp.binaries().kubectl())
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig(kubeconfig))
-        .args(args)
-        .output()
-        .await
-        .expect("kubectl runs");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
+    cp.kubectl(kubeconfig, args).await.expect("kubectl runs")
 }
 
 /// Runs `cpdriver` and parses its one JSON document; panics with its stderr on failure.

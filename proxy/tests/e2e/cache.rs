@@ -439,22 +439,7 @@ async fn an_upstream_list_of_a_cached_resource_is_costed_by_the_caches_count() {
     let cluster = synced(
         1,
         vec!["secrets=200x100KiB@team"],
-        r#"
-levels:
-  - name: lists
-    seats: 10
-    queues: 8
-    handSize: 2
-    queueLength: 5
-    maxWait: 5s
-rules:
-  - name: alice
-    precedence: 100
-    match:
-      users: ["alice"]
-    level: lists
-    flow: user
-"#,
+        crate::harness::ALICE_LISTS_RULES,
     )
     .await;
     let mut alice = cluster.client("alice", &[]).await;
@@ -469,15 +454,7 @@ rules:
     );
     let unread = alice.start(crate::harness::get(&exact)).await;
     assert_eq!(unread.status(), 200);
-    let in_flight: f64 = cluster
-        .bulwark
-        .admin
-        .metrics
-        .render()
-        .lines()
-        .filter(|l| l.starts_with("bulwark_list_bytes_in_flight{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let in_flight = cluster.list_bytes_in_flight();
     let scope = (200 * 100 * 1024) as f64;
     assert!(
         in_flight > 0.9 * scope && in_flight < 1.3 * scope,

@@ -121,19 +121,6 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
     );
 }
 
-/// The LIST bytes admission holds on the replicas now, from `bulwark_list_bytes_in_flight`.
-fn list_bytes_in_flight(cluster: &Cluster) -> f64 {
-    cluster
-        .bulwark
-        .admin
-        .metrics
-        .render()
-        .lines()
-        .filter(|l| l.starts_with("bulwark_list_bytes_in_flight{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// client-go and kubectl accept gzip, and the apiserver compresses every list over
 /// 128 KiB: a LIST seen compressed teaches the cost model the JSON the apiserver built
 /// (the gzip trailer's length), not the bytes on the wire, and a Table answer teaches it
@@ -144,22 +131,7 @@ async fn a_gzip_or_table_list_teaches_the_cost_model_the_json_the_apiserver_buil
     let cluster = Cluster::start(Setup {
         replicas: 1,
         seed: vec!["configmaps=100x100KiB@team"],
-        rules: r#"
-levels:
-  - name: lists
-    seats: 10
-    queues: 8
-    handSize: 2
-    queueLength: 5
-    maxWait: 5s
-rules:
-  - name: alice
-    precedence: 100
-    match:
-      users: ["alice"]
-    level: lists
-    flow: user
-"#,
+        rules: crate::harness::ALICE_LISTS_RULES,
         ..Setup::default()
     })
     .await;
@@ -192,7 +164,7 @@ rules:
     // A second LIST of the scope, held unread: admission reserves what it learned.
     let unread = alice.start(crate::harness::get(path)).await;
     assert_eq!(unread.status(), 200);
-    let in_flight = list_bytes_in_flight(&cluster);
+    let in_flight = cluster.list_bytes_in_flight();
     assert!(
         in_flight > 0.9 * json && in_flight < 1.1 * json,
         "in-flight LIST bytes {in_flight}: the JSON is {json} bytes, {wire} on the wire"

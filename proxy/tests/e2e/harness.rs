@@ -112,7 +112,37 @@ fn policy() -> Policy {
     }
 }
 
+/// alice in a level of 10 seats, with no rate: LISTs she leaves unread hold their bytes.
+pub const ALICE_LISTS_RULES: &str = r#"
+levels:
+  - name: lists
+    seats: 10
+    queues: 8
+    handSize: 2
+    queueLength: 5
+    maxWait: 5s
+rules:
+  - name: alice
+    precedence: 100
+    match:
+      users: ["alice"]
+    level: lists
+    flow: user
+"#;
+
 impl Cluster {
+    /// The LIST bytes admission holds on the replicas now (`bulwark_list_bytes_in_flight`).
+    pub fn list_bytes_in_flight(&self) -> f64 {
+        self.bulwark
+            .admin
+            .metrics
+            .render()
+            .lines()
+            .filter(|l| l.starts_with("bulwark_list_bytes_in_flight{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     pub async fn start(setup: Setup) -> Cluster {
         let pki = Arc::new(Pki::new());
         let fleet = Fleet::start(SimConfig {

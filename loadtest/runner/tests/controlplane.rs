@@ -8,8 +8,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use base64::Engine as _;
 use bulwark_loadtest::controlplane::{ControlPlane, NAMESPACES, Options, SECRETS_PER_NAMESPACE};
+use bulwark_loadtest::sandbox;
+use bulwark_sim::pki::{Ca, CertKey};
 use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::{Value, json};
 
 /// Runs the control plane's kubectl with a kubeconfig; returns success and all output.
@@ -30,19 +34,24 @@ fn get(path: &str) -> http::Request<Vec<u8>> {
     http::Request::get(path).body(Vec::new()).unwrap()
 }
 
-/// `POST /apis/authentication.k8s.io/v1/selfsubjectreviews`, plus `headers`; returns the
-/// user and groups the apiserver authenticated.
-async fn whoami(client: &Client, headers: &[(&str, &str)]) -> (String, Vec<String>) {
+/// `POST /apis/authentication.k8s.io/v1/selfsubjectreviews`, plus `headers`: the
+/// `userInfo` the apiserver authenticated, or the status code of the refusal.
+async fn review_self(client: &Client, headers: &[(&str, &str)]) -> Result<Value, u16> {
     let mut request = http::Request::post("/apis/authentication.k8s.io/v1/selfsubjectreviews")
         .header("Content-Type", "application/json");
     for (name, value) in headers {
         request = request.header(*name, *value);
     }
     let body = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"});
-    let review = call(client, request.body(body.to_string().into_bytes()).unwrap())
+    let review = call(client, request.body(body.to_string().into_bytes()).unwrap()).await?;
+    Ok(review["status"]["userInfo"].clone())
+}
+
+/// The user and groups the apiserver authenticated for `client`, plus `headers`.
+async fn whoami(client: &Client, headers: &[(&str, &str)]) -> (String, Vec<String>) {
+    let info = review_self(client, headers)
         .await
         .expect("a SelfSubjectReview is allowed for everyone");
-    let info = &review["status"]["userInfo"];
     let groups = info["groups"]
         .as_array()
         .into_iter()
@@ -53,6 +62,42 @@ async fn whoami(client: &Client, headers: &[(&str, &str)]) -> (String, Vec<Strin
         info["username"].as_str().unwrap_or_default().to_string(),
         groups,
     )
+}
+
+/// A client to Bulwark that presents `cert` (PEM certificate and key), or nothing.
+async fn client_with(cp: &ControlPlane, cert: Option<&CertKey>) -> Client {
+    let yaml = match cert {
+        Some(cert) => sandbox::kubeconfig(
+            cp.bulwark_addr(),
+            cp.bulwark_ca_pem().expect("Bulwark's CA"),
+            "someone",
+            &cert.cert_pem,
+            &cert.key_pem,
+        ),
+        None => {
+            let ca = base64::engine::general_purpose::STANDARD
+                .encode(cp.bulwark_ca_pem().expect("Bulwark's CA"));
+            json!({
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "bulwark", "cluster": {
+                    "server": format!("https://{}", cp.bulwark_addr()),
+                    "certificate-authority-data": ca,
+                }}],
+                "users": [{"name": "anonymous", "user": {}}],
+                "contexts": [{"name": "anonymous", "context": {"cluster": "bulwark", "user": "anonymous"}}],
+                "current-context": "anonymous",
+            })
+            .to_string()
+        }
+    };
+    let kubeconfig = Kubeconfig::from_yaml(&yaml).unwrap();
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .unwrap();
+    config.default_retry = false;
+    Client::try_from(config).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,9 +225,11 @@ async fn bulwark_in_front_of_a_real_control_plane() {
         ("X-Remote-Uid", "0"),
         ("X-Remote-Extra-Scopes", "everything"),
     ];
-    let (user, groups) = whoami(&nobody, &spoof).await;
-    assert_eq!(user, "nobody");
-    assert_eq!(groups, ["system:authenticated"]);
+    let info = review_self(&nobody, &spoof).await.unwrap();
+    assert_eq!(info["username"], "nobody");
+    assert_eq!(info["groups"], json!(["system:authenticated"]));
+    assert!(info.get("uid").is_none(), "{info}");
+    assert!(info.get("extra").is_none(), "{info}");
     let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets");
     for (name, value) in spoof {
         request = request.header(name, value);
@@ -191,6 +238,71 @@ async fn bulwark_in_front_of_a_real_control_plane() {
         call(&nobody, request.body(Vec::new()).unwrap()).await,
         Err(403)
     );
+
+    // Every other way the e2e suite tries to pass as someone else, judged here by the
+    // real authenticators and authorizer rather than the simulator's reading of them.
+    // - No credentials, with identity headers: Bulwark answers 401 as the apiserver would.
+    let anonymous = client_with(&cp, None).await;
+    assert_eq!(review_self(&anonymous, &spoof).await, Err(401));
+    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets");
+    for (name, value) in spoof {
+        request = request.header(name, value);
+    }
+    assert_eq!(
+        call(&anonymous, request.body(Vec::new()).unwrap()).await,
+        Err(401)
+    );
+    // - A made-up bearer token: the real TokenReview rejects it, so does Bulwark.
+    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets")
+        .header("Authorization", "Bearer forged-0123456789abcdef0123456789");
+    for (name, value) in spoof {
+        request = request.header(name, value);
+    }
+    assert_eq!(
+        call(&anonymous, request.body(Vec::new()).unwrap()).await,
+        Err(401)
+    );
+    // - Client impersonation passes for the apiserver to judge, and real RBAC refuses it
+    //   to a user with no `impersonate` verb.
+    assert_eq!(
+        review_self(&nobody, &[("Impersonate-User", "system:admin")]).await,
+        Err(403)
+    );
+    assert_eq!(
+        review_self(
+            &nobody,
+            &[
+                ("Impersonate-Group", "system:masters"),
+                ("Impersonate-User", "nobody")
+            ]
+        )
+        .await,
+        Err(403)
+    );
+    // - A certificate from a CA Bulwark does not trust, or one expired, is cut off in the
+    //   handshake: no answer at all, let alone the apiserver's.
+    let foreign = Ca::new("foreign-ca").client_cert("admin", &["system:masters"]);
+    let expired = cp
+        .pki()
+        .client_ca
+        .expired_client_cert("admin", &["system:masters"]);
+    for (what, cert) in [("foreign", &foreign), ("expired", &expired)] {
+        let client = client_with(&cp, Some(cert)).await;
+        let request = http::Request::get("/api/v1/namespaces/ns-0/secrets")
+            .body(Vec::new())
+            .unwrap();
+        match client.request::<Value>(request).await {
+            Err(kube::Error::Api(status)) => {
+                panic!("a {what} certificate got an answer: {status:?}")
+            }
+            Ok(v) => panic!("a {what} certificate was served: {v}"),
+            Err(_) => {}
+        }
+    }
+    // - The same user with a certificate from the trusted CA is who it says.
+    let trusted = cp.pki().client_ca.client_cert("nobody", &[]);
+    let (user, _) = whoami(&client_with(&cp, Some(&trusted)).await, &spoof).await;
+    assert_eq!(user, "nobody");
 
     // direct-admin goes straight to replica 0 with its own client certificate.
     let direct = std::fs::read_to_string(cp.kubeconfig("direct-admin")).unwrap();

@@ -8,10 +8,12 @@
 //! - [`client_cert`]: client certificates as the apiserver reads identities from them
 //!   (CN is the user, each O a group);
 //! - [`params`]: query parameter values as the apiserver's parameter codec reads them;
-//! - [`watch`]: the event types of a watch stream.
+//! - [`watch`]: the event types of a watch stream;
+//! - [`status`]: the `Status` body of every error, as the apiserver encodes it.
 
 pub mod client_cert;
 pub mod continue_token;
 pub mod params;
 pub mod selector;
+pub mod status;
 pub mod watch;

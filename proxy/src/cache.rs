@@ -60,13 +60,14 @@ use crate::rules::Matched;
 use crate::status::{Reason, Refusal};
 use crate::upstream::Upstream;
 
+pub use apimachinery::status::Status;
 pub use audit::AuditLog;
 pub use authz::{AccessCache, AccessReviewer, Attributes, Decision, UpstreamAccessReviewer};
-pub use respond::Status;
 
 use apimachinery::continue_token::{self, Scope};
 use apimachinery::selector as select;
-use respond::{Continue, Details};
+use apimachinery::status::{Details, qualified};
+use respond::Continue;
 use select::{FieldSelector, LabelSelector};
 use store::{Obj, ResourceStore};
 
@@ -102,7 +103,7 @@ impl CacheError {
     pub fn into_response(self) -> Response<Body> {
         let reason = self.reason();
         let mut response = match self {
-            CacheError::Status(status, audit_id) => (*status).into_response(&audit_id),
+            CacheError::Status(status, audit_id) => respond::status_response(&status, &audit_id),
             // Why goes to the log (Rescue's rejection line), not to the client.
             CacheError::ReviewFailed(_) => crate::status::Refusal::new(
                 Reason::UpstreamError,
@@ -650,16 +651,11 @@ impl Cache {
                 "NotFound",
                 format!(
                     "{} not found",
-                    respond::qualified(&kind.group, &kind.resource, &name)
+                    qualified(&kind.group, &kind.resource, &name)
                 ),
-                Some(Details {
-                    name: name.clone(),
-                    group: kind.group.clone(),
-                    kind: kind.resource.clone(),
-                    ..Details::default()
-                }),
+                Some(Details::of(&name, &kind.group, &kind.resource)),
             );
-            let response = status.into_response(&request.audit_id);
+            let response = respond::status_response(&status, &request.audit_id);
             return Ok(self.give(&request, ("get", Some(&name), 404), response, permit));
         };
         let pieces = respond::object_pieces(kind, &obj);
@@ -942,7 +938,7 @@ impl Cache {
                 );
                 let response = respond::json_response(
                     StatusCode::OK,
-                    crate::full(status.error_line()),
+                    crate::full(status.error_event()),
                     &request.audit_id,
                 );
                 return Ok(self.give(&request, ("watch", None, 200), response, permit));
@@ -1048,7 +1044,7 @@ fn forbidden(user: &User, attrs: &Attributes, reason: &str) -> Status {
     };
     let mut message = format!(
         "{} is forbidden: User \"{}\" cannot {} resource \"{}\" in API group \"{}\" {scope}",
-        respond::qualified(&attrs.group, &attrs.resource, &attrs.name),
+        qualified(&attrs.group, &attrs.resource, &attrs.name),
         user.username,
         attrs.verb,
         attrs.resource,
@@ -1062,12 +1058,7 @@ fn forbidden(user: &User, attrs: &Attributes, reason: &str) -> Status {
         403,
         "Forbidden",
         message,
-        Some(Details {
-            name: attrs.name.clone(),
-            group: attrs.group.clone(),
-            kind: attrs.resource.clone(),
-            ..Details::default()
-        }),
+        Some(Details::of(&attrs.name, &attrs.group, &attrs.resource)),
     )
 }
 

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use apimachinery::status::{Cause, Details, Status};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
-use serde_json::json;
 
 /// Why Bulwark answered by itself: one enum for the metric label, the `X-Bulwark-Reason`
 /// header, the `Status` message and the logs (DESIGN.md Contracts).
@@ -180,24 +180,17 @@ impl Refusal {
         } else {
             message = format!("{message} (bulwark reason {})", self.reason);
         }
-        let mut body = json!({
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": message,
-            "reason": k8s_reason(status),
-            "code": status.as_u16(),
+        let details = self.retry_after.map(|after| Details {
+            causes: vec![Cause {
+                message: message.clone(),
+                ..Cause::default()
+            }],
+            retry_after_seconds: Some(retry_after_secs(after)),
+            ..Details::default()
         });
-        if let Some(after) = self.retry_after {
-            body["details"] = json!({
-                "causes": [{"message": message}],
-                "retryAfterSeconds": retry_after_secs(after),
-            });
-        }
-        let mut bytes = serde_json::to_vec(&body).expect("a Status serializes");
-        bytes.push(b'\n');
-        Bytes::from(bytes)
+        Bytes::from(
+            Status::failure(status.as_u16(), k8s_reason(status), message, details).to_body(),
+        )
     }
 
     /// The full response.
@@ -270,7 +263,7 @@ mod tests {
         let status: serde_json::Value = serde_json::from_slice(&refusal.body()).unwrap();
         assert_eq!(
             status,
-            json!({
+            serde_json::json!({
                 "kind": "Status",
                 "apiVersion": "v1",
                 "metadata": {},

@@ -435,7 +435,7 @@ async fn serve(
             };
             status::details(&attrs.name, &ri.group, &kind)
         } else {
-            json!({})
+            apimachinery::status::Details::default()
         };
         return status_response(&ApiError::new(
             403,
@@ -798,9 +798,14 @@ fn invalid_list_options(field: &str, reason: &str, detail: &str) -> ApiError {
         422,
         "Invalid",
         format!("ListOptions.meta.k8s.io \"\" is invalid: {field}: {reason}: {detail}"),
-        Some(
-            json!({"group": "meta.k8s.io", "kind": "ListOptions", "causes": [{"reason": format!("FieldValue{reason}"), "message": format!("{reason}: {detail}"), "field": field}]}),
-        ),
+        Some(apimachinery::status::Details {
+            causes: vec![apimachinery::status::Cause {
+                reason: format!("FieldValue{reason}"),
+                message: format!("{reason}: {detail}"),
+                field: field.into(),
+            }],
+            ..status::details("", "meta.k8s.io", "ListOptions")
+        }),
     )
 }
 
@@ -1038,21 +1043,11 @@ async fn delete(
     if def.resource == "pods" {
         return Ok(object_response(200, o.with_kind(def)));
     }
-    let status = json!({
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Success",
-        "details": {"name": ri.name, "kind": def.resource, "uid": o.uid},
+    let status = apimachinery::status::Status::success(apimachinery::status::Details {
+        uid: o.uid.clone(),
+        ..status::details(&ri.name, def.group, def.resource)
     });
-    let mut status = status;
-    if !def.group.is_empty() {
-        status["details"]["group"] = json!(def.group);
-    }
-    Ok(json_response(
-        200,
-        SimBody::full(status::to_ordered_bytes(&status)),
-    ))
+    Ok(json_response(200, SimBody::full(status.to_body())))
 }
 
 async fn delete_collection(

@@ -477,7 +477,7 @@ mod tests {
         let e = impersonate(&p, admin, &h).unwrap_err();
         assert_eq!(e.code, 403);
         assert_eq!(
-            e.body["message"],
+            e.status.message,
             "uids.authentication.k8s.io \"1\" is forbidden: User \"admin\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope"
         );
     }

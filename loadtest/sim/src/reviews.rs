@@ -12,6 +12,7 @@ use crate::body::SimBody;
 use crate::policy::Attributes;
 use crate::server::ReplicaInner;
 use crate::status::ApiError;
+use apimachinery::status::{Cause, Details};
 
 /// One review's logic: request object in, response object out.
 pub(crate) type ReviewFn = fn(&ReplicaInner, &UserInfo, Value) -> Result<Value, ApiError>;
@@ -134,9 +135,14 @@ fn invalid_review(field: &str, detail: &str) -> ApiError {
         format!(
             "SubjectAccessReview.authorization.k8s.io \"\" is invalid: {field}: Invalid value: \"null\": {detail}"
         ),
-        Some(
-            json!({"group": "authorization.k8s.io", "kind": "SubjectAccessReview", "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": field}]}),
-        ),
+        Some(Details {
+            causes: vec![Cause {
+                reason: "FieldValueInvalid".into(),
+                message: detail.into(),
+                field: field.into(),
+            }],
+            ..Details::of("", "authorization.k8s.io", "SubjectAccessReview")
+        }),
     )
 }
 

@@ -1,60 +1,38 @@
 //! Kubernetes `Status` error bodies, worded as the apiserver words them.
 
 use apimachinery::continue_token;
-use serde_json::{Value, json};
+use apimachinery::status::{Cause, Details, Status};
+use serde_json::Value;
 
-/// A `Status` failure: HTTP code plus the JSON body the apiserver would send.
+/// A `Status` failure: HTTP code plus the `Status` the apiserver would send, encoded by
+/// [`apimachinery::status`] as Bulwark encodes its own.
 #[derive(Clone, Debug)]
 pub struct ApiError {
     /// HTTP status code.
     pub code: u16,
-    /// The `Status` object.
-    pub body: Value,
+    /// The `Status` object (boxed: errors travel in `Result`s on every path).
+    pub status: Box<Status>,
 }
 
 impl ApiError {
     /// A failure `Status` with the given fields; `details` is omitted when `None`.
-    pub fn new(code: u16, reason: &str, message: String, details: Option<Value>) -> ApiError {
-        let mut body = json!({
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": message,
-            "reason": reason,
-        });
-        if let Some(d) = details {
-            body["details"] = d;
+    pub fn new(code: u16, reason: &str, message: String, details: Option<Details>) -> ApiError {
+        ApiError {
+            code,
+            status: Box::new(Status::failure(code, reason, message, details)),
         }
-        body["code"] = json!(code);
-        ApiError { code, body }
     }
 
-    /// The body, encoded in the apiserver's field order, with its trailing newline.
+    /// The body, with its trailing newline.
     pub fn to_bytes(&self) -> Vec<u8> {
-        to_ordered_bytes(&self.body)
-    }
-
-    /// The body, encoded without the trailing newline (for a watch `ERROR` event).
-    pub fn to_inline_bytes(&self) -> Vec<u8> {
-        let mut b = self.to_bytes();
-        b.pop();
-        b
+        self.status.to_body()
     }
 }
 
 /// `details` for a named object of a resource (`kind` is the resource's plural, as the
 /// apiserver puts it in most errors).
-pub fn details(name: &str, group: &str, kind: &str) -> Value {
-    let mut d = serde_json::Map::new();
-    if !name.is_empty() {
-        d.insert("name".into(), json!(name));
-    }
-    if !group.is_empty() {
-        d.insert("group".into(), json!(group));
-    }
-    d.insert("kind".into(), json!(kind));
-    Value::Object(d)
+pub fn details(name: &str, group: &str, kind: &str) -> Details {
+    Details::of(name, group, kind)
 }
 
 /// `resource "name"` or `resource.group "name"` as errors name an object.
@@ -87,7 +65,7 @@ pub fn path_not_found() -> ApiError {
         404,
         "NotFound",
         "the server could not find the requested resource".into(),
-        Some(json!({})),
+        Some(Details::default()),
     )
 }
 
@@ -124,7 +102,7 @@ pub fn continue_expired(start: &str) -> ApiError {
         "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.".into(),
         None,
     );
-    error.body["metadata"] = json!({ "continue": continue_token::encode(-1, start) });
+    error.status.metadata.continue_token = Some(continue_token::encode(-1, start));
     error
 }
 
@@ -154,9 +132,15 @@ pub fn rv_too_large() -> ApiError {
         504,
         "Timeout",
         "Too large resource version".into(),
-        Some(
-            json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1}),
-        ),
+        Some(Details {
+            causes: vec![Cause {
+                reason: "ResourceVersionTooLarge".into(),
+                message: "Too large resource version".into(),
+                field: String::new(),
+            }],
+            retry_after_seconds: Some(1),
+            ..Details::default()
+        }),
     )
 }
 
@@ -171,7 +155,7 @@ pub fn method_not_allowed() -> ApiError {
         405,
         "MethodNotAllowed",
         "the server does not allow this method on the requested resource".into(),
-        Some(json!({})),
+        Some(Details::default()),
     )
 }
 
@@ -202,7 +186,11 @@ pub fn invalid(
         format!("{kind}.{group}")
     };
     let mut d = details(name, group, kind);
-    d["causes"] = json!([{"reason": cause_reason, "message": detail, "field": field}]);
+    d.causes = vec![Cause {
+        reason: cause_reason.into(),
+        message: detail.into(),
+        field: field.into(),
+    }];
     ApiError::new(
         422,
         "Invalid",
@@ -219,7 +207,7 @@ pub fn injected(code: u16) -> ApiError {
         504 => ("Timeout", "The server was unable to return a response in the time allotted, but may still be processing the request".to_string()),
         _ => ("InternalError", format!("Internal error occurred: injected fault {code}")),
     };
-    ApiError::new(code, reason, message, Some(json!({})))
+    ApiError::new(code, reason, message, Some(Details::default()))
 }
 
 /// Key order of the apiserver's Go structs, for objects the simulator builds itself.

@@ -89,10 +89,7 @@ pub fn bookmark_line(out: &mut BytesMut, def: &ResourceDef, rv: u64, initial_end
 
 /// The one-line stream a watch gets when it cannot start: an ERROR event with a Status.
 pub fn error_line(err: &ApiError) -> Bytes {
-    let mut v = b"{\"type\":\"ERROR\",\"object\":".to_vec();
-    v.extend_from_slice(&err.to_inline_bytes());
-    v.extend_from_slice(b"}\n");
-    Bytes::from(v)
+    Bytes::from(err.status.error_event())
 }
 
 struct W {

@@ -1,6 +1,6 @@
 //! The bytes of cache answers, shaped like the apiserver's: LIST responses as a chain of
 //! the objects' own `Bytes`, GET objects with `kind` and `apiVersion` in front, `Status`
-//! errors with the apiserver's fields in its order, and gzip above its threshold.
+//! errors (encoded by [`apimachinery::status`]), and gzip above its threshold.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -10,9 +10,9 @@ use std::task::{Context, Poll};
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderValue, Response, StatusCode};
 use http_body::{Frame, SizeHint};
-use serde::Serialize;
 
 use apimachinery::continue_token;
+use apimachinery::status::Status;
 
 use super::store::{Kind, Obj};
 use crate::{Body, BoxError};
@@ -192,109 +192,16 @@ pub fn chain_body(pieces: Arc<[Bytes]>) -> Body {
     Chain::new(pieces).boxed_unsync()
 }
 
-/// The `details` of a `Status`.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Details {
-    /// Object name.
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub name: String,
-    /// API group.
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub group: String,
-    /// Resource (the apiserver writes the resource here).
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub kind: String,
-    /// Causes.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub causes: Vec<Cause>,
-    /// Seconds to wait before retrying.
-    #[serde(rename = "retryAfterSeconds", skip_serializing_if = "Option::is_none")]
-    pub retry_after_seconds: Option<u32>,
-}
-
-/// One cause of a `Status`.
-#[derive(Debug, Clone, Serialize)]
-pub struct Cause {
-    /// Machine-readable reason.
-    pub reason: String,
-    /// Human-readable message.
-    pub message: String,
-}
-
-/// A failure `Status`, serialized with the apiserver's field order.
-#[derive(Debug, Clone, Serialize)]
-pub struct Status {
-    kind: &'static str,
-    #[serde(rename = "apiVersion")]
-    api_version: &'static str,
-    metadata: serde_json::Map<String, serde_json::Value>,
-    status: &'static str,
-    /// Message.
-    pub message: String,
-    /// Reason, e.g. `Forbidden`.
-    pub reason: String,
-    /// Details.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub details: Option<Details>,
-    /// HTTP status code.
-    pub code: u16,
-}
-
-impl Status {
-    /// A failure with a code, reason and message.
-    pub fn failure(code: u16, reason: &str, message: String, details: Option<Details>) -> Status {
-        Status {
-            kind: "Status",
-            api_version: "v1",
-            metadata: serde_json::Map::new(),
-            status: "Failure",
-            message,
-            reason: reason.to_owned(),
-            details,
-            code,
-        }
-    }
-
-    /// The encoded body, without a newline.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        serde_json::to_vec(self).unwrap_or_default()
-    }
-
-    /// The response, with the newline the apiserver ends bodies with.
-    pub fn into_response(self, audit_id: &str) -> Response<Body> {
-        let mut bytes = self.to_bytes();
-        bytes.push(b'\n');
-        let status = StatusCode::from_u16(self.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut response = json_response(status, crate::full(bytes), audit_id);
-        if let Some(after) = self.details.as_ref().and_then(|d| d.retry_after_seconds) {
-            response
-                .headers_mut()
-                .insert(http::header::RETRY_AFTER, HeaderValue::from(after));
-        }
+/// The response that carries `status`, with its `Retry-After` when it gives one.
+pub fn status_response(status: &Status, audit_id: &str) -> Response<Body> {
+    let code = StatusCode::from_u16(status.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = json_response(code, crate::full(status.to_body()), audit_id);
+    if let Some(after) = status.details.as_ref().and_then(|d| d.retry_after_seconds) {
         response
+            .headers_mut()
+            .insert(http::header::RETRY_AFTER, HeaderValue::from(after));
     }
-
-    /// The watch `ERROR` event carrying this status.
-    pub fn error_line(&self) -> Bytes {
-        let mut line = b"{\"type\":\"ERROR\",\"object\":".to_vec();
-        line.extend_from_slice(&self.to_bytes());
-        line.extend_from_slice(b"}\n");
-        Bytes::from(line)
-    }
-}
-
-/// `secrets "x"` or `endpointslices.discovery.k8s.io` as the apiserver names a target.
-pub fn qualified(group: &str, resource: &str, name: &str) -> String {
-    let resource = if group.is_empty() {
-        resource.to_owned()
-    } else {
-        format!("{resource}.{group}")
-    };
-    if name.is_empty() {
-        resource
-    } else {
-        format!("{resource} \"{name}\"")
-    }
+    response
 }
 
 /// Chunks of a watch stream's initial state: ADDED lines copied into frames of about
@@ -365,23 +272,5 @@ mod tests {
             "eyJ2IjoibWV0YS5rOHMuaW8vdjEiLCJydiI6MTIzNDUsInN0YXJ0IjoiZm9vXHUwMDAwIn0"
         );
         assert_eq!(value["metadata"]["remainingItemCount"], 3);
-    }
-
-    #[test]
-    fn statuses_keep_the_apiserver_field_order() {
-        let status = Status::failure(
-            403,
-            "Forbidden",
-            "no".into(),
-            Some(Details {
-                name: "a".into(),
-                kind: "secrets".into(),
-                ..Details::default()
-            }),
-        );
-        assert_eq!(
-            String::from_utf8(status.to_bytes()).unwrap(),
-            "{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"metadata\":{},\"status\":\"Failure\",\"message\":\"no\",\"reason\":\"Forbidden\",\"details\":{\"name\":\"a\",\"kind\":\"secrets\"},\"code\":403}"
-        );
     }
 }

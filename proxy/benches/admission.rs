@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bulwark::admit::{Admission, AdmissionConfig, LocalBudget};
+use bulwark::admit::{Admission, AdmissionConfig, Answer, LocalBudget};
 use bulwark::classify::classify;
 use bulwark::identity::User;
 use bulwark::metrics::Metrics;
@@ -70,7 +70,10 @@ fn bench(c: &mut Criterion) {
     let held = runtime.block_on(async {
         let mut held = Vec::new();
         for (i, m) in flows.iter().enumerate() {
-            let permit = admission.admit(m, &get, &user).await.expect("admitted");
+            let permit = admission
+                .admit(m, &get, &user, Answer::Upstream)
+                .await
+                .expect("admitted");
             if i.is_multiple_of(2) {
                 held.push(permit);
             }
@@ -91,7 +94,7 @@ fn bench(c: &mut Criterion) {
                     let info = if next.is_multiple_of(10) { &list } else { &get };
                     next += 1;
                     let started = Instant::now();
-                    let permit = admission.admit(m, info, &user).await;
+                    let permit = admission.admit(m, info, &user, Answer::Upstream).await;
                     drop(permit);
                     let took = started.elapsed();
                     total += took;

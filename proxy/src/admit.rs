@@ -10,11 +10,12 @@
 //! limits at all.
 //!
 //! Refusals are counted in `bulwark_rejected_requests_total` by the layer that answers them
-//! (`serve::Rescue`), not here, so that each is counted once.
+//! (`rescue::Rescue`), not here, so that each is counted once.
 //!
 //! Wiring: build one [`Admission`] from the rule set's levels and the [`Upstream`], call
 //! [`Admission::update_levels`] with the levels of every new rule set, and for each matched
-//! request `admit` it. Keep the [`Permit`] alive until the response body ends; for a
+//! request [`Admission::admit`] it, saying where its answer comes from ([`Answer`]); the
+//! stage that does so for every request is [`layer`]. Keep the [`Permit`] alive until the response body ends; for a
 //! long-running request call [`Permit::release_seats`] at the response head, and for a watch
 //! keep [`Permit::watch_guard`] with the stream. A LIST's response teaches the cost model
 //! through [`hold`] with a [`Learn`]: the JSON size the apiserver built, measured on the
@@ -23,6 +24,7 @@
 mod budget;
 mod cost;
 mod flows;
+pub mod layer;
 pub mod measure;
 mod queue;
 #[cfg(test)]
@@ -53,6 +55,18 @@ pub use flows::WatchGuard;
 use cost::CostModel;
 use flows::{Bucket, Flows};
 use queue::{BytesHeld, Level, SeatGrant, WaitEnd, flow_hash};
+
+/// Where a request's answer comes from, as admission weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// An apiserver answers: seats, and for a LIST its bytes on a replica.
+    Upstream,
+    /// Bulwark's cache answers with `bytes` of objects: seats by those bytes.
+    Cache {
+        /// The bytes of objects in the answer.
+        bytes: u64,
+    },
+}
 
 /// Tunables of admission; the defaults suit a production fleet.
 #[derive(Debug, Clone)]
@@ -290,24 +304,45 @@ impl Admission {
             .clone()
     }
 
-    /// Waits (fair queue) until the request may run, or refuses it: the flow's token
-    /// bucket, then [`Admission::admit_rated`].
+    /// The one entry point: waits (fair queue) until the request may run, or refuses it.
+    /// First the flow's token bucket — answers from the cache pass it too, since a rate is
+    /// a promise about an identity wherever the answer comes from — then what the answer
+    /// costs:
+    ///
+    /// - [`Answer::Upstream`]: the watch limit, the fair queue, seats and the LIST bytes
+    ///   on the replica the balancer picks ([`Permit::replica`]);
+    /// - [`Answer::Cache`]: seats by the answer's bytes in the level's fair queue. Such an
+    ///   answer costs no apiserver memory, so it holds no replica's LIST bytes; it costs
+    ///   Bulwark's CPU and network, which the level's seats share fairly between flows (a
+    ///   storm of cluster-wide LISTs answered from the cache would otherwise take every
+    ///   core from the small requests of other levels). A cached watch from a version only
+    ///   counts against the flow's watch limit: it sends events as they come, so queueing
+    ///   it would guard nothing. A cached watch that starts with the current state sends a
+    ///   LIST's worth of objects first: it waits for seats like a LIST of that size (take
+    ///   them out with [`Permit::take_seats`] and hold them until that state is sent).
     pub async fn admit(
         &self,
         m: &Matched,
         info: &RequestInfo,
         user: &User,
+        answer: Answer,
     ) -> Result<Permit, Refusal> {
         self.check_rate(m, user)?;
-        self.admit_rated(m, user, info).await
+        match answer {
+            Answer::Upstream => {
+                let bytes = self.shared.cost.bytes(info);
+                self.admit_cost(m, user, info, bytes, bytes).await
+            }
+            Answer::Cache { bytes } if info.verb == Verb::Watch && bytes == 0 => {
+                self.admit_watch_only(m, user)
+            }
+            Answer::Cache { bytes } => self.admit_cost(m, user, info, bytes, 0).await,
+        }
     }
 
-    /// The flow's token bucket alone (the first step of admission). Requests the cache
-    /// answers pass it too: a rate is a promise about an identity, wherever the answer
-    /// comes from. They then go through [`Admission::admit_cached`], the rest through
-    /// [`Admission::admit_rated`]. Each request is counted here, once, under its rule
+    /// The flow's token bucket. Each request is counted here, once, under its rule
     /// (`bulwark_rule_requests_total`).
-    pub fn check_rate(&self, m: &Matched, user: &User) -> Result<(), Refusal> {
+    fn check_rate(&self, m: &Matched, user: &User) -> Result<(), Refusal> {
         self.shared
             .metrics
             .rule_requests_total
@@ -339,44 +374,6 @@ impl Admission {
             )?;
         }
         Ok(())
-    }
-
-    /// Everything after the token bucket for a request to the apiservers: the watch limit,
-    /// the fair queue, seats and the replica's LIST bytes.
-    pub async fn admit_rated(
-        &self,
-        m: &Matched,
-        user: &User,
-        info: &RequestInfo,
-    ) -> Result<Permit, Refusal> {
-        let bytes = self.shared.cost.bytes(info);
-        self.admit_cost(m, user, info, bytes, bytes).await
-    }
-
-    /// Everything after the token bucket for an answer Bulwark gives itself from its cache,
-    /// `answer_bytes` long: seats by those bytes in the level's fair queue. Such an answer
-    /// costs no apiserver memory, so it holds no replica's LIST bytes; it costs Bulwark's
-    /// CPU and network, which the level's seats share fairly between flows (a storm of
-    /// cluster-wide LISTs answered from the cache would otherwise take every core from the
-    /// small requests of other levels).
-    ///
-    /// A cached watch from a version only counts against the flow's watch limit: it sends
-    /// events as they come, so queueing it would guard nothing and only delay them. A
-    /// cached watch that starts with the current state (`resourceVersion=0` or unset,
-    /// `sendInitialEvents=true`) sends a LIST's worth of objects first: `answer_bytes` is
-    /// that state's size, and it waits for seats like a LIST of that size (the caller
-    /// holds them, with [`Permit::take_seats`], until the initial state is sent).
-    pub async fn admit_cached(
-        &self,
-        m: &Matched,
-        user: &User,
-        info: &RequestInfo,
-        answer_bytes: u64,
-    ) -> Result<Permit, Refusal> {
-        if info.verb == Verb::Watch && answer_bytes == 0 {
-            return self.admit_watch_only(m, user);
-        }
-        self.admit_cost(m, user, info, answer_bytes, 0).await
     }
 
     fn admit_watch_only(&self, m: &Matched, user: &User) -> Result<Permit, Refusal> {

@@ -36,6 +36,7 @@
 pub mod audit;
 pub mod authz;
 mod informer;
+pub mod layer;
 mod respond;
 pub(crate) mod store;
 mod watch;
@@ -50,14 +51,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Body;
-use crate::admit::{Admission, Permit};
+use crate::call::Held;
 use crate::classify::{RequestInfo, Verb};
 use crate::config::{self, GroupResource};
 use crate::identity::User;
 use crate::identity::forward::OwnToken;
 use crate::metrics::Metrics;
-use crate::rules::Matched;
-use crate::status::{Reason, Refusal};
 use crate::upstream::Upstream;
 
 pub use apimachinery::status::Status;
@@ -81,69 +80,28 @@ pub enum CacheError {
     /// No SubjectAccessReview could be made: the request gets an error, never data.
     #[error("the access review for a cached read could not be made: {0}")]
     ReviewFailed(String),
-    /// The reader's admission ([`Gate`]) refused the answer: 429 like any refusal.
-    #[error("{}", .0.message)]
-    Refused(Refusal),
 }
 
 impl CacheError {
-    /// The reason label for metrics and `X-Bulwark-Reason`.
-    pub fn reason(&self) -> Reason {
+    /// The response that carries a [`CacheError::Status`] as the apiserver writes it.
+    pub fn status_response(&self) -> Option<Response<Body>> {
         match self {
-            CacheError::Status(status, _) if status.code == 403 => Reason::Forbidden,
-            CacheError::Status(status, _) if status.code == 504 => Reason::UpstreamTimeout,
-            CacheError::Status(..) => Reason::BadRequest,
-            CacheError::ReviewFailed(_) => Reason::UpstreamError,
-            CacheError::Refused(refusal) => refusal.reason,
+            CacheError::Status(status, audit_id) => {
+                Some(respond::status_response(status, audit_id))
+            }
+            CacheError::ReviewFailed(_) => None,
         }
     }
-
-    /// The response: the `Status` as the apiserver writes it, or 502 with `Retry-After`
-    /// when no review could be made.
-    pub fn into_response(self) -> Response<Body> {
-        let reason = self.reason();
-        let mut response = match self {
-            CacheError::Status(status, audit_id) => respond::status_response(&status, &audit_id),
-            // Why goes to the log (Rescue's rejection line), not to the client.
-            CacheError::ReviewFailed(_) => crate::status::Refusal::new(
-                Reason::UpstreamError,
-                "the access review could not be made",
-            )
-            .retry_after(Duration::from_secs(1))
-            .into_response(),
-            CacheError::Refused(refusal) => refusal.into_response(),
-        };
-        response.headers_mut().insert(
-            "x-bulwark-reason",
-            HeaderValue::from_static(reason.as_str()),
-        );
-        response
-            .extensions_mut()
-            .insert(crate::metrics::ServedBy::Cache);
-        response
-    }
-}
-
-/// What a cache answer passes once it is authorized and before any of it is given or
-/// audited: the reader's admission (DESIGN.md step 6 comes before step 7) — its flow's
-/// watch limit and seats in its level's fair queue, sized by the answer's bytes. Without a
-/// gate every answer is given at once.
-#[derive(Clone, Copy)]
-pub struct Gate<'a> {
-    /// The admission controller.
-    pub admission: &'a Arc<Admission>,
-    /// The reader's rule, level and flow.
-    pub matched: &'a Matched,
 }
 
 /// One configured resource: its store appears once discovery has found its kind.
-struct Slot {
+struct CachedResource {
     gr: GroupResource,
     label: String,
     store: Arc<OnceLock<Arc<ResourceStore>>>,
 }
 
-impl Slot {
+impl CachedResource {
     fn store(&self) -> Option<&Arc<ResourceStore>> {
         self.store.get()
     }
@@ -197,7 +155,7 @@ fn cost(pieces: &[Bytes]) -> u64 {
 /// The watch-fed cache of every configured resource.
 pub struct Cache {
     cfg: config::Cache,
-    slots: Vec<Slot>,
+    resources: Vec<CachedResource>,
     access: Arc<AccessCache>,
     audit: Option<AuditLog>,
     metrics: Metrics,
@@ -219,22 +177,61 @@ impl Drop for Cache {
     }
 }
 
-/// What [`Cache::serve`] decided before answering.
-enum Outcome {
-    Hit(Response<Body>),
-    Miss(&'static str),
+/// Why the cache leaves a request to the apiservers.
+enum GoUpstream {
+    /// Not something the cache answers, whatever it holds.
     Bypass(&'static str),
+    /// Something it answers, but not now (not synced, not fresh enough, out of its ring).
+    Miss(&'static str),
 }
 
 /// How fresh an answer must be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Need {
+enum Freshness {
     /// Any state the cache has (`resourceVersion=0`).
     Any,
     /// At least this version (`NotOlderThan`).
     AtLeast(u64),
     /// The apiserver's current state (no resourceVersion).
     Consistent,
+}
+
+/// What the cache will answer for a request ([`Cache::plan`]), and how many bytes of
+/// objects that answer holds, for admission to weigh before it is given.
+pub struct Plan {
+    resource: usize,
+    store: Arc<ResourceStore>,
+    filter: watch::Filter,
+    what: Planned,
+    bytes: u64,
+}
+
+impl Plan {
+    /// The bytes of objects the answer holds (a watch from a version: none).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl std::fmt::Debug for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plan")
+            .field("resource", &self.resource)
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Planned {
+    Get { name: String },
+    List { continued: Option<Continued> },
+    Watch { from: Option<u64>, watch_list: bool },
+}
+
+/// The rest of a paginated list, at the version its continue token names.
+struct Continued {
+    at: u64,
+    items: Vec<Arc<Obj>>,
 }
 
 impl Cache {
@@ -250,16 +247,16 @@ impl Cache {
         let cache = Cache::build(cfg, reviewer, metrics, audit);
         if cfg.enabled {
             let mut tasks = Vec::new();
-            for slot in &cache.slots {
+            for resource in &cache.resources {
                 let (ring, buffer) = (cfg.ring_size, cfg.watcher_buffer);
                 let relists = cache
                     .metrics
                     .cache_relists_total
-                    .with_label_values(&[&slot.label]);
+                    .with_label_values(&[&resource.label]);
                 tasks.push(tokio::spawn(informer::run(
                     upstream.clone(),
-                    slot.gr.clone(),
-                    slot.store.clone(),
+                    resource.gr.clone(),
+                    resource.store.clone(),
                     move |kind| {
                         Arc::new(ResourceStore::new(kind, ring, buffer).counting_relists(relists))
                     },
@@ -282,10 +279,10 @@ impl Cache {
         metrics: Metrics,
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
-        let slots = if cfg.enabled {
+        let resources = if cfg.enabled {
             cfg.group_resources()
                 .into_iter()
-                .map(|gr| Slot {
+                .map(|gr| CachedResource {
                     label: gr.to_string(),
                     gr,
                     store: Arc::new(OnceLock::new()),
@@ -296,7 +293,7 @@ impl Cache {
         };
         Arc::new(Cache {
             cfg: cfg.clone(),
-            slots,
+            resources,
             access: Arc::new(AccessCache::new(
                 reviewer,
                 cfg.access_review_ttl,
@@ -318,7 +315,7 @@ impl Cache {
     pub fn synced(&self) -> bool {
         self.started.elapsed() >= self.cfg.sync_cap
             || self
-                .slots
+                .resources
                 .iter()
                 .all(|s| s.store().is_some_and(|st| st.synced()))
     }
@@ -327,115 +324,137 @@ impl Cache {
     /// namespace or the whole cluster, for admission's cost estimate; `None` when the
     /// resource is not cached or not synced yet.
     pub fn scope_size(&self, resource: &str, namespace: Option<&str>) -> Option<(u64, u64)> {
-        let slot = self
-            .slots
+        let cached = self
+            .resources
             .iter()
             .find(|s| s.label == resource || s.gr.resource == resource)?;
-        let store = slot.store()?;
+        let store = cached.store()?;
         store.synced().then(|| store.size(namespace))
     }
 
     /// Event encodings made so far, all resources together: with N watchers of one event it
     /// grows by one, not N.
     pub fn event_encodings(&self) -> u64 {
-        self.slots
+        self.resources
             .iter()
-            .filter_map(Slot::store)
+            .filter_map(CachedResource::store)
             .map(|s| s.encodings.load(std::sync::atomic::Ordering::Relaxed))
             .sum()
     }
 
-    /// [`Cache::serve_from`] a client whose address is not known (its audit lines name
-    /// only the addresses its headers give).
-    pub async fn serve(
+    /// Whether the cache answers this request, and how large its answer is, decided from
+    /// what the cache holds now, without I/O: admission weighs the answer before it is
+    /// given. `None` means "go upstream" (a bypass or a miss, counted either way).
+    pub fn plan(
         &self,
         info: &RequestInfo,
-        user: &User,
         headers: &HeaderMap,
         staleness: Option<Duration>,
-        gate: Option<Gate<'_>>,
-    ) -> Result<Option<Response<Body>>, CacheError> {
-        self.serve_from(info, user, headers, None, staleness, gate)
-            .await
-    }
-
-    /// Serves the request from the cache when it may (cacheable, fresh enough, authorized);
-    /// `Ok(None)` means "go upstream" (bypass or miss); `Err` is a refusal (403 as a
-    /// `Status`; a review that cannot be made is an error, never data). `peer` is the
-    /// client's address, for the audit log's `sourceIPs`.
-    pub async fn serve_from(
-        &self,
-        info: &RequestInfo,
-        user: &User,
-        headers: &HeaderMap,
-        peer: Option<IpAddr>,
-        staleness: Option<Duration>,
-        gate: Option<Gate<'_>>,
-    ) -> Result<Option<Response<Body>>, CacheError> {
-        let Some(slot) = self.slot_for(info) else {
-            return Ok(None);
-        };
+    ) -> Option<Plan> {
+        let (index, resource) = self.resource_for(info)?;
         let verb = info.verb.to_string();
-        let reader = Reader {
-            user,
-            headers,
-            peer,
-        };
-        let result = self.answer(slot, info, reader, staleness, gate).await;
-        let label = match &result {
-            Ok(Outcome::Hit(_)) | Err(_) => "hit",
-            Ok(Outcome::Miss(why)) => {
-                tracing::debug!(resource = %slot.label, why, "cache miss");
+        let planned = self.plan_in(index, resource, info, headers, staleness);
+        let label = match &planned {
+            Ok(_) => "hit",
+            Err(GoUpstream::Miss(why)) => {
+                tracing::debug!(resource = %resource.label, why, "cache miss");
                 "miss"
             }
-            Ok(Outcome::Bypass(why)) => {
-                tracing::debug!(resource = %slot.label, why, "cache bypass");
+            Err(GoUpstream::Bypass(why)) => {
+                tracing::debug!(resource = %resource.label, why, "cache bypass");
                 "bypass"
             }
         };
         self.metrics
             .cache_requests_total
-            .with_label_values(&[&slot.label, &verb, label])
+            .with_label_values(&[&resource.label, &verb, label])
             .inc();
-        match result? {
-            Outcome::Hit(response) => Ok(Some(response)),
-            Outcome::Miss(_) | Outcome::Bypass(_) => Ok(None),
+        planned.ok()
+    }
+
+    /// Answers a planned request: a SubjectAccessReview for the reader first (denied is
+    /// 403, audited for Secrets like an answer; no review is an error, never data), then
+    /// the answer built from the cache as it is now — after any wait for admission.
+    /// `initial_seats` are held while a watch sends its initial state.
+    pub async fn answer(
+        &self,
+        plan: Plan,
+        info: &RequestInfo,
+        reader: Reader<'_>,
+        initial_seats: Option<Held>,
+    ) -> Result<Response<Body>, CacheError> {
+        let audit_id = reader
+            .headers
+            .get("audit-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty() && v.len() <= 128)
+            .map_or_else(audit::new_audit_id, str::to_owned);
+        let request = Request {
+            resource: &self.resources[plan.resource],
+            store: plan.store,
+            info,
+            user: reader.user,
+            headers: reader.headers,
+            peer: reader.peer,
+            filter: plan.filter,
+            audit_id,
+        };
+        match plan.what {
+            Planned::Get { name } => self.answer_get(request, name).await,
+            Planned::List { continued } => self.answer_list(request, continued).await,
+            Planned::Watch { from, watch_list } => {
+                self.answer_watch(request, from, watch_list, initial_seats)
+                    .await
+            }
         }
     }
 
-    fn slot_for(&self, info: &RequestInfo) -> Option<&Slot> {
+    /// [`Cache::plan`] then [`Cache::answer`], with no admission between: `Ok(None)` means
+    /// "go upstream". For callers that admit nothing (tests, tools).
+    pub async fn serve(
+        &self,
+        info: &RequestInfo,
+        reader: Reader<'_>,
+        staleness: Option<Duration>,
+    ) -> Result<Option<Response<Body>>, CacheError> {
+        let Some(plan) = self.plan(info, reader.headers, staleness) else {
+            return Ok(None);
+        };
+        self.answer(plan, info, reader, None).await.map(Some)
+    }
+
+    fn resource_for(&self, info: &RequestInfo) -> Option<(usize, &CachedResource)> {
         if !info.resource_request {
             return None;
         }
-        self.slots
+        self.resources
             .iter()
-            .find(|s| s.gr.group == info.api_group && s.gr.resource == info.resource)
+            .enumerate()
+            .find(|(_, r)| r.gr.group == info.api_group && r.gr.resource == info.resource)
     }
 
-    async fn answer(
+    fn plan_in(
         &self,
-        slot: &Slot,
+        index: usize,
+        resource: &CachedResource,
         info: &RequestInfo,
-        Reader {
-            user,
-            headers,
-            peer,
-        }: Reader<'_>,
+        headers: &HeaderMap,
         staleness: Option<Duration>,
-        gate: Option<Gate<'_>>,
-    ) -> Result<Outcome, CacheError> {
+    ) -> Result<Plan, GoUpstream> {
         if let Some(why) = self.bypass(info, headers) {
-            return Ok(Outcome::Bypass(why));
+            return Err(GoUpstream::Bypass(why));
         }
-        let Some(store) = slot.store().filter(|s| s.synced()).cloned() else {
-            return Ok(Outcome::Miss("not synced"));
+        let Some(store) = resource.store().filter(|s| s.synced()).cloned() else {
+            return Err(GoUpstream::Miss("not synced"));
         };
         if info.api_version != store.kind.version {
-            return Ok(Outcome::Bypass("another API version"));
+            return Err(GoUpstream::Bypass("another API version"));
         }
         if !store.kind.namespaced && info.namespace.is_some() {
             // The apiserver answers 404 for a namespaced path to a cluster-scoped resource.
-            return Ok(Outcome::Bypass("a namespace on a cluster-scoped resource"));
+            return Err(GoUpstream::Bypass(
+                "a namespace on a cluster-scoped resource",
+            ));
         }
         let q = &info.query;
         let filter = match (
@@ -447,38 +466,31 @@ impl Cache {
                 labels,
                 fields,
             },
-            _ => return Ok(Outcome::Bypass("a selector the cache does not answer")),
+            _ => return Err(GoUpstream::Bypass("a selector the cache does not answer")),
         };
         if let Some(why) = self.excluded(info, &filter) {
-            return Ok(Outcome::Bypass(why));
+            return Err(GoUpstream::Bypass(why));
         }
         let rv = match q.resource_version.as_deref().map(str::parse::<u64>) {
             None => None,
             Some(Ok(rv)) => Some(rv),
-            Some(Err(_)) => return Ok(Outcome::Bypass("a resourceVersion that is not a number")),
+            Some(Err(_)) => {
+                return Err(GoUpstream::Bypass("a resourceVersion that is not a number"));
+            }
         };
-        let audit_id = headers
-            .get("audit-id")
-            .and_then(|v| v.to_str().ok())
-            .filter(|v| !v.is_empty() && v.len() <= 128)
-            .map_or_else(audit::new_audit_id, str::to_owned);
-        let request = Request {
-            slot,
+        let (what, bytes) = match info.verb {
+            Verb::Get => self.plan_get(&store, info, rv, staleness)?,
+            Verb::List => self.plan_list(&store, &filter, info, rv, staleness)?,
+            Verb::Watch => self.plan_watch(&store, &filter, info, rv, staleness)?,
+            _ => return Err(GoUpstream::Bypass("not a read")),
+        };
+        Ok(Plan {
+            resource: index,
             store,
-            info,
-            user,
-            headers,
-            peer,
             filter,
-            audit_id,
-            gate,
-        };
-        match info.verb {
-            Verb::Get => self.get(request, rv, staleness).await,
-            Verb::List => self.list(request, rv, staleness).await,
-            Verb::Watch => self.watch(request, rv, staleness).await,
-            _ => Ok(Outcome::Bypass("not a read")),
-        }
+            what,
+            bytes,
+        })
     }
 
     /// Why the request must go upstream whatever the cache holds, if it must.
@@ -530,13 +542,189 @@ impl Cache {
         hit.then_some("an excluded name")
     }
 
-    /// Whether the store is fresh enough for `need` now; the cache never waits for it.
-    fn fresh(&self, request: &Request<'_>, need: Need, staleness: Option<Duration>) -> bool {
-        let store = &request.store;
-        match need {
-            Need::Any => true,
-            Need::AtLeast(rv) => store.rv() >= rv,
-            Need::Consistent => staleness
+    fn plan_get(
+        &self,
+        store: &ResourceStore,
+        info: &RequestInfo,
+        rv: Option<u64>,
+        staleness: Option<Duration>,
+    ) -> Result<(Planned, u64), GoUpstream> {
+        if info.query.resource_version_match.is_some() {
+            return Err(GoUpstream::Bypass("resourceVersionMatch on a get"));
+        }
+        let Some(name) = info.name.clone() else {
+            return Err(GoUpstream::Bypass("a get without a name"));
+        };
+        let freshness = match rv {
+            // Only an identity that accepts staleness gets a consistent GET from the cache.
+            None if staleness.is_none() => {
+                return Err(GoUpstream::Bypass(
+                    "a consistent get (one key read upstream)",
+                ));
+            }
+            None => Freshness::Consistent,
+            Some(0) => Freshness::Any,
+            Some(n) => Freshness::AtLeast(n),
+        };
+        if !self.fresh(store, freshness, staleness) {
+            return Err(GoUpstream::Miss("not fresh enough"));
+        }
+        Ok((Planned::Get { name }, 0))
+    }
+
+    fn plan_list(
+        &self,
+        store: &ResourceStore,
+        filter: &watch::Filter,
+        info: &RequestInfo,
+        rv: Option<u64>,
+        staleness: Option<Duration>,
+    ) -> Result<(Planned, u64), GoUpstream> {
+        let q = &info.query;
+        let ns = info.namespace.as_deref();
+        if let Some(token) = &q.continue_token {
+            // The apiserver continues with `resourceVersion=0` as without one, and refuses
+            // any other version (400) or a resourceVersionMatch (422): it writes those.
+            if rv.is_some_and(|rv| rv != 0) || q.resource_version_match.is_some() {
+                return Err(GoUpstream::Bypass("continue with a resourceVersion"));
+            }
+            // A token the apiserver refuses goes to it rather than being refused here: its
+            // 400 quotes Go's JSON errors, which the cache cannot word byte for byte, and
+            // it answers only after its own authorization (403 before 400).
+            let Ok(resume) = continue_token::decode(token) else {
+                return Err(GoUpstream::Bypass("a continue token the apiserver refuses"));
+            };
+            let from = Scope::of(ns).resume_key(&resume.start);
+            let (all, at) = match resume.at() {
+                Some(at) => {
+                    if store.rv() < at {
+                        return Err(GoUpstream::Miss("a continue newer than the cache"));
+                    }
+                    match store.list_from(ns, Some(at), &from) {
+                        Some(listed) => listed,
+                        None => return Err(GoUpstream::Miss("a continue older than the ring")),
+                    }
+                }
+                // A negative version: the token the apiserver hands out with its 410 for a
+                // continue it compacted away. The rest of the list at the latest version, a
+                // consistent read, as the apiserver's watch cache serves it.
+                None => {
+                    if !self.fresh(store, Freshness::Consistent, staleness) {
+                        return Err(GoUpstream::Miss("not fresh enough"));
+                    }
+                    match store.list_from(ns, None, &from) {
+                        Some(listed) => listed,
+                        None => return Err(GoUpstream::Miss("a continue the cache cannot list")),
+                    }
+                }
+            };
+            let items: Vec<Arc<Obj>> = all.into_iter().filter(|o| filter.matches(o)).collect();
+            let bytes = page_bytes(info, &items);
+            let continued = Continued { at, items };
+            return Ok((
+                Planned::List {
+                    continued: Some(continued),
+                },
+                bytes,
+            ));
+        }
+        let freshness = match (rv, q.resource_version_match.as_deref()) {
+            (None, None) => Freshness::Consistent,
+            (None, Some(_)) => {
+                return Err(GoUpstream::Bypass(
+                    "resourceVersionMatch without resourceVersion",
+                ));
+            }
+            (Some(_), Some("Exact")) => return Err(GoUpstream::Bypass("an exact list")),
+            (Some(0), Some("NotOlderThan") | None) => Freshness::Any,
+            (Some(n), Some("NotOlderThan")) => Freshness::AtLeast(n),
+            (Some(_), None) if q.limit.is_some() => {
+                return Err(GoUpstream::Bypass("an exact list"));
+            }
+            (Some(n), None) => Freshness::AtLeast(n),
+            (Some(_), Some(_)) => {
+                return Err(GoUpstream::Bypass("an unknown resourceVersionMatch"));
+            }
+        };
+        if !self.fresh(store, freshness, staleness) {
+            return Err(GoUpstream::Miss("not fresh enough"));
+        }
+        // A whole scope is as large as the store counts it; only a narrower answer needs a
+        // listing to know its size.
+        let bytes = if !filter.selects() && limit(info).is_none() {
+            store.size(ns).1
+        } else {
+            let (items, _) = store.list(ns, |o| filter.matches(o));
+            page_bytes(info, &items)
+        };
+        Ok((Planned::List { continued: None }, bytes))
+    }
+
+    fn plan_watch(
+        &self,
+        store: &ResourceStore,
+        filter: &watch::Filter,
+        info: &RequestInfo,
+        rv: Option<u64>,
+        staleness: Option<Duration>,
+    ) -> Result<(Planned, u64), GoUpstream> {
+        let q = &info.query;
+        let watch_list = match q.send_initial_events {
+            None => false,
+            Some(true)
+                if q.resource_version_match.as_deref() == Some("NotOlderThan")
+                    && q.allow_watch_bookmarks =>
+            {
+                true
+            }
+            Some(_) => {
+                return Err(GoUpstream::Bypass(
+                    "sendInitialEvents the cache does not answer",
+                ));
+            }
+        };
+        if !watch_list && q.resource_version_match.is_some() {
+            return Err(GoUpstream::Bypass("resourceVersionMatch on a watch"));
+        }
+        // `from`: the version to stream events after; `None` starts with the state.
+        let (freshness, from) = match (rv, watch_list) {
+            (None, _) => (Freshness::Consistent, None),
+            (Some(0), _) => (Freshness::Any, None),
+            (Some(n), true) => (Freshness::AtLeast(n), None),
+            (Some(n), false) => (Freshness::AtLeast(n), Some(n)),
+        };
+        if !self.fresh(store, freshness, staleness) {
+            return Err(GoUpstream::Miss("not fresh enough"));
+        }
+        // A watch that starts with the current state sends a LIST's worth of objects
+        // first: admission weighs it like a LIST of that size. A watch from a version
+        // sends events as they come.
+        let bytes = match from {
+            None => {
+                let ns = info.namespace.as_deref();
+                if filter.selects() {
+                    let (items, _) = store.list(ns, |o| filter.matches(o));
+                    items.iter().map(|o| o.body.len() as u64).sum()
+                } else {
+                    store.size(ns).1
+                }
+            }
+            Some(_) => 0,
+        };
+        Ok((Planned::Watch { from, watch_list }, bytes))
+    }
+
+    /// Whether the store is fresh enough now; the cache never waits for it.
+    fn fresh(
+        &self,
+        store: &ResourceStore,
+        freshness: Freshness,
+        staleness: Option<Duration>,
+    ) -> bool {
+        match freshness {
+            Freshness::Any => true,
+            Freshness::AtLeast(rv) => store.rv() >= rv,
+            Freshness::Consistent => staleness
                 .map(|s| s.min(self.cfg.max_staleness))
                 .is_some_and(|bound| store.lag() <= bound),
         }
@@ -615,33 +803,12 @@ impl Cache {
         });
     }
 
-    async fn get(
+    async fn answer_get(
         &self,
         request: Request<'_>,
-        rv: Option<u64>,
-        staleness: Option<Duration>,
-    ) -> Result<Outcome, CacheError> {
-        let q = &request.info.query;
-        if q.resource_version_match.is_some() {
-            return Ok(Outcome::Bypass("resourceVersionMatch on a get"));
-        }
-        let Some(name) = request.info.name.clone() else {
-            return Ok(Outcome::Bypass("a get without a name"));
-        };
-        let need = match rv {
-            // Only an identity that accepts staleness gets a consistent GET from the cache.
-            None if staleness.is_none() => {
-                return Ok(Outcome::Bypass("a consistent get (one key read upstream)"));
-            }
-            None => Need::Consistent,
-            Some(0) => Need::Any,
-            Some(n) => Need::AtLeast(n),
-        };
-        if !self.fresh(&request, need, staleness) {
-            return Ok(Outcome::Miss("not fresh enough"));
-        }
+        name: String,
+    ) -> Result<Response<Body>, CacheError> {
         self.authorize(&request, "get", &name).await?;
-        let permit = self.admit(&request, 0).await?;
         let kind = &request.store.kind;
         let namespace = request.info.namespace.as_deref().unwrap_or_default();
         let (obj, _) = request.store.get(namespace, &name);
@@ -656,160 +823,52 @@ impl Cache {
                 Some(Details::of(&name, &kind.group, &kind.resource)),
             );
             let response = respond::status_response(&status, &request.audit_id);
-            return Ok(self.give(&request, ("get", Some(&name), 404), response, permit));
+            return Ok(self.give(&request, ("get", Some(&name), 404), response));
         };
         let pieces = respond::object_pieces(kind, &obj);
         let response = self.respond(&request, pieces).await;
-        Ok(self.give(&request, ("get", Some(&name), 200), response, permit))
+        Ok(self.give(&request, ("get", Some(&name), 200), response))
     }
 
-    /// The reader's admission ([`Gate`]) for an answer of about `bytes`, once it is
-    /// authorized and before it is built, so that an answer that waited for its seats is
-    /// built from the cache as it is when they are granted. The seats are held until the
-    /// answer's body ends (a watch takes them out, see [`Cache::watch`]).
-    async fn admit(&self, request: &Request<'_>, bytes: u64) -> Result<Option<Permit>, CacheError> {
-        let Some(gate) = request.gate else {
-            return Ok(None);
-        };
-        let permit = gate
-            .admission
-            .admit_cached(gate.matched, request.user, request.info, bytes)
-            .await
-            .map_err(CacheError::Refused)?;
-        Ok(Some(permit))
-    }
-
-    /// The bytes of the objects a watch that starts with the current state sends first.
-    fn initial_bytes(&self, request: &Request<'_>) -> u64 {
-        let ns = request.info.namespace.as_deref();
-        if request.filter.selects() {
-            let (items, _) = request.store.list(ns, |o| request.filter.matches(o));
-            items.iter().map(|o| o.body.len() as u64).sum()
-        } else {
-            request.store.size(ns).1
-        }
-    }
-
-    /// Gives an admitted answer, holding its `permit`, and writes its audit line `(verb,
-    /// name, code)`. A refused answer is neither built, given nor audited.
+    /// Gives an answer and writes its audit line `(verb, name, code)`.
     fn give(
         &self,
         request: &Request<'_>,
         (verb, name, code): (&str, Option<&str>, u16),
         response: Response<Body>,
-        permit: Option<Permit>,
-    ) -> Outcome {
-        let response = match permit {
-            Some(permit) => response.map(|body| crate::admit::hold(body, permit, None)),
-            None => response,
-        };
+    ) -> Response<Body> {
         self.audit(request, verb, name, code);
-        Outcome::Hit(response)
+        response
     }
 
-    async fn list(
+    async fn answer_list(
         &self,
         request: Request<'_>,
-        rv: Option<u64>,
-        staleness: Option<Duration>,
-    ) -> Result<Outcome, CacheError> {
-        let q = &request.info.query;
-        let ns = request.info.namespace.as_deref();
-        if let Some(token) = &q.continue_token {
-            // The apiserver continues with `resourceVersion=0` as without one, and refuses
-            // any other version (400) or a resourceVersionMatch (422): it writes those.
-            if rv.is_some_and(|rv| rv != 0) || q.resource_version_match.is_some() {
-                return Ok(Outcome::Bypass("continue with a resourceVersion"));
-            }
-            // A token the apiserver refuses goes to it rather than being refused here: its
-            // 400 quotes Go's JSON errors, which the cache cannot word byte for byte, and
-            // it answers only after its own authorization (403 before 400).
-            let Ok(resume) = continue_token::decode(token) else {
-                return Ok(Outcome::Bypass("a continue token the apiserver refuses"));
-            };
-            let from = Scope::of(ns).resume_key(&resume.start);
-            let (all, at) = match resume.at() {
-                Some(at) => {
-                    if request.store.rv() < at {
-                        return Ok(Outcome::Miss("a continue newer than the cache"));
-                    }
-                    match request.store.list_from(ns, Some(at), &from) {
-                        Some(listed) => listed,
-                        None => return Ok(Outcome::Miss("a continue older than the ring")),
-                    }
-                }
-                // A negative version: the token the apiserver hands out with its 410 for a
-                // continue it compacted away. The rest of the list at the latest version, a
-                // consistent read, as the apiserver's watch cache serves it.
-                None => {
-                    if !self.fresh(&request, Need::Consistent, staleness) {
-                        return Ok(Outcome::Miss("not fresh enough"));
-                    }
-                    match request.store.list_from(ns, None, &from) {
-                        Some(listed) => listed,
-                        None => return Ok(Outcome::Miss("a continue the cache cannot list")),
-                    }
-                }
-            };
-            self.authorize_collection(&request, "list").await?;
-            let items: Vec<Arc<Obj>> = all
-                .into_iter()
-                .filter(|o| request.filter.matches(o))
-                .collect();
+        continued: Option<Continued>,
+    ) -> Result<Response<Body>, CacheError> {
+        self.authorize_collection(&request, "list").await?;
+        if let Some(Continued { at, items }) = continued {
             let total_after = if request.filter.selects() {
                 None
             } else {
                 Some(items.len() as u64)
             };
-            let permit = self.admit(&request, page_bytes(&request, &items)).await?;
             let response = self.page(&request, at, items, total_after).await;
-            return Ok(self.give(&request, ("list", None, 200), response, permit));
+            return Ok(self.give(&request, ("list", None, 200), response));
         }
-        let need = match (rv, q.resource_version_match.as_deref()) {
-            (None, None) => Need::Consistent,
-            (None, Some(_)) => {
-                return Ok(Outcome::Bypass(
-                    "resourceVersionMatch without resourceVersion",
-                ));
-            }
-            (Some(_), Some("Exact")) => return Ok(Outcome::Bypass("an exact list")),
-            (Some(0), Some("NotOlderThan") | None) => Need::Any,
-            (Some(n), Some("NotOlderThan")) => Need::AtLeast(n),
-            (Some(_), None) if q.limit.is_some() => return Ok(Outcome::Bypass("an exact list")),
-            (Some(n), None) => Need::AtLeast(n),
-            (Some(_), Some(_)) => return Ok(Outcome::Bypass("an unknown resourceVersionMatch")),
-        };
-        if !self.fresh(&request, need, staleness) {
-            return Ok(Outcome::Miss("not fresh enough"));
-        }
-        self.authorize_collection(&request, "list").await?;
-        let select = |o: &Obj| request.filter.matches(o);
-        let permit = match request.gate {
-            // A whole scope is as large as the store counts it; only a narrower answer
-            // needs a listing to know its size.
-            Some(_) if !request.filter.selects() && limit(&request).is_none() => {
-                let (_, bytes) = request.store.size(ns);
-                self.admit(&request, bytes).await?
-            }
-            Some(_) => {
-                let (items, _) = request.store.list(ns, select);
-                let bytes = page_bytes(&request, &items);
-                drop(items);
-                self.admit(&request, bytes).await?
-            }
-            None => None,
-        };
-        // Listed after admission: what waited for seats answers with the cache of now.
-        let (items, list_rv) = request.store.list(ns, select);
-        if limit(&request).is_some() {
+        let q = &request.info.query;
+        let ns = request.info.namespace.as_deref();
+        // Listed now: what waited for admission answers with the cache of now.
+        let (items, list_rv) = request.store.list(ns, |o| request.filter.matches(o));
+        if limit(request.info).is_some() {
             let count = items.len() as u64;
             let total = (!request.filter.selects()).then_some(count);
             let response = self.page(&request, list_rv, items, total).await;
-            return Ok(self.give(&request, ("list", None, 200), response, permit));
+            return Ok(self.give(&request, ("list", None, 200), response));
         }
         let gzip = wants_gzip(request.headers);
         let key = ListKey {
-            resource: request.slot.label.clone(),
+            resource: request.resource.label.clone(),
             namespace: ns.map(str::to_owned),
             labels: q.label_selector.clone(),
             fields: q.field_selector.clone(),
@@ -823,7 +882,7 @@ impl Cache {
             .get(&key);
         if let Some(pieces) = cached {
             let response = self.send(&request, pieces, gzip);
-            return Ok(self.give(&request, ("list", None, 200), response, permit));
+            return Ok(self.give(&request, ("list", None, 200), response));
         }
         let pieces = respond::list_pieces(&request.store.kind, list_rv, None, &items);
         drop(items);
@@ -833,7 +892,7 @@ impl Cache {
             .unwrap_or_else(|p| p.into_inner())
             .put(key, pieces.clone());
         let response = self.send(&request, pieces, gzipped);
-        Ok(self.give(&request, ("list", None, 200), response, permit))
+        Ok(self.give(&request, ("list", None, 200), response))
     }
 
     /// One page of `items` (those after the previous page), `total` of them if known.
@@ -844,7 +903,7 @@ impl Cache {
         items: Vec<Arc<Obj>>,
         total: Option<u64>,
     ) -> Response<Body> {
-        let limit = page_limit(request);
+        let limit = page_limit(request.info);
         let scope = Scope::of(request.info.namespace.as_deref());
         let next = (items.len() > limit).then(|| {
             let last = items[limit - 1].key();
@@ -879,50 +938,15 @@ impl Cache {
         response
     }
 
-    async fn watch(
+    async fn answer_watch(
         &self,
         request: Request<'_>,
-        rv: Option<u64>,
-        staleness: Option<Duration>,
-    ) -> Result<Outcome, CacheError> {
+        from: Option<u64>,
+        watch_list: bool,
+        initial_seats: Option<Held>,
+    ) -> Result<Response<Body>, CacheError> {
         let q = &request.info.query;
-        let watch_list = match q.send_initial_events {
-            None => false,
-            Some(true)
-                if q.resource_version_match.as_deref() == Some("NotOlderThan")
-                    && q.allow_watch_bookmarks =>
-            {
-                true
-            }
-            Some(_) => {
-                return Ok(Outcome::Bypass(
-                    "sendInitialEvents the cache does not answer",
-                ));
-            }
-        };
-        if !watch_list && q.resource_version_match.is_some() {
-            return Ok(Outcome::Bypass("resourceVersionMatch on a watch"));
-        }
-        // `from`: the version to stream events after; `None` starts with the state.
-        let (need, from) = match (rv, watch_list) {
-            (None, _) => (Need::Consistent, None),
-            (Some(0), _) => (Need::Any, None),
-            (Some(n), true) => (Need::AtLeast(n), None),
-            (Some(n), false) => (Need::AtLeast(n), Some(n)),
-        };
-        if !self.fresh(&request, need, staleness) {
-            return Ok(Outcome::Miss("not fresh enough"));
-        }
         let attrs = self.authorize_collection(&request, "watch").await?;
-        // A watch that starts with the current state sends a LIST's worth of objects
-        // first: it waits for seats like a LIST of that size and holds them until the
-        // initial state is sent. A watch from a version takes none.
-        let initial_bytes = match from {
-            None => self.initial_bytes(&request),
-            Some(_) => 0,
-        };
-        let mut permit = self.admit(&request, initial_bytes).await?;
-        let initial_seats = permit.as_mut().and_then(Permit::take_seats);
         let start = match request.store.watch(from) {
             Ok(start) => start,
             Err(expired) => {
@@ -941,7 +965,7 @@ impl Cache {
                     crate::full(status.error_event()),
                     &request.audit_id,
                 );
-                return Ok(self.give(&request, ("watch", None, 200), response, permit));
+                return Ok(self.give(&request, ("watch", None, 200), response));
             }
         };
         // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
@@ -974,20 +998,20 @@ impl Cache {
             self.metrics.clone(),
         );
         let response = respond::json_response(StatusCode::OK, body, &request.audit_id);
-        Ok(self.give(&request, ("watch", None, 200), response, permit))
+        Ok(self.give(&request, ("watch", None, 200), response))
     }
 }
 
 /// The objects a LIST page holds at most: its `limit`, or all.
-fn page_limit(request: &Request<'_>) -> usize {
-    limit(request).map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX))
+fn page_limit(info: &RequestInfo) -> usize {
+    limit(info).map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX))
 }
 
 /// The `limit` a cached LIST honours: none at `resourceVersion=0`, where kube-apiserver
 /// v1.36 answers the whole list from its watch cache whatever the limit (with a continue
 /// token too: the rest of the list), as the differential suite measured.
-fn limit(request: &Request<'_>) -> Option<u64> {
-    let query = &request.info.query;
+fn limit(info: &RequestInfo) -> Option<u64> {
+    let query = &info.query;
     match query.resource_version.as_deref() {
         Some("0") => None,
         _ => query.limit,
@@ -995,8 +1019,8 @@ fn limit(request: &Request<'_>) -> Option<u64> {
 }
 
 /// The bytes of the objects a LIST answers: all of `items`, or the first `limit`.
-fn page_bytes(request: &Request<'_>, items: &[Arc<Obj>]) -> u64 {
-    let limit = page_limit(request);
+fn page_bytes(info: &RequestInfo, items: &[Arc<Obj>]) -> u64 {
+    let limit = page_limit(info);
     items.iter().take(limit).map(|o| o.body.len() as u64).sum()
 }
 
@@ -1015,9 +1039,9 @@ async fn encode(pieces: Arc<[Bytes]>, gzip: bool) -> (Arc<[Bytes]>, bool) {
     }
 }
 
-/// What one cacheable request carries through the steps.
+/// What one answer carries through its steps.
 struct Request<'a> {
-    slot: &'a Slot,
+    resource: &'a CachedResource,
     store: Arc<ResourceStore>,
     info: &'a RequestInfo,
     user: &'a User,
@@ -1025,14 +1049,18 @@ struct Request<'a> {
     peer: Option<IpAddr>,
     filter: watch::Filter,
     audit_id: String,
-    gate: Option<Gate<'a>>,
 }
 
-/// Who asks: the user, the request's headers and the client's address.
-struct Reader<'a> {
-    user: &'a User,
-    headers: &'a HeaderMap,
-    peer: Option<IpAddr>,
+/// Who asks: the user, the request's headers and the client's address (for the audit
+/// log's `sourceIPs`; `None` names only the addresses the headers give).
+#[derive(Clone, Copy)]
+pub struct Reader<'a> {
+    /// The user the SubjectAccessReview asks about.
+    pub user: &'a User,
+    /// The request's headers (`Accept`, `Accept-Encoding`, `Audit-Id`, `User-Agent`).
+    pub headers: &'a HeaderMap,
+    /// The client's address.
+    pub peer: Option<IpAddr>,
 }
 
 /// The apiserver's 403 for a denied request.
@@ -1116,10 +1144,12 @@ async fn gauges(cache: std::sync::Weak<Cache>) {
             return;
         };
         let m = &cache.metrics;
-        for slot in &cache.slots {
-            let Some(store) = slot.store() else { continue };
+        for resource in &cache.resources {
+            let Some(store) = resource.store() else {
+                continue;
+            };
             let (count, bytes) = store.size(None);
-            let labels = [slot.label.as_str()];
+            let labels = [resource.label.as_str()];
             m.cache_objects.with_label_values(&labels).set(count as i64);
             m.cache_bytes.with_label_values(&labels).set(bytes as i64);
             m.cache_watchers

@@ -14,6 +14,7 @@
 //! `/` or `.`, empty, `.` or `..` segments, malformed percent-encoding) and queries that Go
 //! would parse differently (malformed encoding, `;`) are refused with 400.
 
+pub mod layer;
 mod query;
 
 use std::fmt;
@@ -261,13 +262,6 @@ pub enum ClassifyError {
         /// What was expected instead.
         expected: &'static str,
     },
-}
-
-impl ClassifyError {
-    /// The 400 response for this error.
-    pub fn refusal(&self) -> crate::status::Refusal {
-        crate::status::Refusal::new(crate::status::Reason::BadRequest, self.to_string())
-    }
 }
 
 /// Methods served anywhere; others (CONNECT, TRACE, extension methods) are refused, which

@@ -6,6 +6,7 @@
 //! [`forward`] submodule rewrites the request headers for the configured mode.
 
 pub mod forward;
+pub mod layer;
 pub mod limits;
 pub mod review;
 

@@ -8,6 +8,7 @@
 pub mod admin;
 pub mod admit;
 pub mod cache;
+pub mod call;
 pub mod certs;
 pub mod classify;
 pub mod config;
@@ -17,6 +18,7 @@ pub mod identity;
 pub mod listen;
 pub mod logs;
 pub mod metrics;
+pub mod rescue;
 pub mod rules;
 pub mod serve;
 pub mod status;
@@ -30,6 +32,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body type of every request and response inside Bulwark: streamed, never buffered.
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// The future of every stage of the request path.
+pub type BoxFuture<T, E> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, E>> + Send>>;
 
 /// A body holding the given bytes.
 pub fn full(bytes: impl Into<Bytes>) -> Body {

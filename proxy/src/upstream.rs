@@ -9,6 +9,7 @@
 
 mod body;
 mod buffer;
+pub mod forward;
 mod pick;
 mod pool;
 mod tls;
@@ -29,7 +30,6 @@ use tokio::time::Instant;
 use crate::Body;
 use crate::config;
 use crate::metrics::Metrics;
-use crate::status::Reason;
 
 use body::{Framing, OnFailure};
 use pick::{Balancer, Cause, Load, PendingGuard, WatchGuard};
@@ -67,7 +67,7 @@ pub enum RetryPolicy {
 }
 
 /// What the pool needs to know about a request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Route {
     /// The credential it travels with.
     pub credential: Credential,
@@ -80,12 +80,13 @@ pub struct Route {
     pub watch: bool,
     /// Time allowed until the response head; ignored for long-running requests.
     pub timeout: Option<Duration>,
+    /// The replica that holds this LIST's bytes ([`Upstream::hold_list_bytes`]): the first
+    /// attempt goes there while it is in rotation, so the bytes are counted where they land.
+    pub replica: Option<Arc<str>>,
+    /// The flow whose share of the request-body budget holds the body while it may be
+    /// sent again; `None` holds it outside any flow's share.
+    pub body_flow: Option<BodyFlow>,
 }
-
-/// Request extension: the replica admission reserved LIST bytes on. The pool sends the
-/// first attempt there while it is in rotation, so the bytes are counted where they land.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PreferReplica(pub Arc<str>);
 
 /// A replica's state, for `/debug` and tests.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +112,13 @@ pub struct ReplicaView {
 pub struct InFlightBytes {
     replica: Arc<pick::Replica>,
     bytes: u64,
+}
+
+impl InFlightBytes {
+    /// The replica the bytes are held on.
+    pub fn replica(&self) -> &Arc<str> {
+        &self.replica.name
+    }
 }
 
 impl std::fmt::Debug for InFlightBytes {
@@ -175,34 +183,6 @@ pub enum UpstreamError {
     /// The configuration cannot be used.
     #[error("upstream configuration: {0}")]
     Config(String),
-}
-
-impl UpstreamError {
-    /// The status the client gets.
-    pub fn status(&self) -> StatusCode {
-        match self {
-            UpstreamError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            _ => self.reason().status(),
-        }
-    }
-
-    /// The reason label for metrics, `X-Bulwark-Reason` and logs.
-    pub fn reason(&self) -> Reason {
-        match self {
-            UpstreamError::NoHealthyReplica { .. } => Reason::NoHealthyUpstream,
-            UpstreamError::Timeout => Reason::UpstreamTimeout,
-            UpstreamError::BodyBudget(_) => Reason::BodyBudget,
-            UpstreamError::BodyTooLarge(_)
-            | UpstreamError::RequestBody(_)
-            | UpstreamError::NotUpgradable => Reason::BadRequest,
-            UpstreamError::Connect(_)
-            | UpstreamError::Tls(_)
-            | UpstreamError::Protocol(_)
-            | UpstreamError::Interrupted(_)
-            | UpstreamError::MissingCredential(_)
-            | UpstreamError::Config(_) => Reason::UpstreamError,
-        }
-    }
 }
 
 /// How long a response lowers its replica's weight: a 429 does, for its `Retry-After`,
@@ -349,8 +329,9 @@ impl Upstream {
         req: Request<Body>,
         route: Route,
     ) -> Result<Response<Body>, UpstreamError> {
+        let limit = route.timeout.filter(|_| !route.long_running);
         let work = self.inner.send(req, route);
-        match route.timeout.filter(|_| !route.long_running) {
+        match limit {
             Some(limit) => tokio::time::timeout(limit, work)
                 .await
                 .map_err(|_| UpstreamError::Timeout)?,
@@ -381,32 +362,23 @@ impl Upstream {
         self.inner.byte_budget
     }
 
-    /// Counts LIST bytes admitted to a replica (weighs in the pick). False when no replica
-    /// has that name.
-    pub fn add_in_flight_bytes(&self, replica: &str, bytes: u64) -> bool {
-        self.find(replica).map(|r| r.add_bytes(bytes)).is_some()
-    }
-
-    /// Releases LIST bytes counted by [`Upstream::add_in_flight_bytes`] (saturating at
-    /// zero). False when no replica has that name.
-    pub fn remove_in_flight_bytes(&self, replica: &str, bytes: u64) -> bool {
-        self.find(replica).map(|r| r.remove_bytes(bytes)).is_some()
-    }
-
-    /// Counts LIST bytes against a replica until the returned guard is dropped; `None`
-    /// when no replica has that name.
-    pub fn hold_in_flight_bytes(&self, replica: &str, bytes: u64) -> Option<InFlightBytes> {
-        let replica = self.find(replica)?.clone();
+    /// Holds `bytes` of LIST budget on the replica the balancer picks for them
+    /// ([`pick::Balancer::pick_for_bytes`]) when `fits` its bytes in flight; `None` when no
+    /// replica can be used or it has no room. Send the request there with
+    /// [`Route::replica`].
+    pub fn hold_list_bytes(
+        &self,
+        bytes: u64,
+        fits: impl FnOnce(u64) -> bool,
+    ) -> Option<InFlightBytes> {
+        let balancer = &self.inner.balancer;
+        let index = balancer.pick_for_bytes(Instant::now())?;
+        let replica = balancer.replica(index).clone();
+        if !fits(replica.in_flight_bytes()) {
+            return None;
+        }
         replica.add_bytes(bytes);
         Some(InFlightBytes { replica, bytes })
-    }
-
-    fn find(&self, name: &str) -> Option<&Arc<pick::Replica>> {
-        self.inner
-            .balancer
-            .replicas()
-            .iter()
-            .find(|r| &*r.name == name)
     }
 }
 
@@ -427,13 +399,14 @@ impl Inner {
             None
         };
         let (parts, body) = req.into_parts();
-        let preferred = parts
-            .extensions
-            .get::<PreferReplica>()
-            .and_then(|p| self.balancer.replicas().iter().position(|r| r.name == p.0));
+        let preferred = route.replica.as_ref().and_then(|name| {
+            self.balancer
+                .replicas()
+                .iter()
+                .position(|r| r.name == *name)
+        });
         // Held until the apiserver has answered (or every attempt failed).
-        let (body, _held) =
-            buffer::buffer(body, &parts.headers, parts.extensions.get::<BodyFlow>()).await?;
+        let (body, _held) = buffer::buffer(body, &parts.headers, route.body_flow.as_ref()).await?;
         let path_and_query = parts
             .uri
             .path_and_query()
@@ -942,20 +915,6 @@ mod tests {
         assert!(!wants_upgrade(&headers));
     }
 
-    #[test]
-    fn errors_map_to_the_statuses_the_client_sees() {
-        let no = UpstreamError::NoHealthyReplica {
-            retry_after: Duration::from_secs(2),
-        };
-        assert_eq!(no.status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(no.reason(), Reason::NoHealthyUpstream);
-        assert_eq!(UpstreamError::Timeout.status(), StatusCode::GATEWAY_TIMEOUT);
-        assert_eq!(
-            UpstreamError::Interrupted("r".into()).status(),
-            StatusCode::BAD_GATEWAY
-        );
-    }
-
     /// A config whose CA is a freshly minted one in a temp folder.
     fn config(replicas: &[&str]) -> (config::Upstream, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!("bulwark-upstream-{}", rand::random::<u64>()));
@@ -1018,17 +977,26 @@ mod tests {
         let tls = UpstreamTls::from_config(&cfg).unwrap();
         let upstream = Upstream::new(&cfg, tls, Metrics::new()).unwrap();
         assert_eq!(upstream.byte_budget(), (8u64 << 30) / 5);
-        let held = upstream.hold_in_flight_bytes("b:2", 4096).unwrap();
-        assert!(upstream.add_in_flight_bytes("a:1", 10));
-        assert!(!upstream.add_in_flight_bytes("c:3", 10));
-        let bytes: Vec<u64> = upstream
+        // Each hold lands on the replica with the fewest bytes in flight.
+        let first = upstream.hold_list_bytes(4096, |_| true).unwrap();
+        let second = upstream.hold_list_bytes(10, |_| true).unwrap();
+        assert_ne!(first.replica(), second.replica());
+        let third = upstream.hold_list_bytes(1, |_| true).unwrap();
+        assert_eq!(third.replica(), second.replica());
+        let mut bytes: Vec<u64> = upstream
             .snapshot()
             .iter()
             .map(|r| r.in_flight_bytes)
             .collect();
-        assert_eq!(bytes, vec![10, 4096]);
-        drop(held);
-        assert!(upstream.remove_in_flight_bytes("a:1", 10));
+        bytes.sort();
+        assert_eq!(bytes, vec![11, 4096]);
+        // No room: nothing is held.
+        assert!(
+            upstream
+                .hold_list_bytes(1, |in_flight| in_flight < 11)
+                .is_none()
+        );
+        drop((first, second, third));
         let bytes: Vec<u64> = upstream
             .snapshot()
             .iter()

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bulwark::admit::Admission;
+use bulwark::admit::{Admission, Answer};
 use bulwark::classify::classify;
 use bulwark::config;
 use bulwark::identity::User;
@@ -80,11 +80,21 @@ async fn list_bytes_are_held_on_the_replica_with_room_and_its_budget_holds() {
     let user = User::default();
 
     let first = admission
-        .admit(&matched(&level, "operators/a"), &list, &user)
+        .admit(
+            &matched(&level, "operators/a"),
+            &list,
+            &user,
+            Answer::Upstream,
+        )
         .await
         .unwrap();
     let second = admission
-        .admit(&matched(&level, "operators/b"), &list, &user)
+        .admit(
+            &matched(&level, "operators/b"),
+            &list,
+            &user,
+            Answer::Upstream,
+        )
         .await
         .unwrap();
     assert_eq!(first.expected_bytes(), 600);
@@ -106,7 +116,7 @@ async fn list_bytes_are_held_on_the_replica_with_room_and_its_budget_holds() {
 
     // A third fits on neither replica: it waits, holding no bytes.
     let third_flow = matched(&level, "operators/c");
-    let third = admission.admit(&third_flow, &list, &user);
+    let third = admission.admit(&third_flow, &list, &user, Answer::Upstream);
     tokio::pin!(third);
     assert!(
         tokio::time::timeout(Duration::from_secs(1), &mut third)
@@ -172,7 +182,7 @@ async fn concurrent_admissions_and_cancellations_leave_nothing_behind() {
                 let m = matched(&level, &format!("operators/{}", (i * 7 + j) % 23));
                 let info = if (i + j) % 3 == 0 { &list } else { &get };
                 let user = User::default();
-                let attempt = admission.admit(&m, info, &user);
+                let attempt = admission.admit(&m, info, &user, Answer::Upstream);
                 if (i + j) % 5 == 0 {
                     // The client gives up before it is admitted, or just after.
                     let _ = tokio::time::timeout(Duration::from_micros(200), attempt).await;

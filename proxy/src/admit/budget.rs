@@ -87,7 +87,7 @@ fn fits(in_flight: u64, bytes: u64, budget: u64) -> bool {
 }
 
 /// The byte budget over the real upstream pool: counts through
-/// [`Upstream::hold_in_flight_bytes`], which the replica pick weighs, and exports
+/// [`Upstream::hold_list_bytes`] on the replica the balancer picks for them, and exports
 /// `bulwark_list_bytes_in_flight` and `bulwark_list_bytes_budget`.
 pub struct UpstreamBudget {
     upstream: Upstream,
@@ -121,32 +121,22 @@ impl UpstreamBudget {
 
     fn reserve(&self, bytes: u64, check: bool) -> Option<Reservation> {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let replicas = self.upstream.snapshot();
-        // When every replica is out the pool still uses them all; so does the budget.
-        let any_healthy = replicas.iter().any(|r| r.healthy);
-        let chosen = replicas
-            .iter()
-            .filter(|r| r.healthy || !any_healthy)
-            .min_by_key(|r| r.in_flight_bytes)?;
-        if check && !fits(chosen.in_flight_bytes, bytes, self.upstream.byte_budget()) {
-            return None;
-        }
-        let held = self.upstream.hold_in_flight_bytes(&chosen.name, bytes)?;
-        let gauge = self.in_flight.get(&chosen.name).cloned();
+        let budget = self.upstream.byte_budget();
+        let held = self
+            .upstream
+            .hold_list_bytes(bytes, |in_flight| !check || fits(in_flight, bytes, budget))?;
+        let replica = held.replica().clone();
+        let gauge = self.in_flight.get(&*replica).cloned();
         let as_i64 = i64::try_from(bytes).unwrap_or(i64::MAX);
         if let Some(gauge) = &gauge {
             gauge.add(as_i64);
         }
-        Some(Reservation::new(
-            chosen.name.as_str().into(),
-            bytes,
-            move || {
-                drop(held);
-                if let Some(gauge) = gauge {
-                    gauge.sub(as_i64);
-                }
-            },
-        ))
+        Some(Reservation::new(replica, bytes, move || {
+            drop(held);
+            if let Some(gauge) = gauge {
+                gauge.sub(as_i64);
+            }
+        }))
     }
 }
 

@@ -104,7 +104,10 @@ fn spawn_clients(
         tokio::task::spawn_local(async move {
             while Instant::now() < until {
                 let asked = Instant::now();
-                match admission.admit(&m, &info, &user("u")).await {
+                match admission
+                    .admit(&m, &info, &user("u"), Answer::Upstream)
+                    .await
+                {
                     Ok(permit) => {
                         let waited = asked.elapsed();
                         let seats = admission
@@ -305,7 +308,10 @@ async fn the_cost_estimate_follows_a_collection_that_grows_tenfold() {
     assert_eq!(admission.expected_bytes(&all), 1_000_000);
     // An etcd LIST with a selector still reads the whole grown collection.
     assert_eq!(admission.expected_bytes(&filtered), 1_000_000);
-    let permit = admission.admit(&m, &filtered, &user("x")).await.unwrap();
+    let permit = admission
+        .admit(&m, &filtered, &user("x"), Answer::Upstream)
+        .await
+        .unwrap();
     assert_eq!(permit.expected_bytes(), 1_000_000);
     drop(permit);
     // Only filtered LISTs seen: the largest one raises the scope at once.
@@ -345,7 +351,7 @@ async fn the_byte_budget_holds_under_concurrent_lists_and_an_oversized_list_runs
             );
             tasks.push(tokio::task::spawn_local(async move {
                 let permit = admission
-                    .admit(&m, &info, &user("u"))
+                    .admit(&m, &info, &user("u"), Answer::Upstream)
                     .await
                     .expect("admitted");
                 let now = budget.in_flight();
@@ -392,12 +398,12 @@ async fn a_list_whose_bytes_never_free_is_refused_with_byte_budget() {
     let list = req("/api/v1/namespaces/a/secrets");
     admission.observe_list(&list, 800, Some(8));
     let first = admission
-        .admit(&matched(&spec, "a/1"), &list, &user("u"))
+        .admit(&matched(&spec, "a/1"), &list, &user("u"), Answer::Upstream)
         .await
         .unwrap();
     let started = Instant::now();
     let refusal = admission
-        .admit(&matched(&spec, "b/2"), &list, &user("u"))
+        .admit(&matched(&spec, "b/2"), &list, &user("u"), Answer::Upstream)
         .await
         .unwrap_err();
     assert_eq!(refusal.reason, Reason::ByteBudget);
@@ -414,13 +420,21 @@ async fn retry_after_grows_and_decays_per_flow_and_an_innocent_flow_hears_one_se
     let (admission, _) = admission(std::slice::from_ref(&spec), big_budget());
     let get = req("/api/v1/namespaces/a/pods/p");
     let holder = admission
-        .admit(&matched(&spec, "holder/h"), &get, &user("h"))
+        .admit(
+            &matched(&spec, "holder/h"),
+            &get,
+            &user("h"),
+            Answer::Upstream,
+        )
         .await
         .unwrap();
     let noisy = matched(&spec, "noisy/n");
     let mut heard = Vec::new();
     for _ in 0..7 {
-        let refusal = admission.admit(&noisy, &get, &user("n")).await.unwrap_err();
+        let refusal = admission
+            .admit(&noisy, &get, &user("n"), Answer::Upstream)
+            .await
+            .unwrap_err();
         assert_eq!(refusal.reason, Reason::QueueFull);
         let after = refusal.retry_after.unwrap();
         heard.push(after.as_secs());
@@ -429,7 +443,12 @@ async fn retry_after_grows_and_decays_per_flow_and_an_innocent_flow_hears_one_se
     }
     assert_eq!(heard, vec![1, 2, 4, 8, 16, 32, 32]);
     let innocent = admission
-        .admit(&matched(&spec, "innocent/i"), &get, &user("i"))
+        .admit(
+            &matched(&spec, "innocent/i"),
+            &get,
+            &user("i"),
+            Answer::Upstream,
+        )
         .await
         .unwrap_err();
     assert_eq!(innocent.retry_after, Some(Duration::from_secs(1)));
@@ -440,13 +459,24 @@ async fn retry_after_grows_and_decays_per_flow_and_an_innocent_flow_hears_one_se
     assert_eq!(response.headers()["x-bulwark-reason"], "queue_full");
     // The noisy flow stops for a while: its Retry-After shrinks.
     sleep(Duration::from_secs(32)).await;
-    let after = admission.admit(&noisy, &get, &user("n")).await.unwrap_err();
+    let after = admission
+        .admit(&noisy, &get, &user("n"), Answer::Upstream)
+        .await
+        .unwrap_err();
     assert_eq!(after.retry_after, Some(Duration::from_secs(16)));
     sleep(Duration::from_secs(600)).await;
-    let after = admission.admit(&noisy, &get, &user("n")).await.unwrap_err();
+    let after = admission
+        .admit(&noisy, &get, &user("n"), Answer::Upstream)
+        .await
+        .unwrap_err();
     assert_eq!(after.retry_after, Some(Duration::from_secs(1)));
     drop(holder);
-    assert!(admission.admit(&noisy, &get, &user("n")).await.is_ok());
+    assert!(
+        admission
+            .admit(&noisy, &get, &user("n"), Answer::Upstream)
+            .await
+            .is_ok()
+    );
 }
 
 #[tokio::test(start_paused = true, flavor = "current_thread")]
@@ -456,9 +486,22 @@ async fn a_rate_limited_flow_is_refused_with_its_rule_and_level() {
     let mut m = matched(&spec, "poller/u1");
     m.rate = Some(Rate { qps: 2.0, burst: 2 });
     let get = req("/api/v1/namespaces/a/events");
-    assert!(admission.admit(&m, &get, &user("u1")).await.is_ok());
-    assert!(admission.admit(&m, &get, &user("u1")).await.is_ok());
-    let refusal = admission.admit(&m, &get, &user("u1")).await.unwrap_err();
+    assert!(
+        admission
+            .admit(&m, &get, &user("u1"), Answer::Upstream)
+            .await
+            .is_ok()
+    );
+    assert!(
+        admission
+            .admit(&m, &get, &user("u1"), Answer::Upstream)
+            .await
+            .is_ok()
+    );
+    let refusal = admission
+        .admit(&m, &get, &user("u1"), Answer::Upstream)
+        .await
+        .unwrap_err();
     assert_eq!(refusal.reason, Reason::RateLimited);
     assert_eq!(refusal.rule.as_deref(), Some("poller"));
     assert_eq!(refusal.level.as_deref(), Some("rated"));
@@ -466,9 +509,19 @@ async fn a_rate_limited_flow_is_refused_with_its_rule_and_level() {
     // Another flow of the same rule has its own bucket.
     let mut other = m.clone();
     other.flow = "poller/u2".into();
-    assert!(admission.admit(&other, &get, &user("u2")).await.is_ok());
+    assert!(
+        admission
+            .admit(&other, &get, &user("u2"), Answer::Upstream)
+            .await
+            .is_ok()
+    );
     sleep(Duration::from_millis(500)).await;
-    assert!(admission.admit(&m, &get, &user("u1")).await.is_ok());
+    assert!(
+        admission
+            .admit(&m, &get, &user("u1"), Answer::Upstream)
+            .await
+            .is_ok()
+    );
 }
 
 #[tokio::test(start_paused = true, flavor = "current_thread")]
@@ -482,7 +535,12 @@ async fn shadow_mode_passes_everything_and_counts() {
     let get = req("/api/v1/namespaces/a/pods/p");
     // An enforced flow holds the level's only seat.
     let holder = admission
-        .admit(&matched(&spec, "holder/h"), &get, &user("h"))
+        .admit(
+            &matched(&spec, "holder/h"),
+            &get,
+            &user("h"),
+            Answer::Upstream,
+        )
         .await
         .unwrap();
     m.mode = Mode::Shadow;
@@ -490,7 +548,7 @@ async fn shadow_mode_passes_everything_and_counts() {
     for _ in 0..10 {
         permits.push(
             admission
-                .admit(&m, &watch, &user("u"))
+                .admit(&m, &watch, &user("u"), Answer::Upstream)
                 .await
                 .expect("shadow never refuses"),
         );
@@ -507,7 +565,10 @@ async fn shadow_mode_passes_everything_and_counts() {
     assert!(metrics.render().contains("bulwark_shadow_rejections_total"));
     // The same rule enforced refuses.
     m.mode = Mode::Enforce;
-    let refusal = admission.admit(&m, &watch, &user("u")).await.unwrap_err();
+    let refusal = admission
+        .admit(&m, &watch, &user("u"), Answer::Upstream)
+        .await
+        .unwrap_err();
     assert_eq!(refusal.reason, Reason::RateLimited);
     drop((holder, permits));
 }
@@ -524,7 +585,10 @@ async fn a_reload_under_load_drops_nothing() {
                 let (admission, m, get, done) =
                     (admission.clone(), m.clone(), get.clone(), done.clone());
                 tokio::task::spawn_local(async move {
-                    match admission.admit(&m, &get, &user("u")).await {
+                    match admission
+                        .admit(&m, &get, &user("u"), Answer::Upstream)
+                        .await
+                    {
                         Ok(permit) => {
                             sleep(Duration::from_millis(100)).await;
                             drop(permit);
@@ -591,13 +655,21 @@ async fn idle_flows_are_evicted() {
     for i in 0..10_000 {
         let mut m = matched(&spec, &format!("agents/node-{i}"));
         m.rate = rate;
-        drop(admission.admit(&m, &get, &user("u")).await.unwrap());
+        drop(
+            admission
+                .admit(&m, &get, &user("u"), Answer::Upstream)
+                .await
+                .unwrap(),
+        );
     }
     assert_eq!(admission.flows(), 10_000);
     // One flow keeps a watch open: it is not forgotten.
     let mut watcher = matched(&spec, "agents/watcher");
     watcher.watches = Some(5);
-    let mut permit = admission.admit(&watcher, &watch, &user("w")).await.unwrap();
+    let mut permit = admission
+        .admit(&watcher, &watch, &user("w"), Answer::Upstream)
+        .await
+        .unwrap();
     let guard = permit.watch_guard().unwrap();
     drop(permit);
     // Time passes with a trickle of other requests: each sweeps a little.
@@ -605,7 +677,12 @@ async fn idle_flows_are_evicted() {
         sleep(Duration::from_secs(1)).await;
         let mut m = matched(&spec, &format!("later/{i}"));
         m.rate = rate;
-        drop(admission.admit(&m, &get, &user("u")).await.unwrap());
+        drop(
+            admission
+                .admit(&m, &get, &user("u"), Answer::Upstream)
+                .await
+                .unwrap(),
+        );
     }
     assert!(
         admission.flows() <= 201,
@@ -629,14 +706,22 @@ async fn level_seats_shrink_with_the_share_of_healthy_replicas() {
     for i in 0..2 {
         permits.push(
             admission
-                .admit(&matched(&spec, &format!("r/{i}")), &get, &user("u"))
+                .admit(
+                    &matched(&spec, &format!("r/{i}")),
+                    &get,
+                    &user("u"),
+                    Answer::Upstream,
+                )
                 .await
                 .unwrap(),
         );
     }
     let (third, u) = (matched(&spec, "r/3"), user("u"));
-    let timed =
-        tokio::time::timeout(Duration::from_secs(1), admission.admit(&third, &get, &u)).await;
+    let timed = tokio::time::timeout(
+        Duration::from_secs(1),
+        admission.admit(&third, &get, &u, Answer::Upstream),
+    )
+    .await;
     assert!(
         timed.is_err(),
         "a third request waits: 6 seats x 1/3 healthy = 2"
@@ -653,7 +738,12 @@ async fn level_seats_shrink_with_the_share_of_healthy_replicas() {
     for i in 2..6 {
         permits.push(
             admission
-                .admit(&matched(&spec, &format!("r/{i}")), &get, &user("u"))
+                .admit(
+                    &matched(&spec, &format!("r/{i}")),
+                    &get,
+                    &user("u"),
+                    Answer::Upstream,
+                )
                 .await
                 .unwrap(),
         );
@@ -670,7 +760,10 @@ async fn watches_take_a_seat_only_while_starting_then_count_against_the_flow() {
     m.watches = Some(2);
     let mut streams = Vec::new();
     for _ in 0..2 {
-        let mut permit = admission.admit(&m, &watch, &user("a")).await.unwrap();
+        let mut permit = admission
+            .admit(&m, &watch, &user("a"), Answer::Upstream)
+            .await
+            .unwrap();
         assert!(permit.holds_seats());
         // The response head arrived: the watch runs on without a seat.
         permit.release_seats();
@@ -678,10 +771,18 @@ async fn watches_take_a_seat_only_while_starting_then_count_against_the_flow() {
         drop(permit);
     }
     assert_eq!(level_json(&admission, "watchers")["executingSeats"], 0);
-    let refusal = admission.admit(&m, &watch, &user("a")).await.unwrap_err();
+    let refusal = admission
+        .admit(&m, &watch, &user("a"), Answer::Upstream)
+        .await
+        .unwrap_err();
     assert_eq!(refusal.reason, Reason::WatchLimit);
     streams.pop();
-    assert!(admission.admit(&m, &watch, &user("a")).await.is_ok());
+    assert!(
+        admission
+            .admit(&m, &watch, &user("a"), Answer::Upstream)
+            .await
+            .is_ok()
+    );
 }
 
 #[tokio::test(start_paused = true, flavor = "current_thread")]
@@ -690,12 +791,12 @@ async fn a_client_that_goes_away_leaves_its_queue_and_frees_nothing_it_did_not_h
     let (admission, _) = admission(std::slice::from_ref(&spec), big_budget());
     let get = req("/api/v1/namespaces/a/pods/p");
     let holder = admission
-        .admit(&matched(&spec, "h/1"), &get, &user("u"))
+        .admit(&matched(&spec, "h/1"), &get, &user("u"), Answer::Upstream)
         .await
         .unwrap();
     let gone = tokio::time::timeout(
         Duration::from_secs(1),
-        admission.admit(&matched(&spec, "g/2"), &get, &user("u")),
+        admission.admit(&matched(&spec, "g/2"), &get, &user("u"), Answer::Upstream),
     )
     .await;
     assert!(gone.is_err());
@@ -706,11 +807,11 @@ async fn a_client_that_goes_away_leaves_its_queue_and_frees_nothing_it_did_not_h
     assert_eq!(level_json(&admission, "cancel")["executingSeats"], 0);
     // A queue timeout says so.
     let holder = admission
-        .admit(&matched(&spec, "h/1"), &get, &user("u"))
+        .admit(&matched(&spec, "h/1"), &get, &user("u"), Answer::Upstream)
         .await
         .unwrap();
     let refusal = admission
-        .admit(&matched(&spec, "t/3"), &get, &user("u"))
+        .admit(&matched(&spec, "t/3"), &get, &user("u"), Answer::Upstream)
         .await
         .unwrap_err();
     assert_eq!(refusal.reason, Reason::QueueTimeout);
@@ -728,7 +829,12 @@ async fn exempt_levels_have_no_limits() {
     let list = req("/api/v1/secrets");
     let mut permits = Vec::new();
     for _ in 0..100 {
-        permits.push(admission.admit(&m, &list, &user("root")).await.unwrap());
+        permits.push(
+            admission
+                .admit(&m, &list, &user("root"), Answer::Upstream)
+                .await
+                .unwrap(),
+        );
     }
     assert!(permits.iter().all(|p| !p.holds_seats()));
 }

@@ -77,6 +77,8 @@ async fn get(
         } else {
             LIST_TIMEOUT
         }),
+        replica: None,
+        body_flow: None,
     };
     upstream
         .send(request, route)

@@ -13,6 +13,7 @@ use apimachinery::continue_token;
 
 use super::store::{EventType, Kind};
 use super::*;
+use crate::status::{ProxyError, Reason};
 
 /// Allows everyone except the denied users; names, when set, limit what may be read.
 #[derive(Default)]
@@ -78,13 +79,25 @@ fn setup_with(cfg: config::Cache, audit: Option<AuditLog>) -> Setup {
         cfg.ring_size,
         cfg.watcher_buffer,
     ));
-    let _ = cache.slots[0].store.set(store.clone());
+    let _ = cache.resources[0].store.set(store.clone());
     Setup {
         cache,
         store,
         policy,
         metrics,
     }
+}
+
+/// The reason and the response a client gets for a refused cached read, through the one
+/// mapping every refusal takes.
+fn refused(error: CacheError) -> (Reason, Response<Body>) {
+    let error = ProxyError::Cache {
+        error,
+        rule: Arc::from("r"),
+        level: "l".into(),
+    };
+    let refusal = error.refusal();
+    (refusal.reason, error.into_response(refusal))
 }
 
 fn setup() -> Setup {
@@ -126,7 +139,15 @@ fn info(path_and_query: &str) -> RequestInfo {
 
 async fn ask(s: &Setup, who: &str, uri: &str) -> Result<Option<Response<Body>>, CacheError> {
     s.cache
-        .serve(&info(uri), &user(who), &HeaderMap::new(), None, None)
+        .serve(
+            &info(uri),
+            Reader {
+                user: &user(who),
+                headers: &HeaderMap::new(),
+                peer: None,
+            },
+            None,
+        )
         .await
 }
 
@@ -272,8 +293,8 @@ async fn a_user_without_access_gets_403_and_never_data() {
         let Err(error) = ask(&s, "mallory", uri).await else {
             panic!("{uri} was answered for a denied user");
         };
-        assert_eq!(error.reason(), Reason::Forbidden, "{uri}");
-        let response = error.into_response();
+        let (reason, response) = refused(error);
+        assert_eq!(reason, Reason::Forbidden, "{uri}");
         let (status, body) = json(response).await;
         assert_eq!(status, StatusCode::FORBIDDEN);
         assert_eq!(body["kind"], "Status");
@@ -289,7 +310,7 @@ async fn a_user_without_access_gets_403_and_never_data() {
     else {
         unreachable!()
     };
-    let (_, body) = json(error.into_response()).await;
+    let (_, body) = json(refused(error).1).await;
     assert_eq!(
         body["message"],
         "secrets \"one\" is forbidden: User \"mallory\" cannot get resource \"secrets\" in API group \"\" in the namespace \"ns-a\""
@@ -345,7 +366,7 @@ async fn a_review_that_cannot_be_made_is_an_error_never_data() {
     .await
     .unwrap_err();
     assert!(matches!(error, CacheError::ReviewFailed(_)));
-    let response = error.into_response();
+    let (_, response) = refused(error);
     assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
     let (_, body) = json(response).await;
     assert!(!body.to_string().contains("dmFsdWU="));
@@ -359,7 +380,15 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     headers.insert("impersonate-user", "bob".parse().unwrap());
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None, None)
+            .serve(
+                &info(uri),
+                Reader {
+                    user: &user("alice"),
+                    headers: &headers,
+                    peer: None
+                },
+                None
+            )
             .await
             .unwrap()
             .is_none()
@@ -373,7 +402,15 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None, None)
+            .serve(
+                &info(uri),
+                Reader {
+                    user: &user("alice"),
+                    headers: &headers,
+                    peer: None
+                },
+                None
+            )
             .await
             .unwrap()
             .is_none()
@@ -384,7 +421,15 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None, None)
+            .serve(
+                &info(uri),
+                Reader {
+                    user: &user("alice"),
+                    headers: &headers,
+                    peer: None
+                },
+                None
+            )
             .await
             .unwrap()
             .is_none()
@@ -397,7 +442,15 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(&info(uri), &user("alice"), &headers, None, None)
+            .serve(
+                &info(uri),
+                Reader {
+                    user: &user("alice"),
+                    headers: &headers,
+                    peer: None
+                },
+                None
+            )
             .await
             .unwrap()
             .is_some()
@@ -409,7 +462,15 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     .unwrap();
     assert!(
         s.cache
-            .serve(&post, &user("alice"), &HeaderMap::new(), None, None)
+            .serve(
+                &post,
+                Reader {
+                    user: &user("alice"),
+                    headers: &HeaderMap::new(),
+                    peer: None
+                },
+                None
+            )
             .await
             .unwrap()
             .is_none()
@@ -713,10 +774,12 @@ async fn an_inconsistent_continue_reads_the_latest_state_after_its_key() {
         .cache
         .serve(
             &info(&uri),
-            &user("alice"),
-            &HeaderMap::new(),
+            Reader {
+                user: &user("alice"),
+                headers: &HeaderMap::new(),
+                peer: None,
+            },
             Some(Duration::from_secs(2)),
-            None,
         )
         .await
         .unwrap()
@@ -767,7 +830,15 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
     s.store.set_connected(true);
     assert!(
         s.cache
-            .serve(&request, &user("alice"), &HeaderMap::new(), staleness, None)
+            .serve(
+                &request,
+                Reader {
+                    user: &user("alice"),
+                    headers: &HeaderMap::new(),
+                    peer: None
+                },
+                staleness
+            )
             .await
             .unwrap()
             .is_some()
@@ -776,7 +847,15 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
     tokio::time::advance(Duration::from_secs(1)).await;
     assert!(
         s.cache
-            .serve(&request, &user("alice"), &HeaderMap::new(), staleness, None)
+            .serve(
+                &request,
+                Reader {
+                    user: &user("alice"),
+                    headers: &HeaderMap::new(),
+                    peer: None
+                },
+                staleness
+            )
             .await
             .unwrap()
             .is_some()
@@ -784,7 +863,15 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
     tokio::time::advance(Duration::from_secs(2)).await;
     assert!(
         s.cache
-            .serve(&request, &user("alice"), &HeaderMap::new(), staleness, None)
+            .serve(
+                &request,
+                Reader {
+                    user: &user("alice"),
+                    headers: &HeaderMap::new(),
+                    peer: None
+                },
+                staleness
+            )
             .await
             .unwrap()
             .is_none()
@@ -1079,9 +1166,11 @@ async fn gzip_is_honoured_for_large_answers() {
         .cache
         .serve(
             &info("/api/v1/secrets?resourceVersion=0"),
-            &user("alice"),
-            &headers,
-            None,
+            Reader {
+                user: &user("alice"),
+                headers: &headers,
+                peer: None,
+            },
             None,
         )
         .await
@@ -1098,9 +1187,11 @@ async fn gzip_is_honoured_for_large_answers() {
         .cache
         .serve(
             &info("/api/v1/secrets?resourceVersion=0"),
-            &user("alice"),
-            &headers,
-            None,
+            Reader {
+                user: &user("alice"),
+                headers: &headers,
+                peer: None,
+            },
             None,
         )
         .await
@@ -1124,9 +1215,11 @@ async fn secret_reads_are_audited() {
         .cache
         .serve(
             &info("/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0"),
-            &user("alice"),
-            &headers,
-            None,
+            Reader {
+                user: &user("alice"),
+                headers: &headers,
+                peer: None,
+            },
             None,
         )
         .await
@@ -1166,23 +1259,32 @@ async fn refused_secret_reads_are_audited_with_the_clients_address() {
         "/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0",
         "/api/v1/namespaces/ns-a/secrets?watch=1&resourceVersion=0",
     ] {
-        let refused = s
+        let error = s
             .cache
-            .serve_from(&info(uri), &user("mallory"), &headers, peer, None, None)
+            .serve(
+                &info(uri),
+                Reader {
+                    user: &user("mallory"),
+                    headers: &headers,
+                    peer: peer,
+                },
+                None,
+            )
             .await
             .unwrap_err();
-        assert_eq!(refused.reason(), Reason::Forbidden);
-        let response = refused.into_response();
+        let (reason, response) = refused(error);
+        assert_eq!(reason, Reason::Forbidden);
         assert_eq!(response.status(), StatusCode::FORBIDDEN);
         audit_ids.push(response.headers()["audit-id"].to_str().unwrap().to_owned());
     }
     s.cache
-        .serve_from(
+        .serve(
             &info("/api/v1/secrets?resourceVersion=0"),
-            &user("alice"),
-            &HeaderMap::new(),
-            peer,
-            None,
+            Reader {
+                user: &user("alice"),
+                headers: &HeaderMap::new(),
+                peer: peer,
+            },
             None,
         )
         .await
@@ -1258,7 +1360,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
         Metrics::new(),
         None,
     );
-    let _ = cache.slots[0].store.set(store.clone());
+    let _ = cache.resources[0].store.set(store.clone());
     let rv: u64 = list["metadata"]["resourceVersion"]
         .as_str()
         .unwrap()
@@ -1278,7 +1380,15 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     store.replace(items, rv);
     let request = info("/api/v1/namespaces/kube-system/pods?resourceVersion=0");
     let response = cache
-        .serve(&request, &user("alice"), &HeaderMap::new(), None, None)
+        .serve(
+            &request,
+            Reader {
+                user: &user("alice"),
+                headers: &HeaderMap::new(),
+                peer: None,
+            },
+            None,
+        )
         .await
         .unwrap()
         .unwrap();
@@ -1294,7 +1404,15 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     let their_lines: Vec<&str> = stream.lines().collect();
     let uri = "/api/v1/namespaces/kube-system/pods?&allowWatchBookmarks=true&resourceVersion=0&resourceVersionMatch=NotOlderThan&sendInitialEvents=true&watch=true";
     let mut body = cache
-        .serve(&info(uri), &user("alice"), &HeaderMap::new(), None, None)
+        .serve(
+            &info(uri),
+            Reader {
+                user: &user("alice"),
+                headers: &HeaderMap::new(),
+                peer: None,
+            },
+            None,
+        )
         .await
         .unwrap()
         .unwrap()

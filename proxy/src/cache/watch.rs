@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
-use crate::admit::Seats;
+use crate::call::Held;
 use crate::identity::User;
 use crate::metrics::Metrics;
 
@@ -93,7 +93,7 @@ struct Watcher {
     review: Option<JoinHandle<Result<Decision, String>>>,
     metrics: Metrics,
     /// Seats held while the initial state is sent (a watch without a version).
-    initial_seats: Option<Seats>,
+    initial_seats: Option<Held>,
     done: bool,
 }
 
@@ -271,7 +271,7 @@ pub fn body(
     start: WatchStart,
     options: Options,
     reauth: Option<Reauthorize>,
-    initial_seats: Option<Seats>,
+    initial_seats: Option<Held>,
     metrics: Metrics,
 ) -> crate::Body {
     let now = Instant::now();

@@ -381,7 +381,8 @@ fn malformed_paths_are_refused_with_their_reason() {
             e.to_string().contains(target),
             "the message names the path: {e}"
         );
-        assert_eq!(e.refusal().reason.status(), http::StatusCode::BAD_REQUEST);
+        let refusal = crate::status::ProxyError::Classify(e).refusal();
+        assert_eq!(refusal.status(), http::StatusCode::BAD_REQUEST);
     }
 }
 

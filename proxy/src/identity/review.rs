@@ -309,6 +309,8 @@ pub async fn post_json(
         long_running: false,
         watch: false,
         timeout: Some(REVIEW_TIMEOUT),
+        replica: None,
+        body_flow: None,
     };
     let response = upstream
         .send(request, route)

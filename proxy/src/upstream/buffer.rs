@@ -332,7 +332,8 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, UpstreamError::BodyTooLarge(_)), "{err}");
-        assert_eq!(err.status(), http::StatusCode::PAYLOAD_TOO_LARGE);
+        let refusal = crate::status::ProxyError::Upstream(err).refusal();
+        assert_eq!(refusal.status(), http::StatusCode::PAYLOAD_TOO_LARGE);
         let exact = vec![b'x'; MAX_REQUEST_BODY];
         let (bytes, held) = buffer(crate::full(exact), &HeaderMap::new(), None)
             .await

@@ -274,13 +274,7 @@ impl Balancer {
         now: Instant,
         rng: &mut impl Rng,
     ) -> Option<usize> {
-        let health = self.health(now);
-        let out = health.iter().filter(|h| h.out(now)).count();
-        let in_rotation: Vec<usize> = if out * 2 > health.len() {
-            (0..health.len()).collect()
-        } else {
-            (0..health.len()).filter(|&i| !health[i].out(now)).collect()
-        };
+        let (health, in_rotation) = self.rotation(now);
         let fresh: Vec<usize> = in_rotation
             .iter()
             .copied()
@@ -304,6 +298,31 @@ impl Balancer {
                 Some(if score(b) < score(a) { b } else { a })
             }
         }
+    }
+
+    /// Picks the replica a LIST's bytes are held on (and its request then sent to): among
+    /// the same replicas [`Balancer::pick`] chooses from, the one with the fewest in-flight
+    /// LIST bytes, so that the byte budget and the balancer never disagree about where a
+    /// LIST lands.
+    pub(crate) fn pick_for_bytes(&self, now: Instant) -> Option<usize> {
+        let (health, in_rotation) = self.rotation(now);
+        drop(health);
+        in_rotation
+            .into_iter()
+            .min_by_key(|&i| self.replicas[i].in_flight_bytes())
+    }
+
+    /// Every replica's health now, and the replicas a request may go to: those in
+    /// rotation, or all of them when more than half are out.
+    fn rotation(&self, now: Instant) -> (MutexGuard<'_, Vec<Health>>, Vec<usize>) {
+        let health = self.health(now);
+        let out = health.iter().filter(|h| h.out(now)).count();
+        let in_rotation: Vec<usize> = if out * 2 > health.len() {
+            (0..health.len()).collect()
+        } else {
+            (0..health.len()).filter(|&i| !health[i].out(now)).collect()
+        };
+        (health, in_rotation)
     }
 
     fn score(&self, index: usize, load: Load, throttled: bool) -> f64 {

@@ -1,0 +1,185 @@
+//! One request on its way through the stages, and what each stage has learned about it.
+//!
+//! A [`Call`] is made once, by `Rescue`, from the request and its connection. Each stage
+//! takes the call with the facts of the stages before it and hands on the call with its
+//! own added — [`Classified`], [`Identified`], [`Admitted`], then [`ToApiserver`] — so a
+//! stage can only be wired after the stages it needs, and none has to look for what
+//! another left in the request's extensions.
+
+use std::sync::{Arc, OnceLock};
+
+use http::Request;
+
+use crate::cache;
+use crate::classify::RequestInfo;
+use crate::identity::{Identity, User};
+use crate::listen::ConnInfo;
+use crate::rules::Matched;
+use crate::upstream::BodyFlow;
+
+/// A request and what the stages so far know about it (`F`).
+pub struct Call<B, F> {
+    /// The request as the client sent it.
+    pub request: Request<B>,
+    /// The connection it came on; `None` only for requests made in tests.
+    pub conn: Option<ConnInfo>,
+    /// What `Rescue` reports for the request, whatever stage answers it.
+    pub report: Arc<Report>,
+    /// What the stages so far learned.
+    pub facts: F,
+}
+
+impl<B> Call<B, ()> {
+    /// A call for `request`: its connection is taken from the request's extensions, where
+    /// the listener put it.
+    pub fn new(mut request: Request<B>) -> Call<B, ()> {
+        let conn = request.extensions_mut().remove::<ConnInfo>();
+        Call {
+            request,
+            conn,
+            report: Arc::default(),
+            facts: (),
+        }
+    }
+}
+
+impl<B, F> Call<B, F> {
+    /// The same call with the facts of one more stage.
+    pub fn learn<G>(self, facts: G) -> Call<B, G> {
+        Call {
+            request: self.request,
+            conn: self.conn,
+            report: self.report,
+            facts,
+        }
+    }
+
+    /// The facts, and the call without them (to hand on with others).
+    pub fn take_facts(self) -> (F, Call<B, ()>) {
+        let facts = self.facts;
+        let call = Call {
+            request: self.request,
+            conn: self.conn,
+            report: self.report,
+            facts: (),
+        };
+        (facts, call)
+    }
+}
+
+/// What the rejection log and the request metrics say of a request, filled in by the
+/// stage that learns it.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The verb and resource labels (classification).
+    pub labels: OnceLock<Labels>,
+    /// The client's user name (identity).
+    pub who: OnceLock<String>,
+}
+
+/// The metric labels of one request.
+#[derive(Debug, Clone)]
+pub struct Labels {
+    /// The verb label.
+    pub verb: &'static str,
+    /// The resource label (a closed set; see `metrics::ResourceLabels`).
+    pub resource: Arc<str>,
+}
+
+/// After classification: what the request asks for.
+#[derive(Debug, Clone)]
+pub struct Classified {
+    /// Verb, resource, namespace, name and query.
+    pub info: Arc<RequestInfo>,
+}
+
+/// After identity: who asks.
+#[derive(Debug, Clone)]
+pub struct Identified {
+    /// What the request asks for.
+    pub info: Arc<RequestInfo>,
+    /// Who asks, and with which credential.
+    pub identity: Identity,
+}
+
+impl Identified {
+    /// The user the rules and the cache's authorization see: the identified user, or
+    /// `system:anonymous` for a request on the anonymous allowlist.
+    pub fn user(&self) -> User {
+        match &self.identity {
+            Identity::User { user, .. } => user.clone(),
+            Identity::Anonymous => User {
+                username: "system:anonymous".into(),
+                groups: vec!["system:unauthenticated".into()],
+                ..User::default()
+            },
+        }
+    }
+}
+
+/// After admission: the request may run, and where its answer comes from.
+pub struct Admitted {
+    /// What the request asks for.
+    pub info: Arc<RequestInfo>,
+    /// Who asks.
+    pub identity: Identity,
+    /// The user the cache authorizes (see [`Identified::user`]).
+    pub user: User,
+    /// The reader's rule, level and flow.
+    pub matched: Matched,
+    /// Where the answer comes from, as admission weighed it.
+    pub source: Source,
+}
+
+/// Where admission decided an admitted request's answer comes from.
+pub enum Source {
+    /// Bulwark's cache answers, as planned.
+    Cache {
+        /// The cache.
+        cache: Arc<cache::Cache>,
+        /// What it will answer.
+        plan: cache::Plan,
+        /// For a watch that starts with the current state: the seats it holds until that
+        /// state is sent.
+        initial_seats: Option<Held>,
+    },
+    /// An apiserver answers.
+    Upstream {
+        /// The replica holding this LIST's bytes, where it must go.
+        replica: Option<Arc<str>>,
+        /// The flow whose share of the request-body budget holds the body.
+        body_flow: BodyFlow,
+    },
+}
+
+/// After the cache passed the request on: what forwarding needs.
+pub struct ToApiserver {
+    /// What the request asks for.
+    pub info: Arc<RequestInfo>,
+    /// Who asks.
+    pub identity: Identity,
+    /// The replica holding this LIST's bytes, where it must go.
+    pub replica: Option<Arc<str>>,
+    /// The flow whose share of the request-body budget holds the body.
+    pub body_flow: BodyFlow,
+}
+
+/// Something held until dropped (admission's seats), whose owner the holder need not know.
+pub struct Held {
+    _thing: Box<dyn Send + Sync>,
+}
+
+impl Held {
+    /// Holds `thing` until this is dropped.
+    pub fn new(thing: impl Send + Sync + 'static) -> Held {
+        Held {
+            _thing: Box::new(thing),
+        }
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Held")
+    }
+}

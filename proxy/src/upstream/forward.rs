@@ -1,0 +1,109 @@
+//! Forwarding as the innermost stage: rewrites the identity headers for the apiserver
+//! (`identity::forward`), adds `X-Forwarded-For`, and sends the request to a replica
+//! through the pool.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{HeaderValue, Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tower::Service;
+
+use super::{RetryPolicy, Route, Upstream};
+use crate::call::{Call, ToApiserver};
+use crate::classify::Verb;
+use crate::config::Timeouts;
+use crate::identity::forward::Forwarding;
+use crate::metrics::ServedBy;
+use crate::status::ProxyError;
+use crate::{Body, BoxFuture};
+
+/// Sends each request to a replica, as the client it acts for.
+#[derive(Clone)]
+pub struct Forward {
+    upstream: Upstream,
+    forwarding: Arc<Forwarding>,
+    timeouts: Timeouts,
+}
+
+impl Forward {
+    /// Forwards to `upstream`, with identity headers from `forwarding`, within `timeouts`.
+    pub fn new(upstream: Upstream, forwarding: Arc<Forwarding>, timeouts: Timeouts) -> Forward {
+        Forward {
+            upstream,
+            forwarding,
+            timeouts,
+        }
+    }
+
+    async fn forward(
+        &self,
+        call: Call<Incoming, ToApiserver>,
+    ) -> Result<Response<Body>, ProxyError> {
+        let (facts, call) = call.take_facts();
+        let ToApiserver {
+            info,
+            identity,
+            replica,
+            body_flow,
+        } = facts;
+        let (mut parts, body) = call.request.into_parts();
+        let upgrade = info.is_upgrade() && parts.headers.contains_key(http::header::UPGRADE);
+        let credential = self
+            .forwarding
+            .prepare(&identity, &mut parts.headers, upgrade)?;
+        if let Some(conn) = &call.conn {
+            append_forwarded_for(&mut parts.headers, conn.peer);
+        }
+        // Keep only path and query: the pool sets scheme and authority per replica.
+        if let Some(pq) = parts.uri.path_and_query().cloned() {
+            parts.uri = http::Uri::from(pq);
+        }
+        let route = Route {
+            credential,
+            retry: if info.is_read() {
+                RetryPolicy::Read
+            } else {
+                RetryPolicy::Write
+            },
+            long_running: info.is_long_running(),
+            watch: info.query.watch || matches!(info.verb, Verb::Watch),
+            timeout: self.timeouts.for_request(&info),
+            replica,
+            body_flow: Some(body_flow),
+        };
+        let request = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+        let mut response = self.upstream.send(request, route).await?;
+        response.extensions_mut().insert(ServedBy::Upstream);
+        Ok(response)
+    }
+}
+
+impl Service<Call<Incoming, ToApiserver>> for Forward {
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Response<Body>, ProxyError>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, call: Call<Incoming, ToApiserver>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { this.forward(call).await })
+    }
+}
+
+/// Appends the client's address to `X-Forwarded-For`, after any the client sent.
+fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
+    let ip = peer.ip().to_string();
+    let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(existing) => format!("{existing}, {ip}"),
+        None => ip,
+    };
+    if let Ok(value) = HeaderValue::from_str(&value) {
+        headers.insert("x-forwarded-for", value);
+    }
+}

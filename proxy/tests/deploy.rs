@@ -16,16 +16,13 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::AsyncReadExt;
 
+use bulwark_testkit::repo_path as repo;
 use bulwark_testkit::{
     BAD_TOKEN, Client, Cluster, GOOD_TOKEN, Setup, admin_get, get, post_json, with_token,
 };
 
 // ---------------------------------------------------------------------------------------
 // Files
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
-}
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bulwark::config::{Config, IdentityMode};
 use bulwark_sim::{Ca, Pki};
 use serde_json::{Value, json};
+use serde_norway::Value as Yaml;
 
 /// The CN of Bulwark's front-proxy certificate; the simulated apiservers allow it.
 pub const FRONT_PROXY_CN: &str = "front-proxy-client";
@@ -189,10 +190,11 @@ impl BulwarkConfig {
         if let Some(audit) = &self.audit {
             doc["audit"] = json!({"path": path(audit)});
         }
+        let mut doc = serde_norway::to_value(&doc).expect("a JSON value is YAML");
         for (at, yaml) in &self.settings {
             set_value(&mut doc, at, yaml);
         }
-        serde_norway::to_string(&doc).expect("a JSON value is YAML")
+        serde_norway::to_string(&doc).expect("YAML serializes")
     }
 
     /// The configuration as Bulwark reads it (validated: a test configuration is valid).
@@ -211,26 +213,27 @@ impl BulwarkConfig {
 /// `yaml` (a configuration or any YAML mapping) with each `(dotted path, YAML value)` set;
 /// missing mappings on the way are created.
 pub fn with_values(yaml: &str, values: &[(&str, &str)]) -> String {
-    let mut doc: Value = serde_norway::from_str(yaml).expect("the configuration is YAML");
+    let mut doc: Yaml = serde_norway::from_str(yaml).expect("the configuration is YAML");
     for (at, value) in values {
         set_value(&mut doc, at, value);
     }
-    serde_norway::to_string(&doc).expect("a JSON value is YAML")
+    serde_norway::to_string(&doc).expect("YAML serializes")
 }
 
-fn set_value(doc: &mut Value, at: &str, yaml: &str) {
-    let value: Value = serde_norway::from_str(yaml)
-        .unwrap_or_else(|e| panic!("the value of {at} is not YAML ({e}): {yaml}"));
+/// Sets the YAML `value` at the dotted path `at` (YAML, not JSON: `.nan` stays a number).
+fn set_value(doc: &mut Yaml, at: &str, value: &str) {
+    let value: Yaml = serde_norway::from_str(value)
+        .unwrap_or_else(|e| panic!("the value of {at} is not YAML ({e}): {value}"));
     let mut node = doc;
     for key in at.split('.') {
-        if !node.is_object() {
-            *node = Value::Object(Default::default());
+        if !node.is_mapping() {
+            *node = Yaml::Mapping(Default::default());
         }
         node = node
-            .as_object_mut()
-            .expect("an object")
-            .entry(key)
-            .or_insert(Value::Null);
+            .as_mapping_mut()
+            .expect("a mapping")
+            .entry(Yaml::String(key.into()))
+            .or_insert(Yaml::Null);
     }
     *node = value;
 }
@@ -249,6 +252,10 @@ mod tests {
             ],
         );
         let doc: Value = serde_norway::from_str(&yaml).unwrap();
+        assert!(
+            yaml.find("listen").unwrap() < yaml.find("cache").unwrap(),
+            "{yaml}"
+        );
         assert_eq!(
             doc,
             json!({

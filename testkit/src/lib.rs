@@ -36,3 +36,10 @@ pub fn metric_sum(exposition: &str, family: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// A file or folder of the repository, e.g. `rules/examples` or `deploy/base/bulwark.yaml`.
+pub fn repo_path(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(path)
+}

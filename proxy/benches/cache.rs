@@ -4,24 +4,21 @@
 //! - fan-out: N watchers (2,000 by default) through the listener, events created in the
 //!   simulator at a steady rate: upstream watches the simulator sees, delivery p99, RSS;
 //! - LIST `resourceVersion=0` of 5,000 secrets: requests per second and p99 from the cache
-//!   (through the TLS listener, authorized), from the simulator directly, and from a plain
-//!   hyper server sending the same pre-encoded bytes over TLS (the limit of this machine).
+//!   (through Bulwark's whole request path, authorized), from the simulator directly, and
+//!   from a plain hyper server sending the same pre-encoded bytes over TLS (the limit of
+//!   this machine).
 //!
 //! Run: `cargo bench -p bulwark --bench cache` (add `--profile dev` for a quick look; the
 //! ratios matter, not the absolute figures). `BENCH_SECONDS` sets each load's duration.
-
-#[allow(dead_code)]
-#[path = "../tests/cache/stack.rs"]
-mod stack;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bulwark_testkit::{Cluster, Setup};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use stack::{Options, Stack};
 
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -150,7 +147,20 @@ async fn plain_server(pki: &bulwark_sim::Pki, body: Bytes) -> anyhow::Result<Soc
     Ok(addr)
 }
 
-/// Watchers through the stack, events at a steady rate, delivery latency from the write in
+/// Bulwark with its cache on in front of `replicas` seeded with `seed`; every client is
+/// exempt from admission (the test kit's default rules).
+fn with_cache(replicas: usize, seed: &'static str) -> Setup {
+    Setup {
+        replicas,
+        seed: vec![seed],
+        cache: true,
+        bookmark_interval: Duration::from_millis(200),
+        settings: vec![("cache.syncCap", "30s")],
+        ..Setup::default()
+    }
+}
+
+/// Watchers through Bulwark, events at a steady rate, delivery latency from the write in
 /// the simulator's store to the line arriving at each watcher.
 async fn fan_out() -> anyhow::Result<()> {
     let watchers: usize = std::env::var("WATCHERS")
@@ -161,12 +171,10 @@ async fn fan_out() -> anyhow::Result<()> {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(50);
-    let stack = Stack::start(Options {
-        replicas: 2,
-        seed: vec!["endpoints=100x1KiB@default"],
-        ..Options::default()
-    })
-    .await;
+    let cluster = Cluster::start(with_cache(2, "endpoints=100x1KiB@default"))
+        .await
+        .ready()
+        .await;
     let rss_before = rss_bytes();
     let per_connection = 100;
     // Each connection is opened just before its first watch: the listener closes a
@@ -176,7 +184,7 @@ async fn fan_out() -> anyhow::Result<()> {
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Duration>>();
     for i in 0..watchers {
         if i % per_connection == 0 {
-            senders.push(connect(stack.addr, &stack.pki, "alice").await?);
+            senders.push(connect(cluster.bulwark.addr, &cluster.pki, "alice").await?);
         }
         let mut sender = senders[i / per_connection].clone();
         let request = http::Request::get(
@@ -223,12 +231,12 @@ async fn fan_out() -> anyhow::Result<()> {
         });
     }
     drop(done_tx);
-    let upstream_watches: u64 = stack.fleet.stats().iter().map(|s| s.open_watches).sum();
+    let upstream_watches: u64 = cluster.fleet.stats().iter().map(|s| s.open_watches).sum();
     let started = Instant::now();
     for i in 0..events {
         let name = format!("bench-{i}");
         created.lock().unwrap().insert(name.clone(), Instant::now());
-        stack.fleet.store().create(
+        cluster.fleet.store().create(
             "endpoints",
             "default",
             serde_json::json!({"metadata": {"name": name}, "subsets": [{"addresses": [{"ip": "10.0.0.1"}], "ports": [{"port": 80}]}]}),
@@ -274,21 +282,20 @@ async fn main() -> anyhow::Result<()> {
         .unwrap_or(5);
 
     // Memory: the fleet (and its copy of the objects) first, then the cache.
-    let options = Options {
-        replicas: 1,
-        seed: vec!["secrets=10000x10KiB"],
-        ..Options::default()
-    };
-    let (fleet, pki) = stack::fleet(&options).await;
+    let setup = with_cache(1, "secrets=10000x10KiB");
+    let (fleet, pki) = bulwark_testkit::start_fleet(&setup).await;
     let json = fleet.store().live_bytes();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = rss_bytes();
     let synced_at = Instant::now();
-    let stack = Stack::with_fleet(fleet, pki, options).await;
+    let cluster = Cluster::in_front_of(fleet, pki, setup).await.ready().await;
     let sync = synced_at.elapsed();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let after = rss_bytes();
-    let (count, cached) = stack.cache.scope_size("secrets", None).unwrap_or_default();
+    let (count, cached) = cluster
+        .cache()
+        .scope_size("secrets", None)
+        .unwrap_or_default();
     println!("## memory: 10,000 secrets of 10 KiB");
     println!("| objects | JSON bytes | cached bytes | RSS growth | growth / JSON | sync time |");
     println!("|---|---|---|---|---|---|");
@@ -300,26 +307,24 @@ async fn main() -> anyhow::Result<()> {
         after.saturating_sub(before) as f64 / json as f64,
         sync.as_secs_f64()
     );
-    drop(stack);
+    drop(cluster);
 
     fan_out().await?;
 
     // Throughput of LIST resourceVersion=0 of 5,000 secrets.
-    let stack = Stack::start(Options {
-        replicas: 1,
-        seed: vec!["secrets=5000x1KiB"],
-        ..Options::default()
-    })
-    .await;
+    let cluster = Cluster::start(with_cache(1, "secrets=5000x1KiB"))
+        .await
+        .ready()
+        .await;
     let path = "/api/v1/secrets?resourceVersion=0";
-    let mut sender = connect(stack.addr, &stack.pki, "alice").await?;
+    let mut sender = connect(cluster.bulwark.addr, &cluster.pki, "alice").await?;
     let response = sender
         .send_request(
             http::Request::get(format!("https://127.0.0.1{path}")).body(Full::new(Bytes::new()))?,
         )
         .await?;
     let encoded = response.into_body().collect().await?.to_bytes();
-    let plain = plain_server(&stack.pki, encoded.clone()).await?;
+    let plain = plain_server(&cluster.pki, encoded.clone()).await?;
     println!();
     println!(
         "## LIST resourceVersion=0 of 5,000 secrets ({:.1} MB each), {seconds} s, 8 streams over 2 connections",
@@ -329,21 +334,28 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---|---|---|");
     let (cache_rate, _) = load(
         "cache (authorized, TLS)",
-        stack.addr,
-        &stack.pki,
+        cluster.bulwark.addr,
+        &cluster.pki,
         path,
         seconds,
     )
     .await?;
     let (sim_rate, _) = load(
         "simulator",
-        stack.fleet.addrs()[0],
-        &stack.pki,
+        cluster.fleet.addrs()[0],
+        &cluster.pki,
         path,
         seconds,
     )
     .await?;
-    let (plain_rate, _) = load("plain hyper, same bytes", plain, &stack.pki, path, seconds).await?;
+    let (plain_rate, _) = load(
+        "plain hyper, same bytes",
+        plain,
+        &cluster.pki,
+        path,
+        seconds,
+    )
+    .await?;
     println!();
     println!(
         "cache / simulator: {:.1}x; cache / plain hyper: {:.0} %",

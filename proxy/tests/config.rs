@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use bulwark::classify::classify;
 use bulwark::config::{Config, ConfigError, Problem, Quantity, ReplicaAddr};
-use serde_norway::Value;
 
 const EXAMPLE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/bulwark.example.yaml");
 
@@ -30,19 +29,7 @@ fn minimal_with(path: &str, yaml: &str) -> String {
 
 /// `MINIMAL` with several values set.
 fn minimal_with_all(values: &[(&str, &str)]) -> String {
-    let mut doc: Value = serde_norway::from_str(MINIMAL).expect("MINIMAL is YAML");
-    for (path, yaml) in values {
-        let value: Value = serde_norway::from_str(yaml).expect("test value is YAML");
-        let mut node = &mut doc;
-        for key in path.split('.') {
-            let map = node.as_mapping_mut().expect("path goes through mappings");
-            node = map
-                .entry(Value::String(key.into()))
-                .or_insert(Value::Mapping(Default::default()));
-        }
-        *node = value;
-    }
-    serde_norway::to_string(&doc).expect("YAML serializes")
+    bulwark_testkit::config::with_values(MINIMAL, values)
 }
 
 /// The problems of a configuration that must be invalid.

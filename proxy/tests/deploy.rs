@@ -4,10 +4,6 @@
 //! `promtool check metrics` on a live scrape, certificates from `certs init` used by real
 //! clients, and logs that never hold a token, a key or Secret data.
 
-#[path = "e2e/harness.rs"]
-#[allow(dead_code)]
-mod harness;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -16,20 +12,17 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use bulwark::config::Config;
-use http::Request;
-use http_body_util::Full;
 use serde::Deserialize;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 
-use harness::{BAD_TOKEN, Cluster, GOOD_TOKEN, Setup};
+use bulwark_testkit::repo_path as repo;
+use bulwark_testkit::{
+    BAD_TOKEN, Client, Cluster, GOOD_TOKEN, Setup, admin_get, get, post_json, with_token,
+};
 
 // ---------------------------------------------------------------------------------------
 // Files
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
-}
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -609,29 +602,6 @@ fn families(exposition: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// Plain HTTP/1.1 GET on the admin listener: (status, body).
-async fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
-    try_admin_get(admin, path)
-        .await
-        .unwrap_or_else(|| panic!("GET {path} on the admin listener {admin} failed"))
-}
-
-/// [`admin_get`], or `None` when the listener is not there (yet) or the answer is not HTTP.
-async fn try_admin_get(admin: SocketAddr, path: &str) -> Option<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(admin).await.ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.ok()?;
-    let mut response = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut response))
-        .await
-        .ok()?
-        .ok()?;
-    let text = String::from_utf8(response).ok()?;
-    let (head, body) = text.split_once("\r\n\r\n")?;
-    let status = head.split_whitespace().nth(1)?.parse().ok()?;
-    Some((status, body.to_string()))
-}
-
 /// A Bulwark in front of the simulator, after some traffic of each kind: served, refused,
 /// token-authenticated. Its live `/metrics` text.
 async fn live_scrape(cluster: &Cluster) -> String {
@@ -643,12 +613,14 @@ async fn live_scrape(cluster: &Cluster) -> String {
     assert_eq!(alice.get("/api/v1/pods").await.status, 403);
     let mut anonymous = cluster.anonymous_client().await;
     assert_eq!(anonymous.get("/api/v1/pods").await.status, 401);
-    let with_token = Request::get("https://127.0.0.1/api/v1/namespaces")
-        .header("authorization", format!("Bearer {GOOD_TOKEN}"))
-        .body(Full::default())
-        .unwrap();
-    assert_eq!(anonymous.send(with_token).await.status, 200);
-    let (status, body) = admin_get(cluster.bulwark.admin_addr, "/metrics").await;
+    assert_eq!(
+        anonymous
+            .get_with_token("/api/v1/namespaces", GOOD_TOKEN)
+            .await
+            .status,
+        200
+    );
+    let (status, body) = cluster.admin_get("/metrics").await;
     assert_eq!(status, 200);
     body
 }
@@ -957,7 +929,7 @@ async fn probe_paths_answer_on_the_admin_listener() {
     for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
         let path = container[probe]["httpGet"]["path"].as_str().unwrap();
         loop {
-            let (status, body) = admin_get(cluster.bulwark.admin_addr, path).await;
+            let (status, body) = cluster.admin_get(path).await;
             if status == 200 {
                 break;
             }
@@ -1128,34 +1100,14 @@ const SECRET_VALUE: &str = "correct-horse-battery-staple-4711";
 async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
     use base64::Engine as _;
     let cluster = Cluster::start(Setup::default()).await;
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+    // Bulwark as deployed, in a process of its own: the built-in rules and the cache on.
+    let mut process = cluster.process_config();
+    process.rules = None;
+    process.cache = true;
+    process.shutdown = (Duration::ZERO, Duration::from_secs(1));
+    let config = cluster.dir().join("logs.yaml");
+    process.write(&config).unwrap();
     let pki = &cluster.pki;
-    let write = |name: &str, pem: &str| std::fs::write(d.join(name), pem).unwrap();
-    write("upstream-ca.crt", &pki.server_ca.cert_pem());
-    write("client-ca.crt", &pki.client_ca.cert_pem());
-    let serving = pki.server_ca.server_cert(&["127.0.0.1"]);
-    let front_proxy = pki.front_proxy_ca.client_cert(harness::FRONT_PROXY_CN, &[]);
-    let own = pki.client_ca.client_cert("bulwark", &["bulwark:proxies"]);
-    serving.write(d, "serving").unwrap();
-    front_proxy.write(d, "front-proxy").unwrap();
-    own.write(d, "self").unwrap();
-    let port = harness::free_port();
-    let admin = harness::free_port();
-    let replicas: Vec<String> = cluster
-        .fleet
-        .addrs()
-        .iter()
-        .map(|a| format!("    - \"{a}\""))
-        .collect();
-    let p = d.display();
-    let yaml = format!(
-        "listen:\n  address: 127.0.0.1:{port}\n  cert: {p}/serving.crt\n  key: {p}/serving.key\n  clientCA: {p}/client-ca.crt\n  shutdown: {{pause: 0s, grace: 1s}}\nadmin:\n  address: 127.0.0.1:{admin}\nupstream:\n  replicas:\n{}\n  ca: {p}/upstream-ca.crt\n  frontProxy: {{cert: {p}/front-proxy.crt, key: {p}/front-proxy.key}}\n  self: {{cert: {p}/self.crt, key: {p}/self.key}}\n  probeInterval: 200ms\nidentity:\n  mode: front-proxy\naudit:\n  path: {p}/audit.jsonl\n",
-        replicas.join("\n")
-    );
-    let config = d.join("bulwark.yaml");
-    std::fs::write(&config, yaml).unwrap();
-
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
         .args(["--log-format", "json", "serve", "--config"])
         .arg(&config)
@@ -1174,10 +1126,9 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
         let _ = stdout.read_to_end(&mut out).await;
         out
     });
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let addr = process.listen;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let admin_addr: SocketAddr = format!("127.0.0.1:{admin}").parse().unwrap();
-    while try_admin_get(admin_addr, "/readyz").await.map(|r| r.0) != Some(200) {
+    while admin_get(process.admin, "/readyz").await.map(|r| r.0) != Some(200) {
         assert!(
             tokio::time::Instant::now() < deadline,
             "bulwark never ready"
@@ -1188,16 +1139,13 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
     // Secret data goes in and out through Bulwark; tokens good and bad; refusals.
     let secret_b64 = base64::engine::general_purpose::STANDARD.encode(SECRET_VALUE);
     let alice_cert = pki.client_ca.client_cert("alice", &[]);
-    let mut alice = harness::Client::connect(addr, pki, Some(&alice_cert)).await;
+    let mut alice = Client::connect(addr, pki, Some(&alice_cert)).await;
     let body = serde_json::json!({
         "apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "db-password", "namespace": "default"},
         "data": {"password": secret_b64},
     });
-    let create = Request::post("https://127.0.0.1/api/v1/namespaces/default/secrets")
-        .header("content-type", "application/json")
-        .body(Full::new(bytes::Bytes::from(body.to_string())))
-        .unwrap();
+    let create = post_json("/api/v1/namespaces/default/secrets", &body);
     assert_eq!(alice.send(create).await.status, 201);
     let got = alice
         .get("/api/v1/namespaces/default/secrets/db-password")
@@ -1223,17 +1171,13 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let mut anonymous = harness::Client::connect(addr, pki, None).await;
+    let mut anonymous = Client::connect(addr, pki, None).await;
     for (token, path, expected) in [
         (GOOD_TOKEN, "/api/v1/namespaces/default/secrets", 200),
         (GOOD_TOKEN, "/api/v1/secrets?resourceVersion=0", 200),
         (BAD_TOKEN, "/api/v1/namespaces/default/secrets", 401),
     ] {
-        let request = Request::get(format!("https://127.0.0.1{path}"))
-            .header("authorization", format!("Bearer {token}"))
-            .body(Full::default())
-            .unwrap();
-        let answer = anonymous.send(request).await;
+        let answer = anonymous.send(with_token(get(path), token)).await;
         assert_eq!(answer.status, expected, "{token} {path}");
         if expected == 200 {
             assert!(String::from_utf8_lossy(&answer.body).contains(&secret_b64));
@@ -1248,7 +1192,7 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
     child.start_kill().unwrap();
     let _ = child.wait().await;
     let logs = String::from_utf8(logs.await.unwrap()).expect("UTF-8 logs");
-    let audit = std::fs::read_to_string(d.join("audit.jsonl")).unwrap_or_default();
+    let audit = std::fs::read_to_string(process.audit.as_ref().unwrap()).unwrap_or_default();
 
     // Structured: every line is a JSON object; refusals are logged with their reason.
     let lines: Vec<Value> = logs
@@ -1299,13 +1243,15 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
         ("the Secret's value".into(), SECRET_VALUE.into()),
         ("the Secret's value, base64".into(), secret_b64.clone()),
     ];
+    let keys = &process.credentials;
+    let read = |path: &std::path::Path| std::fs::read_to_string(path).unwrap();
     for (what, pem) in [
-        ("the serving key", &serving.key_pem),
-        ("the front-proxy key", &front_proxy.key_pem),
-        ("Bulwark's own key", &own.key_pem),
-        ("alice's key", &alice_cert.key_pem),
+        ("the serving key", read(&keys.serving.1)),
+        ("the front-proxy key", read(&keys.front_proxy.1)),
+        ("Bulwark's own key", read(&keys.own.1)),
+        ("alice's key", alice_cert.key_pem.clone()),
     ] {
-        for line in key_material(pem) {
+        for line in key_material(&pem) {
             forbidden.push((what.to_string(), line));
         }
     }

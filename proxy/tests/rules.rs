@@ -12,16 +12,14 @@ use bulwark::identity::User;
 use bulwark::metrics::Metrics;
 use bulwark::rules::{self, Mode, RuleSet, Rules};
 
-fn repo_rules() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../rules"))
-}
-
+/// The shipped example rules.
 fn examples() -> PathBuf {
-    repo_rules().join("examples")
+    bulwark_testkit::repo_path("rules/examples")
 }
 
+/// Rule folders good and bad, with their expected output.
 fn testdata() -> PathBuf {
-    repo_rules().join("testdata")
+    bulwark_testkit::repo_path("rules/testdata")
 }
 
 /// `check`'s output with the test data folder taken off the paths.

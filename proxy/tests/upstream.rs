@@ -2,7 +2,6 @@
 //! replicas that stop, fail, refuse, reset and stall, and what a client of the pool sees.
 
 use std::convert::Infallible;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use bulwark::upstream::{
     Credential, RetryPolicy, Route, Upstream, UpstreamError, UpstreamReplica, UpstreamTls,
 };
 use bulwark_sim::{Fleet, Pki, Seed, SimConfig};
+use bulwark_testkit::{BulwarkConfig, Credentials, Names};
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
@@ -24,55 +24,33 @@ struct Setup {
     fleet: Fleet,
     upstream: Upstream,
     metrics: Metrics,
-    _dir: TempDir,
-}
-
-/// A folder removed when the test ends.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    _dir: tempfile::TempDir,
 }
 
 /// Starts `replicas` simulated apiservers with `seed`, and a pool whose config is the
-/// defaults plus short test timeouts plus `extra` YAML lines.
-async fn setup(replicas: usize, seed: Vec<Seed>, extra: &str) -> Result<Setup> {
+/// defaults plus short test timeouts plus the `upstream` settings in `extra`.
+async fn setup(replicas: usize, seed: Vec<Seed>, extra: &[(&str, &str)]) -> Result<Setup> {
     let pki = Arc::new(Pki::new());
     let fleet = Fleet::start(SimConfig {
-        replicas,
-        pki: pki.clone(),
         seed,
-        ..Default::default()
+        ..bulwark_testkit::fleet_config(pki.clone(), replicas, bulwark_testkit::policy())
     })
     .await?;
-    let dir = std::env::temp_dir().join(format!("bulwark-upstream-test-{}", rand::random::<u64>()));
-    std::fs::create_dir_all(&dir)?;
-    let dir = TempDir(dir);
-    let ca = dir.0.join("server-ca.crt");
-    std::fs::write(&ca, pki.server_ca.cert_pem())?;
-    let (fp_cert, fp_key) = pki
-        .front_proxy_ca
-        .client_cert("front-proxy-client", &[])
-        .write(&dir.0, "front-proxy")?;
-    let (own_cert, own_key) = pki
-        .client_ca
-        .client_cert("bulwark", &["system:masters"])
-        .write(&dir.0, "own")?;
-    let addrs: Vec<String> = fleet.addrs().iter().map(|a| a.to_string()).collect();
-    let yaml = format!(
-        "replicas: {addrs:?}\n\
-         ca: {ca:?}\n\
-         frontProxy: {{cert: {fp_cert:?}, key: {fp_key:?}}}\n\
-         self: {{cert: {own_cert:?}, key: {own_key:?}}}\n\
-         timeouts: {{connect: 2s}}\n\
-         ejectBase: 200ms\n\
-         ejectMax: 2s\n\
-         probeInterval: 100ms\n\
-         {extra}\n"
-    );
-    let cfg: bulwark::config::Upstream = serde_norway::from_str(&yaml).context("test config")?;
+    let dir = tempfile::tempdir()?;
+    let names = Names {
+        own_group: "system:masters",
+        ..Names::default()
+    };
+    let credentials = Credentials::mint(dir.path(), &pki, &pki.server_ca, names)?;
+    let mut config = BulwarkConfig::new(credentials, fleet.addrs())
+        .set("upstream.timeouts", "{connect: 2s}")
+        .set("upstream.ejectBase", "200ms")
+        .set("upstream.ejectMax", "2s")
+        .set("upstream.probeInterval", "100ms");
+    for (key, yaml) in extra {
+        config = config.set(&format!("upstream.{key}"), yaml);
+    }
+    let cfg = config.config().upstream;
     let metrics = Metrics::new();
     let upstream = Upstream::new(&cfg, UpstreamTls::from_config(&cfg)?, metrics.clone())?;
     Ok(Setup {
@@ -181,7 +159,7 @@ fn replica_of(response: &http::Response<bulwark::Body>) -> String {
 
 #[tokio::test]
 async fn requests_reach_the_replicas_with_their_path_and_identity() -> Result<()> {
-    let s = setup(2, vec![seed("secrets", 3, 100)], "").await?;
+    let s = setup(2, vec![seed("secrets", 3, 100)], &[]).await?;
     let response = s
         .upstream
         .send(get("/api/v1/namespaces/ns-0/secrets?limit=2"), read())
@@ -201,7 +179,7 @@ async fn requests_reach_the_replicas_with_their_path_and_identity() -> Result<()
 
 #[tokio::test]
 async fn a_stopped_replica_moves_reads_without_failing() -> Result<()> {
-    let s = setup(3, vec![seed("secrets", 5, 100)], "").await?;
+    let s = setup(3, vec![seed("secrets", 5, 100)], &[]).await?;
     // Warm connections to every replica (the pick is random among idle replicas, so keep
     // going until each has been picked).
     for _ in 0..200 {
@@ -234,7 +212,7 @@ async fn a_stopped_replica_moves_reads_without_failing() -> Result<()> {
 
 #[tokio::test]
 async fn probes_eject_a_stopped_replica_and_bring_it_back() -> Result<()> {
-    let s = setup(3, vec![], "").await?;
+    let s = setup(3, vec![], &[]).await?;
     s.upstream.spawn_probes();
     s.fleet.replica(1).stop().await;
     eventually("the stopped replica is ejected", || {
@@ -257,7 +235,7 @@ async fn probes_eject_a_stopped_replica_and_bring_it_back() -> Result<()> {
 
 #[tokio::test]
 async fn a_write_racing_a_stop_is_answered_or_failed_never_applied_twice() -> Result<()> {
-    let s = setup(2, vec![], "").await?;
+    let s = setup(2, vec![], &[]).await?;
     // Writes wait before being applied, so the stop lands while they are in flight.
     for replica in s.fleet.replicas() {
         replica.set_delay(Duration::from_millis(300));
@@ -300,7 +278,7 @@ async fn a_write_racing_a_stop_is_answered_or_failed_never_applied_twice() -> Re
 
 #[tokio::test]
 async fn a_write_applied_but_unanswered_is_not_sent_again() -> Result<()> {
-    let s = setup(2, vec![], "").await?;
+    let s = setup(2, vec![], &[]).await?;
     // Every replica applies the write, then resets the stream: the answer may be lost.
     for replica in s.fleet.replicas() {
         replica.set_reset_mid_body(Some(0));
@@ -330,7 +308,7 @@ async fn a_write_applied_but_unanswered_is_not_sent_again() -> Result<()> {
 
 #[tokio::test]
 async fn refused_streams_are_retried_even_for_writes_without_ejecting() -> Result<()> {
-    let s = setup(2, vec![], "").await?;
+    let s = setup(2, vec![], &[]).await?;
     s.fleet.replica(0).set_refuse_streams(true);
     let before = s.fleet.applied_writes();
     for i in 0..10 {
@@ -347,7 +325,7 @@ async fn refused_streams_are_retried_even_for_writes_without_ejecting() -> Resul
 
 #[tokio::test]
 async fn five_hundreds_are_counted_and_never_eject() -> Result<()> {
-    let s = setup(2, vec![seed("secrets", 1, 100)], "").await?;
+    let s = setup(2, vec![seed("secrets", 1, 100)], &[]).await?;
     s.upstream.spawn_probes();
     s.fleet.replica(0).set_fail(Some(500));
     let failing = s.fleet.addrs()[0].to_string();
@@ -378,7 +356,7 @@ async fn five_hundreds_are_counted_and_never_eject() -> Result<()> {
 /// the 429 reaches the client as the apiserver wrote it, and the replica keeps its weight.
 #[tokio::test]
 async fn a_flows_own_apf_429_passes_through_and_lowers_no_weight() -> Result<()> {
-    let s = setup(2, vec![seed("secrets", 1, 100)], "").await?;
+    let s = setup(2, vec![seed("secrets", 1, 100)], &[]).await?;
     s.fleet.replica(0).set_fail(Some(429));
     let throttling = s.fleet.addrs()[0].to_string();
     let mut refused = 0;
@@ -414,7 +392,7 @@ async fn a_flows_own_apf_429_passes_through_and_lowers_no_weight() -> Result<()>
 
 #[tokio::test]
 async fn every_replica_down_is_no_healthy_replica_with_retry_after() -> Result<()> {
-    let s = setup(2, vec![], "").await?;
+    let s = setup(2, vec![], &[]).await?;
     for replica in s.fleet.replicas() {
         replica.stop().await;
     }
@@ -445,7 +423,7 @@ fn err_status(r: Result<http::Response<bulwark::Body>, UpstreamError>) -> u16 {
 
 #[tokio::test]
 async fn a_response_head_slower_than_the_timeout_is_a_timeout() -> Result<()> {
-    let s = setup(1, vec![], "").await?;
+    let s = setup(1, vec![], &[]).await?;
     s.fleet.replica(0).set_delay(Duration::from_secs(5));
     let route = Route {
         timeout: Some(Duration::from_millis(200)),
@@ -464,7 +442,7 @@ async fn a_response_head_slower_than_the_timeout_is_a_timeout() -> Result<()> {
 
 #[tokio::test]
 async fn another_connection_opens_when_the_streams_of_one_are_taken() -> Result<()> {
-    let s = setup(1, vec![], "streamsPerConnection: 2").await?;
+    let s = setup(1, vec![], &[("streamsPerConnection", "2")]).await?;
     s.fleet.replica(0).set_delay(Duration::from_millis(300));
     let sends: Vec<_> = (0..5)
         .map(|_| s.upstream.send(get("/api/v1/namespaces"), read()))
@@ -484,7 +462,7 @@ async fn slow_reading_large_lists_do_not_stall_other_streams() -> Result<()> {
     let s = setup(
         1,
         vec![seed("secrets", 1600, 10 * 1024)],
-        "stallTimeout: 60s",
+        &[("stallTimeout", "60s")],
     )
     .await?;
     let mut unread = Vec::new();
@@ -528,7 +506,7 @@ async fn a_client_that_stops_reading_gets_its_upstream_stream_reset() -> Result<
     let s = setup(
         1,
         vec![seed("secrets", 1600, 10 * 1024)],
-        "stallTimeout: 300ms",
+        &[("stallTimeout", "300ms")],
     )
     .await?;
     let big = s
@@ -549,7 +527,7 @@ async fn a_client_that_stops_reading_gets_its_upstream_stream_reset() -> Result<
 async fn a_list_cut_mid_body_is_an_error_and_a_watch_cut_mid_body_ends_cleanly() -> Result<()> {
     // About 5 MiB of secrets, cut after 2 MiB: more than one stream window, so the
     // response head has certainly reached the pool before the reset.
-    let s = setup(1, vec![seed("secrets", 500, 10 * 1024)], "").await?;
+    let s = setup(1, vec![seed("secrets", 500, 10 * 1024)], &[]).await?;
     s.fleet.replica(0).set_reset_mid_body(Some(2 * 1024 * 1024));
     let list = s
         .upstream
@@ -581,7 +559,7 @@ async fn a_list_cut_mid_body_is_an_error_and_a_watch_cut_mid_body_ends_cleanly()
 
 #[tokio::test]
 async fn watches_are_counted_while_open() -> Result<()> {
-    let s = setup(2, vec![seed("secrets", 2, 100)], "").await?;
+    let s = setup(2, vec![seed("secrets", 2, 100)], &[]).await?;
     let mut open = Vec::new();
     for _ in 0..4 {
         open.push(
@@ -602,7 +580,7 @@ async fn watches_are_counted_while_open() -> Result<()> {
 
 #[tokio::test]
 async fn an_upgrade_echoes_both_ways() -> Result<()> {
-    let s = setup(1, vec![seed("pods", 1, 200)], "").await?;
+    let s = setup(1, vec![seed("pods", 1, 200)], &[]).await?;
     let upstream = s.upstream.clone();
     // A plain HTTP/1.1 front that hands requests to the pool, as the request path does.
     let front = TcpListener::bind("127.0.0.1:0").await?;
@@ -666,7 +644,7 @@ async fn an_upgrade_echoes_both_ways() -> Result<()> {
 
 #[tokio::test]
 async fn an_oversized_body_is_refused_before_anything_is_sent() -> Result<()> {
-    let s = setup(1, vec![], "").await?;
+    let s = setup(1, vec![], &[]).await?;
     let before = s.fleet.stats()[0].requests;
     let huge = "x".repeat(bulwark::upstream::MAX_REQUEST_BODY + 1);
     let err = s

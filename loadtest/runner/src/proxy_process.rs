@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use bulwark_sim::pki::{Ca, Pki};
+use bulwark_testkit::{BulwarkConfig, Credentials, Names};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Child;
 
@@ -109,74 +110,44 @@ fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(listener.local_addr()?)
 }
 
-fn path_str(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
-
 /// Writes the PEM files and the YAML config of a Bulwark in front of `upstream` into `dir`
-/// and returns the config file, the client target and the admin address.
+/// (with the test kit's one configuration writer) and returns the config file, the client
+/// target and the admin address.
 pub fn write_config(
     dir: &Path,
     upstream: &Upstream<'_>,
 ) -> anyhow::Result<(PathBuf, Target, SocketAddr)> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let serving_ca = Ca::new("bulwark-serving-ca");
-    let (cert, key) = serving_ca
-        .server_cert(&["127.0.0.1", "localhost"])
-        .write(dir, "bulwark-serving")?;
-    let client_ca = dir.join("client-ca.crt");
-    std::fs::write(&client_ca, upstream.pki.client_ca.cert_pem())?;
-    let upstream_ca = dir.join("upstream-ca.crt");
-    std::fs::write(&upstream_ca, upstream.pki.server_ca.cert_pem())?;
-    let (fp_cert, fp_key) = upstream
-        .pki
-        .front_proxy_ca
-        .client_cert(upstream.front_proxy_user, &[])
-        .write(dir, "front-proxy-client")?;
-    let (own_cert, own_key) = upstream
-        .pki
-        .client_ca
-        .client_cert(upstream.own_user, &[upstream.own_group])
-        .write(dir, "bulwark-self")?;
-    let addr = free_port()?;
-    let admin = free_port()?;
-    let mut upstream_cfg = serde_json::json!({
-        "replicas": upstream.replicas.iter().map(ToString::to_string).collect::<Vec<_>>(),
-        "ca": path_str(&upstream_ca),
-        "frontProxy": {"cert": path_str(&fp_cert), "key": path_str(&fp_key)},
-        "self": {"cert": path_str(&own_cert), "key": path_str(&own_key)},
-        "probeInterval": "1s",
-    });
-    if let Some(headroom) = upstream.heap_headroom {
-        upstream_cfg["replicaHeapHeadroom"] = headroom.into();
+    let names = Names {
+        front_proxy: upstream.front_proxy_user,
+        own_user: upstream.own_user,
+        own_group: upstream.own_group,
+    };
+    let credentials = Credentials::mint(dir, upstream.pki, &serving_ca, names)
+        .with_context(|| format!("writing certificates into {}", dir.display()))?;
+    let mut config = BulwarkConfig::new(credentials, upstream.replicas.clone())
+        .set("upstream.probeInterval", "1s");
+    config.listen = free_port()?;
+    config.admin = free_port()?;
+    config.shutdown = (Duration::ZERO, Duration::from_secs(2));
+    config.heap_headroom = upstream.heap_headroom;
+    if let Some(mode) = upstream.identity_mode {
+        config.identity =
+            serde_norway::from_str(mode).with_context(|| format!("identity mode {mode:?}"))?;
     }
-    let rules = match &upstream.rules {
+    config.rules = Some(match &upstream.rules {
         Some(folder) => std::path::absolute(folder)
             .with_context(|| format!("locating the rules folder {}", folder.display()))?,
         None => write_example_rules(&dir.join("rules"))?,
-    };
-    let config = serde_json::json!({
-        "listen": {
-            "address": addr.to_string(),
-            "cert": path_str(&cert),
-            "key": path_str(&key),
-            "clientCA": path_str(&client_ca),
-            "shutdown": {"pause": "0s", "grace": "2s"},
-        },
-        "admin": {"address": admin.to_string()},
-        "upstream": upstream_cfg,
-        "identity": {"mode": upstream.identity_mode.unwrap_or("front-proxy")},
-        "rules": {"folder": path_str(&rules)},
     });
-    // JSON is YAML; serde_norway writes it in block style, which reads better in a file.
-    let yaml = serde_norway::to_string(&config)?;
     let path = dir.join("bulwark.yaml");
-    std::fs::write(&path, yaml)?;
+    config.write(&path)?;
     let target = Target {
-        addr,
+        addr: config.listen,
         ca_pem: serving_ca.cert_pem(),
     };
-    Ok((path, target, admin))
+    Ok((path, target, config.admin))
 }
 
 /// Writes [`EXAMPLE_RULES`] into `folder` and returns it.

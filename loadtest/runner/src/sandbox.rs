@@ -4,15 +4,15 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use base64::Engine as _;
-use bulwark_sim::pki::{Ca, Pki};
+use bulwark_sim::pki::Ca;
 use bulwark_sim::policy::{Policy, PolicyRule};
-use bulwark_sim::{Fleet, Seed, SimConfig};
+use bulwark_testkit::{Cluster, Setup};
 
-use crate::proxy_process::{ProxyProcess, Upstream};
+use crate::proxy_process::write_example_rules;
 
 /// The node whose kubeconfig the sandbox writes.
 pub const NODE: &str = "node-1";
@@ -157,32 +157,34 @@ pub fn kubeconfigs(servers: &Servers<'_>, client_ca: &Ca) -> Vec<(&'static str, 
     .collect()
 }
 
-/// Runs the sandbox until Ctrl-C or SIGTERM.
+/// Runs the sandbox until Ctrl-C or SIGTERM: the test kit's cluster (a simulated fleet with
+/// Bulwark in front, in this process) with the sandbox's policy and objects.
 /// Bulwark loads the rules in `rules`, or the built-in copy of `rules/examples` without it.
 pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let ready = dir.join("ready");
     let _ = std::fs::remove_file(&ready);
-    let pki = Arc::new(Pki::new());
-    let seed = [
-        "secrets=30x2KiB@default,ns-0,ns-1",
-        "configmaps=30x1KiB@default,ns-0,ns-1",
-        "endpointslices=12x1KiB@default,ns-0,ns-1",
-    ]
-    .iter()
-    .map(|s| s.parse::<Seed>().map_err(anyhow::Error::from))
-    .collect::<anyhow::Result<Vec<_>>>()?;
-    let config = SimConfig {
-        replicas: 3,
-        pki: pki.clone(),
-        front_proxy_allowed_names: vec!["bulwark-front-proxy".into()],
-        policy: policy(),
-        seed,
-        ..SimConfig::default()
+    let bulwark_dir = dir.join("bulwark");
+    let rules = match rules {
+        Some(folder) => std::path::absolute(&folder)
+            .with_context(|| format!("locating the rules folder {}", folder.display()))?,
+        None => write_example_rules(&bulwark_dir.join("rules"))?,
     };
-    let fleet = Fleet::start(config)
-        .await
-        .context("starting the simulator")?;
+    let cluster = Cluster::start(Setup {
+        replicas: 3,
+        seed: vec![
+            "secrets=30x2KiB@default,ns-0,ns-1",
+            "configmaps=30x1KiB@default,ns-0,ns-1",
+            "endpointslices=12x1KiB@default,ns-0,ns-1",
+        ],
+        rules_folder: Some(rules),
+        cache: true,
+        policy: policy(),
+        bookmark_interval: Duration::from_secs(60),
+        dir: Some(bulwark_dir),
+        ..Setup::default()
+    })
+    .await;
     for name in NODE_SECRETS {
         let secret = serde_json::json!({
             "apiVersion": "v1",
@@ -191,31 +193,28 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
             "type": "Opaque",
             "data": {"token": base64::engine::general_purpose::STANDARD.encode(format!("{name} value"))},
         });
-        fleet
+        cluster
+            .fleet
             .store()
             .create("secrets", NODE_NAMESPACE, secret)
             .map_err(|e| anyhow::anyhow!("creating secret {name}: {e}"))?;
     }
-    let upstream = Upstream {
-        replicas: fleet.addrs(),
-        pki: &pki,
-        front_proxy_user: "bulwark-front-proxy",
-        own_user: "bulwark",
-        own_group: "bulwark:proxies",
-        heap_headroom: None,
-        rules,
-        identity_mode: None,
-    };
-    let proxy = ProxyProcess::start(&dir.join("bulwark"), &upstream).await?;
-    let server = proxy.target.addr;
-    let replica = *fleet.addrs().first().context("the fleet has no replica")?;
+    let cluster = cluster.ready().await;
+    let server = cluster.bulwark.addr;
+    let replica = *cluster
+        .fleet
+        .addrs()
+        .first()
+        .context("the fleet has no replica")?;
+    // Bulwark serves with a certificate from the replicas' CA.
+    let ca_pem = cluster.pki.server_ca.cert_pem();
     let servers = Servers {
         bulwark: server,
-        bulwark_ca: &proxy.target.ca_pem,
+        bulwark_ca: &ca_pem,
         replica,
-        replica_ca: &pki.server_ca.cert_pem(),
+        replica_ca: &ca_pem,
     };
-    for (file, text) in kubeconfigs(&servers, &pki.client_ca) {
+    for (file, text) in kubeconfigs(&servers, &cluster.pki.client_ca) {
         let path = dir.join(file);
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     }
@@ -223,7 +222,7 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
     let d = dir.display();
     println!(
         "Sandbox ready: Bulwark on https://{server}, apiserver replicas {:?}",
-        fleet.addrs()
+        cluster.fleet.addrs()
     );
     println!("  kubectl --kubeconfig {d}/kubeconfig-admin get secrets -A");
     println!("  kubectl --kubeconfig {d}/kubeconfig-operator get configmaps -A");
@@ -235,12 +234,15 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
     println!(
         "  kubectl --kubeconfig {d}/kubeconfig-direct-admin get secrets -A   # straight to a replica"
     );
-    println!("  Bulwark metrics: http://{}/metrics", proxy.admin);
+    println!(
+        "  Bulwark metrics: http://{}/metrics",
+        cluster.bulwark.admin_addr
+    );
     println!("Ctrl-C to stop.");
     wait_for_signal().await;
     let _ = std::fs::remove_file(&ready);
-    proxy.stop().await?;
-    // The fleet stops when it goes out of scope, after Bulwark.
+    // Bulwark drains first; the fleet stops when it goes out of scope.
+    cluster.stop().await;
     Ok(())
 }
 

@@ -22,6 +22,7 @@ use anyhow::Context;
 use bulwark_sim::pki::Pki;
 use bulwark_sim::policy::{Policy, PolicyRule};
 use bulwark_sim::{Fleet, HeapModel, Seed, SimConfig};
+use bulwark_testkit::{FRONT_PROXY_CN, OWN_GROUP, OWN_USER};
 use bytes::Bytes;
 use http::Method;
 use tokio::task::JoinHandle;
@@ -113,12 +114,6 @@ impl Default for Setup {
 const BASE_HEAP: u64 = 256 << 20;
 /// How long an OOMed replica stays down.
 const OOM_RESTART: Duration = Duration::from_secs(3);
-/// Bulwark's own identity at the simulator.
-const BULWARK_USER: &str = "bulwark";
-/// See [`BULWARK_USER`].
-const BULWARK_GROUP: &str = "bulwark:proxies";
-/// CN of Bulwark's front-proxy certificate, allowed by the simulator.
-const FRONT_PROXY_USER: &str = "bulwark-front-proxy";
 
 impl Setup {
     fn seeds(&self) -> anyhow::Result<Vec<Seed>> {
@@ -161,7 +156,7 @@ fn policy() -> Policy {
         ..PolicyRule::default()
     }];
     rules.push(PolicyRule {
-        groups: vec![BULWARK_GROUP.into()],
+        groups: vec![OWN_GROUP.into()],
         verbs: all(&["create"]),
         resources: all(&[
             "tokenreviews.authentication.k8s.io",
@@ -170,7 +165,7 @@ fn policy() -> Policy {
         ..PolicyRule::default()
     });
     rules.push(PolicyRule {
-        groups: vec![BULWARK_GROUP.into()],
+        groups: vec![OWN_GROUP.into()],
         verbs: all(&["get", "list", "watch"]),
         resources: all(&["*"]),
         non_resource_urls: all(&["*"]),
@@ -294,14 +289,10 @@ impl Env {
         let (heap, headroom) = setup.heap()?;
         let heap_limit = heap.limit_bytes.unwrap_or(0);
         let config = SimConfig {
-            replicas: setup.replicas,
-            pki: pki.clone(),
-            front_proxy_allowed_names: vec![FRONT_PROXY_USER.into()],
-            policy: policy(),
             seed: setup.seeds()?,
             heap,
             bookmark_interval: setup.bookmark_interval,
-            ..SimConfig::default()
+            ..bulwark_testkit::fleet_config(pki.clone(), setup.replicas, policy())
         };
         let fleet = Arc::new(
             Fleet::start(config)
@@ -340,9 +331,9 @@ impl Env {
                 let upstream = Upstream {
                     replicas: fleet.addrs(),
                     pki: &pki,
-                    front_proxy_user: FRONT_PROXY_USER,
-                    own_user: BULWARK_USER,
-                    own_group: BULWARK_GROUP,
+                    front_proxy_user: FRONT_PROXY_CN,
+                    own_user: OWN_USER,
+                    own_group: OWN_GROUP,
                     heap_headroom: headroom,
                     rules,
                     identity_mode: None,

@@ -1,12 +1,12 @@
-//! The watch-fed cache over real sockets: the simulated fleet as the one upstream, the
-//! cache's informers with Bulwark's own certificate, SubjectAccessReviews answered by the
-//! simulator's policy, and real clients (raw HTTP/2 and the `kube` crate) in front.
-
-mod stack;
+//! The watch-fed cache over real sockets, in Bulwark as production starts it: the simulated
+//! fleet as the one upstream, the cache's informers with Bulwark's own certificate,
+//! SubjectAccessReviews answered by the simulator's policy, and real clients (raw HTTP/2
+//! and the `kube` crate) in front.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use bulwark_testkit::{Cluster, Setup};
 use futures::{StreamExt, TryStreamExt};
 use http_body_util::BodyExt;
 use k8s_openapi::api::core::v1::Secret;
@@ -14,58 +14,63 @@ use kube::api::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use serde_json::{Value, json};
 
-use stack::{Options, Stack};
-
-/// An HTTP/2 client with a certificate for `user`.
-async fn client(
-    stack: &Stack,
-    user: &str,
-) -> hyper::client::conn::http2::SendRequest<http_body_util::Full<bytes::Bytes>> {
-    let cert = stack.pki.client_ca.client_cert(user, &[]);
-    let mut roots = rustls::RootCertStore::empty();
-    roots.add(stack.pki.server_ca.cert_der()).unwrap();
-    let chain = rustls_pemfile::certs(&mut cert.cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    let key = rustls_pemfile::private_key(&mut cert.key_pem.as_bytes())
-        .unwrap()
-        .unwrap();
-    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_client_auth_cert(chain, key)
-    .unwrap();
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    let tcp = tokio::net::TcpStream::connect(stack.addr).await.unwrap();
-    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
-        .connect(
-            rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap(),
-            tcp,
-        )
-        .await
-        .unwrap();
-    let (sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tls),
-    )
+/// Bulwark with its cache on in front of `setup`'s fleet (two replicas unless it says
+/// otherwise, bookmarks every 200 ms), ready with the cache synced. Requests take the whole
+/// production path (Rescue, Classify, Identify, Admit with the cache, Forward); the default
+/// rules put every authenticated client in the `exempt` level, so that admission never
+/// queues or refuses them and what a test sees is the cache's doing.
+async fn cached(setup: Setup) -> Cluster {
+    Cluster::start(Setup {
+        cache: true,
+        bookmark_interval: Duration::from_millis(200),
+        settings: [vec![("cache.syncCap", "30s")], setup.settings].concat(),
+        ..setup
+    })
     .await
-    .unwrap();
-    tokio::spawn(conn);
-    sender
+    .ready()
+    .await
 }
 
-async fn get(stack: &Stack, user: &str, path: &str) -> (http::StatusCode, Value) {
-    let mut sender = client(stack, user).await;
-    let request = http::Request::get(format!("https://127.0.0.1{path}"))
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .unwrap();
-    let response = sender.send_request(request).await.unwrap();
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+/// A fleet of two with `seed`, behind Bulwark with its cache.
+async fn seeded(seed: &'static str) -> Cluster {
+    cached(Setup {
+        replicas: 2,
+        seed: vec![seed],
+        ..Setup::default()
+    })
+    .await
+}
+
+/// `user` GETs `path` on a connection of its own: the status and the JSON body (`Null`
+/// when the body is not JSON).
+async fn get(cluster: &Cluster, user: &str, path: &str) -> (http::StatusCode, Value) {
+    let answer = cluster.client(user, &[]).await.get(path).await;
+    (
+        answer.status,
+        serde_json::from_slice(&answer.body).unwrap_or(Value::Null),
+    )
+}
+
+/// Secret reads of `verb` the cache answered so far.
+fn hits(cluster: &Cluster, verb: &str) -> u64 {
+    cluster
+        .bulwark
+        .admin
+        .metrics
+        .cache_requests_total
+        .with_label_values(&["secrets", verb, "hit"])
+        .get()
+}
+
+/// The cache's relists of secrets so far.
+fn relists(cluster: &Cluster) -> u64 {
+    cluster
+        .bulwark
+        .admin
+        .metrics
+        .cache_relists_total
+        .with_label_values(&["secrets"])
+        .get()
 }
 
 fn names(list: &Value) -> Vec<String> {
@@ -85,8 +90,8 @@ fn names(list: &Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn create(stack: &Stack, ns: &str, name: &str, value: &str) {
-    stack
+fn create(cluster: &Cluster, ns: &str, name: &str, value: &str) {
+    cluster
         .fleet
         .store()
         .create(
@@ -98,8 +103,8 @@ fn create(stack: &Stack, ns: &str, name: &str, value: &str) {
 }
 
 /// The simulator's secrets as name → resourceVersion.
-fn truth(stack: &Stack) -> BTreeMap<String, String> {
-    let (_, objects) = stack.fleet.store().list("secrets", None, None).unwrap();
+fn truth(cluster: &Cluster) -> BTreeMap<String, String> {
+    let (_, objects) = cluster.fleet.store().list("secrets", None, None).unwrap();
     objects
         .iter()
         .map(|o| (format!("{}/{}", o.namespace, o.name), o.rv.to_string()))
@@ -108,12 +113,8 @@ fn truth(stack: &Stack) -> BTreeMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
-    let stack = Stack::start(Options {
-        seed: vec!["secrets=20x1KiB@team,other"],
-        ..Options::default()
-    })
-    .await;
-    stack
+    let cluster = seeded("secrets=20x1KiB@team,other").await;
+    cluster
         .fleet
         .store()
         .create(
@@ -123,13 +124,18 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
         )
         .unwrap();
     // Wait until the cache has the new secret.
-    let rv = stack.fleet.store().resource_version();
-    while stack.cache.scope_size("secrets", Some("team")).map(|s| s.0) != Some(11) {
+    let rv = cluster.fleet.store().resource_version();
+    while cluster
+        .cache()
+        .scope_size("secrets", Some("team"))
+        .map(|s| s.0)
+        != Some(11)
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
     let (status, list) = get(
-        &stack,
+        &cluster,
         "alice",
         "/api/v1/namespaces/team/secrets?resourceVersion=0",
     )
@@ -146,7 +152,7 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
             >= rv
     );
     let (status, secret) = get(
-        &stack,
+        &cluster,
         "alice",
         "/api/v1/namespaces/team/secrets/secret-0?resourceVersion=0",
     )
@@ -155,12 +161,12 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
     assert_eq!(secret["kind"], "Secret");
     // None of alice's reads reached the apiservers: the cache answered, after a review.
     assert!(
-        stack.upstream_requests_of("alice").is_empty(),
+        cluster.upstream_requests_of("alice").is_empty(),
         "{:?}",
-        stack.upstream_requests_of("alice")
+        cluster.upstream_requests_of("alice")
     );
     assert!(
-        stack
+        cluster
             .upstream_requests_of("bulwark")
             .iter()
             .any(|p| p.contains("subjectaccessreviews"))
@@ -173,7 +179,7 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
         "/api/v1/secrets?resourceVersion=0",
         "/api/v1/namespaces/team/secrets?watch=1&resourceVersion=0",
     ] {
-        let (status, body) = get(&stack, "mallory", path).await;
+        let (status, body) = get(&cluster, "mallory", path).await;
         assert_eq!(status, 403, "{path}");
         assert_eq!(body["reason"], "Forbidden");
         assert!(body.get("items").is_none() && body.get("data").is_none());
@@ -182,11 +188,11 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
     // A node reads its own secret by name, and no other.
     let own =
         "/api/v1/namespaces/team/secrets?resourceVersion=0&fieldSelector=metadata.name%3Dn1-secret";
-    let (status, list) = get(&stack, "system:node:n1", own).await;
+    let (status, list) = get(&cluster, "system:node:n1", own).await;
     assert_eq!(status, 200);
     assert_eq!(names(&list), ["n1-secret"]);
     let (status, _) = get(
-        &stack,
+        &cluster,
         "system:node:n1",
         "/api/v1/namespaces/team/secrets/n1-secret?resourceVersion=0",
     )
@@ -197,16 +203,17 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
         "/api/v1/namespaces/team/secrets?resourceVersion=0",
         "/api/v1/namespaces/team/secrets/secret-0?resourceVersion=0",
     ] {
-        assert_eq!(get(&stack, "system:node:n1", other).await.0, 403, "{other}");
+        assert_eq!(
+            get(&cluster, "system:node:n1", other).await.0,
+            403,
+            "{other}"
+        );
     }
 
     // Every Secret read the cache answered or refused is in the audit log, with the
     // client's address.
-    let log = std::fs::read_to_string(&stack.audit_path).unwrap();
-    let events: Vec<Value> = log
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let events = cluster.audit_events();
+    let log = format!("{events:#?}");
     let who_and_code: Vec<(&str, u64)> = events
         .iter()
         .map(|e| {
@@ -232,15 +239,11 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pagination_works_across_pages() {
-    let stack = Stack::start(Options {
-        seed: vec!["secrets=25x512B@team"],
-        ..Options::default()
-    })
-    .await;
+    let cluster = seeded("secrets=25x512B@team").await;
     let mut seen = Vec::new();
     let mut path = "/api/v1/namespaces/team/secrets?resourceVersion=0&limit=10".to_owned();
     loop {
-        let (status, page) = get(&stack, "alice", &path).await;
+        let (status, page) = get(&cluster, "alice", &path).await;
         assert_eq!(status, 200, "{page}");
         seen.extend(names(&page));
         match page["metadata"]["continue"].as_str() {
@@ -251,7 +254,7 @@ async fn pagination_works_across_pages() {
         }
     }
     assert_eq!(seen.len(), 25);
-    assert!(stack.upstream_requests_of("alice").is_empty());
+    assert!(cluster.upstream_requests_of("alice").is_empty());
 }
 
 /// Who answers a page of a list.
@@ -267,7 +270,7 @@ enum Answerer {
 /// its items as `namespace/name`, and its continue token's start key and
 /// `remainingItemCount` (`None` on the last page), and the token itself.
 async fn page(
-    stack: &Stack,
+    cluster: &Cluster,
     by: Answerer,
     base: &str,
     token: Option<&str>,
@@ -283,20 +286,20 @@ async fn page(
     };
     let list = match by {
         Answerer::Cache => {
-            let hits = stack.hits("list");
-            let (status, list) = get(stack, "alice", &path).await;
+            let before = hits(cluster, "list");
+            let (status, list) = get(cluster, "alice", &path).await;
             assert_eq!(status, 200, "{path}: {list}");
             assert_eq!(
-                stack.hits("list"),
-                hits + 1,
+                hits(cluster, "list"),
+                before + 1,
                 "the cache did not answer {path}"
             );
             list
         }
         Answerer::Apiserver => {
-            let cert = stack.pki.client_ca.client_cert("alice", &[]);
-            let tls = bulwark_sim::client::tls_config(&stack.pki, Some(&cert), &[b"h2"]).unwrap();
-            let reply = bulwark_sim::client::get(stack.fleet.addrs()[0], &tls, &path)
+            let cert = cluster.pki.client_ca.client_cert("alice", &[]);
+            let tls = bulwark_testkit::tls_config(&cluster.pki, Some(&cert));
+            let reply = bulwark_sim::client::get(cluster.fleet.addrs()[0], &tls, &path)
                 .await
                 .unwrap();
             assert_eq!(reply.status, 200, "{path}: {:?}", reply.body);
@@ -327,14 +330,14 @@ async fn page(
 /// Pages through `base` with `limit=1`, page `i` answered by `who(i)`: every item, and each
 /// token's start key and remaining count.
 async fn walk(
-    stack: &Stack,
+    cluster: &Cluster,
     base: &str,
     who: impl Fn(usize) -> Answerer,
 ) -> (Vec<String>, Vec<(String, u64)>) {
     let (mut items, mut tokens) = (Vec::new(), Vec::new());
     let mut token: Option<String> = None;
     for i in 0.. {
-        let (page_items, next) = page(stack, who(i), base, token.as_deref()).await;
+        let (page_items, next) = page(cluster, who(i), base, token.as_deref()).await;
         assert_eq!(page_items.len(), 1, "page {i} of {base}");
         items.extend(page_items);
         match next {
@@ -352,11 +355,7 @@ async fn walk(
 async fn a_list_pages_on_across_the_cache_and_the_apiserver_in_either_direction() {
     // `team-a/…` keys come before `team/…` ones in etcd: a list that ordered by namespace
     // and then name would repeat or skip items when the two take turns.
-    let stack = Stack::start(Options {
-        seed: vec!["secrets=6x256B@team,team-a"],
-        ..Options::default()
-    })
-    .await;
+    let cluster = seeded("secrets=6x256B@team,team-a").await;
     for (base, expected, first_start) in [
         (
             "/api/v1/secrets",
@@ -376,7 +375,7 @@ async fn a_list_pages_on_across_the_cache_and_the_apiserver_in_either_direction(
             "secret-0\0",
         ),
     ] {
-        let (truth, tokens) = walk(&stack, base, |_| Answerer::Apiserver).await;
+        let (truth, tokens) = walk(&cluster, base, |_| Answerer::Apiserver).await;
         assert_eq!(truth, expected, "{base} from the apiserver");
         assert_eq!(tokens[0].0, first_start, "{base}");
         let remaining: Vec<u64> = tokens.iter().map(|t| t.1).collect();
@@ -403,7 +402,7 @@ async fn a_list_pages_on_across_the_cache_and_the_apiserver_in_either_direction(
             }),
             ("cache alone", |_| Answerer::Cache),
         ] {
-            let (items, their_tokens) = walk(&stack, base, who).await;
+            let (items, their_tokens) = walk(&cluster, base, who).await;
             assert_eq!(items, expected, "{base}, {name}");
             assert_eq!(their_tokens, tokens, "{base}, {name}");
         }
@@ -412,27 +411,27 @@ async fn a_list_pages_on_across_the_cache_and_the_apiserver_in_either_direction(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kube_reflector_stays_equal_to_the_store_when_the_cache_syncs_by_watch_list() {
-    reflector_across_breaks_relists_and_restarts("  watchList: true", "sendInitialEvents=true")
-        .await;
+    reflector_across_breaks_relists_and_restarts("true", "sendInitialEvents=true").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kube_reflector_stays_equal_to_the_store_when_the_cache_syncs_by_list() {
-    reflector_across_breaks_relists_and_restarts("  watchList: false", "limit=500").await;
+    reflector_across_breaks_relists_and_restarts("false", "limit=500").await;
 }
 
-/// A kube reflector through the stack against the simulator's store, under churn, across
-/// an upstream watch break, a 410 relist and a replica restart; the cache's informers sync
-/// as `cache_yaml` says, and their sync requests contain `sync_marker`.
-async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, sync_marker: &str) {
-    let stack = Stack::start(Options {
+/// A kube reflector through Bulwark against the simulator's store, under churn, across an
+/// upstream watch break, a 410 relist and a replica restart; the cache's informers sync by
+/// WatchList when `watch_list` is `true`, and their sync requests contain `sync_marker`.
+async fn reflector_across_breaks_relists_and_restarts(watch_list: &'static str, sync_marker: &str) {
+    let cluster = cached(Setup {
         replicas: 2,
         event_ring: 30,
         seed: vec!["secrets=30x256B@team,other"],
-        cache_yaml,
+        settings: vec![("cache.watchList", watch_list)],
+        ..Setup::default()
     })
     .await;
-    let client = stack.kube_client("alice").await;
+    let client = cluster.kube_client("alice", &[]).await;
     let api: Api<Secret> = Api::all(client);
     let (reader, writer) = reflector::store();
     let stream = reflector(
@@ -465,15 +464,15 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
     };
     let converge = |what: &'static str| {
         let view = &view;
-        let stack = &stack;
+        let cluster = &cluster;
         async move {
             let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
             loop {
-                if view() == truth(stack) {
+                if view() == truth(cluster) {
                     return;
                 }
                 if tokio::time::Instant::now() >= deadline {
-                    let (v, t) = (view(), truth(stack));
+                    let (v, t) = (view(), truth(cluster));
                     let missing: Vec<_> = t
                         .iter()
                         .filter(|(k, r)| v.get(*k) != Some(r))
@@ -488,10 +487,9 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
                         "{what}: the reflector never caught up: {} vs {} objects; missing {missing:?}; extra {extra:?}; cache {:?}\n{}",
                         v.len(),
                         t.len(),
-                        stack.cache.scope_size("secrets", None),
-                        stack
-                            .metrics
-                            .render()
+                        cluster.cache().scope_size("secrets", None),
+                        cluster
+                            .metrics()
                             .lines()
                             .filter(|l| l.contains("cache"))
                             .collect::<Vec<_>>()
@@ -506,8 +504,8 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
 
     // Churn: creates, updates and deletes.
     for i in 0..20 {
-        create(&stack, "team", &format!("churn-{i}"), "djE=");
-        stack
+        create(&cluster, "team", &format!("churn-{i}"), "djE=");
+        cluster
             .fleet
             .store()
             .patch(
@@ -518,7 +516,7 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
             )
             .unwrap();
         if i % 3 == 0 && i < 15 {
-            stack
+            cluster
                 .fleet
                 .store()
                 .delete("secrets", "team", &format!("secret-{}", i * 2))
@@ -528,46 +526,36 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
     converge("churn").await;
 
     // An upstream watch break: every replica resets its streams for a moment.
-    for replica in stack.fleet.replicas() {
+    for replica in cluster.fleet.replicas() {
         replica.set_reset_mid_body(Some(0));
     }
-    create(&stack, "team", "during-break", "djM=");
+    create(&cluster, "team", "during-break", "djM=");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    for replica in stack.fleet.replicas() {
+    for replica in cluster.fleet.replicas() {
         replica.set_reset_mid_body(None);
     }
     converge("watch break").await;
 
     // A 410 relist: the fleet goes away while more changes than its window happen.
-    let relists = stack
-        .metrics
-        .cache_relists_total
-        .with_label_values(&["secrets"])
-        .get();
-    for replica in stack.fleet.replicas() {
+    let relists_before = relists(&cluster);
+    for replica in cluster.fleet.replicas() {
         replica.stop().await;
     }
     for i in 0..40 {
-        create(&stack, "other", &format!("offline-{i}"), "djQ=");
+        create(&cluster, "other", &format!("offline-{i}"), "djQ=");
     }
-    for replica in stack.fleet.replicas() {
+    for replica in cluster.fleet.replicas() {
         replica.start().await;
     }
     converge("relist").await;
     // The reflector may have caught up through the apiserver (a watch the cache could not
     // yet answer goes upstream); the cache relists on its own schedule, within its backoff.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while stack
-        .metrics
-        .cache_relists_total
-        .with_label_values(&["secrets"])
-        .get()
-        == relists
-    {
+    while relists(&cluster) == relists_before {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the cache never relisted; its requests: {:#?}",
-            stack
+            cluster
                 .upstream_requests_of("bulwark")
                 .iter()
                 .filter(|p| p.contains("secrets"))
@@ -578,17 +566,17 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
     converge("after the cache's relist").await;
 
     // A replica restart under churn.
-    stack.fleet.replica(0).stop().await;
+    cluster.fleet.replica(0).stop().await;
     for i in 0..10 {
-        create(&stack, "team", &format!("restart-{i}"), "djU=");
+        create(&cluster, "team", &format!("restart-{i}"), "djU=");
     }
-    stack.fleet.replica(0).start().await;
+    cluster.fleet.replica(0).start().await;
     converge("replica restart").await;
     assert!(
-        stack.hits("list") + stack.hits("watch") > 0,
+        hits(&cluster, "list") + hits(&cluster, "watch") > 0,
         "the reflector was served from the cache"
     );
-    let syncs = stack
+    let syncs = cluster
         .upstream_requests_of("bulwark")
         .into_iter()
         .filter(|p| p.starts_with("/api/v1/secrets?") && p.contains(sync_marker))
@@ -599,12 +587,8 @@ async fn reflector_across_breaks_relists_and_restarts(cache_yaml: &'static str, 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_list_informer_completes_its_initial_sync() {
-    let stack = Stack::start(Options {
-        seed: vec!["secrets=15x256B@team"],
-        ..Options::default()
-    })
-    .await;
-    let client = stack.kube_client("alice").await;
+    let cluster = seeded("secrets=15x256B@team").await;
+    let client = cluster.kube_client("alice", &[]).await;
     let api: Api<Secret> = Api::namespaced(client, "team");
     let mut events = watcher(api, watcher::Config::default().streaming_lists()).boxed();
     let mut initial = 0;
@@ -623,37 +607,29 @@ async fn a_watch_list_informer_completes_its_initial_sync() {
     assert!(done);
     assert_eq!(initial, 15);
     assert!(
-        stack.hits("watch") >= 1,
+        hits(&cluster, "watch") >= 1,
         "the WatchList was served from the cache"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_watchers_share_one_upstream_watch_per_resource() {
-    let stack = Stack::start(Options {
-        replicas: 2,
-        seed: vec!["secrets=5x256B@team"],
-        ..Options::default()
-    })
-    .await;
+    let cluster = seeded("secrets=5x256B@team").await;
     let mut senders = Vec::new();
     for _ in 0..4 {
-        senders.push(client(&stack, "alice").await);
+        senders.push(cluster.client("alice", &[]).await.sender());
     }
     let mut bodies = Vec::new();
     for i in 0..200 {
         let mut sender = senders[i % senders.len()].clone();
-        let request = http::Request::get(
-            "https://127.0.0.1/api/v1/namespaces/team/secrets?watch=1&resourceVersion=0",
-        )
-        .body(http_body_util::Full::new(bytes::Bytes::new()))
-        .unwrap();
+        let request =
+            bulwark_testkit::get("/api/v1/namespaces/team/secrets?watch=1&resourceVersion=0");
         sender.ready().await.unwrap();
         let response = sender.send_request(request).await.unwrap();
         assert_eq!(response.status(), 200);
         bodies.push(response.into_body());
     }
-    create(&stack, "team", "fan-out", "djE=");
+    create(&cluster, "team", "fan-out", "djE=");
     for body in &mut bodies {
         let mut seen = Vec::new();
         while !String::from_utf8_lossy(&seen).contains("\"name\":\"fan-out\"") {
@@ -668,7 +644,7 @@ async fn many_watchers_share_one_upstream_watch_per_resource() {
         }
     }
     // The apiservers see the cache's watches (one per cached resource), not 200.
-    let watches: u64 = stack.fleet.stats().iter().map(|s| s.open_watches).sum();
+    let watches: u64 = cluster.fleet.stats().iter().map(|s| s.open_watches).sum();
     assert_eq!(watches, 3, "secrets, endpoints, endpointslices");
-    assert!(stack.upstream_requests_of("alice").is_empty());
+    assert!(cluster.upstream_requests_of("alice").is_empty());
 }

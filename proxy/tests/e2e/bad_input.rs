@@ -11,7 +11,7 @@ use rustls::pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::TlsConnector;
 
-use crate::harness::{Cluster, Setup, get, tls_config};
+use bulwark_testkit::{Cluster, Setup, get, tls_config};
 
 async fn one_replica() -> Cluster {
     Cluster::start(Setup {

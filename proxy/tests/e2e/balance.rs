@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use crate::harness::{Cluster, Setup};
+use bulwark_testkit::{Cluster, Setup};
 
 const SECRETS: &str = "/api/v1/namespaces/ns-0/secrets";
 
@@ -40,7 +40,7 @@ async fn load(cluster: &Cluster, user: &str, total: usize, concurrency: usize) -
                 } else {
                     format!("{SECRETS}/secret-{}", i % 10)
                 };
-                let response = sender.send_request(crate::harness::get(&path)).await;
+                let response = sender.send_request(bulwark_testkit::get(&path)).await;
                 match response {
                     Ok(r) if r.status().is_success() => {
                         let _ = http_body_util::BodyExt::collect(r.into_body()).await;
@@ -145,7 +145,7 @@ async fn open_watches_spread_evenly() {
     for _ in 0..200 {
         let mut sender = sender.clone();
         let response = sender
-            .send_request(crate::harness::get(
+            .send_request(bulwark_testkit::get(
                 "/api/v1/namespaces/ns-0/secrets?watch=1&allowWatchBookmarks=true",
             ))
             .await

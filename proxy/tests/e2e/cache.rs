@@ -5,25 +5,21 @@ use std::time::Duration;
 
 use http_body_util::BodyExt;
 
-use crate::harness::{Cluster, Setup};
+use bulwark_testkit::{Cluster, Setup};
 
 /// `replicas` seeded with `seed`, the cache on, `rules` loaded, and Bulwark ready (its
 /// cache synced).
 async fn synced(replicas: usize, seed: Vec<&'static str>, rules: &'static str) -> Cluster {
-    let cluster = Cluster::start(Setup {
+    Cluster::start(Setup {
         replicas,
         seed,
         cache: true,
         rules,
         ..Setup::default()
     })
-    .await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while cluster.bulwark.admin.ready().is_err() {
-        assert!(tokio::time::Instant::now() < deadline, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    cluster
+    .await
+    .ready()
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -31,7 +27,7 @@ async fn secret_reads_come_from_the_cache_for_readers_the_apiserver_would_allow(
     let cluster = synced(
         2,
         vec!["secrets=20x1KiB@team"],
-        crate::harness::UNLIMITED_RULES,
+        bulwark_testkit::UNLIMITED_RULES,
     )
     .await;
     cluster.fleet.clear_seen();
@@ -91,7 +87,7 @@ async fn cache_refusals_are_counted_and_audited() {
     let cluster = synced(
         1,
         vec!["secrets=3x1KiB@team"],
-        crate::harness::UNLIMITED_RULES,
+        bulwark_testkit::UNLIMITED_RULES,
     )
     .await;
     let mut nobody = cluster.client("nobody", &[]).await;
@@ -194,7 +190,7 @@ rules:
     cluster.fleet.clear_seen();
 
     let mut alice = cluster.client("alice", &[]).await;
-    let unread = alice.start(crate::harness::get(list)).await;
+    let unread = alice.start(bulwark_testkit::get(list)).await;
     assert_eq!(unread.status(), 200);
     assert_eq!(unread.headers()["x-bulwark-level"], "one-seat");
 
@@ -221,7 +217,7 @@ rules:
     // come, so it only counts against the flow's watch limit.
     let version = cluster.fleet.store().resource_version();
     let watch = carol
-        .start(crate::harness::get(&format!(
+        .start(bulwark_testkit::get(&format!(
             "/api/v1/namespaces/team/secrets?watch=true&resourceVersion={version}"
         )))
         .await;
@@ -240,7 +236,7 @@ rules:
     // The initial-state watch now starts; once its 200 ADDED events are read, it gives the
     // seat back while it stays open, and carol's GET is answered.
     let mut watch = carol
-        .start(crate::harness::get(
+        .start(bulwark_testkit::get(
             "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0",
         ))
         .await
@@ -305,7 +301,7 @@ rules:
     let watch = "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0";
     cluster.fleet.clear_seen();
     let mut alice = cluster.client("alice", &[]).await;
-    let open = alice.start(crate::harness::get(watch)).await;
+    let open = alice.start(bulwark_testkit::get(watch)).await;
     assert_eq!(open.status(), 200);
 
     let second = alice.get(watch).await;
@@ -321,7 +317,7 @@ rules:
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let reopened = loop {
         let mut again = cluster.client("alice", &[]).await;
-        let response = again.start(crate::harness::get(watch)).await;
+        let response = again.start(bulwark_testkit::get(watch)).await;
         if response.status() == 200 || tokio::time::Instant::now() > deadline {
             break response;
         }
@@ -367,7 +363,7 @@ rules:
     .await;
     let mut alice = cluster.client("alice", &[]).await;
     let unread = alice
-        .start(crate::harness::get(
+        .start(bulwark_testkit::get(
             "/api/v1/namespaces/team/secrets?resourceVersion=0",
         ))
         .await;
@@ -439,7 +435,7 @@ async fn an_upstream_list_of_a_cached_resource_is_costed_by_the_caches_count() {
     let cluster = synced(
         1,
         vec!["secrets=200x100KiB@team"],
-        crate::harness::ALICE_LISTS_RULES,
+        bulwark_testkit::ALICE_LISTS_RULES,
     )
     .await;
     let mut alice = cluster.client("alice", &[]).await;
@@ -452,7 +448,7 @@ async fn an_upstream_list_of_a_cached_resource_is_costed_by_the_caches_count() {
     let exact = format!(
         "/api/v1/namespaces/team/secrets?resourceVersion={version}&resourceVersionMatch=Exact"
     );
-    let unread = alice.start(crate::harness::get(&exact)).await;
+    let unread = alice.start(bulwark_testkit::get(&exact)).await;
     assert_eq!(unread.status(), 200);
     let in_flight = cluster.list_bytes_in_flight();
     let scope = (200 * 100 * 1024) as f64;

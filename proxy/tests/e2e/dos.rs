@@ -9,9 +9,8 @@ use http::Request;
 use http_body_util::Full;
 use rand::Rng;
 use rand::distr::Alphanumeric;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::harness::{Cluster, GOOD_TOKEN, Setup, get};
+use bulwark_testkit::{Cluster, GOOD_TOKEN, Setup, get};
 
 /// A random alphanumeric string of `len` characters.
 fn random(len: usize) -> String {
@@ -20,19 +19,6 @@ fn random(len: usize) -> String {
         .take(len)
         .map(char::from)
         .collect()
-}
-
-/// `GET /metrics` from the admin listener.
-async fn metrics(cluster: &Cluster) -> String {
-    let mut s = tokio::net::TcpStream::connect(cluster.bulwark.admin_addr)
-        .await
-        .unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n")
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 fn token_reviews(cluster: &Cluster) -> usize {
@@ -93,7 +79,7 @@ async fn random_methods_paths_and_headers_leave_no_trace_in_the_metrics() {
         );
         alice.send(request).await;
     }
-    let text = metrics(&cluster).await;
+    let (_, text) = cluster.admin_get("/metrics").await;
     println!(
         "/metrics after 300 random methods, 900 random paths and 300 random headers: {} bytes",
         text.len()
@@ -249,7 +235,7 @@ async fn put_storm(
     let mut tasks = tokio::task::JoinSet::new();
     for user in users {
         let cert = cluster.pki.client_ca.client_cert(user, &[]);
-        let client = crate::harness::Client::connect(addr, &cluster.pki, Some(&cert)).await;
+        let client = bulwark_testkit::Client::connect(addr, &cluster.pki, Some(&cert)).await;
         for _ in 0..count / users.len() {
             let mut sender = client.sender();
             let request = Request::put(format!("https://127.0.0.1{path}"))
@@ -304,7 +290,9 @@ async fn a_user_cannot_pass_big_lease_writes_as_heartbeats() {
         ..Setup::default()
     })
     .await;
-    let process = cluster.spawn_process().await;
+    let process = cluster
+        .spawn_process(env!("CARGO_BIN_EXE_bulwark").as_ref())
+        .await;
     cluster.fleet.replica(0).set_delay(Duration::from_secs(2));
     let answers = put_storm(
         &cluster,
@@ -334,7 +322,9 @@ async fn buffered_request_bodies_stay_within_the_budget_even_when_exempt() {
         ..Setup::default()
     })
     .await;
-    let process = cluster.spawn_process().await;
+    let process = cluster
+        .spawn_process(env!("CARGO_BIN_EXE_bulwark").as_ref())
+        .await;
     cluster.fleet.replica(0).set_delay(Duration::from_secs(3));
     let users: Vec<String> = (0..20).map(|i| format!("writer-{i}")).collect();
     let answers = put_storm(

@@ -1,9 +1,7 @@
 //! Rules and admission in the request path: every classified answer names its rule and
 //! level, and a refusal says why, when to come back, and is counted.
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-use crate::harness::{Cluster, Setup};
+use bulwark_testkit::{Cluster, Setup};
 
 const RULES: &str = r#"
 levels:
@@ -29,17 +27,6 @@ rules:
 "#;
 
 const SECRETS: &str = "/api/v1/namespaces/default/secrets";
-
-async fn admin_get(cluster: &Cluster, path: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(cluster.bulwark.admin_addr)
-        .await
-        .unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n");
-    s.write_all(request.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_others_pass() {
@@ -88,7 +75,7 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
         assert_eq!(answer.headers["x-bulwark-rule"], "everyone-else");
     }
 
-    let metrics = admin_get(&cluster, "/metrics").await;
+    let (_, metrics) = cluster.admin_get("/metrics").await;
     let line = metrics
         .lines()
         .find(|l| {
@@ -109,12 +96,9 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
         "{metrics}"
     );
 
-    let levels = admin_get(&cluster, "/debug/levels").await;
-    assert!(
-        levels.starts_with("HTTP/1.1 200") && levels.contains("\"tight\""),
-        "{levels}"
-    );
-    let rules = admin_get(&cluster, "/debug/rules").await;
+    let (status, levels) = cluster.admin_get("/debug/levels").await;
+    assert!(status == 200 && levels.contains("\"tight\""), "{levels}");
+    let (_, rules) = cluster.admin_get("/debug/rules").await;
     assert!(
         rules.contains("alice-limited") && rules.contains("hash"),
         "{rules}"
@@ -131,14 +115,14 @@ async fn a_gzip_or_table_list_teaches_the_cost_model_the_json_the_apiserver_buil
     let cluster = Cluster::start(Setup {
         replicas: 1,
         seed: vec!["configmaps=100x100KiB@team"],
-        rules: crate::harness::ALICE_LISTS_RULES,
+        rules: bulwark_testkit::ALICE_LISTS_RULES,
         ..Setup::default()
     })
     .await;
     let mut alice = cluster.client("alice", &[]).await;
     let path = "/api/v1/namespaces/team/configmaps";
     let request = |accept: &str| {
-        let mut request = crate::harness::get(path);
+        let mut request = bulwark_testkit::get(path);
         let headers = request.headers_mut();
         headers.insert("accept-encoding", "gzip".parse().unwrap());
         headers.insert("accept", accept.parse().unwrap());
@@ -162,7 +146,7 @@ async fn a_gzip_or_table_list_teaches_the_cost_model_the_json_the_apiserver_buil
     let wire = gzipped.body.len() as f64;
     assert!(wire * 20.0 < json, "the list compresses: {wire} of {json}");
     // A second LIST of the scope, held unread: admission reserves what it learned.
-    let unread = alice.start(crate::harness::get(path)).await;
+    let unread = alice.start(bulwark_testkit::get(path)).await;
     assert_eq!(unread.status(), 200);
     let in_flight = cluster.list_bytes_in_flight();
     assert!(

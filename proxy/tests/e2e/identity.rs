@@ -5,7 +5,7 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
 
-use crate::harness::{BAD_TOKEN, Cluster, GOOD_TOKEN, Setup, get};
+use bulwark_testkit::{BAD_TOKEN, Cluster, GOOD_TOKEN, Setup, get};
 
 const SECRETS: &str = "/api/v1/namespaces/default/secrets";
 

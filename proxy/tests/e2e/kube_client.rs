@@ -5,22 +5,9 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ListParams, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 
-use crate::harness::{Cluster, Setup};
-
-/// A kube client for `user`, through Bulwark, from a kubeconfig as a user would write it.
-async fn kube_client(cluster: &Cluster, user: &str) -> kube::Client {
-    let cert = cluster.pki.client_ca.client_cert(user, &[]);
-    let server = format!("https://{}", cluster.bulwark.addr);
-    let kubeconfig = bulwark_sim::client::kubeconfig(&cluster.pki, &server, &cert);
-    let kubeconfig: Kubeconfig = Kubeconfig::from_yaml(&kubeconfig).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .expect("kube config");
-    kube::Client::try_from(config).expect("kube client")
-}
+use bulwark_testkit::{Cluster, Setup};
 
 fn secret(name: &str) -> Secret {
     serde_json::from_value(serde_json::json!({
@@ -37,7 +24,7 @@ async fn kube_client_lists_paginates_creates_and_watches_through_bulwark() {
         ..Setup::default()
     })
     .await;
-    let client = kube_client(&cluster, "alice").await;
+    let client = cluster.kube_client("alice", &[]).await;
     let secrets: Api<Secret> = Api::namespaced(client, "team");
 
     let mut names = Vec::new();

@@ -5,7 +5,6 @@ mod balance;
 mod cache;
 mod dos;
 mod fairness;
-mod harness;
 mod identity;
 mod kube_client;
 mod streaming;

@@ -5,7 +5,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
 
-use crate::harness::{Client, Cluster, Setup, get};
+use bulwark_testkit::{Client, Cluster, Setup, get};
 
 /// Reads a response body chunk by chunk, hashing it; returns (bytes, digest).
 async fn drain(response: http::Response<hyper::body::Incoming>) -> (u64, [u8; 32]) {
@@ -29,7 +29,9 @@ async fn a_100_mb_list_passes_byte_identical_without_costing_100_mb() {
         ..Setup::default()
     })
     .await;
-    let process = cluster.spawn_process().await;
+    let process = cluster
+        .spawn_process(env!("CARGO_BIN_EXE_bulwark").as_ref())
+        .await;
     let path = "/api/v1/namespaces/big/secrets?resourceVersion=0";
     let cert = cluster.pki.client_ca.client_cert("alice", &[]);
     let mut direct = Client::connect(cluster.fleet.addrs()[0], &cluster.pki, Some(&cert)).await;

@@ -10,6 +10,7 @@ pub mod admit;
 pub mod cache;
 pub mod certs;
 pub mod classify;
+pub mod coalesce;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -17,6 +18,7 @@ pub mod identity;
 pub mod listen;
 pub mod logs;
 pub mod metrics;
+pub mod report;
 pub mod rules;
 pub mod serve;
 pub mod status;

@@ -66,6 +66,7 @@ pub enum ProxyError {
     #[error("{error}")]
     Cache {
         /// Why.
+        #[source]
         error: CacheError,
         /// The reader's rule.
         rule: Arc<str>,
@@ -96,7 +97,7 @@ impl ProxyError {
             ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
                 Refusal::new(Reason::BadRequest, message)
             }
-            ProxyError::Forward(ForwardError::OwnToken(_)) => Refusal::new(
+            ProxyError::Forward(ForwardError::OwnToken { .. }) => Refusal::new(
                 Reason::UpstreamError,
                 "bulwark's own credential is unavailable",
             ),
@@ -207,7 +208,7 @@ where
                 }
                 Err(error) => {
                     let refusal = error.refusal();
-                    let detail = error.to_string();
+                    let detail = crate::report::chain(&error);
                     tracing::debug!(reason = %refusal.reason, error = %detail, "refused");
                     log.rejected(Rejection {
                         identity: who.0.get().map_or("-", String::as_str),
@@ -892,10 +893,10 @@ impl UpstreamError {
             UpstreamError::RequestBody(_) | UpstreamError::NotUpgradable => {
                 Refusal::new(Reason::BadRequest, message)
             }
-            UpstreamError::Connect(_) | UpstreamError::Tls(_) => {
+            UpstreamError::Connect { .. } | UpstreamError::Tls { .. } => {
                 Refusal::new(Reason::UpstreamError, "the apiserver could not be reached")
             }
-            UpstreamError::Protocol(_) => Refusal::new(
+            UpstreamError::Protocol { .. } => Refusal::new(
                 Reason::UpstreamError,
                 "the exchange with the apiserver failed",
             ),
@@ -903,7 +904,10 @@ impl UpstreamError {
                 Reason::UpstreamError,
                 "the request may have reached the apiserver but no answer came; not retried",
             ),
-            UpstreamError::MissingCredential(_) | UpstreamError::Config(_) => {
+            UpstreamError::MissingCredential(_)
+            | UpstreamError::Config(_)
+            | UpstreamError::File { .. }
+            | UpstreamError::Rustls { .. } => {
                 Refusal::new(Reason::UpstreamError, "bulwark cannot forward this request")
             }
         }
@@ -913,6 +917,9 @@ impl UpstreamError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::review::ReviewError;
+    use crate::report::SharedError;
+    use crate::upstream::TlsFailure;
 
     /// The whole answer a client gets for `error`, as Rescue writes it.
     async fn answer(error: ProxyError) -> (StatusCode, String) {
@@ -926,26 +933,60 @@ mod tests {
     #[tokio::test]
     async fn failures_upstream_name_no_replica_and_no_file_to_the_client() {
         let replica = "10.0.0.7:6443";
+        let refused = || -> SharedError { Arc::new(std::io::Error::other("refused")) };
         let errors = [
-            ProxyError::Upstream(UpstreamError::Connect(format!("{replica}: refused"))),
-            ProxyError::Upstream(UpstreamError::Tls(format!("{replica}: bad certificate"))),
-            ProxyError::Upstream(UpstreamError::Protocol(format!("{replica}: reset"))),
-            ProxyError::Upstream(UpstreamError::Interrupted(format!("{replica}: GOAWAY"))),
+            ProxyError::Upstream(UpstreamError::Connect {
+                replica: replica.into(),
+                source: Arc::new(std::io::Error::other("refused")),
+            }),
+            ProxyError::Upstream(UpstreamError::Tls {
+                replica: replica.into(),
+                source: Arc::new(TlsFailure::Handshake(std::io::Error::other(
+                    "bad certificate",
+                ))),
+            }),
+            ProxyError::Upstream(UpstreamError::Protocol {
+                replica: replica.into(),
+                source: refused(),
+            }),
+            ProxyError::Upstream(UpstreamError::Interrupted(Arc::new(
+                UpstreamError::Protocol {
+                    replica: replica.into(),
+                    source: refused(),
+                },
+            ))),
             ProxyError::Upstream(UpstreamError::Config(format!("replica {replica}"))),
-            ProxyError::Identity(IdentityError::ReviewFailed(format!(
-                "POST https://{replica}/apis/authentication.k8s.io/v1/tokenreviews: refused"
-            ))),
-            ProxyError::Forward(ForwardError::OwnToken(format!(
-                "/var/run/secrets/{replica}/token: not found"
-            ))),
+            ProxyError::Upstream(UpstreamError::File {
+                path: format!("/var/run/secrets/{replica}/ca.crt").into(),
+                source: refused(),
+            }),
+            ProxyError::Identity(IdentityError::ReviewFailed(Arc::new(ReviewError::Status {
+                path: "/apis/authentication.k8s.io/v1/tokenreviews",
+                status: StatusCode::BAD_GATEWAY,
+                message: format!("{replica}: refused"),
+            }))),
+            ProxyError::Forward(ForwardError::OwnToken {
+                path: format!("/var/run/secrets/{replica}/token").into(),
+                source: refused(),
+            }),
             ProxyError::Cache {
-                error: CacheError::ReviewFailed(format!("{replica}: refused")),
+                error: CacheError::ReviewFailed(Arc::new(ReviewError::Upstream {
+                    path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                    source: UpstreamError::Connect {
+                        replica: replica.into(),
+                        source: Arc::new(std::io::Error::other("refused")),
+                    },
+                })),
                 rule: Arc::from("r"),
                 level: "l".into(),
             },
         ];
         for error in errors {
-            let detail = error.to_string();
+            let detail = crate::report::chain(&error);
+            assert!(
+                detail.contains(replica),
+                "the log line has the cause: {detail}"
+            );
             let (status, body) = answer(error).await;
             assert!(status.is_server_error(), "{detail}: {status}");
             assert!(!body.contains(replica), "{detail}: {body}");

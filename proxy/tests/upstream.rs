@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use bulwark::metrics::Metrics;
 use bulwark::upstream::{
-    Credential, RetryPolicy, Route, Upstream, UpstreamError, UpstreamReplica, UpstreamTls,
+    RetryPolicy, Route, Upstream, UpstreamCredential, UpstreamError, UpstreamReplica, UpstreamTls,
 };
 use bulwark_sim::{Fleet, Pki, Seed, SimConfig};
 use http::{Request, StatusCode};
@@ -93,7 +93,7 @@ fn seed(resource: &str, count: usize, size: usize) -> Seed {
 
 fn read() -> Route {
     Route {
-        credential: Credential::FrontProxy,
+        credential: UpstreamCredential::FrontProxy,
         retry: RetryPolicy::Read,
         long_running: false,
         watch: false,

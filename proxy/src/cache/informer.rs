@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 
 use super::store::{EventType, Kind, Obj, ResourceStore};
 use crate::config::GroupResource;
-use crate::upstream::{Credential, RetryPolicy, Route, Upstream};
+use crate::upstream::{RetryPolicy, Route, Upstream, UpstreamCredential};
 
 /// Items per LIST page.
 const PAGE: u64 = 500;
@@ -68,7 +68,7 @@ async fn get(
     // wait for the head keeps an informer from hanging on a replica that took the request
     // and never answered (the pool's timeout ends at the head).
     let route = Route {
-        credential: Credential::Own,
+        credential: UpstreamCredential::Own,
         retry: RetryPolicy::Read,
         long_running: false,
         watch: long_running,

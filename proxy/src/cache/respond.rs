@@ -206,7 +206,7 @@ pub struct Details {
     pub kind: String,
     /// Causes.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub causes: Vec<Cause>,
+    pub causes: Vec<StatusCause>,
     /// Seconds to wait before retrying.
     #[serde(rename = "retryAfterSeconds", skip_serializing_if = "Option::is_none")]
     pub retry_after_seconds: Option<u32>,
@@ -214,7 +214,7 @@ pub struct Details {
 
 /// One cause of a `Status`.
 #[derive(Debug, Clone, Serialize)]
-pub struct Cause {
+pub struct StatusCause {
     /// Machine-readable reason.
     pub reason: String,
     /// Human-readable message.

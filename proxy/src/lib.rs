@@ -18,6 +18,7 @@ pub mod identity;
 pub mod listen;
 pub mod logs;
 pub mod metrics;
+pub mod process;
 pub mod report;
 pub mod rules;
 pub mod serve;

@@ -45,18 +45,32 @@ pub struct State {
 
 impl State {
     /// Ready when not draining and at least one upstream replica is healthy.
-    pub fn ready(&self) -> Result<(), String> {
+    pub fn ready(&self) -> Result<(), NotReady> {
         if self.draining.load(Ordering::SeqCst) {
-            return Err("shutting down".into());
+            return Err(NotReady::Draining);
         }
         if self.upstream.healthy_replicas() == 0 {
-            return Err("no healthy upstream replica".into());
+            return Err(NotReady::NoHealthyUpstream);
         }
         if self.cache.as_ref().is_some_and(|c| !c.synced()) {
-            return Err("the cache has not finished its first list".into());
+            return Err(NotReady::CacheNotSynced);
         }
         Ok(())
     }
+}
+
+/// Why `/readyz` fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    /// SIGTERM arrived.
+    #[error("shutting down")]
+    Draining,
+    /// No upstream replica is in rotation.
+    #[error("no healthy upstream replica")]
+    NoHealthyUpstream,
+    /// The cache has not finished its first list.
+    #[error("the cache has not finished its first list")]
+    CacheNotSynced,
 }
 
 /// Who may read `/debug/*`.
@@ -153,7 +167,11 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
         "/healthz" | "/livez" => text(StatusCode::OK, "text/plain", "ok".into()),
         "/readyz" => match state.ready() {
             Ok(()) => text(StatusCode::OK, "text/plain", "ok".into()),
-            Err(why) => text(StatusCode::SERVICE_UNAVAILABLE, "text/plain", why),
+            Err(why) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                why.to_string(),
+            ),
         },
         _ => text(StatusCode::NOT_FOUND, "text/plain", "not found".into()),
     }

@@ -78,8 +78,8 @@ pub enum CacheError {
     #[error("{}", .0.message)]
     Status(Box<Status>, String),
     /// No SubjectAccessReview could be made: the request gets an error, never data.
-    #[error("the access review for a cached read could not be made: {0}")]
-    ReviewFailed(String),
+    #[error("the access review for a cached read could not be made")]
+    ReviewFailed(#[source] Arc<crate::identity::review::ReviewError>),
 }
 
 impl CacheError {

@@ -75,40 +75,24 @@ pub enum CertsError {
     Kubeconfig(#[from] serde_norway::Error),
 }
 
-/// `bulwark certs ...` subcommands.
-#[derive(Debug, Clone, clap::Subcommand)]
-pub enum CertsCommand {
-    /// Mint a development PKI and a kubeconfig per identity.
-    Init(InitOptions),
-}
-
 /// The options of `bulwark certs init`.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone)]
 pub struct InitOptions {
     /// Folder for the certificates, keys and kubeconfigs (created when missing).
-    #[arg(long)]
     pub dir: PathBuf,
-    /// A name clients use to reach Bulwark: a DNS name or an IP address (repeatable; the
-    /// first is the serving certificate's CN and the kubeconfigs' host).
-    #[arg(long = "server-name", required = true)]
+    /// The names clients use to reach Bulwark: DNS names or IP addresses (the first is the
+    /// serving certificate's CN and the kubeconfigs' host).
     pub server_names: Vec<String>,
-    /// A user to mint a client certificate and kubeconfig for, as `USER[:GROUP,GROUP]`
-    /// (repeatable). `system:serviceaccount:NS:NAME` and `system:node:NAME` users are read
-    /// whole; the groups start after the next `:`.
-    #[arg(long = "identity")]
+    /// The users to mint a client certificate and kubeconfig for.
     pub identities: Vec<IdentitySpec>,
     /// The server URL written into the kubeconfigs. Default: `https://FIRST-NAME:6443`.
-    #[arg(long)]
     pub server: Option<String>,
     /// CN of the front-proxy client certificate (must be in the apiserver's
     /// `--requestheader-allowed-names`).
-    #[arg(long, default_value = "front-proxy-client")]
     pub front_proxy_name: String,
-    /// Bulwark's own identity, as `USER[:GROUP,GROUP]`.
-    #[arg(long = "self", default_value = "bulwark:bulwark:proxies")]
+    /// Bulwark's own identity.
     pub self_identity: IdentitySpec,
     /// Validity of the leaf certificates in days (CAs get ten times as long).
-    #[arg(long, default_value_t = 365)]
     pub days: u32,
 }
 
@@ -202,13 +186,6 @@ impl fmt::Display for Minted {
             writeln!(f, "wrote   {}", path.display())?;
         }
         Ok(())
-    }
-}
-
-/// Runs a `bulwark certs` subcommand.
-pub fn run(command: &CertsCommand) -> Result<Minted, CertsError> {
-    match command {
-        CertsCommand::Init(options) => init(options),
     }
 }
 
@@ -584,38 +561,6 @@ fn write_atomically(path: &Path, contents: &[u8], secret: bool) -> std::io::Resu
     file.sync_all()?;
     drop(file);
     std::fs::rename(&tmp, path)
-}
-
-/// Keeps private keys and tokens held in memory out of core dumps: sets `RLIMIT_CORE` to 0
-/// and marks the process non-dumpable (which also stops other processes of the same user
-/// from reading its memory through `/proc` or ptrace). Call once at start, before any key is
-/// loaded.
-#[cfg(target_os = "linux")]
-pub fn disable_core_dumps() -> std::io::Result<()> {
-    use rustix::process::{DumpableBehavior, Resource, Rlimit, set_dumpable_behavior, setrlimit};
-    setrlimit(
-        Resource::Core,
-        Rlimit {
-            current: Some(0),
-            maximum: Some(0),
-        },
-    )?;
-    set_dumpable_behavior(DumpableBehavior::NotDumpable)?;
-    Ok(())
-}
-
-/// Keeps private keys out of core dumps: sets `RLIMIT_CORE` to 0.
-#[cfg(all(unix, not(target_os = "linux")))]
-pub fn disable_core_dumps() -> std::io::Result<()> {
-    use rustix::process::{Resource, Rlimit, setrlimit};
-    setrlimit(
-        Resource::Core,
-        Rlimit {
-            current: Some(0),
-            maximum: Some(0),
-        },
-    )?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ pub mod cache;
 pub mod call;
 pub mod certs;
 pub mod classify;
+pub mod coalesce;
 pub mod config;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -18,6 +19,8 @@ pub mod identity;
 pub mod listen;
 pub mod logs;
 pub mod metrics;
+pub mod process;
+pub mod report;
 pub mod rescue;
 pub mod rules;
 pub mod serve;

@@ -1,79 +1,14 @@
 //! The `bulwark` binary: `bulwark serve --config FILE`.
 
-use std::path::PathBuf;
+mod cli;
+
 use std::process::ExitCode;
 
 use bulwark::config::{Config, ConfigError};
+use bulwark::report::Chain;
 use bulwark::serve::StartError;
-use clap::{Parser, Subcommand, ValueEnum};
-
-/// A TLS-terminating reverse proxy that keeps kube-apiservers alive.
-#[derive(Parser)]
-#[command(name = "bulwark", version, about)]
-struct Cli {
-    /// Log format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
-    log_format: LogFormat,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Serve clients in front of the configured apiserver replicas.
-    Serve {
-        /// The configuration file (see proxy/bulwark.example.yaml).
-        #[arg(long)]
-        config: PathBuf,
-    },
-    /// Check a configuration file and print every problem.
-    CheckConfig {
-        /// The configuration file.
-        config: PathBuf,
-    },
-    /// Mint certificates and kubeconfigs.
-    Certs {
-        #[command(subcommand)]
-        command: bulwark::certs::CertsCommand,
-    },
-    /// Check or explain a folder of rule files.
-    Rules {
-        #[command(subcommand)]
-        command: RulesCommand,
-    },
-}
-
-#[derive(Subcommand)]
-enum RulesCommand {
-    /// Exit 0 when the folder is valid; else print every problem as `file:line:column:
-    /// message` and exit 1.
-    Check {
-        /// The folder of rule files.
-        dir: PathBuf,
-    },
-    /// Print the rule a request matches, its level and flow, and why each rule of lower
-    /// precedence did not match.
-    Explain {
-        /// The folder of rule files.
-        dir: PathBuf,
-        /// The user name.
-        #[arg(long)]
-        user: String,
-        /// A group of the user (repeatable); `system:authenticated` is added.
-        #[arg(long = "group")]
-        groups: Vec<String>,
-        /// The apiserver verb (get, list, watch, create, ...).
-        verb: String,
-        /// The request path, e.g. /api/v1/namespaces/default/secrets.
-        path: String,
-    },
-}
+use clap::Parser;
+use cli::{CertsCommand, Cli, Command, LogFormat, RulesCommand};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -81,7 +16,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Serve { config } => {
             // Keys and Secrets live in this process's memory: never write them to a core file.
-            if let Err(e) = bulwark::certs::disable_core_dumps() {
+            if let Err(e) = bulwark::process::make_undumpable() {
                 eprintln!("bulwark: cannot disable core dumps: {e}");
             }
             let Some(config) = load(&config) else {
@@ -103,7 +38,7 @@ fn main() -> ExitCode {
                     ExitCode::from(2)
                 }
                 Err(e) => {
-                    eprintln!("bulwark: {e}");
+                    eprintln!("bulwark: {}", Chain(&e));
                     ExitCode::from(2)
                 }
             }
@@ -112,27 +47,32 @@ fn main() -> ExitCode {
             Some(_) => ExitCode::SUCCESS,
             None => ExitCode::from(2),
         },
-        Command::Certs { command } => match bulwark::certs::run(&command) {
+        Command::Certs {
+            command: CertsCommand::Init(args),
+        } => match bulwark::certs::init(&args.into()) {
             Ok(minted) => {
                 print!("{minted}");
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("bulwark: {e}");
+                eprintln!("bulwark: {}", Chain(&e));
                 ExitCode::FAILURE
             }
         },
         Command::Rules {
             command: RulesCommand::Check { dir },
-        } => {
-            let (code, report) = bulwark::rules::check(&dir);
-            if code == 0 {
-                print!("{report}");
-            } else {
-                eprint!("{report}");
+        } => match bulwark::rules::check(&dir) {
+            Ok(summary) => {
+                print!("{summary}");
+                ExitCode::SUCCESS
             }
-            ExitCode::from(code)
-        }
+            Err(problems) => {
+                for problem in problems {
+                    eprintln!("{problem}");
+                }
+                ExitCode::from(1)
+            }
+        },
         Command::Rules {
             command:
                 RulesCommand::Explain {
@@ -142,13 +82,13 @@ fn main() -> ExitCode {
                     verb,
                     path,
                 },
-        } => match bulwark::rules::explain_cli(&dir, &user, &groups, &verb, &path) {
+        } => match bulwark::rules::explain_dir(&dir, &user, &groups, &verb, &path) {
             Ok(text) => {
                 print!("{text}");
                 ExitCode::SUCCESS
             }
             Err(why) => {
-                eprintln!("bulwark: {why}");
+                eprintln!("bulwark: {}", Chain(&why));
                 ExitCode::from(1)
             }
         },
@@ -166,7 +106,7 @@ fn load(path: &std::path::Path) -> Option<Config> {
             None
         }
         Err(e) => {
-            eprintln!("bulwark: {e}");
+            eprintln!("bulwark: {}", Chain(&e));
             None
         }
     }

@@ -81,7 +81,7 @@ where
                 }
                 Err(error) => {
                     let refusal = error.refusal();
-                    let detail = error.to_string();
+                    let detail = crate::report::chain(&error);
                     tracing::debug!(reason = %refusal.reason, error = %detail, "refused");
                     log.rejected(Rejection {
                         identity: report.who.get().map_or("-", String::as_str),

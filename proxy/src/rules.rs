@@ -442,71 +442,101 @@ fn method_for(verb: &str) -> Option<Method> {
     })
 }
 
+/// Why `verb path` is not a request `explain` can speak of.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The verb is none the rules know.
+    #[error("unknown verb {verb:?}, expected one of {}", matcher::VERBS.join(", "))]
+    UnknownVerb {
+        /// The verb given.
+        verb: String,
+    },
+    /// The path is not a request target.
+    #[error("invalid path {path:?}")]
+    InvalidPath {
+        /// The path given.
+        path: String,
+        /// Why.
+        #[source]
+        source: http::uri::InvalidUri,
+    },
+    /// The request is one the proxy would refuse as malformed.
+    #[error(transparent)]
+    Classify(#[from] crate::classify::ClassifyError),
+    /// The verb does not fit the path (a list of a named object, a get of a collection).
+    #[error(
+        "{path} with {verb} is a {got} request (a list or watch takes a collection path, a get a named object)"
+    )]
+    VerbMismatch {
+        /// The path given.
+        path: String,
+        /// The verb given.
+        verb: String,
+        /// The verb the path and method make.
+        got: &'static str,
+    },
+}
+
 /// Classifies `verb path` as the request a client would send: `path` may carry a query;
 /// `watch` on a collection is a watch, as `?watch=true` would make it.
-pub fn request_for(verb: &str, path: &str) -> Result<RequestInfo, String> {
-    let method = method_for(verb).ok_or_else(|| {
-        format!(
-            "unknown verb {verb:?}, expected one of {}",
-            matcher::VERBS.join(", ")
-        )
+pub fn request_for(verb: &str, path: &str) -> Result<RequestInfo, RequestError> {
+    let method = method_for(verb).ok_or_else(|| RequestError::UnknownVerb {
+        verb: verb.to_owned(),
     })?;
-    let uri: http::Uri = path
-        .parse()
-        .map_err(|e| format!("invalid path {path:?}: {e}"))?;
-    let mut info = crate::classify::classify(&method, &uri).map_err(|e| e.to_string())?;
+    let uri: http::Uri = path.parse().map_err(|source| RequestError::InvalidPath {
+        path: path.to_owned(),
+        source,
+    })?;
+    let mut info = crate::classify::classify(&method, &uri)?;
     if verb == "watch" && info.verb == Verb::List {
         info.verb = Verb::Watch;
     }
     let got = matcher::verb_name(&info.verb);
     if info.resource_request && got != verb {
-        return Err(format!(
-            "{path} with {verb} is a {got} request (a list or watch takes a collection path, a get a named object)"
-        ));
+        return Err(RequestError::VerbMismatch {
+            path: path.to_owned(),
+            verb: verb.to_owned(),
+            got,
+        });
     }
     Ok(info)
 }
 
-/// `bulwark rules check DIR`: exit code 0 and a summary, or 1 and one line per problem.
-pub fn check(dir: &Path) -> (u8, String) {
-    match RuleSet::load_dir(dir) {
-        Ok(set) => (
-            0,
-            format!(
-                "{}: {} files, {} levels, {} rules, hash {}\n",
-                dir.display(),
-                set.files.len(),
-                set.levels.len(),
-                set.rules.len() + 1,
-                set.hash
-            ),
-        ),
-        Err(problems) => (
-            1,
-            problems
-                .iter()
-                .map(|p| format!("{p}\n"))
-                .collect::<String>(),
-        ),
-    }
+/// Why `explain` has no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ExplainError {
+    /// The folder's rules are invalid; one line per problem.
+    #[error("{}", .0.iter().map(|p| format!("{p}\n")).collect::<String>())]
+    Rules(Vec<RuleProblem>),
+    /// The request cannot be classified.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+}
+
+/// `bulwark rules check DIR`: a one-line summary of a valid folder, or every problem.
+pub fn check(dir: &Path) -> Result<String, Vec<RuleProblem>> {
+    let set = RuleSet::load_dir(dir)?;
+    Ok(format!(
+        "{}: {} files, {} levels, {} rules, hash {}\n",
+        dir.display(),
+        set.files.len(),
+        set.levels.len(),
+        set.rules.len() + 1,
+        set.hash
+    ))
 }
 
 /// `bulwark rules explain DIR --user U [--group G]... VERB PATH`. The user gets
 /// `system:authenticated`, and a ServiceAccount user its `system:serviceaccounts` groups,
 /// as authentication would give them.
-pub fn explain_cli(
+pub fn explain_dir(
     dir: &Path,
     user: &str,
     groups: &[String],
     verb: &str,
     path: &str,
-) -> Result<String, String> {
-    let set = RuleSet::load_dir(dir).map_err(|problems| {
-        problems
-            .iter()
-            .map(|p| format!("{p}\n"))
-            .collect::<String>()
-    })?;
+) -> Result<String, ExplainError> {
+    let set = RuleSet::load_dir(dir).map_err(ExplainError::Rules)?;
     let info = request_for(verb, path)?;
     Ok(set.explain_request(&cli_user(user, groups), &info))
 }

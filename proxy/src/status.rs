@@ -42,6 +42,7 @@ pub enum ProxyError {
     #[error("{error}")]
     Cache {
         /// Why.
+        #[source]
         error: CacheError,
         /// The reader's rule.
         rule: Arc<str>,
@@ -72,7 +73,7 @@ impl ProxyError {
             ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
                 Refusal::new(Reason::BadRequest, message)
             }
-            ProxyError::Forward(ForwardError::OwnToken(_)) => Refusal::new(
+            ProxyError::Forward(ForwardError::OwnToken { .. }) => Refusal::new(
                 Reason::UpstreamError,
                 "bulwark's own credential is unavailable",
             ),
@@ -151,10 +152,10 @@ fn upstream_refusal(error: &UpstreamError) -> Refusal {
         UpstreamError::RequestBody(_) | UpstreamError::NotUpgradable => {
             Refusal::new(Reason::BadRequest, message)
         }
-        UpstreamError::Connect(_) | UpstreamError::Tls(_) => {
+        UpstreamError::Connect { .. } | UpstreamError::Tls { .. } => {
             Refusal::new(Reason::UpstreamError, "the apiserver could not be reached")
         }
-        UpstreamError::Protocol(_) => Refusal::new(
+        UpstreamError::Protocol { .. } => Refusal::new(
             Reason::UpstreamError,
             "the exchange with the apiserver failed",
         ),
@@ -162,7 +163,10 @@ fn upstream_refusal(error: &UpstreamError) -> Refusal {
             Reason::UpstreamError,
             "the request may have reached the apiserver but no answer came; not retried",
         ),
-        UpstreamError::MissingCredential(_) | UpstreamError::Config(_) => {
+        UpstreamError::MissingCredential(_)
+        | UpstreamError::Config(_)
+        | UpstreamError::File { .. }
+        | UpstreamError::Rustls { .. } => {
             Refusal::new(Reason::UpstreamError, "bulwark cannot forward this request")
         }
     }
@@ -395,6 +399,9 @@ mod tests {
     use http_body_util::BodyExt;
 
     use super::*;
+    use crate::identity::review::ReviewError;
+    use crate::report::SharedError;
+    use crate::upstream::TlsFailure;
 
     #[test]
     fn a_429_carries_retry_after_reason_and_a_kubernetes_status() {
@@ -452,7 +459,7 @@ mod tests {
         assert_eq!(refusal.retry_after, Some(Duration::from_secs(2)));
         assert_eq!(status(UpstreamError::Timeout), StatusCode::GATEWAY_TIMEOUT);
         assert_eq!(
-            status(UpstreamError::Interrupted("r".into())),
+            status(UpstreamError::Interrupted(Arc::new(UpstreamError::Timeout))),
             StatusCode::BAD_GATEWAY
         );
         assert_eq!(
@@ -479,26 +486,60 @@ mod tests {
     #[tokio::test]
     async fn failures_upstream_name_no_replica_and_no_file_to_the_client() {
         let replica = "10.0.0.7:6443";
+        let refused = || -> SharedError { Arc::new(std::io::Error::other("refused")) };
         let errors = [
-            ProxyError::Upstream(UpstreamError::Connect(format!("{replica}: refused"))),
-            ProxyError::Upstream(UpstreamError::Tls(format!("{replica}: bad certificate"))),
-            ProxyError::Upstream(UpstreamError::Protocol(format!("{replica}: reset"))),
-            ProxyError::Upstream(UpstreamError::Interrupted(format!("{replica}: GOAWAY"))),
+            ProxyError::Upstream(UpstreamError::Connect {
+                replica: replica.into(),
+                source: Arc::new(std::io::Error::other("refused")),
+            }),
+            ProxyError::Upstream(UpstreamError::Tls {
+                replica: replica.into(),
+                source: Arc::new(TlsFailure::Handshake(std::io::Error::other(
+                    "bad certificate",
+                ))),
+            }),
+            ProxyError::Upstream(UpstreamError::Protocol {
+                replica: replica.into(),
+                source: refused(),
+            }),
+            ProxyError::Upstream(UpstreamError::Interrupted(Arc::new(
+                UpstreamError::Protocol {
+                    replica: replica.into(),
+                    source: refused(),
+                },
+            ))),
             ProxyError::Upstream(UpstreamError::Config(format!("replica {replica}"))),
-            ProxyError::Identity(IdentityError::ReviewFailed(format!(
-                "POST https://{replica}/apis/authentication.k8s.io/v1/tokenreviews: refused"
-            ))),
-            ProxyError::Forward(ForwardError::OwnToken(format!(
-                "/var/run/secrets/{replica}/token: not found"
-            ))),
+            ProxyError::Upstream(UpstreamError::File {
+                path: format!("/var/run/secrets/{replica}/ca.crt").into(),
+                source: refused(),
+            }),
+            ProxyError::Identity(IdentityError::ReviewFailed(Arc::new(ReviewError::Status {
+                path: "/apis/authentication.k8s.io/v1/tokenreviews",
+                status: StatusCode::BAD_GATEWAY,
+                message: format!("{replica}: refused"),
+            }))),
+            ProxyError::Forward(ForwardError::OwnToken {
+                path: format!("/var/run/secrets/{replica}/token").into(),
+                source: refused(),
+            }),
             ProxyError::Cache {
-                error: CacheError::ReviewFailed(format!("{replica}: refused")),
+                error: CacheError::ReviewFailed(Arc::new(ReviewError::Upstream {
+                    path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                    source: UpstreamError::Connect {
+                        replica: replica.into(),
+                        source: Arc::new(std::io::Error::other("refused")),
+                    },
+                })),
                 rule: Arc::from("r"),
                 level: "l".into(),
             },
         ];
         for error in errors {
-            let detail = error.to_string();
+            let detail = crate::report::chain(&error);
+            assert!(
+                detail.contains(replica),
+                "the log line has the cause: {detail}"
+            );
             let (status, body) = answer(error).await;
             assert!(status.is_server_error(), "{detail}: {status}");
             assert!(!body.contains(replica), "{detail}: {body}");

@@ -30,9 +30,10 @@ use tokio::time::Instant;
 use crate::Body;
 use crate::config;
 use crate::metrics::Metrics;
+use crate::report::{Chain, SharedError, find_source};
 
 use body::{Framing, OnFailure};
-use pick::{Balancer, Cause, Load, PendingGuard, WatchGuard};
+use pick::{Balancer, EjectCause, Load, PendingGuard, WatchGuard};
 use pool::{Lease, Pool, ReqBody};
 
 pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
@@ -45,7 +46,7 @@ pub const MAX_REQUEST_BODY: usize = 3 * 1024 * 1024;
 
 /// Which upstream credential a request travels with; each has its own connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Credential {
+pub enum UpstreamCredential {
     /// The front-proxy client certificate: users' requests with `X-Remote-*` headers.
     FrontProxy,
     /// Bulwark's own identity (client certificate, or TLS plus its bearer token): reviews,
@@ -70,7 +71,7 @@ pub enum RetryPolicy {
 #[derive(Debug, Clone)]
 pub struct Route {
     /// The credential it travels with.
-    pub credential: Credential,
+    pub credential: UpstreamCredential,
     /// When it may be retried.
     pub retry: RetryPolicy,
     /// Watch, `follow`, upgrade: no request timeout.
@@ -152,19 +153,37 @@ pub enum UpstreamError {
     /// No response head within the route's timeout.
     #[error("the apiserver did not answer in time")]
     Timeout,
-    /// TCP connect to a replica failed.
-    #[error("cannot connect to apiserver {0}")]
-    Connect(String),
+    /// TCP connect to a replica failed, or took longer than the connect timeout.
+    #[error("cannot connect to apiserver {replica}")]
+    Connect {
+        /// The replica, as configured.
+        replica: Arc<str>,
+        /// What the connect said.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
     /// TLS handshake with a replica failed.
-    #[error("TLS with apiserver {0}")]
-    Tls(String),
+    #[error("TLS with apiserver {replica}")]
+    Tls {
+        /// The replica, as configured.
+        replica: Arc<str>,
+        /// What the handshake said.
+        #[source]
+        source: Arc<TlsFailure>,
+    },
     /// The HTTP/2 or HTTP/1.1 exchange with a replica failed.
-    #[error("apiserver {0}")]
-    Protocol(String),
+    #[error("apiserver {replica}")]
+    Protocol {
+        /// The replica, as configured.
+        replica: Arc<str>,
+        /// What hyper said.
+        #[source]
+        source: SharedError,
+    },
     /// The connection failed after the request may have reached the apiserver; it is a
-    /// write, so it was not sent again.
-    #[error("the request may have reached apiserver {0} but no answer came; not retried")]
-    Interrupted(String),
+    /// write, so it was not sent again. The source is the failure, naming the replica.
+    #[error("the request may have reached the apiserver but no answer came; not retried")]
+    Interrupted(#[source] Arc<UpstreamError>),
     /// The request body is larger than the largest allowed (the bytes).
     #[error("the request body is larger than {0} bytes")]
     BodyTooLarge(usize),
@@ -172,17 +191,62 @@ pub enum UpstreamError {
     #[error("the request bodies held for {0} would pass their budget; retry later")]
     BodyBudget(BudgetScope),
     /// The client's request body could not be read.
-    #[error("reading the request body: {0}")]
-    RequestBody(String),
+    #[error("reading the request body")]
+    RequestBody(#[source] SharedError),
     /// An upgrade was asked for on a connection that cannot upgrade (HTTP/2).
     #[error("the request asks for an upgrade its connection cannot make")]
     NotUpgradable,
     /// The route names a credential that is not configured.
     #[error("no {0:?} credential is configured")]
-    MissingCredential(Credential),
+    MissingCredential(UpstreamCredential),
     /// The configuration cannot be used.
     #[error("upstream configuration: {0}")]
     Config(String),
+    /// A file the configuration names cannot be used: the CA bundle, a client certificate
+    /// or key, or the own token file.
+    #[error("upstream configuration: {}", path.display())]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why it cannot be used.
+        #[source]
+        source: SharedError,
+    },
+    /// The TLS settings cannot be built.
+    #[error("upstream configuration: {what}")]
+    Rustls {
+        /// Which part.
+        what: &'static str,
+        /// What rustls said.
+        #[source]
+        source: rustls::Error,
+    },
+}
+
+/// Why a TLS connection to a replica could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsFailure {
+    /// The handshake failed.
+    #[error(transparent)]
+    Handshake(std::io::Error),
+    /// The handshake agreed on another application protocol than the one asked for.
+    #[error("negotiated protocol {got:?}, wanted {wanted:?}")]
+    Alpn {
+        /// What the replica chose, if anything.
+        got: Option<String>,
+        /// What Bulwark asked for.
+        wanted: String,
+    },
+}
+
+impl UpstreamError {
+    /// A failed exchange with `replica`.
+    pub(crate) fn protocol(replica: &Arc<str>, source: hyper::Error) -> Self {
+        UpstreamError::Protocol {
+            replica: replica.clone(),
+            source: Arc::new(source),
+        }
+    }
 }
 
 /// How long a response lowers its replica's weight: a 429 does, for its `Retry-After`,
@@ -242,19 +306,19 @@ enum Failure {
     /// Provably never reached an apiserver: any request may be retried.
     NotSent {
         error: UpstreamError,
-        eject: Option<Cause>,
+        eject: Option<EjectCause>,
     },
     /// May have reached the apiserver: only reads are retried.
     MaybeSent {
         error: UpstreamError,
-        eject: Option<Cause>,
+        eject: Option<EjectCause>,
     },
     /// Retrying cannot help.
     Fatal(UpstreamError),
 }
 
 /// The parts of a request that every attempt sends again.
-struct Template {
+struct Resendable {
     method: Method,
     path_and_query: http::uri::PathAndQuery,
     headers: HeaderMap,
@@ -412,7 +476,7 @@ impl Inner {
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-        let template = Template {
+        let resendable = Resendable {
             method: parts.method,
             path_and_query,
             headers: parts.headers,
@@ -435,7 +499,7 @@ impl Inner {
                 break;
             };
             tried.push(index);
-            match self.attempt(index, route.credential, &template).await {
+            match self.attempt(index, route.credential, &resendable).await {
                 Ok((response, lease)) => {
                     return Ok(self.respond(
                         index,
@@ -454,18 +518,18 @@ impl Inner {
                     match failure {
                         Failure::Fatal(error) => return Err(error),
                         Failure::NotSent { error, eject } => {
-                            tracing::debug!(replica = %name, %error, "not sent; retrying");
+                            tracing::debug!(replica = %name, error = %Chain(&error), "not sent; retrying");
                             self.eject(index, eject);
                             last_error = Some(error);
                         }
                         Failure::MaybeSent { error, eject } => {
                             self.eject(index, eject);
                             only_not_sent = false;
-                            if route.retry == RetryPolicy::Write || template.upgrade {
-                                tracing::warn!(replica = %name, %error, "write may have arrived; not retried");
-                                return Err(UpstreamError::Interrupted(error.to_string()));
+                            if route.retry == RetryPolicy::Write || resendable.upgrade {
+                                tracing::warn!(replica = %name, error = %Chain(&error), "write may have arrived; not retried");
+                                return Err(UpstreamError::Interrupted(Arc::new(error)));
                             }
-                            tracing::debug!(replica = %name, %error, "read failed; retrying");
+                            tracing::debug!(replica = %name, error = %Chain(&error), "read failed; retrying");
                             last_error = Some(error);
                         }
                     }
@@ -488,7 +552,7 @@ impl Inner {
             .pick(load, tried, Instant::now(), &mut rand::rng())
     }
 
-    fn eject(&self, index: usize, cause: Option<Cause>) {
+    fn eject(&self, index: usize, cause: Option<EjectCause>) {
         if let Some(cause) = cause {
             self.balancer.eject(index, cause, Instant::now());
         }
@@ -498,17 +562,17 @@ impl Inner {
     async fn attempt(
         &self,
         index: usize,
-        credential: Credential,
-        template: &Template,
+        credential: UpstreamCredential,
+        resendable: &Resendable,
     ) -> Result<(Response<Incoming>, Option<Lease>), Failure> {
         let replica = self.balancer.replica(index).clone();
         let _pending = PendingGuard::new(replica.clone());
         let bearer = match credential {
-            Credential::Own => self.tls.own_bearer().map_err(Failure::Fatal)?,
+            UpstreamCredential::Own => self.tls.own_bearer().map_err(Failure::Fatal)?,
             _ => None,
         };
-        let request = build_request(template, &replica.name, bearer).map_err(Failure::Fatal)?;
-        if template.upgrade {
+        let request = build_request(resendable, &replica.name, bearer).map_err(Failure::Fatal)?;
+        if resendable.upgrade {
             let mut sender = self
                 .pool
                 .connect_http1(&replica, index, credential)
@@ -516,13 +580,13 @@ impl Inner {
                 .map_err(connect_failure)?;
             if let Err(e) = sender.ready().await {
                 return Err(Failure::NotSent {
-                    error: UpstreamError::Protocol(format!("{}: {e}", replica.name)),
-                    eject: Some(Cause::Reset),
+                    error: UpstreamError::protocol(&replica.name, e),
+                    eject: Some(EjectCause::Reset),
                 });
             }
             return match sender.send_request(request).await {
                 Ok(response) => Ok((response, None)),
-                Err(e) => Err(classify(&replica.name, &e)),
+                Err(e) => Err(classify_hyper_error(&replica.name, e)),
             };
         }
         let (lease, mut sender) = self
@@ -535,10 +599,10 @@ impl Inner {
             // hyper hands the request back when it never started writing it: the
             // connection closed between the pick and the send.
             Err(e) if e.message().is_some() => Err(Failure::NotSent {
-                error: UpstreamError::Protocol(format!("{}: {}", replica.name, e.error())),
+                error: UpstreamError::protocol(&replica.name, e.into_error()),
                 eject: None,
             }),
-            Err(e) => Err(classify(&replica.name, &e.into_error())),
+            Err(e) => Err(classify_hyper_error(&replica.name, e.into_error())),
         }
     }
 
@@ -613,7 +677,7 @@ impl Inner {
 
     /// One `/readyz` probe with the Own credential.
     async fn probe(&self, index: usize) {
-        let template = Template {
+        let resendable = Resendable {
             method: Method::GET,
             path_and_query: http::uri::PathAndQuery::from_static("/readyz"),
             headers: HeaderMap::new(),
@@ -625,12 +689,12 @@ impl Inner {
         let name = &self.balancer.replica(index).name;
         let outcome = tokio::time::timeout(limit, async {
             let (response, lease) = self
-                .attempt(index, Credential::Own, &template)
+                .attempt(index, UpstreamCredential::Own, &resendable)
                 .await
                 .map_err(|f| match f {
                     Failure::NotSent { error, .. }
                     | Failure::MaybeSent { error, .. }
-                    | Failure::Fatal(error) => error.to_string(),
+                    | Failure::Fatal(error) => Chain(&error).to_string(),
                 })?;
             let status = response.status();
             // Read the short answer to the end so the stream closes cleanly.
@@ -650,7 +714,7 @@ impl Inner {
             Ok(()) => self.balancer.probe_ok(index, now()),
             Err(why) => {
                 tracing::warn!(replica = %name, %why, "readiness probe failed");
-                self.balancer.eject(index, Cause::Probe, now());
+                self.balancer.eject(index, EjectCause::Probe, now());
             }
         }
     }
@@ -660,74 +724,46 @@ impl Inner {
 /// be fixed by trying elsewhere.
 fn connect_failure(error: UpstreamError) -> Failure {
     match error {
-        UpstreamError::MissingCredential(_) | UpstreamError::Config(_) => Failure::Fatal(error),
+        UpstreamError::MissingCredential(_)
+        | UpstreamError::Config(_)
+        | UpstreamError::File { .. }
+        | UpstreamError::Rustls { .. } => Failure::Fatal(error),
         error => Failure::NotSent {
             error,
-            eject: Some(Cause::Connect),
+            eject: Some(EjectCause::Connect),
         },
     }
 }
 
 /// Sorts a failed exchange into "never reached the apiserver" or "may have".
-fn classify(replica: &str, error: &hyper::Error) -> Failure {
-    let message = || UpstreamError::Protocol(format!("{replica}: {}", chain(error)));
-    if let Some(h2) = find_source::<h2::Error>(error) {
+fn classify_hyper_error(replica: &Arc<str>, error: hyper::Error) -> Failure {
+    let (sent, eject) = match find_source::<h2::Error>(&error) {
         // The apiserver refused the stream before processing it.
-        if h2.is_reset() && h2.is_remote() && h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
-            return Failure::NotSent {
-                error: message(),
-                eject: None,
-            };
+        Some(h2)
+            if h2.is_reset()
+                && h2.is_remote()
+                && h2.reason() == Some(h2::Reason::REFUSED_STREAM) =>
+        {
+            (false, None)
         }
         // A graceful GOAWAY fails only streams above its last-stream-id, which the
         // apiserver promises it never processed; streams below it finish normally.
-        if h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR) {
-            return Failure::NotSent {
-                error: message(),
-                eject: None,
-            };
+        Some(h2)
+            if h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR) =>
+        {
+            (false, None)
         }
-        return Failure::MaybeSent {
-            error: message(),
-            eject: Some(Cause::Reset),
-        };
-    }
-    if error.is_parse() || error.is_user() {
+        Some(_) => (true, Some(EjectCause::Reset)),
         // The replica is reachable; this exchange was malformed.
-        return Failure::MaybeSent {
-            error: message(),
-            eject: None,
-        };
+        None if error.is_parse() || error.is_user() => (true, None),
+        None => (true, Some(EjectCause::Reset)),
+    };
+    let error = UpstreamError::protocol(replica, error);
+    if sent {
+        Failure::MaybeSent { error, eject }
+    } else {
+        Failure::NotSent { error, eject }
     }
-    Failure::MaybeSent {
-        error: message(),
-        eject: Some(Cause::Reset),
-    }
-}
-
-fn find_source<'a, E: std::error::Error + 'static>(
-    error: &'a (dyn std::error::Error + 'static),
-) -> Option<&'a E> {
-    let mut current = Some(error);
-    while let Some(e) = current {
-        if let Some(found) = e.downcast_ref::<E>() {
-            return Some(found);
-        }
-        current = e.source();
-    }
-    None
-}
-
-/// An error and its causes on one line.
-fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
 }
 
 /// The label of `upstream_responses_total` for a status.
@@ -782,16 +818,19 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// The request for one attempt on a replica: HTTP/2 with the replica as `:authority`, or
 /// HTTP/1.1 in origin form with `Host` for an upgrade.
 fn build_request(
-    template: &Template,
+    resendable: &Resendable,
     authority: &str,
     bearer: Option<HeaderValue>,
 ) -> Result<Request<ReqBody>, UpstreamError> {
-    let mut headers = template.headers.clone();
-    let (uri, version) = if template.upgrade {
+    let mut headers = resendable.headers.clone();
+    let (uri, version) = if resendable.upgrade {
         let host = HeaderValue::from_str(authority)
             .map_err(|_| UpstreamError::Config(format!("{authority:?} cannot be a Host header")))?;
         headers.insert(header::HOST, host);
-        (Uri::from(template.path_and_query.clone()), Version::HTTP_11)
+        (
+            Uri::from(resendable.path_and_query.clone()),
+            Version::HTTP_11,
+        )
     } else {
         // HTTP/2 carries the host as :authority; a Host header beside it must not differ.
         headers.remove(header::HOST);
@@ -799,7 +838,7 @@ fn build_request(
         let uri = Uri::builder()
             .scheme("https")
             .authority(authority)
-            .path_and_query(template.path_and_query.clone())
+            .path_and_query(resendable.path_and_query.clone())
             .build()
             .map_err(|e| UpstreamError::Config(format!("{authority:?} as authority: {e}")))?;
         (uri, Version::HTTP_2)
@@ -809,8 +848,8 @@ fn build_request(
     {
         headers.insert(header::AUTHORIZATION, bearer);
     }
-    let mut request = Request::new(Full::new(template.body.clone()));
-    *request.method_mut() = template.method.clone();
+    let mut request = Request::new(Full::new(resendable.body.clone()));
+    *request.method_mut() = resendable.method.clone();
     *request.uri_mut() = uri;
     *request.version_mut() = version;
     *request.headers_mut() = headers;
@@ -821,11 +860,11 @@ fn build_request(
 mod tests {
     use super::*;
 
-    fn template(upgrade: bool) -> Template {
+    fn resendable(upgrade: bool) -> Resendable {
         let mut headers = HeaderMap::new();
         headers.insert(header::HOST, HeaderValue::from_static("bulwark.example"));
         headers.insert("x-remote-user", HeaderValue::from_static("alice"));
-        Template {
+        Resendable {
             method: Method::GET,
             path_and_query: "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
                 .parse()
@@ -838,7 +877,7 @@ mod tests {
 
     #[test]
     fn an_http2_request_names_the_replica_as_authority_and_keeps_the_path_bytes() {
-        let req = build_request(&template(false), "10.0.0.1:6443", None).unwrap();
+        let req = build_request(&resendable(false), "10.0.0.1:6443", None).unwrap();
         assert_eq!(
             req.uri().to_string(),
             "https://10.0.0.1:6443/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
@@ -850,7 +889,7 @@ mod tests {
 
     #[test]
     fn connection_level_headers_do_not_go_over_http2() {
-        let mut t = template(false);
+        let mut t = resendable(false);
         t.headers.insert(
             header::CONNECTION,
             HeaderValue::from_static("keep-alive, x-hop"),
@@ -879,7 +918,7 @@ mod tests {
 
     #[test]
     fn an_upgrade_goes_in_origin_form_with_the_replica_as_host() {
-        let req = build_request(&template(true), "10.0.0.1:6443", None).unwrap();
+        let req = build_request(&resendable(true), "10.0.0.1:6443", None).unwrap();
         assert_eq!(
             req.uri().to_string(),
             "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
@@ -891,9 +930,9 @@ mod tests {
     #[test]
     fn the_own_token_is_added_only_when_no_authorization_is_present() {
         let bearer = HeaderValue::from_static("Bearer own");
-        let req = build_request(&template(false), "a:1", Some(bearer.clone())).unwrap();
+        let req = build_request(&resendable(false), "a:1", Some(bearer.clone())).unwrap();
         assert_eq!(req.headers()[header::AUTHORIZATION], "Bearer own");
-        let mut t = template(false);
+        let mut t = resendable(false);
         t.headers.insert(
             header::AUTHORIZATION,
             HeaderValue::from_static("Bearer user"),
@@ -949,13 +988,16 @@ mod tests {
         let (cfg, _dir) = config(&["a:1"]);
         let tls = UpstreamTls::from_config(&cfg).unwrap();
         let err = tls
-            .client_config(Credential::FrontProxy, tls::Alpn::H2)
+            .client_config(UpstreamCredential::FrontProxy, tls::Alpn::H2)
             .unwrap_err();
         assert!(matches!(
             err,
-            UpstreamError::MissingCredential(Credential::FrontProxy)
+            UpstreamError::MissingCredential(UpstreamCredential::FrontProxy)
         ));
-        assert!(tls.client_config(Credential::Own, tls::Alpn::H2).is_ok());
+        assert!(
+            tls.client_config(UpstreamCredential::Own, tls::Alpn::H2)
+                .is_ok()
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use bulwark::metrics::Metrics;
 use bulwark::status::ProxyError;
 use bulwark::upstream::{
-    Credential, RetryPolicy, Route, Upstream, UpstreamError, UpstreamReplica, UpstreamTls,
+    RetryPolicy, Route, Upstream, UpstreamCredential, UpstreamError, UpstreamReplica, UpstreamTls,
 };
 use bulwark_sim::{Fleet, Pki, Seed, SimConfig};
 use bulwark_testkit::{BulwarkConfig, Credentials, Names};
@@ -77,7 +77,7 @@ fn status_of(error: UpstreamError) -> StatusCode {
 
 fn read() -> Route {
     Route {
-        credential: Credential::FrontProxy,
+        credential: UpstreamCredential::FrontProxy,
         retry: RetryPolicy::Read,
         long_running: false,
         watch: false,

@@ -265,7 +265,7 @@ impl Cluster {
                         .as_ref()
                         .is_some_and(|c| !c.synced()) =>
                 {
-                    "the cache has not synced".into()
+                    bulwark::admin::NotReady::CacheNotSynced
                 }
                 Ok(()) => return self,
             };

@@ -7,17 +7,17 @@
 //! uid, verb, group, version, resource, namespace and name. A review that cannot be made is
 //! never taken as an answer: the request gets an error, never data.
 
-use std::collections::{BTreeMap, HashMap};
-use std::num::NonZeroUsize;
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::FutureExt;
-use futures::future::{BoxFuture, Shared};
+use futures::future::BoxFuture;
 use serde_json::json;
-use tokio::time::Instant;
 
+use crate::coalesce::{Coalescing, Keep, Lookup};
 use crate::identity::forward::OwnToken;
+use crate::identity::review::ReviewError;
 use crate::identity::{AUTHENTICATED, User};
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
@@ -55,7 +55,7 @@ pub trait AccessReviewer: Send + Sync + 'static {
         &self,
         user: &User,
         attrs: &Attributes,
-    ) -> BoxFuture<'static, Result<Decision, String>>;
+    ) -> BoxFuture<'static, Result<Decision, ReviewError>>;
 }
 
 /// Reviews with `POST /apis/authorization.k8s.io/v1/subjectaccessreviews` upstream.
@@ -115,7 +115,7 @@ impl AccessReviewer for UpstreamAccessReviewer {
         &self,
         user: &User,
         attrs: &Attributes,
-    ) -> BoxFuture<'static, Result<Decision, String>> {
+    ) -> BoxFuture<'static, Result<Decision, ReviewError>> {
         let upstream = self.upstream.clone();
         let own_token = self.own_token.clone();
         let body = review_body(user, attrs);
@@ -132,7 +132,7 @@ impl AccessReviewer for UpstreamAccessReviewer {
                 return Ok(Decision::Allowed);
             }
             if status.is_null() {
-                return Err("the SubjectAccessReview has no status".into());
+                return Err(ReviewError::NoStatus);
             }
             let reason = status["reason"].as_str().unwrap_or_default();
             let error = status["evaluationError"].as_str().unwrap_or_default();
@@ -157,29 +157,21 @@ struct Key {
     attrs: Attributes,
 }
 
-type Pending = Shared<BoxFuture<'static, Result<Decision, String>>>;
-
-struct Entry {
-    decision: Decision,
-    expires: Instant,
-}
-
-struct State {
-    entries: lru::LruCache<Key, Entry>,
-    pending: HashMap<Key, Pending>,
-}
-
 /// The decision cache in front of an [`AccessReviewer`].
 pub struct AccessCache {
     reviewer: Arc<dyn AccessReviewer>,
     allowed_ttl: Duration,
     denied_ttl: Duration,
-    state: Mutex<State>,
+    /// Allowed is the positive answer, denied the negative.
+    decisions: Coalescing<Key, Decision, Arc<ReviewError>>,
     metrics: Metrics,
 }
 
-/// Decisions kept at most.
-const MAX_DECISIONS: usize = 20_000;
+/// Allowed decisions kept at most.
+const MAX_ALLOWED: usize = 20_000;
+
+/// Denials kept at most, apart so that they cannot push allowed decisions out.
+const MAX_DENIED: usize = 5_000;
 
 impl AccessCache {
     /// Allowed answers are reused for `ttl`, denials for at most half of it (so that a
@@ -189,16 +181,17 @@ impl AccessCache {
             reviewer,
             allowed_ttl: ttl,
             denied_ttl: (ttl / 2).min(Duration::from_secs(5)),
-            state: Mutex::new(State {
-                entries: lru::LruCache::new(NonZeroUsize::new(MAX_DECISIONS).expect("nonzero")),
-                pending: HashMap::new(),
-            }),
+            decisions: Coalescing::new(MAX_ALLOWED, MAX_DENIED),
             metrics,
         }
     }
 
     /// The decision for this user and request, from the cache or a shared review.
-    pub async fn check(&self, user: &User, attrs: &Attributes) -> Result<Decision, String> {
+    pub async fn check(
+        &self,
+        user: &User,
+        attrs: &Attributes,
+    ) -> Result<Decision, Arc<ReviewError>> {
         let key = Key {
             username: user.username.clone(),
             uid: user.uid.clone(),
@@ -206,42 +199,35 @@ impl AccessCache {
             extra: user.extra.clone(),
             attrs: attrs.clone(),
         };
-        let pending = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(entry) = state.entries.get(&key) {
-                if entry.expires > Instant::now() {
-                    self.count("cached");
-                    return Ok(entry.decision.clone());
-                }
-                state.entries.pop(&key);
-            }
-            state
-                .pending
-                .entry(key.clone())
-                .or_insert_with(|| self.reviewer.review(user, attrs).shared())
-                .clone()
+        let start = || -> Result<_, std::convert::Infallible> {
+            Ok(self
+                .reviewer
+                .review(user, attrs)
+                .map(|r| r.map_err(Arc::new))
+                .boxed())
         };
-        let result = pending.await;
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        // The first waiter back records the answer; the others find it gone.
-        if state.pending.remove(&key).is_some() {
-            let (label, ttl) = match &result {
-                Ok(Decision::Allowed) => ("allowed", Some(self.allowed_ttl)),
-                Ok(Decision::Denied(_)) => ("denied", Some(self.denied_ttl)),
-                Err(_) => ("error", None),
-            };
-            self.count(label);
-            if let (Some(ttl), Ok(decision)) = (ttl, &result) {
-                state.entries.put(
-                    key,
-                    Entry {
-                        decision: decision.clone(),
-                        expires: Instant::now() + ttl,
-                    },
-                );
+        let keep = |result: &Result<Decision, Arc<ReviewError>>| match result {
+            Ok(Decision::Allowed) => Keep::Positive(self.allowed_ttl),
+            Ok(Decision::Denied(_)) => Keep::Negative(self.denied_ttl),
+            Err(_) => Keep::Not,
+        };
+        let Ok(lookup) = self.decisions.get(key, start, keep).await;
+        match lookup {
+            Lookup::Cached(decision) => {
+                self.count("cached");
+                Ok(decision)
+            }
+            Lookup::Fetched { result, recorded } => {
+                if recorded {
+                    self.count(match &result {
+                        Ok(Decision::Allowed) => "allowed",
+                        Ok(Decision::Denied(_)) => "denied",
+                        Err(_) => "error",
+                    });
+                }
+                result
             }
         }
-        result
     }
 
     fn count(&self, result: &str) {
@@ -254,19 +240,30 @@ impl AccessCache {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
 
     struct Counting {
         calls: AtomicUsize,
-        answer: Mutex<Result<Decision, String>>,
+        /// The decision to answer, or none (a failed review).
+        answer: Mutex<Option<Decision>>,
     }
 
     impl AccessReviewer for Arc<Counting> {
-        fn review(&self, _: &User, _: &Attributes) -> BoxFuture<'static, Result<Decision, String>> {
+        fn review(
+            &self,
+            _: &User,
+            _: &Attributes,
+        ) -> BoxFuture<'static, Result<Decision, ReviewError>> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            let answer = self.answer.lock().unwrap().clone();
+            let answer = self
+                .answer
+                .lock()
+                .unwrap()
+                .clone()
+                .ok_or(ReviewError::NoStatus);
             async move {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 answer
@@ -293,7 +290,7 @@ mod tests {
         }
     }
 
-    fn cache(answer: Result<Decision, String>) -> (Arc<Counting>, AccessCache) {
+    fn cache(answer: Option<Decision>) -> (Arc<Counting>, AccessCache) {
         let reviewer = Arc::new(Counting {
             calls: AtomicUsize::new(0),
             answer: Mutex::new(answer),
@@ -326,10 +323,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn allowed_is_cached_for_the_ttl_and_concurrent_checks_share_a_review() {
-        let (reviewer, cache) = cache(Ok(Decision::Allowed));
+        let (reviewer, cache) = cache(Some(Decision::Allowed));
         let (u, a) = (user(), attrs());
         let all = futures::future::join_all((0..10).map(|_| cache.check(&u, &a))).await;
-        assert!(all.iter().all(|d| *d == Ok(Decision::Allowed)));
+        assert!(all.iter().all(|d| matches!(d, Ok(Decision::Allowed))));
         assert_eq!(reviewer.calls.load(Ordering::SeqCst), 1);
         tokio::time::advance(Duration::from_secs(9)).await;
         cache.check(&user(), &attrs()).await.unwrap();
@@ -341,7 +338,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn denials_are_kept_shorter_and_failures_not_at_all() {
-        let (reviewer, cache) = cache(Ok(Decision::Denied(String::new())));
+        let (reviewer, cache) = cache(Some(Decision::Denied(String::new())));
         cache.check(&user(), &attrs()).await.unwrap();
         tokio::time::advance(Duration::from_secs(4)).await;
         cache.check(&user(), &attrs()).await.unwrap();
@@ -350,7 +347,7 @@ mod tests {
         cache.check(&user(), &attrs()).await.unwrap();
         assert_eq!(reviewer.calls.load(Ordering::SeqCst), 2);
 
-        *reviewer.answer.lock().unwrap() = Err("connection refused".into());
+        *reviewer.answer.lock().unwrap() = None;
         tokio::time::advance(Duration::from_secs(6)).await;
         assert!(cache.check(&user(), &attrs()).await.is_err());
         assert!(cache.check(&user(), &attrs()).await.is_err());

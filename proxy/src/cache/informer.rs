@@ -15,7 +15,8 @@ use serde_json::value::RawValue;
 
 use super::store::{EventType, Kind, Obj, ResourceStore};
 use crate::config::GroupResource;
-use crate::upstream::{Credential, RetryPolicy, Route, Upstream};
+use crate::report::Chain;
+use crate::upstream::{RetryPolicy, Route, Upstream, UpstreamCredential};
 
 /// Items per LIST page.
 const PAGE: u64 = 500;
@@ -68,7 +69,7 @@ async fn get(
     // wait for the head keeps an informer from hanging on a replica that took the request
     // and never answered (the pool's timeout ends at the head).
     let route = Route {
-        credential: Credential::Own,
+        credential: UpstreamCredential::Own,
         retry: RetryPolicy::Read,
         long_running: false,
         watch: long_running,
@@ -185,8 +186,9 @@ pub async fn list_all(upstream: &Upstream, kind: &Kind) -> Result<(Vec<Obj>, u64
             .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))?;
         for item in page.items {
             objects.push(
-                Obj::parse(item.get().as_bytes())
-                    .map_err(|e| InformerError::Upstream(format!("{path}: an item: {e}")))?,
+                Obj::parse(item.get().as_bytes()).map_err(|e| {
+                    InformerError::Upstream(format!("{path}: an item: {}", Chain(&e)))
+                })?,
             );
         }
         match page.metadata.continue_token.filter(|t| !t.is_empty()) {
@@ -334,8 +336,8 @@ fn handle_line(
         .map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
     let raw = event.object.get().as_bytes();
     if let Some(kind) = EventType::parse(&event.kind) {
-        let obj =
-            Obj::parse(raw).map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
+        let obj = Obj::parse(raw)
+            .map_err(|e| InformerError::Upstream(format!("a watch event: {}", Chain(&e))))?;
         match initial {
             Some(objects) if kind == EventType::Added => objects.push(obj),
             Some(_) => {

@@ -147,7 +147,7 @@ pub fn object_pieces(kind: &Kind, obj: &Obj) -> Arc<[Bytes]> {
 }
 
 /// Gzips pieces (on a blocking thread: it is CPU work).
-pub async fn gzip(pieces: Arc<[Bytes]>) -> Result<Bytes, String> {
+pub async fn gzip(pieces: Arc<[Bytes]>) -> std::io::Result<Bytes> {
     tokio::task::spawn_blocking(move || {
         use std::io::Write;
         let total: usize = pieces.iter().map(Bytes::len).sum();
@@ -156,12 +156,12 @@ pub async fn gzip(pieces: Arc<[Bytes]>) -> Result<Bytes, String> {
             flate2::Compression::fast(),
         );
         for piece in pieces.iter() {
-            encoder.write_all(piece).map_err(|e| e.to_string())?;
+            encoder.write_all(piece)?;
         }
-        encoder.finish().map(Bytes::from).map_err(|e| e.to_string())
+        encoder.finish().map(Bytes::from)
     })
     .await
-    .map_err(|e| e.to_string())?
+    .map_err(std::io::Error::other)?
 }
 
 /// A JSON response with the headers every cache answer carries.

@@ -131,16 +131,33 @@ struct Meta {
     labels: Option<BTreeMap<String, String>>,
 }
 
+/// Why bytes are not an object the cache can keep.
+#[derive(Debug, thiserror::Error)]
+pub enum ObjError {
+    /// Not JSON, or not of an object's shape.
+    #[error("the object cannot be read")]
+    Json(#[source] serde_json::Error),
+    /// JSON, but not an object.
+    #[error("the object is not a JSON object")]
+    NotAnObject,
+    /// No `metadata.name`.
+    #[error("the object has no metadata.name")]
+    NoName,
+    /// The `resourceVersion` is not a number.
+    #[error("resourceVersion {0:?} is not a number")]
+    ResourceVersion(String),
+}
+
 impl Obj {
     /// Reads an object as the apiserver encodes it, with or without `kind` and
     /// `apiVersion` in front; keeps the bytes of the item form.
-    pub fn parse(raw: &[u8]) -> Result<Obj, String> {
-        let shape: Shape = serde_json::from_slice(raw).map_err(|e| e.to_string())?;
+    pub fn parse(raw: &[u8]) -> Result<Obj, ObjError> {
+        let shape: Shape = serde_json::from_slice(raw).map_err(ObjError::Json)?;
         // Whitespace around the object stays out of its bytes: they are spliced into lists
         // and newline-delimited watch events. (serde also reads a struct from an array.)
         let raw = raw.trim_ascii();
         if !raw.starts_with(b"{") {
-            return Err("the object is not a JSON object".into());
+            return Err(ObjError::NotAnObject);
         }
         let Shape {
             metadata: meta,
@@ -148,14 +165,12 @@ impl Obj {
             api_version,
         } = shape;
         if meta.name.is_empty() {
-            return Err("the object has no metadata.name".into());
+            return Err(ObjError::NoName);
         }
-        let rv = meta.resource_version.parse::<u64>().map_err(|_| {
-            format!(
-                "resourceVersion {:?} is not a number",
-                meta.resource_version
-            )
-        })?;
+        let rv = meta
+            .resource_version
+            .parse::<u64>()
+            .map_err(|_| ObjError::ResourceVersion(meta.resource_version.clone()))?;
         Ok(Obj {
             namespace: meta.namespace,
             name: meta.name,
@@ -217,7 +232,7 @@ fn resource_version_span(object: &[u8]) -> Option<Range<usize>> {
 /// they are cut off; elsewhere (an unstructured object's keys are sorted, and `Zeta` sorts
 /// before `apiVersion`) the object is rebuilt without them, or events and GETs would carry
 /// them twice.
-fn item_bytes(raw: &[u8], typed: bool) -> Result<Bytes, String> {
+fn item_bytes(raw: &[u8], typed: bool) -> Result<Bytes, ObjError> {
     if let Some(rest) = strip_type_meta(raw) {
         let mut out = BytesMut::with_capacity(rest.len() + 1);
         out.put_u8(b'{');
@@ -228,12 +243,12 @@ fn item_bytes(raw: &[u8], typed: bool) -> Result<Bytes, String> {
         // Not in the Go encoder's order: rebuild without them (key order then follows
         // serde_json's map, which is the only thing that changes).
         let mut value: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(raw).map_err(|e| e.to_string())?;
+            serde_json::from_slice(raw).map_err(ObjError::Json)?;
         value.remove("kind");
         value.remove("apiVersion");
         return serde_json::to_vec(&value)
             .map(Bytes::from)
-            .map_err(|e| e.to_string());
+            .map_err(ObjError::Json);
     }
     Ok(Bytes::copy_from_slice(raw))
 }

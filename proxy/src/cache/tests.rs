@@ -13,6 +13,7 @@ use apimachinery::continue_token;
 
 use super::store::{EventType, Kind};
 use super::*;
+use crate::identity::review::ReviewError;
 use crate::status::{ProxyError, Reason};
 
 /// Allows everyone except the denied users; names, when set, limit what may be read.
@@ -29,13 +30,13 @@ impl AccessReviewer for Arc<Policy> {
         &self,
         user: &User,
         attrs: &Attributes,
-    ) -> BoxFuture<'static, Result<Decision, String>> {
+    ) -> BoxFuture<'static, Result<Decision, ReviewError>> {
         self.seen
             .lock()
             .unwrap()
             .push((user.clone(), attrs.clone()));
         let answer = if self.failing.load(Ordering::SeqCst) {
-            Err("connection refused".to_owned())
+            Err(ReviewError::NoStatus)
         } else if self.denied.lock().unwrap().contains(&user.username) {
             Ok(Decision::Denied(String::new()))
         } else if let Some((who, names)) = &*self.only_names.lock().unwrap()
@@ -1266,7 +1267,7 @@ async fn refused_secret_reads_are_audited_with_the_clients_address() {
                 Reader {
                     user: &user("mallory"),
                     headers: &headers,
-                    peer: peer,
+                    peer,
                 },
                 None,
             )
@@ -1283,7 +1284,7 @@ async fn refused_secret_reads_are_audited_with_the_clients_address() {
             Reader {
                 user: &user("alice"),
                 headers: &HeaderMap::new(),
-                peer: peer,
+                peer,
             },
             None,
         )

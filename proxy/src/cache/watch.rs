@@ -21,6 +21,7 @@ use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
 use crate::call::Held;
 use crate::identity::User;
+use crate::identity::review::ReviewError;
 use crate::metrics::Metrics;
 
 /// Which objects a watch (or list) sees.
@@ -90,7 +91,7 @@ struct Watcher {
     deadline: Option<Instant>,
     reauth: Option<Reauthorize>,
     next_reauth: Option<Instant>,
-    review: Option<JoinHandle<Result<Decision, String>>>,
+    review: Option<JoinHandle<Result<Decision, Arc<ReviewError>>>>,
     metrics: Metrics,
     /// Seats held while the initial state is sent (a watch without a version).
     initial_seats: Option<Held>,

@@ -293,12 +293,3 @@ fn bad_input_gets_a_precise_error() {
     let err = init(&options(mixed.path())).unwrap_err();
     assert!(err.to_string().contains("does not belong"), "{err}");
 }
-
-#[cfg(target_os = "linux")]
-#[test]
-fn core_dumps_are_disabled() {
-    use rustix::process::{DumpableBehavior, Resource, dumpable_behavior, getrlimit};
-    disable_core_dumps().expect("allowed for an unprivileged process");
-    assert_eq!(getrlimit(Resource::Core).current, Some(0));
-    assert_eq!(dumpable_behavior().unwrap(), DumpableBehavior::NotDumpable);
-}

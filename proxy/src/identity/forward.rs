@@ -9,7 +9,7 @@
 //! in impersonate mode, where they would be read as Bulwark's own.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use http::HeaderMap;
@@ -18,6 +18,7 @@ use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 
 use super::{Credential, Identity, User};
 use crate::config::{self, IdentityMode};
+use crate::report::SharedError;
 use crate::upstream;
 
 /// Bytes that stay as they are in an extra key; everything else is percent-encoded, as the
@@ -36,7 +37,7 @@ const HOP_BY_HOP: [&str; 7] = [
 ];
 
 /// Why a request cannot be forwarded as it is.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ForwardError {
     /// In impersonate mode a client's `Impersonate-*` headers would act as Bulwark's own.
     #[error("Impersonate-* headers are not accepted by this proxy (identity mode impersonate)")]
@@ -44,9 +45,15 @@ pub enum ForwardError {
     /// The identity cannot be written into a header.
     #[error("the identity cannot be sent upstream: {0}")]
     Unrepresentable(String),
-    /// Bulwark's own token file could not be read.
-    #[error("bulwark's own token is unavailable: {0}")]
-    OwnToken(String),
+    /// Bulwark's own token file could not be read, or holds what a header cannot carry.
+    #[error("bulwark's own token {} is unavailable", path.display())]
+    OwnToken {
+        /// The token file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: SharedError,
+    },
 }
 
 /// Bulwark's own bearer token, re-read when its file changes (projected ServiceAccount
@@ -67,19 +74,22 @@ impl OwnToken {
 
     /// The `Authorization` header value.
     pub fn header(&self) -> Result<HeaderValue, ForwardError> {
+        let unavailable = |source: SharedError| ForwardError::OwnToken {
+            path: self.path.clone(),
+            source,
+        };
         let modified = std::fs::metadata(&self.path)
             .and_then(|m| m.modified())
-            .map_err(|e| ForwardError::OwnToken(format!("{}: {e}", self.path.display())))?;
+            .map_err(|e| unavailable(Arc::new(e)))?;
         let mut cached = self.cached.lock().expect("own token lock");
         if let Some((at, value)) = cached.as_ref()
             && *at == modified
         {
             return Ok(value.clone());
         }
-        let token = std::fs::read_to_string(&self.path)
-            .map_err(|e| ForwardError::OwnToken(format!("{}: {e}", self.path.display())))?;
+        let token = std::fs::read_to_string(&self.path).map_err(|e| unavailable(Arc::new(e)))?;
         let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
-            .map_err(|_| ForwardError::OwnToken("the token is not a valid header".into()))?;
+            .map_err(|e| unavailable(Arc::new(e)))?;
         value.set_sensitive(true);
         *cached = Some((modified, value.clone()));
         Ok(value)
@@ -167,7 +177,7 @@ impl Forwarding {
         identity: &Identity,
         headers: &mut HeaderMap,
         upgrade: bool,
-    ) -> Result<upstream::Credential, ForwardError> {
+    ) -> Result<upstream::UpstreamCredential, ForwardError> {
         strip_hop_by_hop(headers, upgrade);
         self.strip_request_headers(headers);
         let client_impersonates = headers
@@ -188,7 +198,7 @@ impl Forwarding {
         };
         headers.remove(AUTHORIZATION);
         let user = match identity {
-            Identity::Anonymous => return Ok(upstream::Credential::Anonymous),
+            Identity::Anonymous => return Ok(upstream::UpstreamCredential::Anonymous),
             Identity::User { user, .. } => user,
         };
         if let Some(token) = passthrough_token {
@@ -196,7 +206,7 @@ impl Forwarding {
                 .map_err(|_| ForwardError::Unrepresentable("token".into()))?;
             value.set_sensitive(true);
             headers.insert(AUTHORIZATION, value);
-            return Ok(upstream::Credential::Anonymous);
+            return Ok(upstream::UpstreamCredential::Anonymous);
         }
         // Certificate clients in passthrough mode have nothing to pass through: they go as
         // front-proxy when it is configured, else by impersonation.
@@ -204,7 +214,7 @@ impl Forwarding {
             || (self.mode == IdentityMode::Passthrough && self.front_proxy)
         {
             self.front_proxy_headers(user, headers)?;
-            Ok(upstream::Credential::FrontProxy)
+            Ok(upstream::UpstreamCredential::FrontProxy)
         } else {
             if client_impersonates {
                 return Err(ForwardError::ClientImpersonation);
@@ -213,7 +223,7 @@ impl Forwarding {
             if let Some(own) = &self.own_token {
                 headers.insert(AUTHORIZATION, own.header()?);
             }
-            Ok(upstream::Credential::Own)
+            Ok(upstream::UpstreamCredential::Own)
         }
     }
 
@@ -356,7 +366,7 @@ mod tests {
         let credential = forwarding(IdentityMode::FrontProxy)
             .prepare(&alice(), &mut headers, false)
             .unwrap();
-        assert_eq!(credential, upstream::Credential::FrontProxy);
+        assert_eq!(credential, upstream::UpstreamCredential::FrontProxy);
         assert_eq!(headers["x-remote-user"], "alice");
         assert_eq!(headers["x-remote-uid"], "u-1");
         let groups: Vec<_> = headers.get_all("x-remote-group").iter().collect();
@@ -427,15 +437,15 @@ mod tests {
     fn impersonate_mode_refuses_client_impersonation_and_sends_its_own() {
         let mut headers = spoofing_headers();
         headers.insert("impersonate-user", "bob".parse().unwrap());
-        assert_eq!(
+        assert!(matches!(
             forwarding(IdentityMode::Impersonate).prepare(&alice(), &mut headers, false),
             Err(ForwardError::ClientImpersonation)
-        );
+        ));
         let mut headers = spoofing_headers();
         let credential = forwarding(IdentityMode::Impersonate)
             .prepare(&alice(), &mut headers, false)
             .unwrap();
-        assert_eq!(credential, upstream::Credential::Own);
+        assert_eq!(credential, upstream::UpstreamCredential::Own);
         assert_eq!(headers["impersonate-user"], "alice");
         assert!(headers.get("x-remote-user").is_none());
         assert!(headers.get("authorization").is_none());
@@ -451,7 +461,7 @@ mod tests {
         let credential = forwarding(IdentityMode::Passthrough)
             .prepare(&alice(), &mut headers, false)
             .unwrap();
-        assert_eq!(credential, upstream::Credential::Anonymous);
+        assert_eq!(credential, upstream::UpstreamCredential::Anonymous);
         assert_eq!(headers["authorization"], "Bearer secret-token");
         assert!(headers.get("x-remote-user").is_none());
         assert!(headers.get("x-remote-group").is_none());
@@ -468,7 +478,7 @@ mod tests {
             let credential = forwarding(mode)
                 .prepare(&Identity::Anonymous, &mut headers, false)
                 .unwrap();
-            assert_eq!(credential, upstream::Credential::Anonymous);
+            assert_eq!(credential, upstream::UpstreamCredential::Anonymous);
             assert!(headers.is_empty(), "{mode:?} left {headers:?}");
         }
     }

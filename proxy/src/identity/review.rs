@@ -9,24 +9,23 @@
 //! client address, overall and in flight ([`ReviewLimits`]): over a bound, the request gets
 //! [`IdentityError::ReviewLimited`] (429 with `Retry-After`) and no review is made.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
-use std::num::NonZeroUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
 use futures::FutureExt;
-use futures::future::{BoxFuture, Shared};
+use futures::future::BoxFuture;
+use http::StatusCode;
 use sha2::{Digest, Sha256};
-use tokio::time::Instant;
 
-use super::forward::OwnToken;
+use super::forward::{ForwardError, OwnToken};
 use super::limits::{Limited, ReviewLimits};
 use super::{IdentityError, User};
+use crate::coalesce::{Coalescing, Keep, Lookup};
 use crate::config;
 use crate::metrics::Metrics;
-use crate::upstream::{self, RetryPolicy, Route, Upstream};
+use crate::upstream::{self, RetryPolicy, Route, Upstream, UpstreamError};
 
 /// What a TokenReview said.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,7 +40,7 @@ pub enum ReviewOutcome {
 /// double.
 pub trait TokenReviewer: Send + Sync + 'static {
     /// Reviews one token. An `Err` means no answer could be had.
-    fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, String>>;
+    fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, ReviewError>>;
 }
 
 type Key = [u8; 32];
@@ -52,37 +51,7 @@ enum NoOutcome {
     /// No slot among the reviews in flight came free in time; nothing was sent.
     Limited(Limited),
     /// The review was sent and no answer could be had.
-    Failed(String),
-}
-
-type Pending = Shared<BoxFuture<'static, Result<ReviewOutcome, NoOutcome>>>;
-
-struct Entry {
-    outcome: ReviewOutcome,
-    expires: Instant,
-}
-
-struct State {
-    /// Accepted tokens.
-    accepted: lru::LruCache<Key, Entry>,
-    /// Rejected tokens, apart so that they cannot evict accepted ones.
-    rejected: lru::LruCache<Key, Entry>,
-    pending: HashMap<Key, Pending>,
-}
-
-impl State {
-    /// The remembered outcome of a token, dropping it when it has expired.
-    fn remembered(&mut self, key: &Key, now: Instant) -> Option<ReviewOutcome> {
-        for cache in [&mut self.accepted, &mut self.rejected] {
-            if let Some(entry) = cache.get(key) {
-                if entry.expires > now {
-                    return Some(entry.outcome.clone());
-                }
-                cache.pop(key);
-            }
-        }
-        None
-    }
+    Failed(Arc<ReviewError>),
 }
 
 /// The TokenReview cache in front of a [`TokenReviewer`].
@@ -90,7 +59,8 @@ pub struct TokenCache {
     reviewer: Arc<dyn TokenReviewer>,
     settings: config::TokenReview,
     limits: Arc<ReviewLimits>,
-    state: Mutex<State>,
+    /// Accepted tokens are the positive answers, rejected ones the negative.
+    outcomes: Coalescing<Key, ReviewOutcome, NoOutcome>,
     metrics: Metrics,
 }
 
@@ -101,15 +71,10 @@ impl TokenCache {
         settings: config::TokenReview,
         metrics: Metrics,
     ) -> Self {
-        let capacity = |n: usize| NonZeroUsize::new(n.max(1)).expect("at least one");
         Self {
             reviewer,
             limits: Arc::new(ReviewLimits::new(&settings)),
-            state: Mutex::new(State {
-                accepted: lru::LruCache::new(capacity(settings.max_entries)),
-                rejected: lru::LruCache::new(capacity(settings.max_rejected_entries)),
-                pending: HashMap::new(),
-            }),
+            outcomes: Coalescing::new(settings.max_entries, settings.max_rejected_entries),
             settings,
             metrics,
         }
@@ -126,58 +91,38 @@ impl TokenCache {
             return Err(IdentityError::TokenTooLong(self.settings.max_token_bytes));
         }
         let key: Key = Sha256::digest(token.as_bytes()).into();
-        let pending = {
-            let mut state = self.state.lock().expect("token cache lock");
-            if let Some(outcome) = state.remembered(&key, Instant::now()) {
+        let start = || -> Result<_, Limited> {
+            self.limits.take(source)?;
+            Ok(self.review(token))
+        };
+        let keep = |result: &Result<ReviewOutcome, NoOutcome>| match result {
+            Ok(ReviewOutcome::Authenticated(_)) => Keep::Positive(
+                token_lifetime(token).map_or(self.settings.ttl, |left| left.min(self.settings.ttl)),
+            ),
+            Ok(ReviewOutcome::Rejected(_)) => Keep::Negative(self.settings.failure_ttl),
+            Err(_) => Keep::Not,
+        };
+        let result = match self.outcomes.get(key, start, keep).await {
+            Err(limited) => {
+                self.count("limited");
+                return Err(IdentityError::ReviewLimited(limited));
+            }
+            Ok(Lookup::Cached(outcome)) => {
                 self.count("cached");
                 return into_result(outcome);
             }
-            match state.pending.get(&key) {
-                Some(pending) => pending.clone(),
-                None => {
-                    if let Err(limited) = self.limits.take(source) {
-                        self.count("limited");
-                        return Err(IdentityError::ReviewLimited(limited));
-                    }
-                    let pending = self.review(token);
-                    state.pending.insert(key, pending.clone());
-                    pending
+            Ok(Lookup::Fetched { result, recorded }) => {
+                if recorded {
+                    self.count(match &result {
+                        Ok(ReviewOutcome::Authenticated(_)) => "allowed",
+                        Ok(ReviewOutcome::Rejected(_)) => "denied",
+                        Err(NoOutcome::Limited(_)) => "limited",
+                        Err(NoOutcome::Failed(_)) => "error",
+                    });
                 }
+                result
             }
         };
-        let result = pending.await;
-        let mut state = self.state.lock().expect("token cache lock");
-        // The first waiter to get here records the result; the others find it gone.
-        if state.pending.remove(&key).is_some() {
-            let now = Instant::now();
-            match &result {
-                Ok(outcome @ ReviewOutcome::Authenticated(_)) => {
-                    let ttl = token_lifetime(token)
-                        .map_or(self.settings.ttl, |left| left.min(self.settings.ttl));
-                    self.count("allowed");
-                    state.accepted.put(
-                        key,
-                        Entry {
-                            outcome: outcome.clone(),
-                            expires: now + ttl,
-                        },
-                    );
-                }
-                Ok(outcome @ ReviewOutcome::Rejected(_)) => {
-                    self.count("denied");
-                    state.rejected.put(
-                        key,
-                        Entry {
-                            outcome: outcome.clone(),
-                            expires: now + self.settings.failure_ttl,
-                        },
-                    );
-                }
-                Err(NoOutcome::Limited(_)) => self.count("limited"),
-                Err(NoOutcome::Failed(_)) => self.count("error"),
-            }
-        }
-        drop(state);
         match result {
             Ok(outcome) => into_result(outcome),
             Err(NoOutcome::Limited(limited)) => Err(IdentityError::ReviewLimited(limited)),
@@ -186,15 +131,17 @@ impl TokenCache {
     }
 
     /// One review, sent once a slot among the reviews in flight is free.
-    fn review(&self, token: &str) -> Pending {
+    fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, NoOutcome>> {
         let (reviewer, limits, token) =
             (self.reviewer.clone(), self.limits.clone(), token.to_owned());
         async move {
             let _slot = limits.slot().await.map_err(NoOutcome::Limited)?;
-            reviewer.review(&token).await.map_err(NoOutcome::Failed)
+            reviewer
+                .review(&token)
+                .await
+                .map_err(|e| NoOutcome::Failed(Arc::new(e)))
         }
         .boxed()
-        .shared()
     }
 
     fn count(&self, result: &str) {
@@ -246,7 +193,7 @@ impl UpstreamReviewer {
 }
 
 impl TokenReviewer for UpstreamReviewer {
-    fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, String>> {
+    fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, ReviewError>> {
         let upstream = self.upstream.clone();
         let own_token = self.own_token.clone();
         let body = serde_json::json!({
@@ -267,8 +214,8 @@ impl TokenReviewer for UpstreamReviewer {
                 let why = status["error"].as_str().unwrap_or("not authenticated");
                 return Ok(ReviewOutcome::Rejected(why.to_string()));
             }
-            let user: User = serde_json::from_value(status["user"].clone())
-                .map_err(|e| format!("TokenReview status.user: {e}"))?;
+            let user: User =
+                serde_json::from_value(status["user"].clone()).map_err(ReviewError::User)?;
             if user.username.is_empty() {
                 return Ok(ReviewOutcome::Rejected("empty user name".into()));
             }
@@ -283,28 +230,85 @@ impl TokenReviewer for UpstreamReviewer {
 /// Largest review answer Bulwark reads.
 const MAX_REVIEW_BYTES: usize = 1 << 20;
 
+/// Why a review (a TokenReview or a SubjectAccessReview) has no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ReviewError {
+    /// The review could not be written as JSON.
+    #[error("encoding the review")]
+    Encode(#[source] serde_json::Error),
+    /// The review request could not be built.
+    #[error("building the review request")]
+    Request(#[source] http::Error),
+    /// Bulwark's own credential for the review is unavailable.
+    #[error("the review needs bulwark's own token")]
+    OwnToken(#[source] ForwardError),
+    /// The review could not be sent, or no answer came.
+    #[error("{path}")]
+    Upstream {
+        /// The review's path.
+        path: &'static str,
+        /// Why.
+        #[source]
+        source: UpstreamError,
+    },
+    /// The answer could not be read.
+    #[error("{path}: reading the answer")]
+    Read {
+        /// The review's path.
+        path: &'static str,
+        /// Why.
+        #[source]
+        source: crate::ReadError,
+    },
+    /// The apiserver answered with an error status.
+    #[error("{path} answered {status}: {message}")]
+    Status {
+        /// The review's path.
+        path: &'static str,
+        /// The status.
+        status: StatusCode,
+        /// The message of its `Status` body, if any.
+        message: String,
+    },
+    /// The answer is not JSON.
+    #[error("{path}: the answer is not JSON")]
+    Decode {
+        /// The review's path.
+        path: &'static str,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A TokenReview's `status.user` is not a user.
+    #[error("TokenReview status.user")]
+    User(#[source] serde_json::Error),
+    /// A SubjectAccessReview came back without a status.
+    #[error("the SubjectAccessReview has no status")]
+    NoStatus,
+}
+
 /// Posts a review object with Bulwark's own identity and returns the answer, or why there
 /// is none. Reviews change nothing, so the pool may retry them like reads.
 pub async fn post_json(
     upstream: &Upstream,
     own_token: Option<&OwnToken>,
-    path: &str,
+    path: &'static str,
     body: &serde_json::Value,
-) -> Result<serde_json::Value, String> {
-    let bytes = serde_json::to_vec(body).map_err(|e| e.to_string())?;
+) -> Result<serde_json::Value, ReviewError> {
+    let bytes = serde_json::to_vec(body).map_err(ReviewError::Encode)?;
     let mut request = http::Request::post(path)
         .header(http::header::CONTENT_TYPE, "application/json")
         .header(http::header::ACCEPT, "application/json")
         .body(crate::full(bytes))
-        .map_err(|e| e.to_string())?;
+        .map_err(ReviewError::Request)?;
     if let Some(own) = own_token {
-        let value = own.header().map_err(|e| e.to_string())?;
+        let value = own.header().map_err(ReviewError::OwnToken)?;
         request
             .headers_mut()
             .insert(http::header::AUTHORIZATION, value);
     }
     let route = Route {
-        credential: upstream::Credential::Own,
+        credential: upstream::UpstreamCredential::Own,
         retry: RetryPolicy::Read,
         long_running: false,
         watch: false,
@@ -315,19 +319,23 @@ pub async fn post_json(
     let response = upstream
         .send(request, route)
         .await
-        .map_err(|e| format!("{path}: {e}"))?;
+        .map_err(|source| ReviewError::Upstream { path, source })?;
     let status = response.status();
     let body = crate::read_to_limit(response.into_body(), MAX_REVIEW_BYTES)
         .await
-        .map_err(|e| format!("{path}: reading the answer: {e}"))?;
+        .map_err(|source| ReviewError::Read { path, source })?;
     if !status.is_success() {
         let message = serde_json::from_slice::<serde_json::Value>(&body)
             .ok()
             .and_then(|v| v["message"].as_str().map(str::to_string))
             .unwrap_or_default();
-        return Err(format!("{path} answered {status}: {message}"));
+        return Err(ReviewError::Status {
+            path,
+            status,
+            message,
+        });
     }
-    serde_json::from_slice(&body).map_err(|e| format!("{path}: {e}"))
+    serde_json::from_slice(&body).map_err(|source| ReviewError::Decode { path, source })
 }
 
 /// How long a review may take.
@@ -349,12 +357,12 @@ mod tests {
     }
 
     impl TokenReviewer for Arc<Counting> {
-        fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, String>> {
+        fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, ReviewError>> {
             self.calls.fetch_add(1, Ordering::SeqCst);
             let answer = if token.starts_with("good") {
                 Ok(ReviewOutcome::Authenticated(alice()))
             } else if token.starts_with("fail") {
-                Err("connection refused".to_string())
+                Err(ReviewError::NoStatus)
             } else {
                 Ok(ReviewOutcome::Rejected("expired".into()))
             };
@@ -430,10 +438,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn rejections_are_remembered_briefly() {
         let (reviewer, cache) = cache();
-        assert_eq!(
+        assert!(matches!(
             cache.authenticate("bad", HERE).await,
-            Err(IdentityError::TokenRejected("expired".into()))
-        );
+            Err(IdentityError::TokenRejected(why)) if why == "expired"
+        ));
         tokio::time::advance(Duration::from_secs(9)).await;
         assert!(cache.authenticate("bad", HERE).await.is_err());
         assert_eq!(reviewer.calls(), 1);
@@ -482,10 +490,10 @@ mod tests {
     async fn a_token_over_the_length_limit_is_refused_without_a_review() {
         let (reviewer, cache) = cache();
         let long = format!("good{}", "a".repeat(16 * 1024));
-        assert_eq!(
+        assert!(matches!(
             cache.authenticate(&long, HERE).await,
-            Err(IdentityError::TokenTooLong(16 * 1024))
-        );
+            Err(IdentityError::TokenTooLong(16_384))
+        ));
         assert_eq!(reviewer.calls(), 0);
     }
 

@@ -17,7 +17,7 @@ use http_body::Body as _;
 use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{MAX_REQUEST_BODY, UpstreamError, chain};
+use super::{MAX_REQUEST_BODY, UpstreamError};
 use crate::Body;
 use crate::config;
 
@@ -171,7 +171,7 @@ pub(super) async fn buffer(
     }
     let mut out = Vec::with_capacity(expected);
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::RequestBody(chain(&*e)))?;
+        let frame = frame.map_err(|e| UpstreamError::RequestBody(e.into()))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };

@@ -38,7 +38,7 @@ pub(crate) enum Load {
 /// Why a replica is taken out of rotation. 5xx answers are never a cause: a failing
 /// admission webhook makes every replica answer 5xx.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Cause {
+pub(crate) enum EjectCause {
     /// TCP connect or TLS handshake failed.
     Connect,
     /// A stream or connection was reset (other than `REFUSED_STREAM`).
@@ -346,7 +346,7 @@ impl Balancer {
     /// ejection, from `eject_base` up to `eject_max`. Refused (returns false) when it is
     /// the last replica in rotation. A replica already out that failed again (it was used
     /// because most of the fleet is out) has its backoff extended.
-    pub(crate) fn eject(&self, index: usize, cause: Cause, now: Instant) -> bool {
+    pub(crate) fn eject(&self, index: usize, cause: EjectCause, now: Instant) -> bool {
         let mut health = self.health(now);
         let in_rotation = health.iter().filter(|h| !h.out(now)).count();
         let h = &mut health[index];
@@ -364,7 +364,7 @@ impl Balancer {
             .min(self.eject_max);
         h.ejected_until = Some(now + backoff);
         h.ejections = h.ejections.saturating_add(1);
-        if cause == Cause::Probe {
+        if cause == EjectCause::Probe {
             h.probe_failed = true;
         }
         self.replicas[index].healthy_gauge.set(0);
@@ -556,7 +556,7 @@ mod tests {
         let (b, metrics) = balancer(3);
         let mut rng = StdRng::seed_from_u64(5);
         let now = Instant::now();
-        assert!(b.eject(0, Cause::Connect, now));
+        assert!(b.eject(0, EjectCause::Connect, now));
         assert_eq!(b.healthy(now), 2);
         let gauge = metrics
             .upstream_healthy
@@ -569,7 +569,7 @@ mod tests {
         assert_eq!(gauge.get(), 1);
 
         // It fails again without a success in between: twice as long this time.
-        assert!(b.eject(0, Cause::Reset, Instant::now()));
+        assert!(b.eject(0, EjectCause::Reset, Instant::now()));
         tokio::time::advance(BASE).await;
         assert_eq!(b.healthy(Instant::now()), 2);
         tokio::time::advance(BASE).await;
@@ -577,7 +577,7 @@ mod tests {
 
         // A success resets the backoff to eject_base.
         b.succeeded(0, Instant::now());
-        assert!(b.eject(0, Cause::Connect, Instant::now()));
+        assert!(b.eject(0, EjectCause::Connect, Instant::now()));
         tokio::time::advance(BASE).await;
         assert_eq!(b.healthy(Instant::now()), 3);
     }
@@ -586,7 +586,7 @@ mod tests {
     async fn the_backoff_stops_growing_at_eject_max() {
         let (b, _) = balancer(3);
         for _ in 0..12 {
-            assert!(b.eject(0, Cause::Connect, Instant::now()));
+            assert!(b.eject(0, EjectCause::Connect, Instant::now()));
         }
         tokio::time::advance(MAX - Duration::from_millis(1)).await;
         assert_eq!(b.healthy(Instant::now()), 2);
@@ -598,15 +598,15 @@ mod tests {
     async fn the_last_replica_in_rotation_is_never_ejected() {
         let (b, _) = balancer(2);
         let now = Instant::now();
-        assert!(b.eject(0, Cause::Connect, now));
-        assert!(!b.eject(1, Cause::Connect, now));
-        assert!(!b.eject(1, Cause::Probe, now));
+        assert!(b.eject(0, EjectCause::Connect, now));
+        assert!(!b.eject(1, EjectCause::Connect, now));
+        assert!(!b.eject(1, EjectCause::Probe, now));
         assert_eq!(b.healthy(now), 1);
         let mut rng = StdRng::seed_from_u64(6);
         assert_eq!(spread(&b, Load::Requests, 10, &mut rng), vec![0, 10]);
 
         let (single, _) = balancer(1);
-        assert!(!single.eject(0, Cause::Reset, now));
+        assert!(!single.eject(0, EjectCause::Reset, now));
         assert_eq!(single.healthy(now), 1);
     }
 
@@ -615,13 +615,13 @@ mod tests {
         let (b, _) = balancer(4);
         let now = Instant::now();
         let mut rng = StdRng::seed_from_u64(7);
-        assert!(b.eject(0, Cause::Connect, now));
-        assert!(b.eject(1, Cause::Probe, now));
+        assert!(b.eject(0, EjectCause::Connect, now));
+        assert!(b.eject(1, EjectCause::Probe, now));
         // Half out: only the two in rotation are used.
         let hits = spread(&b, Load::Requests, 40, &mut rng);
         assert_eq!(&hits[..2], &[0, 0]);
         // More than half out: every replica takes traffic again.
-        assert!(b.eject(2, Cause::Reset, now));
+        assert!(b.eject(2, EjectCause::Reset, now));
         assert_eq!(b.healthy(now), 1);
         let hits = spread(&b, Load::Requests, 200, &mut rng);
         assert!(hits.iter().all(|&h| h > 0), "{hits:?}");
@@ -630,7 +630,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_failed_probe_holds_until_a_probe_succeeds() {
         let (b, _) = balancer(3);
-        assert!(b.eject(2, Cause::Probe, Instant::now()));
+        assert!(b.eject(2, EjectCause::Probe, Instant::now()));
         tokio::time::advance(MAX * 2).await;
         assert_eq!(
             b.healthy(Instant::now()),
@@ -651,7 +651,7 @@ mod tests {
     async fn a_probe_success_brings_a_replica_back_before_its_backoff_ends() {
         let (b, _) = balancer(3);
         for _ in 0..5 {
-            b.eject(1, Cause::Connect, Instant::now());
+            b.eject(1, EjectCause::Connect, Instant::now());
         }
         assert_eq!(b.healthy(Instant::now()), 2);
         b.probe_ok(1, Instant::now());
@@ -696,7 +696,7 @@ mod tests {
         let now = Instant::now();
         assert_eq!(b.retry_after(now), Duration::from_secs(1));
         for _ in 0..4 {
-            b.eject(0, Cause::Connect, now);
+            b.eject(0, EjectCause::Connect, now);
         }
         assert_eq!(b.retry_after(now), Duration::from_secs(8));
     }

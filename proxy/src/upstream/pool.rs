@@ -21,7 +21,7 @@ use tokio_rustls::client::TlsStream;
 
 use super::pick::Replica;
 use super::tls::{Alpn, UpstreamTls};
-use super::{Credential, UpstreamError};
+use super::{TlsFailure, UpstreamCredential, UpstreamError};
 
 /// The request body type on upstream connections: buffered, so that a retry can replay it.
 pub(crate) type ReqBody = Full<Bytes>;
@@ -92,11 +92,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn credential_index(credential: Credential) -> usize {
+fn credential_index(credential: UpstreamCredential) -> usize {
     match credential {
-        Credential::FrontProxy => 0,
-        Credential::Own => 1,
-        Credential::Anonymous => 2,
+        UpstreamCredential::FrontProxy => 0,
+        UpstreamCredential::Own => 1,
+        UpstreamCredential::Anonymous => 2,
     }
 }
 
@@ -146,7 +146,7 @@ impl Pool {
         &self,
         replica: &Replica,
         index: usize,
-        credential: Credential,
+        credential: UpstreamCredential,
     ) -> Result<(Lease, http2::SendRequest<ReqBody>), UpstreamError> {
         let set = &self.sets[index][credential_index(credential)];
         if let Some(found) = self.lease(set) {
@@ -209,20 +209,26 @@ impl Pool {
         &self,
         replica: &Replica,
         index: usize,
-        credential: Credential,
+        credential: UpstreamCredential,
         alpn: Alpn,
     ) -> Result<TlsStream<TcpStream>, UpstreamError> {
         let config = self.tls.client_config(credential, alpn)?;
         let name = &replica.name;
         let tcp = TcpStream::connect((replica.host.as_str(), replica.port))
             .await
-            .map_err(|e| UpstreamError::Connect(format!("{name}: {e}")))?;
+            .map_err(|e| UpstreamError::Connect {
+                replica: name.clone(),
+                source: Arc::new(e),
+            })?;
         // Requests are small and latency matters more than packet count.
         let _ = tcp.set_nodelay(true);
         let tls = TlsConnector::from(config)
             .connect(self.server_names[index].clone(), tcp)
             .await
-            .map_err(|e| UpstreamError::Tls(format!("{name}: {e}")))?;
+            .map_err(|e| UpstreamError::Tls {
+                replica: name.clone(),
+                source: Arc::new(TlsFailure::Handshake(e)),
+            })?;
         let wanted: &[u8] = match alpn {
             Alpn::H2 => b"h2",
             Alpn::Http1 => b"http/1.1",
@@ -231,11 +237,13 @@ impl Pool {
             Some(got) if got == wanted => Ok(tls),
             // No ALPN at all means HTTP/1.1 by convention.
             None if alpn == Alpn::Http1 => Ok(tls),
-            got => Err(UpstreamError::Tls(format!(
-                "{name}: negotiated protocol {:?}, wanted {:?}",
-                got.map(String::from_utf8_lossy),
-                String::from_utf8_lossy(wanted)
-            ))),
+            got => Err(UpstreamError::Tls {
+                replica: name.clone(),
+                source: Arc::new(TlsFailure::Alpn {
+                    got: got.map(|p| String::from_utf8_lossy(p).into_owned()),
+                    wanted: String::from_utf8_lossy(wanted).into_owned(),
+                }),
+            }),
         }
     }
 
@@ -243,7 +251,7 @@ impl Pool {
         &self,
         replica: &Replica,
         index: usize,
-        credential: Credential,
+        credential: UpstreamCredential,
     ) -> Result<http2::SendRequest<ReqBody>, UpstreamError> {
         let connect = async {
             let tls = self
@@ -264,7 +272,7 @@ impl Pool {
             let (sender, connection) = builder
                 .handshake(TokioIo::new(tls))
                 .await
-                .map_err(|e| UpstreamError::Protocol(format!("{}: {e}", replica.name)))?;
+                .map_err(|e| UpstreamError::protocol(&replica.name, e))?;
             let name = replica.name.clone();
             tokio::spawn(async move {
                 if let Err(e) = connection.await {
@@ -275,12 +283,18 @@ impl Pool {
         };
         tokio::time::timeout(self.connect_timeout, connect)
             .await
-            .map_err(|_| {
-                UpstreamError::Connect(format!(
-                    "{}: no connection within {:?}",
-                    replica.name, self.connect_timeout
-                ))
-            })?
+            .map_err(|_| self.connect_timed_out(replica))?
+    }
+
+    /// No connection to `replica` within the connect timeout.
+    fn connect_timed_out(&self, replica: &Replica) -> UpstreamError {
+        UpstreamError::Connect {
+            replica: replica.name.clone(),
+            source: Arc::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection within {:?}", self.connect_timeout),
+            )),
+        }
     }
 
     /// A fresh HTTP/1.1 connection for one upgrade (exec, attach, port-forward); never
@@ -289,7 +303,7 @@ impl Pool {
         &self,
         replica: &Replica,
         index: usize,
-        credential: Credential,
+        credential: UpstreamCredential,
     ) -> Result<http1::SendRequest<ReqBody>, UpstreamError> {
         let connect = async {
             let tls = self
@@ -297,7 +311,7 @@ impl Pool {
                 .await?;
             let (sender, connection) = http1::handshake(TokioIo::new(tls))
                 .await
-                .map_err(|e| UpstreamError::Protocol(format!("{}: {e}", replica.name)))?;
+                .map_err(|e| UpstreamError::protocol(&replica.name, e))?;
             let name = replica.name.clone();
             tokio::spawn(async move {
                 if let Err(e) = connection.with_upgrades().await {
@@ -308,11 +322,6 @@ impl Pool {
         };
         tokio::time::timeout(self.connect_timeout, connect)
             .await
-            .map_err(|_| {
-                UpstreamError::Connect(format!(
-                    "{}: no connection within {:?}",
-                    replica.name, self.connect_timeout
-                ))
-            })?
+            .map_err(|_| self.connect_timed_out(replica))?
     }
 }

@@ -11,7 +11,7 @@ use rustls::crypto::ring;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
-use super::{Credential, UpstreamError};
+use super::{UpstreamCredential, UpstreamError};
 use crate::config;
 
 /// ALPN protocol id of HTTP/2.
@@ -90,16 +90,16 @@ impl UpstreamTls {
     /// was not configured.
     pub(crate) fn client_config(
         &self,
-        credential: Credential,
+        credential: UpstreamCredential,
         alpn: Alpn,
     ) -> Result<Arc<ClientConfig>, UpstreamError> {
         let configs = match credential {
-            Credential::FrontProxy => self
+            UpstreamCredential::FrontProxy => self
                 .front_proxy
                 .as_ref()
                 .ok_or(UpstreamError::MissingCredential(credential))?,
-            Credential::Own => &self.own,
-            Credential::Anonymous => &self.anonymous,
+            UpstreamCredential::Own => &self.own,
+            UpstreamCredential::Anonymous => &self.anonymous,
         };
         Ok(match alpn {
             Alpn::H2 => configs.h2.clone(),
@@ -125,12 +125,18 @@ impl Configs {
         let build = |alpn: &[u8]| -> Result<Arc<ClientConfig>, UpstreamError> {
             let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
                 .with_safe_default_protocol_versions()
-                .map_err(|e| UpstreamError::Config(format!("TLS versions: {e}")))?
+                .map_err(|source| UpstreamError::Rustls {
+                    what: "TLS versions",
+                    source,
+                })?
                 .with_root_certificates(roots.clone());
             let mut config = match &client_auth {
                 Some((certs, key)) => builder
                     .with_client_auth_cert(certs.clone(), key.clone_key())
-                    .map_err(|e| UpstreamError::Config(format!("client certificate: {e}")))?,
+                    .map_err(|source| UpstreamError::Rustls {
+                        what: "client certificate",
+                        source,
+                    })?,
                 None => builder.with_no_client_auth(),
             };
             config.alpn_protocols = vec![alpn.to_vec()];
@@ -146,13 +152,10 @@ impl Configs {
 /// The CA bundle that must sign the apiservers' serving certificates.
 fn read_roots(path: &Path) -> Result<rustls::RootCertStore, UpstreamError> {
     let mut roots = rustls::RootCertStore::empty();
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| UpstreamError::Config(format!("{}: {e}", path.display())))?;
+    let certs = CertificateDer::pem_file_iter(path).map_err(file_error(path))?;
     for cert in certs {
-        let cert = cert.map_err(|e| UpstreamError::Config(format!("{}: {e}", path.display())))?;
-        roots
-            .add(cert)
-            .map_err(|e| UpstreamError::Config(format!("{}: {e}", path.display())))?;
+        let cert = cert.map_err(file_error(path))?;
+        roots.add(cert).map_err(file_error(path))?;
     }
     if roots.is_empty() {
         return Err(UpstreamError::Config(format!(
@@ -169,18 +172,27 @@ fn read_cert_key(
     key: &Path,
 ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), UpstreamError> {
     let certs = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| UpstreamError::Config(format!("{}: {e}", cert.display())))?
+        .map_err(file_error(cert))?
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| UpstreamError::Config(format!("{}: {e}", cert.display())))?;
+        .map_err(file_error(cert))?;
     if certs.is_empty() {
         return Err(UpstreamError::Config(format!(
             "{}: no certificate in the file",
             cert.display()
         )));
     }
-    let key = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| UpstreamError::Config(format!("{}: {e}", key.display())))?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(file_error(key))?;
     Ok((certs, key))
+}
+
+/// The error for a file that cannot be used, keeping why.
+fn file_error<E: std::error::Error + Send + Sync + 'static>(
+    path: &Path,
+) -> impl FnOnce(E) -> UpstreamError + '_ {
+    move |source| UpstreamError::File {
+        path: path.to_owned(),
+        source: Arc::new(source),
+    }
 }
 
 /// A bearer token file (a projected ServiceAccount token), re-read when its modification
@@ -199,18 +211,16 @@ impl TokenFile {
     }
 
     fn bearer(&self) -> Result<HeaderValue, UpstreamError> {
-        let unreadable =
-            |e: std::io::Error| UpstreamError::Config(format!("{}: {e}", self.path.display()));
         let modified = std::fs::metadata(&self.path)
             .and_then(|m| m.modified())
-            .map_err(unreadable)?;
+            .map_err(file_error(&self.path))?;
         let mut cached = self.cached.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((at, value)) = cached.as_ref()
             && *at == modified
         {
             return Ok(value.clone());
         }
-        let token = std::fs::read_to_string(&self.path).map_err(unreadable)?;
+        let token = std::fs::read_to_string(&self.path).map_err(file_error(&self.path))?;
         let mut value =
             HeaderValue::from_str(&format!("Bearer {}", token.trim())).map_err(|_| {
                 UpstreamError::Config(format!(

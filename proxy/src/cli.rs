@@ -1,0 +1,129 @@
+//! The `bulwark` command line: its arguments, and how each failure becomes an exit code.
+//! Only the binary uses it; the library knows nothing of clap or exit codes.
+
+use std::path::PathBuf;
+
+use bulwark::certs::{IdentitySpec, InitOptions};
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// A TLS-terminating reverse proxy that keeps kube-apiservers alive.
+#[derive(Parser)]
+#[command(name = "bulwark", version, about)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// What to do.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Serve clients in front of the configured apiserver replicas.
+    Serve {
+        /// The configuration file (see proxy/bulwark.example.yaml).
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Check a configuration file and print every problem.
+    CheckConfig {
+        /// The configuration file.
+        config: PathBuf,
+    },
+    /// Mint certificates and kubeconfigs.
+    Certs {
+        #[command(subcommand)]
+        command: CertsCommand,
+    },
+    /// Check or explain a folder of rule files.
+    Rules {
+        #[command(subcommand)]
+        command: RulesCommand,
+    },
+}
+
+/// `bulwark rules ...` subcommands.
+#[derive(Subcommand)]
+pub enum RulesCommand {
+    /// Exit 0 when the folder is valid; else print every problem as `file:line:column:
+    /// message` and exit 1.
+    Check {
+        /// The folder of rule files.
+        dir: PathBuf,
+    },
+    /// Print the rule a request matches, its level and flow, and why each rule of lower
+    /// precedence did not match.
+    Explain {
+        /// The folder of rule files.
+        dir: PathBuf,
+        /// The user name.
+        #[arg(long)]
+        user: String,
+        /// A group of the user (repeatable); `system:authenticated` is added.
+        #[arg(long = "group")]
+        groups: Vec<String>,
+        /// The apiserver verb (get, list, watch, create, ...).
+        verb: String,
+        /// The request path, e.g. /api/v1/namespaces/default/secrets.
+        path: String,
+    },
+}
+
+/// `bulwark certs ...` subcommands.
+#[derive(Subcommand)]
+pub enum CertsCommand {
+    /// Mint a development PKI and a kubeconfig per identity.
+    Init(InitArgs),
+}
+
+/// The arguments of `bulwark certs init`.
+#[derive(clap::Args)]
+pub struct InitArgs {
+    /// Folder for the certificates, keys and kubeconfigs (created when missing).
+    #[arg(long)]
+    dir: PathBuf,
+    /// A name clients use to reach Bulwark: a DNS name or an IP address (repeatable; the
+    /// first is the serving certificate's CN and the kubeconfigs' host).
+    #[arg(long = "server-name", required = true)]
+    server_names: Vec<String>,
+    /// A user to mint a client certificate and kubeconfig for, as `USER[:GROUP,GROUP]`
+    /// (repeatable). `system:serviceaccount:NS:NAME` and `system:node:NAME` users are read
+    /// whole; the groups start after the next `:`.
+    #[arg(long = "identity")]
+    identities: Vec<IdentitySpec>,
+    /// The server URL written into the kubeconfigs. Default: `https://FIRST-NAME:6443`.
+    #[arg(long)]
+    server: Option<String>,
+    /// CN of the front-proxy client certificate (must be in the apiserver's
+    /// `--requestheader-allowed-names`).
+    #[arg(long, default_value = "front-proxy-client")]
+    front_proxy_name: String,
+    /// Bulwark's own identity, as `USER[:GROUP,GROUP]`.
+    #[arg(long = "self", default_value = "bulwark:bulwark:proxies")]
+    self_identity: IdentitySpec,
+    /// Validity of the leaf certificates in days (CAs get ten times as long).
+    #[arg(long, default_value_t = 365)]
+    days: u32,
+}
+
+impl From<InitArgs> for InitOptions {
+    fn from(args: InitArgs) -> Self {
+        InitOptions {
+            dir: args.dir,
+            server_names: args.server_names,
+            identities: args.identities,
+            server: args.server,
+            front_proxy_name: args.front_proxy_name,
+            self_identity: args.self_identity,
+            days: args.days,
+        }
+    }
+}

@@ -49,8 +49,8 @@ use crate::status::{Reason, Refusal};
 use crate::upstream::Upstream;
 
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
+pub use flows::FlowWatch;
 pub(crate) use flows::TokioClock;
-pub use flows::WatchGuard;
 
 use cost::CostModel;
 use flows::{Bucket, Flows};
@@ -147,7 +147,7 @@ pub struct Permit {
     // dispatches again.
     bytes: Option<BytesHeld>,
     seats: Option<SeatGrant>,
-    watch: Option<WatchGuard>,
+    watch: Option<FlowWatch>,
     expected_bytes: u64,
     level: Option<String>,
 }
@@ -194,7 +194,7 @@ impl Permit {
 
     /// For a watch with a per-flow limit: the guard that keeps it counted. Keep it for the
     /// life of the stream; the rest of the permit may be dropped.
-    pub fn watch_guard(&mut self) -> Option<WatchGuard> {
+    pub fn watch_guard(&mut self) -> Option<FlowWatch> {
         self.watch.take()
     }
 }
@@ -396,7 +396,7 @@ impl Admission {
         level: &Level,
         hash: u64,
         now: Instant,
-    ) -> Result<Option<WatchGuard>, Refusal> {
+    ) -> Result<Option<FlowWatch>, Refusal> {
         let flows = &self.shared.flows;
         if m.watches.is_none() {
             return Ok(None);

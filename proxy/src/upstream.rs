@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::report::{Chain, SharedError, find_source};
 
 use body::{Framing, OnFailure};
-use pick::{Balancer, EjectCause, Load, PendingGuard, WatchGuard};
+use pick::{Balancer, EjectCause, Load, PendingGuard, ReplicaWatch};
 use pool::{Lease, Pool, ReqBody};
 
 pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
@@ -654,7 +654,7 @@ impl Inner {
                 .insert(UpstreamReplica(replica.name.clone()));
             return response;
         }
-        let watch = route.watch.then(|| WatchGuard::new(replica.clone()));
+        let watch = route.watch.then(|| ReplicaWatch::new(replica.clone()));
         let on_failure = if route.watch {
             OnFailure::End(Framing::of(response.headers().get(header::CONTENT_TYPE)))
         } else {

@@ -232,7 +232,7 @@ impl Flows {
         hash: u64,
         limit: Option<u32>,
         now: Instant,
-    ) -> Option<WatchGuard> {
+    ) -> Option<FlowWatch> {
         let opened = self.with(key, hash, now, |flow| {
             if limit.is_some_and(|limit| flow.watches >= limit) {
                 false
@@ -241,7 +241,7 @@ impl Flows {
                 true
             }
         });
-        opened.then(|| WatchGuard {
+        opened.then(|| FlowWatch {
             flows: self.clone(),
             key: key.to_owned(),
             hash,
@@ -291,21 +291,21 @@ impl Flows {
 
 /// An open watch counted against its flow's limit until dropped. Keep it for the life of
 /// the watch stream.
-pub struct WatchGuard {
+pub struct FlowWatch {
     flows: Arc<Flows>,
     key: String,
     hash: u64,
 }
 
-impl std::fmt::Debug for WatchGuard {
+impl std::fmt::Debug for FlowWatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WatchGuard")
+        f.debug_struct("FlowWatch")
             .field("flow", &self.key)
             .finish()
     }
 }
 
-impl Drop for WatchGuard {
+impl Drop for FlowWatch {
     fn drop(&mut self) {
         let mut shard = self
             .flows

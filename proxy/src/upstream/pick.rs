@@ -150,9 +150,9 @@ impl Drop for PendingGuard {
 }
 
 /// Counts an open watch stream on its replica until dropped.
-pub(crate) struct WatchGuard(Arc<Replica>);
+pub(crate) struct ReplicaWatch(Arc<Replica>);
 
-impl WatchGuard {
+impl ReplicaWatch {
     pub(crate) fn new(replica: Arc<Replica>) -> Self {
         replica.watches.fetch_add(1, Ordering::Relaxed);
         replica.watches_gauge.inc();
@@ -160,7 +160,7 @@ impl WatchGuard {
     }
 }
 
-impl Drop for WatchGuard {
+impl Drop for ReplicaWatch {
     fn drop(&mut self) {
         self.0.watches.fetch_sub(1, Ordering::Relaxed);
         self.0.watches_gauge.dec();
@@ -524,7 +524,7 @@ mod tests {
         let (b, _) = balancer(2);
         let mut rng = StdRng::seed_from_u64(3);
         let _watches: Vec<_> = (0..4)
-            .map(|_| WatchGuard::new(b.replica(0).clone()))
+            .map(|_| ReplicaWatch::new(b.replica(0).clone()))
             .collect();
         let _pending: Vec<_> = (0..4)
             .map(|_| PendingGuard::new(b.replica(1).clone()))

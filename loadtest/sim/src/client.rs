@@ -20,7 +20,7 @@ pub fn tls_config(
     pki: &Pki,
     cert: Option<&CertKey>,
     alpn: &[&[u8]],
-) -> anyhow::Result<ClientConfig> {
+) -> crate::error::Result<ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(pki.server_ca.cert_der())?;
     let b = ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
@@ -31,7 +31,7 @@ pub fn tls_config(
             let chain = rustls_pemfile::certs(&mut ck.cert_pem.as_bytes())
                 .collect::<Result<Vec<_>, _>>()?;
             let key = rustls_pemfile::private_key(&mut ck.key_pem.as_bytes())?
-                .ok_or_else(|| anyhow::anyhow!("no key in PEM"))?;
+                .ok_or(crate::error::Error::NoKey)?;
             b.with_client_auth_cert(chain, key)?
         }
         None => b.with_no_client_auth(),
@@ -64,7 +64,7 @@ pub async fn request(
     addr: SocketAddr,
     cfg: &ClientConfig,
     req: http::Request<Bytes>,
-) -> anyhow::Result<Reply> {
+) -> crate::error::Result<Reply> {
     let tcp = tokio::net::TcpStream::connect(addr).await?;
     let tls = TlsConnector::from(Arc::new(cfg.clone()))
         .connect(ServerName::try_from("localhost")?, tcp)
@@ -106,7 +106,7 @@ pub async fn get(
     addr: SocketAddr,
     cfg: &ClientConfig,
     path_and_query: &str,
-) -> anyhow::Result<Reply> {
+) -> crate::error::Result<Reply> {
     let req = http::Request::get(format!("https://localhost{path_and_query}")).body(Bytes::new())?;
     request(addr, cfg, req).await
 }

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod body;
 pub mod client;
 pub mod discovery;
+pub mod error;
 pub mod exec;
 pub mod faults;
 pub mod heap;
@@ -120,7 +121,7 @@ impl std::fmt::Debug for Fleet {
 
 impl Fleet {
     /// Seeds the store and starts every replica on its own TLS listener on 127.0.0.1:0.
-    pub async fn start(cfg: SimConfig) -> anyhow::Result<Fleet> {
+    pub async fn start(cfg: SimConfig) -> crate::error::Result<Fleet> {
         let shared = Arc::new(server::Shared::new(&cfg)?);
         for s in &cfg.seed {
             shared.store.seed(s)?;
@@ -202,7 +203,7 @@ impl Fleet {
 
     /// A TCP balancer on 127.0.0.1: each new client connection goes to the next live
     /// replica (round robin) and stays there. Started once; later calls return its address.
-    pub async fn l4_balancer(&self) -> anyhow::Result<SocketAddr> {
+    pub async fn l4_balancer(&self) -> crate::error::Result<SocketAddr> {
         if let Some(a) = *self.l4.lock().unwrap_or_else(|p| p.into_inner()) {
             return Ok(a);
         }

@@ -41,13 +41,13 @@ pub struct Shared {
     verifier: Arc<DeferredVerifier>,
 }
 
-fn pem_certs(pem: &str) -> anyhow::Result<Vec<rustls_pki_types::CertificateDer<'static>>> {
+fn pem_certs(pem: &str) -> crate::error::Result<Vec<rustls_pki_types::CertificateDer<'static>>> {
     Ok(rustls_pemfile::certs(&mut pem.as_bytes()).collect::<Result<Vec<_>, _>>()?)
 }
 
 impl Shared {
     /// Builds the TLS config and store of a fleet.
-    pub fn new(cfg: &SimConfig) -> anyhow::Result<Shared> {
+    pub fn new(cfg: &SimConfig) -> crate::error::Result<Shared> {
         let pki = cfg.pki.clone();
         let verifier = Arc::new(DeferredVerifier::new(
             pki.client_ca.cert_der(),
@@ -57,7 +57,7 @@ impl Shared {
         let mut chain = pem_certs(&serving.cert_pem)?;
         chain.push(pki.server_ca.cert_der());
         let key = rustls_pemfile::private_key(&mut serving.key_pem.as_bytes())?
-            .ok_or_else(|| anyhow::anyhow!("no private key in serving PEM"))?;
+            .ok_or(crate::error::Error::NoKey)?;
         let mut tls =
             ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_safe_default_protocol_versions()?
@@ -123,7 +123,7 @@ impl std::fmt::Debug for Replica {
 }
 
 impl Replica {
-    pub(crate) async fn bind(index: usize, shared: Arc<Shared>) -> anyhow::Result<Replica> {
+    pub(crate) async fn bind(index: usize, shared: Arc<Shared>) -> crate::error::Result<Replica> {
         let l = TcpListener::bind("127.0.0.1:0").await?;
         let addr = l.local_addr()?;
         Ok(Replica {

@@ -347,11 +347,15 @@ async fn fault_hooks_take_effect_immediately() {
 
     r0.set_refuse_streams(true);
     let err = client::get(a0, &tls, "/api/v1/secrets").await.unwrap_err();
-    let reason = err
-        .chain()
-        .find_map(|e| e.downcast_ref::<h2::Error>())
-        .and_then(h2::Error::reason);
-    assert_eq!(reason, Some(h2::Reason::REFUSED_STREAM), "{err:#}");
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    let reason = std::iter::from_fn(|| {
+        let this = cause?;
+        cause = this.source();
+        Some(this)
+    })
+    .find_map(|e| e.downcast_ref::<h2::Error>())
+    .and_then(h2::Error::reason);
+    assert_eq!(reason, Some(h2::Reason::REFUSED_STREAM), "{err:?}");
     let h1 = admin_tls(fleet.pki(), &[b"http/1.1"]);
     assert!(
         client::get(a0, &h1, "/api/v1/secrets").await.is_err(),
@@ -361,7 +365,14 @@ async fn fault_hooks_take_effect_immediately() {
 
     r0.set_reset_mid_body(Some(100));
     let err = client::get(a0, &tls, "/api/v1/secrets").await.unwrap_err();
-    assert!(format!("{err:#}").contains("stream"), "{err:#}");
+    let mut causes = vec![err.to_string()];
+    let mut cause = std::error::Error::source(&err);
+    while let Some(c) = cause {
+        causes.push(c.to_string());
+        cause = c.source();
+    }
+    let causes = causes.join(": ");
+    assert!(causes.contains("stream"), "{causes}");
     r0.set_reset_mid_body(None);
 
     r0.set_delay(Duration::from_millis(50));

@@ -6,16 +6,21 @@
 //! stage can only be wired after the stages it needs, and none has to look for what
 //! another left in the request's extensions.
 
+use std::future::Future;
 use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 
-use http::Request;
+use http::{Request, Response};
+use tower::{Layer, Service};
 
 use crate::cache;
 use crate::classify::RequestInfo;
 use crate::identity::{Identity, User};
 use crate::listen::ConnInfo;
 use crate::rules::Matched;
+use crate::status::ProxyError;
 use crate::upstream::BodyFlow;
+use crate::{Body, BoxFuture};
 
 /// A request and what the stages so far know about it (`F`).
 pub struct Call<B, F> {
@@ -181,5 +186,89 @@ impl Held {
 impl std::fmt::Debug for Held {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Held")
+    }
+}
+
+/// The rest of the request path after a stage: what takes the call with that stage's facts
+/// added.
+pub trait Next<B, F>: Clone + Send + Sync + 'static {
+    /// Hands the call on.
+    fn run(&mut self, call: Call<B, F>) -> BoxFuture<Response<Body>, ProxyError>;
+}
+
+impl<T, B, F> Next<B, F> for T
+where
+    T: Service<
+            Call<B, F>,
+            Response = Response<Body>,
+            Error = ProxyError,
+            Future = BoxFuture<Response<Body>, ProxyError>,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+{
+    fn run(&mut self, call: Call<B, F>) -> BoxFuture<Response<Body>, ProxyError> {
+        self.call(call)
+    }
+}
+
+/// One stage of the request path: it takes the call with the facts of the stages before
+/// it (`In`) and either answers it itself (an answer or a [`ProxyError`]) or hands `next`
+/// the call with its own facts added (`Out`). [`Staged`] makes it a tower service.
+pub trait Stage<B>: Clone + Send + Sync + 'static {
+    /// The facts this stage needs.
+    type In;
+    /// The facts it hands on.
+    type Out;
+
+    /// Runs the stage for one call.
+    fn run<N: Next<B, Self::Out>>(
+        &self,
+        call: Call<B, Self::In>,
+        next: N,
+    ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + Send;
+}
+
+/// A [`Stage`] in front of the rest of the path, as a tower service.
+#[derive(Clone)]
+pub struct Staged<T, S> {
+    stage: T,
+    next: S,
+}
+
+impl<T, S, B> Service<Call<B, T::In>> for Staged<T, S>
+where
+    T: Stage<B>,
+    S: Next<B, T::Out>,
+    T::In: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = ProxyError;
+    type Future = BoxFuture<Response<Body>, ProxyError>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        // Every stage is always ready: waiting (fair queues) happens per call.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, call: Call<B, T::In>) -> Self::Future {
+        let (stage, next) = (self.stage.clone(), self.next.clone());
+        Box::pin(async move { Stage::run(&stage, call, next).await })
+    }
+}
+
+/// The tower layer of a [`Stage`].
+#[derive(Clone)]
+pub struct StageLayer<T>(pub T);
+
+impl<T: Clone, S> Layer<S> for StageLayer<T> {
+    type Service = Staged<T, S>;
+    fn layer(&self, next: S) -> Staged<T, S> {
+        Staged {
+            stage: self.0.clone(),
+            next,
+        }
     }
 }

@@ -19,13 +19,14 @@ use tokio::task::JoinHandle;
 use tower::{Service, ServiceBuilder};
 
 use crate::admit::Admission;
-use crate::admit::layer::AdmitLayer;
-use crate::cache::layer::CacheLayer;
+use crate::admit::layer::Admit;
+use crate::cache::layer::Answer;
 use crate::cache::{AuditLog, Cache};
-use crate::classify::layer::ClassifyLayer;
+use crate::call::StageLayer;
+use crate::classify::layer::Classify;
 use crate::config::{self, Config};
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
-use crate::identity::layer::IdentifyLayer;
+use crate::identity::layer::Identify;
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, ListenError, Listener};
 use crate::metrics::{Metrics, ResourceLabels};
@@ -38,9 +39,9 @@ use crate::{Body, BoxFuture, admin};
 /// The whole request path as one service, outermost stage first.
 pub fn stack(
     rescue: RescueLayer,
-    classify: ClassifyLayer,
-    identify: IdentifyLayer,
-    admit: AdmitLayer,
+    classify: Classify,
+    identify: Identify,
+    admit: Admit,
     forward: Forward,
 ) -> impl Service<
     Request<Incoming>,
@@ -54,14 +55,14 @@ pub fn stack(
         // One place that turns errors into statuses and counts every response.
         .layer(rescue)
         // Malformed paths never reach identity or upstream.
-        .layer(classify)
+        .layer(StageLayer(classify))
         // Certificate, token review or the anonymous allowlist; 401 otherwise.
-        .layer(identify)
+        .layer(StageLayer(identify))
         // Rule match, rate limit, fair queue, seats and LIST bytes, for every answer
         // wherever it comes from; 429 otherwise.
-        .layer(admit)
+        .layer(StageLayer(admit))
         // Reads the watch-fed cache was admitted to answer are answered here.
-        .layer(CacheLayer)
+        .layer(StageLayer(Answer))
         // Everything else goes to a replica, as the client it acts for.
         .service(forward)
 }
@@ -165,11 +166,11 @@ impl Running {
         };
         let service = stack(
             RescueLayer::new(metrics.clone()),
-            ClassifyLayer::new(ResourceLabels::new(
+            Classify::new(ResourceLabels::new(
                 config.cache.resources.iter().map(String::as_str),
             )),
-            IdentifyLayer::new(tokens, config.identity.anonymous.clone()),
-            AdmitLayer::new(
+            Identify::new(tokens, config.identity.anonymous.clone()),
+            Admit::new(
                 rules.clone(),
                 admission.clone(),
                 cache.clone(),

@@ -5,31 +5,29 @@
 //! response of an admitted request names its rule and level.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use http::{HeaderValue, Response};
-use tower::{Layer, Service};
 
 use super::{Admission, Answer, Learn, hold};
+use crate::Body;
 use crate::cache::Cache;
-use crate::call::{Admitted, Call, Held, Identified, Source};
+use crate::call::{Admitted, Call, Held, Identified, Next, Source, Stage};
 use crate::classify::Verb;
 use crate::identity::Identity;
 use crate::rules::{Matched, Rules};
 use crate::status::ProxyError;
 use crate::upstream::{BodyBudget, BodyFlow};
-use crate::{Body, BoxFuture};
 
-/// See [`Admit`].
+/// Decides whether, when and from where a request is answered.
 #[derive(Clone)]
-pub struct AdmitLayer {
+pub struct Admit {
     rules: Arc<Rules>,
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
     bodies: Arc<BodyBudget>,
 }
 
-impl AdmitLayer {
+impl Admit {
     /// Matches against `rules` and admits through `admission`; `cache`, when it runs,
     /// answers what it can; request bodies are held for retries within `bodies`.
     pub fn new(
@@ -37,121 +35,92 @@ impl AdmitLayer {
         admission: Arc<Admission>,
         cache: Option<Arc<Cache>>,
         bodies: Arc<BodyBudget>,
-    ) -> AdmitLayer {
-        AdmitLayer {
-            rules,
-            admission,
-            cache,
-            bodies,
-        }
-    }
-}
-
-impl<S> Layer<S> for AdmitLayer {
-    type Service = Admit<S>;
-    fn layer(&self, inner: S) -> Admit<S> {
+    ) -> Admit {
         Admit {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
-
-/// Decides whether, when and from where a request is answered.
-#[derive(Clone)]
-pub struct Admit<S> {
-    inner: S,
-    layer: AdmitLayer,
-}
-
-impl<S, B> Service<Call<B, Identified>> for Admit<S>
-where
-    S: Service<Call<B, Admitted>, Response = Response<Body>, Error = ProxyError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-    B: Send + 'static,
-{
-    type Response = Response<Body>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Response<Body>, ProxyError>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, call: Call<B, Identified>) -> Self::Future {
-        let AdmitLayer {
             rules,
             admission,
             cache,
             bodies,
-        } = self.layer.clone();
-        let mut inner = self.inner.clone();
-        Box::pin(async move {
-            let info = call.facts.info.clone();
-            let user = call.facts.user();
-            let matched = rules.current().matches(&user, &info);
-            // Only an authenticated reader is authorized by the cache; the anonymous
-            // allowlist holds no cached resource.
-            let authenticated = matches!(call.facts.identity, Identity::User { .. });
-            let cached = cache.as_ref().filter(|_| authenticated);
-            let plan = cached
-                .and_then(|cache| cache.plan(&info, call.request.headers(), matched.staleness));
-            let answer = match &plan {
-                Some(plan) => Answer::Cache {
-                    bytes: plan.bytes(),
-                },
-                None => {
-                    if let Some(bytes) = cache.as_ref().and_then(|c| scope_bytes(c, &info)) {
-                        // A LIST the cache does not answer reads its whole scope upstream:
-                        // the cache's counts say how large that is now.
-                        admission.observe_scope(&info, bytes);
-                    }
-                    Answer::Upstream
+        }
+    }
+}
+
+impl<B: Send + 'static> Stage<B> for Admit {
+    type In = Identified;
+    type Out = Admitted;
+
+    async fn run<N: Next<B, Self::Out>>(
+        &self,
+        call: Call<B, Identified>,
+        mut next: N,
+    ) -> Result<Response<Body>, ProxyError> {
+        let Admit {
+            rules,
+            admission,
+            cache,
+            bodies,
+        } = self;
+        let info = call.facts.info.clone();
+        let user = call.facts.user();
+        let matched = rules.current().matches(&user, &info);
+        // Only an authenticated reader is authorized by the cache; the anonymous
+        // allowlist holds no cached resource.
+        let authenticated = matches!(call.facts.identity, Identity::User { .. });
+        let cached = cache.as_ref().filter(|_| authenticated);
+        let plan =
+            cached.and_then(|cache| cache.plan(&info, call.request.headers(), matched.staleness));
+        let answer = match &plan {
+            Some(plan) => Answer::Cache {
+                bytes: plan.bytes(),
+            },
+            None => {
+                if let Some(bytes) = cache.as_ref().and_then(|c| scope_bytes(c, &info)) {
+                    // A LIST the cache does not answer reads its whole scope upstream:
+                    // the cache's counts say how large that is now.
+                    admission.observe_scope(&info, bytes);
                 }
-            };
-            let mut permit = admission
-                .admit(&matched, &info, &user, answer)
-                .await
-                .map_err(ProxyError::Refused)?;
-            let source = match (plan, cached) {
-                (Some(plan), Some(cache)) => Source::Cache {
-                    cache: cache.clone(),
-                    plan,
-                    initial_seats: (info.verb == Verb::Watch)
-                        .then(|| permit.take_seats())
-                        .flatten()
-                        .map(Held::new),
-                },
-                _ => Source::Upstream {
-                    replica: permit.replica().map(Arc::from),
-                    // The body is held for retries within its flow's budget, exempt or not.
-                    body_flow: BodyFlow {
-                        budget: bodies,
-                        flow: Arc::from(matched.flow.as_str()),
-                    },
-                },
-            };
-            let upstream = matches!(source, Source::Upstream { .. });
-            let admitted = Admitted {
-                info: info.clone(),
-                identity: call.facts.identity.clone(),
-                user,
-                matched: matched.clone(),
-                source,
-            };
-            let mut response = inner.call(call.learn(admitted)).await?;
-            name_rule(&mut response, &matched);
-            if upstream && info.is_long_running() {
-                permit.release_seats();
+                Answer::Upstream
             }
-            let learn = upstream
-                .then(|| Learn::list(admission, info, &response))
-                .flatten();
-            Ok(response.map(|body| hold(body, permit, learn)))
-        })
+        };
+        let mut permit = admission
+            .admit(&matched, &info, &user, answer)
+            .await
+            .map_err(ProxyError::Refused)?;
+        let source = match (plan, cached) {
+            (Some(plan), Some(cache)) => Source::Cache {
+                cache: cache.clone(),
+                plan,
+                initial_seats: (info.verb == Verb::Watch)
+                    .then(|| permit.take_seats())
+                    .flatten()
+                    .map(Held::new),
+            },
+            _ => Source::Upstream {
+                replica: permit.replica().map(Arc::from),
+                // The body is held for retries within its flow's budget, exempt or not.
+                body_flow: BodyFlow {
+                    budget: bodies.clone(),
+                    flow: Arc::from(matched.flow.as_str()),
+                },
+            },
+        };
+        let upstream = matches!(source, Source::Upstream { .. });
+        let admitted = Admitted {
+            info: info.clone(),
+            identity: call.facts.identity.clone(),
+            user,
+            matched: matched.clone(),
+            source,
+        };
+        let mut response = next.run(call.learn(admitted)).await?;
+        name_rule(&mut response, &matched);
+        if upstream && info.is_long_running() {
+            permit.release_seats();
+        }
+        let learn = upstream
+            .then(|| Learn::list(admission.clone(), info, &response))
+            .flatten();
+        Ok(response.map(|body| hold(body, permit, learn)))
     }
 }
 

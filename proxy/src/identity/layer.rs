@@ -2,87 +2,53 @@
 //! (by TokenReview), then the anonymous allowlist; 401 otherwise.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use http::Response;
-use tower::{Layer, Service};
 
 use super::{Credential, Identity, IdentityError, TokenCache};
-use crate::call::{Call, Classified, Identified};
+use crate::Body;
+use crate::call::{Call, Classified, Identified, Next, Stage};
 use crate::listen::ConnInfo;
 use crate::status::ProxyError;
-use crate::{Body, BoxFuture};
 
-/// See [`Identify`].
+/// Establishes who the client is.
 #[derive(Clone)]
-pub struct IdentifyLayer {
+pub struct Identify {
     tokens: Arc<TokenCache>,
     anonymous: Arc<[String]>,
 }
 
-impl IdentifyLayer {
+impl Identify {
     /// Reviews tokens through `tokens`; lets `anonymous` paths through without
     /// credentials.
-    pub fn new(tokens: Arc<TokenCache>, anonymous: Vec<String>) -> IdentifyLayer {
-        IdentifyLayer {
+    pub fn new(tokens: Arc<TokenCache>, anonymous: Vec<String>) -> Identify {
+        Identify {
             tokens,
             anonymous: anonymous.into(),
         }
     }
 }
 
-impl<S> Layer<S> for IdentifyLayer {
-    type Service = Identify<S>;
-    fn layer(&self, inner: S) -> Identify<S> {
-        Identify {
-            inner,
-            tokens: self.tokens.clone(),
-            anonymous: self.anonymous.clone(),
-        }
-    }
-}
+impl<B: Send + 'static> Stage<B> for Identify {
+    type In = Classified;
+    type Out = Identified;
 
-/// Establishes who the client is.
-#[derive(Clone)]
-pub struct Identify<S> {
-    inner: S,
-    tokens: Arc<TokenCache>,
-    anonymous: Arc<[String]>,
-}
-
-impl<S, B> Service<Call<B, Classified>> for Identify<S>
-where
-    S: Service<Call<B, Identified>, Response = Response<Body>, Error = ProxyError>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
-    B: Send + 'static,
-{
-    type Response = Response<Body>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Response<Body>, ProxyError>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, call: Call<B, Classified>) -> Self::Future {
-        let (tokens, anonymous) = (self.tokens.clone(), self.anonymous.clone());
-        let mut inner = self.inner.clone();
-        Box::pin(async move {
-            let identity = identify(
-                call.request.headers(),
-                call.conn.as_ref(),
-                call.request.uri().path(),
-                &tokens,
-                &anonymous,
-            )
-            .await?;
-            let _ = call.report.who.set(identity.name().to_string());
-            let info = call.facts.info.clone();
-            inner.call(call.learn(Identified { info, identity })).await
-        })
+    async fn run<N: Next<B, Self::Out>>(
+        &self,
+        call: Call<B, Classified>,
+        mut next: N,
+    ) -> Result<Response<Body>, ProxyError> {
+        let identity = identify(
+            call.request.headers(),
+            call.conn.as_ref(),
+            call.request.uri().path(),
+            &self.tokens,
+            &self.anonymous,
+        )
+        .await?;
+        let _ = call.report.who.set(identity.name().to_string());
+        let info = call.facts.info.clone();
+        next.run(call.learn(Identified { info, identity })).await
     }
 }
 

@@ -15,7 +15,6 @@ use serde_json::value::RawValue;
 
 use super::store::{EventType, Kind, Obj, ResourceStore};
 use crate::config::GroupResource;
-use crate::report::Chain;
 use crate::upstream::{RetryPolicy, Route, Upstream, UpstreamCredential};
 
 /// Items per LIST page.
@@ -38,9 +37,66 @@ const MAX_LINE: usize = 64 * 1024 * 1024;
 /// Why an informer step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum InformerError {
-    /// The apiserver could not be reached or answered badly.
+    /// The request could not be sent, or no apiserver answered it.
+    #[error("{path}")]
+    Request {
+        /// The path asked for.
+        path: String,
+        /// Why.
+        #[source]
+        source: crate::upstream::UpstreamError,
+    },
+    /// An answer's body broke off or was too large.
+    #[error("{what}: the body")]
+    Body {
+        /// The path, or which stream.
+        what: String,
+        /// Why.
+        #[source]
+        source: crate::BoxError,
+    },
+    /// An apiserver answered with an error status.
+    #[error("{path} answered {status}: {message}")]
+    Status {
+        /// The path asked for.
+        path: String,
+        /// The status.
+        status: http::StatusCode,
+        /// The start of its body.
+        message: String,
+    },
+    /// An answer is not the JSON it should be.
+    #[error("{what}: not the JSON expected")]
+    Decode {
+        /// What was read.
+        what: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// An object is not one the cache can store.
+    #[error("{what}: an object")]
+    Object {
+        /// Where it came from.
+        what: String,
+        /// Why.
+        #[source]
+        source: super::store::ObjError,
+    },
+    /// The resource cannot be cached as configured (discovery).
+    #[error("discovery of {resource}: {why}")]
+    Discovery {
+        /// The configured resource.
+        resource: String,
+        /// What is missing.
+        why: String,
+    },
+    /// The stream broke the watch protocol.
     #[error("{0}")]
-    Upstream(String),
+    Protocol(String),
+    /// The apiserver ended the watch with an error other than 410.
+    #[error("watch error: {0}")]
+    Watch(String),
     /// The stored history is gone: relist.
     #[error("resource version expired")]
     Expired,
@@ -64,7 +120,7 @@ async fn get(
     let request = http::Request::get(path)
         .header(http::header::ACCEPT, "application/json")
         .body(crate::empty())
-        .map_err(|e| InformerError::Upstream(e.to_string()))?;
+        .map_err(|e| InformerError::Protocol(format!("{path}: {e}")))?;
     // A watch's response head comes at once; only its body is long-running. Bounding the
     // wait for the head keeps an informer from hanging on a replica that took the request
     // and never answered (the pool's timeout ends at the head).
@@ -84,7 +140,10 @@ async fn get(
     upstream
         .send(request, route)
         .await
-        .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))
+        .map_err(|source| InformerError::Request {
+            path: path.to_owned(),
+            source,
+        })
 }
 
 /// A whole JSON answer; a non-2xx is an error (410 is [`InformerError::Expired`]).
@@ -93,28 +152,39 @@ async fn get_json(upstream: &Upstream, path: &str) -> Result<bytes::Bytes, Infor
     let status = response.status();
     let body = crate::read_to_limit(response.into_body(), MAX_PAGE_BYTES)
         .await
-        .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))?;
+        .map_err(|source| InformerError::Body {
+            what: path.to_owned(),
+            source: source.into(),
+        })?;
     if status == http::StatusCode::GONE {
         return Err(InformerError::Expired);
     }
     if !status.is_success() {
-        return Err(InformerError::Upstream(format!(
-            "{path} answered {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(300)])
-        )));
+        return Err(InformerError::Status {
+            path: path.to_owned(),
+            status,
+            message: String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned(),
+        });
     }
     Ok(body)
 }
 
 /// Finds the preferred version, kind and scope of a configured resource.
 pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, InformerError> {
-    let bad = |what: String| InformerError::Upstream(format!("discovery of {gr}: {what}"));
+    let bad = |why: String| InformerError::Discovery {
+        resource: gr.to_string(),
+        why,
+    };
+    let decode = |what: &str| {
+        let what = what.to_owned();
+        move |source| InformerError::Decode { what, source }
+    };
     let version = if gr.group.is_empty() {
         "v1".to_owned()
     } else {
         let group: serde_json::Value =
             serde_json::from_slice(&get_json(upstream, &format!("/apis/{}", gr.group)).await?)
-                .map_err(|e| bad(e.to_string()))?;
+                .map_err(decode("the API group"))?;
         group["preferredVersion"]["version"]
             .as_str()
             .ok_or_else(|| bad("no preferredVersion".into()))?
@@ -125,8 +195,8 @@ pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, I
     } else {
         format!("/apis/{}/{version}", gr.group)
     };
-    let list: serde_json::Value = serde_json::from_slice(&get_json(upstream, &path).await?)
-        .map_err(|e| bad(e.to_string()))?;
+    let list: serde_json::Value =
+        serde_json::from_slice(&get_json(upstream, &path).await?).map_err(decode(&path))?;
     let resource = list["resources"]
         .as_array()
         .and_then(|all| all.iter().find(|r| r["name"] == gr.resource.as_str()))
@@ -182,20 +252,24 @@ pub async fn list_all(upstream: &Upstream, kind: &Kind) -> Result<(Vec<Obj>, u64
             ),
         };
         let body = get_json(upstream, &path).await?;
-        let page: ListPage<'_> = serde_json::from_slice(&body)
-            .map_err(|e| InformerError::Upstream(format!("{path}: {e}")))?;
+        let page: ListPage<'_> =
+            serde_json::from_slice(&body).map_err(|source| InformerError::Decode {
+                what: path.clone(),
+                source,
+            })?;
         for item in page.items {
-            objects.push(
-                Obj::parse(item.get().as_bytes()).map_err(|e| {
-                    InformerError::Upstream(format!("{path}: an item: {}", Chain(&e)))
-                })?,
-            );
+            objects.push(Obj::parse(item.get().as_bytes()).map_err(|source| {
+                InformerError::Object {
+                    what: path.clone(),
+                    source,
+                }
+            })?);
         }
         match page.metadata.continue_token.filter(|t| !t.is_empty()) {
             Some(next) => token = Some(next),
             None => {
                 let rv = page.metadata.resource_version.parse::<u64>().map_err(|_| {
-                    InformerError::Upstream(format!(
+                    InformerError::Protocol(format!(
                         "{path}: list resourceVersion {:?} is not a number",
                         page.metadata.resource_version
                     ))
@@ -277,17 +351,18 @@ pub async fn watch(
             tracing::info!(%status, "the upstream refuses WatchList; listing instead");
             return Err(Ok(NoWatchList));
         }
-        return Err(Err(InformerError::Upstream(format!(
-            "{path} answered {status}: {}",
-            String::from_utf8_lossy(&body)
-        ))));
+        return Err(Err(InformerError::Status {
+            path: path.to_owned(),
+            status,
+            message: String::from_utf8_lossy(&body).into_owned(),
+        }));
     }
     store.set_connected(true);
     let mut initial = (start == Start::WatchList).then(Vec::new);
     let result = follow(response.into_body(), store, &mut initial).await;
     store.set_connected(false);
     match (result, initial) {
-        (Ok(()), Some(_)) => Err(Err(InformerError::Upstream(
+        (Ok(()), Some(_)) => Err(Err(InformerError::Protocol(
             "the WatchList ended before its initial-events-end bookmark".into(),
         ))),
         (result, _) => result.map_err(Err),
@@ -302,7 +377,10 @@ async fn follow(
     let mut buffer = BytesMut::new();
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame
-            .map_err(|e| InformerError::Upstream(format!("watch stream: {e}")))?
+            .map_err(|source| InformerError::Body {
+                what: "watch stream".into(),
+                source,
+            })?
             .into_data()
         else {
             continue;
@@ -316,7 +394,7 @@ async fn follow(
             }
         }
         if buffer.len() > MAX_LINE {
-            return Err(InformerError::Upstream("a watch event is too long".into()));
+            return Err(InformerError::Protocol("a watch event is too long".into()));
         }
     }
     if buffer.has_remaining() && !buffer.iter().all(u8::is_ascii_whitespace) {
@@ -332,16 +410,21 @@ fn handle_line(
     store: &ResourceStore,
     initial: &mut Option<Vec<Obj>>,
 ) -> Result<(), InformerError> {
-    let event: WatchLine<'_> = serde_json::from_slice(line)
-        .map_err(|e| InformerError::Upstream(format!("a watch event: {e}")))?;
+    let event: WatchLine<'_> =
+        serde_json::from_slice(line).map_err(|source| InformerError::Decode {
+            what: "a watch event".into(),
+            source,
+        })?;
     let raw = event.object.get().as_bytes();
     if let Some(kind) = EventType::parse(&event.kind) {
-        let obj = Obj::parse(raw)
-            .map_err(|e| InformerError::Upstream(format!("a watch event: {}", Chain(&e))))?;
+        let obj = Obj::parse(raw).map_err(|source| InformerError::Object {
+            what: "a watch event".into(),
+            source,
+        })?;
         match initial {
             Some(objects) if kind == EventType::Added => objects.push(obj),
             Some(_) => {
-                return Err(InformerError::Upstream(format!(
+                return Err(InformerError::Protocol(format!(
                     "a {} event before the end of a WatchList's initial events",
                     event.kind
                 )));
@@ -354,8 +437,11 @@ fn handle_line(
     }
     match event.kind.as_str() {
         "BOOKMARK" => {
-            let bookmark: Bookmark = serde_json::from_slice(raw)
-                .map_err(|e| InformerError::Upstream(format!("a bookmark: {e}")))?;
+            let bookmark: Bookmark =
+                serde_json::from_slice(raw).map_err(|source| InformerError::Decode {
+                    what: "a bookmark".into(),
+                    source,
+                })?;
             let rv = bookmark.metadata.resource_version.parse::<u64>().ok();
             let end = bookmark.metadata.annotations.as_ref().is_some_and(|a| {
                 a.get("k8s.io/initial-events-end")
@@ -367,7 +453,7 @@ fn handle_line(
                     store.replace(objects, rv);
                 }
                 (true, true, None) => {
-                    return Err(InformerError::Upstream(
+                    return Err(InformerError::Protocol(
                         "the initial-events-end bookmark has no numeric resourceVersion".into(),
                     ));
                 }
@@ -381,13 +467,12 @@ fn handle_line(
             if status["code"] == 410 {
                 Err(InformerError::Expired)
             } else {
-                Err(InformerError::Upstream(format!(
-                    "watch error: {}",
-                    status["message"].as_str().unwrap_or("unknown")
-                )))
+                Err(InformerError::Watch(
+                    status["message"].as_str().unwrap_or("unknown").to_owned(),
+                ))
             }
         }
-        other => Err(InformerError::Upstream(format!(
+        other => Err(InformerError::Protocol(format!(
             "unknown watch event type {other:?}"
         ))),
     }
@@ -407,7 +492,7 @@ pub async fn run(
         match discover(&upstream, &gr).await {
             Ok(kind) => break kind,
             Err(e) => {
-                tracing::warn!(resource = %label, error = %e, "cache discovery failed; retrying");
+                tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache discovery failed; retrying");
                 tokio::time::sleep(jitter(backoff)).await;
                 backoff = (backoff * 2).min(BACKOFF.1);
             }
@@ -435,7 +520,7 @@ pub async fn run(
                         Ok(()) => backoff = BACKOFF.0,
                         Err(Err(InformerError::Expired)) => continue,
                         Err(Err(e)) => {
-                            tracing::warn!(resource = %label, error = %e, "cache WatchList failed; retrying");
+                            tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache WatchList failed; retrying");
                             tokio::time::sleep(jitter(backoff)).await;
                             backoff = (backoff * 2).min(BACKOFF.1);
                         }
@@ -455,7 +540,7 @@ pub async fn run(
                     backoff = BACKOFF.0;
                 }
                 Err(e) => {
-                    tracing::warn!(resource = %label, error = %e, "cache list failed; retrying");
+                    tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache list failed; retrying");
                     tokio::time::sleep(jitter(backoff)).await;
                     backoff = (backoff * 2).min(BACKOFF.1);
                     continue;
@@ -478,7 +563,7 @@ pub async fn run(
                 // Only a WatchList is refused that way; a resumed watch never is.
                 Err(Ok(NoWatchList)) => break,
                 Err(Err(e)) => {
-                    tracing::warn!(resource = %label, error = %e, "cache watch failed; retrying");
+                    tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache watch failed; retrying");
                     tokio::time::sleep(jitter(backoff)).await;
                     backoff = (backoff * 2).min(BACKOFF.1);
                 }

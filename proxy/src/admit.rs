@@ -684,6 +684,17 @@ impl Learn {
     }
 }
 
+impl Learn {
+    /// Reports what the LIST cost, once its body has ended.
+    fn finish(learn: Option<Learn>) {
+        if let Some(learn) = learn
+            && let Some(bytes) = learn.meter.json_bytes()
+        {
+            learn.admission.observe_list(&learn.info, bytes, None);
+        }
+    }
+}
+
 pin_project_lite::pin_project! {
     /// A response body that holds its admission permit until it ends, and teaches
     /// admission what a LIST cost.
@@ -703,21 +714,20 @@ impl http_body::Body for Guarded {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
-        let this = self.project();
-        let polled = this.body.poll_frame(cx);
+        let mut this = self.project();
+        let polled = this.body.as_mut().poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(learn), Some(data)) = (this.learn.as_mut(), frame.data_ref()) {
                     learn.meter.feed(data);
                 }
-            }
-            Poll::Ready(None) => {
-                if let Some(learn) = this.learn.take()
-                    && let Some(bytes) = learn.meter.json_bytes()
-                {
-                    learn.admission.observe_list(&learn.info, bytes, None);
+                // A body that knows it has ended is not polled again (hyper stops at
+                // `is_end_stream`): its last frame is the end.
+                if this.body.is_end_stream() {
+                    Learn::finish(this.learn.take());
                 }
             }
+            Poll::Ready(None) => Learn::finish(this.learn.take()),
             // A body that failed did not show its whole size.
             Poll::Ready(Some(Err(_))) => *this.learn = None,
             Poll::Pending => {}

@@ -10,6 +10,12 @@ use bulwark::serve::StartError;
 use clap::Parser;
 use cli::{CertsCommand, Cli, Command, LogFormat, RulesCommand};
 
+/// mimalloc rather than glibc's malloc: a proxy allocates and frees small buffers for every
+/// request, and glibc's arenas spent about 15% of a saturated core on it (`_int_malloc`,
+/// `_int_free`, `malloc_consolidate`, `unlink_chunk` in the pass-through profile).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);

@@ -15,6 +15,13 @@ use tokio::sync::mpsc::error::SendTimeoutError;
 
 use crate::{Body, BoxError};
 
+/// A response whose `Content-Length` is at most this is passed to the client directly,
+/// without the pump: it fits in the upstream stream's flow-control window (64 KiB), so the
+/// apiserver finishes sending it whether or not the client reads, and a stalled client
+/// holds only these bytes in Bulwark, never an apiserver stream. The pump (a task, a
+/// channel and a stall timer for every frame) cost a small GET more than the proxying.
+pub(crate) const DIRECT_MAX: u64 = 64 * 1024;
+
 /// Frames buffered between the upstream stream and the client. Small, so that a stalled
 /// client is noticed quickly and holds little memory beyond its HTTP/2 stream window.
 const CHANNEL_FRAMES: usize = 8;
@@ -142,6 +149,13 @@ where
         return crate::empty();
     }
     let size_hint = upstream.size_hint();
+    if on_failure == OnFailure::Error && size_hint.exact().is_some_and(|n| n <= DIRECT_MAX) {
+        return Direct {
+            upstream,
+            keep: Some(keep),
+        }
+        .boxed_unsync();
+    }
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
     tokio::spawn(pump(upstream, tx, on_failure, stall_timeout, replica, keep));
     Pumped {
@@ -225,6 +239,55 @@ async fn pump<B, K>(
     // the apiserver's memory for it; then the lease and counters go.
     drop(upstream);
     drop(keep);
+}
+
+pin_project_lite::pin_project! {
+    /// A small response body of known length, polled straight from the upstream stream;
+    /// `keep` is released when it ends, fails or is dropped.
+    struct Direct<B, K> {
+        #[pin]
+        upstream: B,
+        keep: Option<K>,
+    }
+}
+
+impl<B, K> HttpBody for Direct<B, K>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.project();
+        let polled = match this.upstream.poll_frame(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(polled) => polled,
+        };
+        match polled {
+            Some(Ok(frame)) => Poll::Ready(Some(Ok(frame))),
+            Some(Err(e)) => {
+                *this.keep = None;
+                Poll::Ready(Some(Err(e.into())))
+            }
+            None => {
+                *this.keep = None;
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.upstream.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.upstream.size_hint()
+    }
 }
 
 /// The client side of the pump.

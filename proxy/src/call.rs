@@ -230,11 +230,19 @@ pub trait Stage<B>: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + Send;
 }
 
-/// A [`Stage`] in front of the rest of the path, as a tower service.
-#[derive(Clone)]
+/// A [`Stage`] in front of the rest of the path, as a tower service. Cloned for every
+/// call (tower's `call` takes `&mut self`), so it is one `Arc`: cloning it does not clone
+/// every stage behind it.
 pub struct Staged<T, S> {
-    stage: T,
-    next: S,
+    shared: Arc<(T, S)>,
+}
+
+impl<T, S> Clone for Staged<T, S> {
+    fn clone(&self) -> Self {
+        Staged {
+            shared: self.shared.clone(),
+        }
+    }
 }
 
 impl<T, S, B> Service<Call<B, T::In>> for Staged<T, S>
@@ -254,8 +262,11 @@ where
     }
 
     fn call(&mut self, call: Call<B, T::In>) -> Self::Future {
-        let (stage, next) = (self.stage.clone(), self.next.clone());
-        Box::pin(async move { Stage::run(&stage, call, next).await })
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let (stage, next) = &*shared;
+            Stage::run(stage, call, next.clone()).await
+        })
     }
 }
 
@@ -267,8 +278,7 @@ impl<T: Clone, S> Layer<S> for StageLayer<T> {
     type Service = Staged<T, S>;
     fn layer(&self, next: S) -> Staged<T, S> {
         Staged {
-            stage: self.0.clone(),
-            next,
+            shared: Arc::new((self.0.clone(), next)),
         }
     }
 }

@@ -573,9 +573,8 @@ impl Inner {
         };
         let request = build_request(resendable, &replica.name, bearer).map_err(Failure::Fatal)?;
         if resendable.upgrade {
-            let mut sender = self
-                .pool
-                .connect_http1(&replica, index, credential)
+            // Boxed like the pool's connects: only upgrades take this path.
+            let mut sender = Box::pin(self.pool.connect_http1(&replica, index, credential))
                 .await
                 .map_err(connect_failure)?;
             if let Err(e) = sender.ready().await {

@@ -162,7 +162,9 @@ impl Pool {
         {
             return Err(error.clone());
         }
-        match self.connect_h2(replica, index, credential).await {
+        // Boxed: a connection's TLS handshake is a large future, and every request's
+        // future would carry (and move) it inline although almost none connects.
+        match Box::pin(self.connect_h2(replica, index, credential)).await {
             Ok(sender) => {
                 let conn = Arc::new(Conn {
                     sender: sender.clone(),

@@ -40,8 +40,9 @@ impl<B: Send + 'static> Stage<B> for Answer {
                     headers: call.request.headers(),
                     peer: call.conn.as_ref().map(|c| c.peer.ip()),
                 };
-                cache
-                    .answer(plan, &info, reader, initial_seats)
+                // Boxed: the answer's future is large, and inline it would make every
+                // request's future through this stage as large, cached or not.
+                Box::pin(cache.answer(plan, &info, reader, initial_seats))
                     .await
                     .map_err(|error| ProxyError::Cache {
                         error,

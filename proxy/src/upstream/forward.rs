@@ -38,10 +38,13 @@ impl Forward {
         }
     }
 
-    async fn forward(
+    /// Rewrites the request for the apiserver and routes it: all the work before the
+    /// upstream exchange, done before any future is made, so that the one future boxed per
+    /// request holds only the exchange.
+    fn prepare(
         &self,
         call: Call<Incoming, ToApiserver>,
-    ) -> Result<Response<Body>, ProxyError> {
+    ) -> Result<(Request<Body>, Route), ProxyError> {
         let (facts, call) = call.take_facts();
         let ToApiserver {
             info,
@@ -75,9 +78,7 @@ impl Forward {
             body_flow: Some(body_flow),
         };
         let request = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
-        let mut response = self.upstream.send(request, route).await?;
-        response.extensions_mut().insert(ServedBy::Upstream);
-        Ok(response)
+        Ok((request, route))
     }
 }
 
@@ -91,8 +92,14 @@ impl Service<Call<Incoming, ToApiserver>> for Forward {
     }
 
     fn call(&mut self, call: Call<Incoming, ToApiserver>) -> Self::Future {
-        let this = self.clone();
-        Box::pin(async move { this.forward(call).await })
+        let prepared = self.prepare(call);
+        let upstream = self.upstream.clone();
+        Box::pin(async move {
+            let (request, route) = prepared?;
+            let mut response = upstream.send(request, route).await?;
+            response.extensions_mut().insert(ServedBy::Upstream);
+            Ok(response)
+        })
     }
 }
 

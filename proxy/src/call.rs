@@ -6,6 +6,7 @@
 //! stage can only be wired after the stages it needs, and none has to look for what
 //! another left in the request's extensions.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
@@ -108,16 +109,16 @@ pub struct Identified {
 }
 
 impl Identified {
-    /// The user the rules and the cache's authorization see: the identified user, or
-    /// `system:anonymous` for a request on the anonymous allowlist.
-    pub fn user(&self) -> User {
+    /// The user the rules see: the identified user, or `system:anonymous` for a request
+    /// on the anonymous allowlist (borrowed, not copied, for every identified request).
+    pub fn user(&self) -> Cow<'_, User> {
         match &self.identity {
-            Identity::User { user, .. } => user.clone(),
-            Identity::Anonymous => User {
+            Identity::User { user, .. } => Cow::Borrowed(user),
+            Identity::Anonymous => Cow::Owned(User {
                 username: "system:anonymous".into(),
                 groups: vec!["system:unauthenticated".into()],
                 ..User::default()
-            },
+            }),
         }
     }
 }
@@ -128,8 +129,6 @@ pub struct Admitted {
     pub info: Arc<RequestInfo>,
     /// Who asks.
     pub identity: Identity,
-    /// The user the cache authorizes (see [`Identified::user`]).
-    pub user: User,
     /// The reader's rule, level and flow.
     pub matched: Matched,
     /// Where the answer comes from, as admission weighed it.
@@ -138,16 +137,9 @@ pub struct Admitted {
 
 /// Where admission decided an admitted request's answer comes from.
 pub enum Source {
-    /// Bulwark's cache answers, as planned.
-    Cache {
-        /// The cache.
-        cache: Arc<cache::Cache>,
-        /// What it will answer.
-        plan: cache::Plan,
-        /// For a watch that starts with the current state: the seats it holds until that
-        /// state is sent.
-        initial_seats: Option<Held>,
-    },
+    /// Bulwark's cache answers, as planned (boxed: the upstream path, which every
+    /// pass-through request takes, need not carry and move it).
+    Cache(Box<Cached>),
     /// An apiserver answers.
     Upstream {
         /// The replica holding this LIST's bytes, where it must go.
@@ -155,6 +147,19 @@ pub enum Source {
         /// The flow whose share of the request-body budget holds the body.
         body_flow: BodyFlow,
     },
+}
+
+/// A cached answer admission admitted.
+pub struct Cached {
+    /// The cache.
+    pub cache: Arc<cache::Cache>,
+    /// The reader the cache authorizes (the cache answers identified users only).
+    pub reader: User,
+    /// What it will answer.
+    pub plan: cache::Plan,
+    /// For a watch that starts with the current state: the seats it holds until that
+    /// state is sent.
+    pub initial_seats: Option<Held>,
 }
 
 /// After the cache passed the request on: what forwarding needs.

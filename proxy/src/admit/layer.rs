@@ -11,10 +11,10 @@ use http::{HeaderValue, Response};
 use super::{Admission, Answer, Learn, hold};
 use crate::Body;
 use crate::cache::Cache;
-use crate::call::{Admitted, Call, Held, Identified, Next, Source, Stage};
+use crate::call::{Admitted, Cached, Call, Held, Identified, Next, Source, Stage};
 use crate::classify::Verb;
 use crate::identity::Identity;
-use crate::rules::{Matched, Rules};
+use crate::rules::Rules;
 use crate::status::ProxyError;
 use crate::upstream::{BodyBudget, BodyFlow};
 
@@ -60,15 +60,18 @@ impl<B: Send + 'static> Stage<B> for Admit {
             cache,
             bodies,
         } = self;
-        let info = call.facts.info.clone();
-        let user = call.facts.user();
+        let (facts, call) = call.take_facts();
+        let info = facts.info.clone();
+        let user = facts.user();
         let matched = rules.current().matches(&user, &info);
-        // Only an authenticated reader is authorized by the cache; the anonymous
-        // allowlist holds no cached resource.
-        let authenticated = matches!(call.facts.identity, Identity::User { .. });
-        let cached = cache.as_ref().filter(|_| authenticated);
-        let plan =
-            cached.and_then(|cache| cache.plan(&info, call.request.headers(), matched.staleness));
+        // Only an identified reader is authorized by the cache; the anonymous allowlist
+        // holds no cached resource.
+        let cached = match &facts.identity {
+            Identity::User { user, .. } => cache.as_ref().map(|cache| (cache, user)),
+            Identity::Anonymous => None,
+        };
+        let plan = cached
+            .and_then(|(cache, _)| cache.plan(&info, call.request.headers(), matched.staleness));
         let answer = match &plan {
             Some(plan) => Answer::Cache {
                 bytes: plan.bytes(),
@@ -87,14 +90,15 @@ impl<B: Send + 'static> Stage<B> for Admit {
             .await
             .map_err(ProxyError::Refused)?;
         let source = match (plan, cached) {
-            (Some(plan), Some(cache)) => Source::Cache {
+            (Some(plan), Some((cache, reader))) => Source::Cache(Box::new(Cached {
                 cache: cache.clone(),
+                reader: reader.clone(),
                 plan,
                 initial_seats: (info.verb == Verb::Watch)
                     .then(|| permit.take_seats())
                     .flatten()
                     .map(Held::new),
-            },
+            })),
             _ => Source::Upstream {
                 replica: permit.replica().map(Arc::from),
                 // The body is held for retries within its flow's budget, exempt or not.
@@ -105,15 +109,16 @@ impl<B: Send + 'static> Stage<B> for Admit {
             },
         };
         let upstream = matches!(source, Source::Upstream { .. });
+        drop(user);
+        let named = (matched.rule.clone(), matched.level.clone());
         let admitted = Admitted {
             info: info.clone(),
-            identity: call.facts.identity.clone(),
-            user,
-            matched: matched.clone(),
+            identity: facts.identity,
+            matched,
             source,
         };
         let mut response = next.run(call.learn(admitted)).await?;
-        name_rule(&mut response, &matched);
+        name_rule(&mut response, &named.0, &named.1.name);
         if upstream && info.is_long_running() {
             permit.release_seats();
         }
@@ -140,12 +145,9 @@ fn scope_bytes(cache: &Cache, info: &crate::classify::RequestInfo) -> Option<u64
 }
 
 /// Names the rule and level on a response.
-fn name_rule(response: &mut Response<Body>, matched: &Matched) {
+fn name_rule(response: &mut Response<Body>, rule: &str, level: &str) {
     let headers = response.headers_mut();
-    for (name, value) in [
-        ("x-bulwark-rule", &*matched.rule),
-        ("x-bulwark-level", matched.level.name.as_str()),
-    ] {
+    for (name, value) in [("x-bulwark-rule", rule), ("x-bulwark-level", level)] {
         if let Ok(value) = HeaderValue::from_str(value) {
             headers.insert(name, value);
         }

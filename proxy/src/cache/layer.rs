@@ -5,7 +5,7 @@ use http::Response;
 
 use super::Reader;
 use crate::Body;
-use crate::call::{Admitted, Call, Next, Source, Stage, ToApiserver};
+use crate::call::{Admitted, Cached, Call, Next, Source, Stage, ToApiserver};
 use crate::status::ProxyError;
 
 /// Answers a cached read, or passes the request on to be forwarded.
@@ -25,18 +25,19 @@ impl<B: Send + 'static> Stage<B> for Answer {
         let Admitted {
             info,
             identity,
-            user,
             matched,
             source,
         } = admitted;
         match source {
-            Source::Cache {
-                cache,
-                plan,
-                initial_seats,
-            } => {
+            Source::Cache(cached) => {
+                let Cached {
+                    cache,
+                    reader,
+                    plan,
+                    initial_seats,
+                } = *cached;
                 let reader = Reader {
-                    user: &user,
+                    user: &reader,
                     headers: call.request.headers(),
                     peer: call.conn.as_ref().map(|c| c.peer.ip()),
                 };

@@ -13,7 +13,7 @@ mod tls;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -25,6 +25,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::Body;
 use crate::config;
+use crate::identity::User;
 
 pub use conn::Connections;
 
@@ -36,6 +37,9 @@ pub struct ConnInfo {
     /// The client certificate chain (leaf first), present only when the client sent one and it
     /// verified against the configured client CA.
     pub client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// The user the client certificate names, read once per connection by the first
+    /// request that needs it (`Err`: why the certificate names no user).
+    pub client_user: Arc<OnceLock<Result<User, String>>>,
     /// Whether this request came over HTTP/2.
     pub http2: bool,
 }

@@ -60,11 +60,21 @@ async fn identify(
     tokens: &TokenCache,
     anonymous: &[String],
 ) -> Result<Identity, IdentityError> {
-    if let Some(leaf) = conn
-        .and_then(|c| c.client_chain.as_deref())
-        .and_then(|chain| chain.first())
-    {
-        let user = super::user_from_certificate(leaf)?;
+    if let Some((conn, leaf)) = conn.and_then(|c| {
+        let leaf = c.client_chain.as_deref()?.first()?;
+        Some((c, leaf))
+    }) {
+        // Read once per connection: every request on it presents the same certificate.
+        let user = conn
+            .client_user
+            .get_or_init(|| {
+                super::user_from_certificate(leaf).map_err(|e| match e {
+                    IdentityError::BadCertificate(why) => why,
+                    other => other.to_string(),
+                })
+            })
+            .clone()
+            .map_err(IdentityError::BadCertificate)?;
         return Ok(Identity::User {
             user,
             credential: Credential::Certificate,

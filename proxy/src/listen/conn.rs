@@ -112,6 +112,7 @@ pub(super) async fn serve<S>(
         inner: service,
         peer,
         client_chain,
+        client_user: Arc::default(),
         activity: Arc::new(open_tx),
         goaway: goaway.clone(),
         goaway_chance: settings.goaway_chance,
@@ -241,6 +242,7 @@ struct Tracked<S> {
     inner: S,
     peer: SocketAddr,
     client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
+    client_user: Arc<std::sync::OnceLock<Result<crate::identity::User, String>>>,
     activity: Arc<watch::Sender<Activity>>,
     goaway: Arc<Notify>,
     goaway_chance: f64,
@@ -266,6 +268,7 @@ where
         req.extensions_mut().insert(ConnInfo {
             peer: self.peer,
             client_chain: self.client_chain.clone(),
+            client_user: self.client_user.clone(),
             http2,
         });
         let goaway =

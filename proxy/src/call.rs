@@ -194,6 +194,10 @@ impl std::fmt::Debug for Held {
     }
 }
 
+/// What a stage (and the rest of the path after it) gives back: the response, or why
+/// Bulwark answers itself.
+pub type Answered = Result<Response<Body>, ProxyError>;
+
 /// The rest of the request path after a stage: what takes the call with that stage's facts
 /// added.
 pub trait Next<B, F>: Clone + Send + Sync + 'static {

@@ -11,7 +11,7 @@ use http::{HeaderValue, Response};
 use super::{Admission, Answer, Learn, hold};
 use crate::Body;
 use crate::cache::Cache;
-use crate::call::{Admitted, Cached, Call, Held, Identified, Next, Source, Stage};
+use crate::call::{Admitted, Answered, Cached, Call, Held, Identified, Next, Source, Stage};
 use crate::classify::Verb;
 use crate::identity::Identity;
 use crate::rules::Rules;
@@ -49,11 +49,7 @@ impl<B: Send + 'static> Stage<B> for Admit {
     type In = Identified;
     type Out = Admitted;
 
-    async fn run<N: Next<B, Self::Out>>(
-        &self,
-        call: Call<B, Identified>,
-        mut next: N,
-    ) -> Result<Response<Body>, ProxyError> {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
         let Admit {
             rules,
             admission,

@@ -1,11 +1,8 @@
 //! The cache as a stage, between admission and forwarding: it answers the requests
 //! admission admitted as cached answers ([`Source::Cache`]) and passes the rest on.
 
-use http::Response;
-
 use super::Reader;
-use crate::Body;
-use crate::call::{Admitted, Cached, Call, Next, Source, Stage, ToApiserver};
+use crate::call::{Admitted, Answered, Cached, Call, Next, Source, Stage, ToApiserver};
 use crate::status::ProxyError;
 
 /// Answers a cached read, or passes the request on to be forwarded.
@@ -16,11 +13,7 @@ impl<B: Send + 'static> Stage<B> for Answer {
     type In = Admitted;
     type Out = ToApiserver;
 
-    async fn run<N: Next<B, Self::Out>>(
-        &self,
-        call: Call<B, Admitted>,
-        mut next: N,
-    ) -> Result<Response<Body>, ProxyError> {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
         let (admitted, call) = call.take_facts();
         let Admitted {
             info,

@@ -3,12 +3,8 @@
 
 use std::sync::Arc;
 
-use http::Response;
-
-use crate::Body;
-use crate::call::{Call, Classified, Labels, Next, Stage};
+use crate::call::{Answered, Call, Classified, Labels, Next, Stage};
 use crate::metrics::{ResourceLabels, verb_label};
-use crate::status::ProxyError;
 
 /// Classifies the request (400 for malformed paths) and records its labels.
 #[derive(Clone, Default)]
@@ -27,11 +23,7 @@ impl<B: Send + 'static> Stage<B> for Classify {
     type In = ();
     type Out = Classified;
 
-    async fn run<N: Next<B, Self::Out>>(
-        &self,
-        call: Call<B, ()>,
-        mut next: N,
-    ) -> Result<Response<Body>, ProxyError> {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
         let info = super::classify(call.request.method(), call.request.uri())?;
         let _ = call.report.labels.set(Labels {
             verb: verb_label(&info.verb),

@@ -3,13 +3,9 @@
 
 use std::sync::Arc;
 
-use http::Response;
-
 use super::{Credential, Identity, IdentityError, TokenCache};
-use crate::Body;
-use crate::call::{Call, Classified, Identified, Next, Stage};
+use crate::call::{Answered, Call, Classified, Identified, Next, Stage};
 use crate::listen::ConnInfo;
-use crate::status::ProxyError;
 
 /// Establishes who the client is.
 #[derive(Clone)]
@@ -33,11 +29,7 @@ impl<B: Send + 'static> Stage<B> for Identify {
     type In = Classified;
     type Out = Identified;
 
-    async fn run<N: Next<B, Self::Out>>(
-        &self,
-        call: Call<B, Classified>,
-        mut next: N,
-    ) -> Result<Response<Body>, ProxyError> {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
         let identity = identify(
             call.request.headers(),
             call.conn.as_ref(),

@@ -649,14 +649,7 @@ impl Cache {
         if !self.fresh(store, freshness, staleness) {
             return Err(GoUpstream::Miss("not fresh enough"));
         }
-        // A whole scope is as large as the store counts it; only a narrower answer needs a
-        // listing to know its size.
-        let bytes = if !filter.selects() && limit(info).is_none() {
-            store.size(ns).1
-        } else {
-            let (items, _) = store.list(ns, |o| filter.matches(o));
-            page_bytes(info, &items)
-        };
+        let bytes = answer_bytes(store, filter, ns, page_limit(info));
         Ok((Planned::List { continued: None }, bytes))
     }
 
@@ -700,15 +693,7 @@ impl Cache {
         // first: admission weighs it like a LIST of that size. A watch from a version
         // sends events as they come.
         let bytes = match from {
-            None => {
-                let ns = info.namespace.as_deref();
-                if filter.selects() {
-                    let (items, _) = store.list(ns, |o| filter.matches(o));
-                    items.iter().map(|o| o.body.len() as u64).sum()
-                } else {
-                    store.size(ns).1
-                }
-            }
+            None => answer_bytes(store, filter, info.namespace.as_deref(), usize::MAX),
             Some(_) => 0,
         };
         Ok((Planned::Watch { from, watch_list }, bytes))
@@ -1016,6 +1001,22 @@ fn limit(info: &RequestInfo) -> Option<u64> {
         Some("0") => None,
         _ => query.limit,
     }
+}
+
+/// The bytes of the objects an answer holds: the first `limit` of those `filter` selects in
+/// `ns`. A whole scope is as large as the store counts it; only a narrower answer needs a
+/// listing to know its size.
+fn answer_bytes(
+    store: &ResourceStore,
+    filter: &watch::Filter,
+    ns: Option<&str>,
+    limit: usize,
+) -> u64 {
+    if !filter.selects() && limit == usize::MAX {
+        return store.size(ns).1;
+    }
+    let (items, _) = store.list(ns, |o| filter.matches(o));
+    items.iter().take(limit).map(|o| o.body.len() as u64).sum()
 }
 
 /// The bytes of the objects a LIST answers: all of `items`, or the first `limit`.

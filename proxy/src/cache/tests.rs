@@ -89,6 +89,15 @@ fn setup_with(cfg: config::Cache, audit: Option<AuditLog>) -> Setup {
     }
 }
 
+/// A reader whose address is not known (its audit lines name only what its headers give).
+fn reader<'a>(user: &'a User, headers: &'a HeaderMap) -> Reader<'a> {
+    Reader {
+        user,
+        headers,
+        peer: None,
+    }
+}
+
 /// The reason and the response a client gets for a refused cached read, through the one
 /// mapping every refusal takes.
 fn refused(error: CacheError) -> (Reason, Response<Body>) {
@@ -140,15 +149,7 @@ fn info(path_and_query: &str) -> RequestInfo {
 
 async fn ask(s: &Setup, who: &str, uri: &str) -> Result<Option<Response<Body>>, CacheError> {
     s.cache
-        .serve(
-            &info(uri),
-            Reader {
-                user: &user(who),
-                headers: &HeaderMap::new(),
-                peer: None,
-            },
-            None,
-        )
+        .serve(&info(uri), reader(&user(who), &HeaderMap::new()), None)
         .await
 }
 
@@ -381,15 +382,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     headers.insert("impersonate-user", "bob".parse().unwrap());
     assert!(
         s.cache
-            .serve(
-                &info(uri),
-                Reader {
-                    user: &user("alice"),
-                    headers: &headers,
-                    peer: None
-                },
-                None
-            )
+            .serve(&info(uri), reader(&user("alice"), &headers), None)
             .await
             .unwrap()
             .is_none()
@@ -403,15 +396,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(
-                &info(uri),
-                Reader {
-                    user: &user("alice"),
-                    headers: &headers,
-                    peer: None
-                },
-                None
-            )
+            .serve(&info(uri), reader(&user("alice"), &headers), None)
             .await
             .unwrap()
             .is_none()
@@ -422,15 +407,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(
-                &info(uri),
-                Reader {
-                    user: &user("alice"),
-                    headers: &headers,
-                    peer: None
-                },
-                None
-            )
+            .serve(&info(uri), reader(&user("alice"), &headers), None)
             .await
             .unwrap()
             .is_none()
@@ -443,15 +420,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     );
     assert!(
         s.cache
-            .serve(
-                &info(uri),
-                Reader {
-                    user: &user("alice"),
-                    headers: &headers,
-                    peer: None
-                },
-                None
-            )
+            .serve(&info(uri), reader(&user("alice"), &headers), None)
             .await
             .unwrap()
             .is_some()
@@ -463,15 +432,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
     .unwrap();
     assert!(
         s.cache
-            .serve(
-                &post,
-                Reader {
-                    user: &user("alice"),
-                    headers: &HeaderMap::new(),
-                    peer: None
-                },
-                None
-            )
+            .serve(&post, reader(&user("alice"), &HeaderMap::new()), None)
             .await
             .unwrap()
             .is_none()
@@ -775,11 +736,7 @@ async fn an_inconsistent_continue_reads_the_latest_state_after_its_key() {
         .cache
         .serve(
             &info(&uri),
-            Reader {
-                user: &user("alice"),
-                headers: &HeaderMap::new(),
-                peer: None,
-            },
+            reader(&user("alice"), &HeaderMap::new()),
             Some(Duration::from_secs(2)),
         )
         .await
@@ -833,11 +790,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
         s.cache
             .serve(
                 &request,
-                Reader {
-                    user: &user("alice"),
-                    headers: &HeaderMap::new(),
-                    peer: None
-                },
+                reader(&user("alice"), &HeaderMap::new()),
                 staleness
             )
             .await
@@ -850,11 +803,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
         s.cache
             .serve(
                 &request,
-                Reader {
-                    user: &user("alice"),
-                    headers: &HeaderMap::new(),
-                    peer: None
-                },
+                reader(&user("alice"), &HeaderMap::new()),
                 staleness
             )
             .await
@@ -866,11 +815,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
         s.cache
             .serve(
                 &request,
-                Reader {
-                    user: &user("alice"),
-                    headers: &HeaderMap::new(),
-                    peer: None
-                },
+                reader(&user("alice"), &HeaderMap::new()),
                 staleness
             )
             .await
@@ -1167,11 +1112,7 @@ async fn gzip_is_honoured_for_large_answers() {
         .cache
         .serve(
             &info("/api/v1/secrets?resourceVersion=0"),
-            Reader {
-                user: &user("alice"),
-                headers: &headers,
-                peer: None,
-            },
+            reader(&user("alice"), &headers),
             None,
         )
         .await
@@ -1188,11 +1129,7 @@ async fn gzip_is_honoured_for_large_answers() {
         .cache
         .serve(
             &info("/api/v1/secrets?resourceVersion=0"),
-            Reader {
-                user: &user("alice"),
-                headers: &headers,
-                peer: None,
-            },
+            reader(&user("alice"), &headers),
             None,
         )
         .await
@@ -1216,11 +1153,7 @@ async fn secret_reads_are_audited() {
         .cache
         .serve(
             &info("/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0"),
-            Reader {
-                user: &user("alice"),
-                headers: &headers,
-                peer: None,
-            },
+            reader(&user("alice"), &headers),
             None,
         )
         .await
@@ -1381,15 +1314,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     store.replace(items, rv);
     let request = info("/api/v1/namespaces/kube-system/pods?resourceVersion=0");
     let response = cache
-        .serve(
-            &request,
-            Reader {
-                user: &user("alice"),
-                headers: &HeaderMap::new(),
-                peer: None,
-            },
-            None,
-        )
+        .serve(&request, reader(&user("alice"), &HeaderMap::new()), None)
         .await
         .unwrap()
         .unwrap();
@@ -1405,15 +1330,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     let their_lines: Vec<&str> = stream.lines().collect();
     let uri = "/api/v1/namespaces/kube-system/pods?&allowWatchBookmarks=true&resourceVersion=0&resourceVersionMatch=NotOlderThan&sendInitialEvents=true&watch=true";
     let mut body = cache
-        .serve(
-            &info(uri),
-            Reader {
-                user: &user("alice"),
-                headers: &HeaderMap::new(),
-                peer: None,
-            },
-            None,
-        )
+        .serve(&info(uri), reader(&user("alice"), &HeaderMap::new()), None)
         .await
         .unwrap()
         .unwrap()

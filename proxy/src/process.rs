@@ -1,25 +1,10 @@
 //! Setup of the Bulwark process itself.
 
 /// Keeps private keys and tokens held in memory out of core dumps: sets `RLIMIT_CORE` to 0
-/// and marks the process non-dumpable (which also stops other processes of the same user
-/// from reading its memory through `/proc` or ptrace). Call once at start, before any key is
-/// loaded.
-#[cfg(target_os = "linux")]
-pub fn make_undumpable() -> std::io::Result<()> {
-    use rustix::process::{DumpableBehavior, Resource, Rlimit, set_dumpable_behavior, setrlimit};
-    setrlimit(
-        Resource::Core,
-        Rlimit {
-            current: Some(0),
-            maximum: Some(0),
-        },
-    )?;
-    set_dumpable_behavior(DumpableBehavior::NotDumpable)?;
-    Ok(())
-}
-
-/// Keeps private keys out of core dumps: sets `RLIMIT_CORE` to 0.
-#[cfg(all(unix, not(target_os = "linux")))]
+/// and, on Linux, marks the process non-dumpable (which also stops other processes of the
+/// same user from reading its memory through `/proc` or ptrace). Call once at start, before
+/// any key is loaded.
+#[cfg(unix)]
 pub fn make_undumpable() -> std::io::Result<()> {
     use rustix::process::{Resource, Rlimit, setrlimit};
     setrlimit(
@@ -29,6 +14,8 @@ pub fn make_undumpable() -> std::io::Result<()> {
             maximum: Some(0),
         },
     )?;
+    #[cfg(target_os = "linux")]
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)?;
     Ok(())
 }
 

@@ -28,7 +28,7 @@ fn main() -> ExitCode {
             let Some(config) = load(&config) else {
                 return ExitCode::from(2);
             };
-            let runtime = match runtime() {
+            let runtime = match bulwark::serve::runtime() {
                 Ok(runtime) => runtime,
                 Err(e) => {
                     eprintln!("bulwark: cannot start the runtime: {e}");
@@ -98,19 +98,6 @@ fn main() -> ExitCode {
                 ExitCode::from(1)
             }
         },
-    }
-}
-
-/// Tokio's multi-threaded runtime, or with `TOKIO_WORKER_THREADS=1` its single-threaded
-/// one: on one core it serves the same work without the work-stealing machinery.
-fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    let one = std::env::var("TOKIO_WORKER_THREADS").is_ok_and(|n| n.trim() == "1");
-    if one {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-    } else {
-        tokio::runtime::Runtime::new()
     }
 }
 

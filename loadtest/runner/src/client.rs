@@ -482,6 +482,11 @@ impl ClassStats {
                 hist.value_at_quantile(q) as f64 / 1000.0
             }
         };
+        class.mean_ms = if hist.is_empty() {
+            0.0
+        } else {
+            hist.mean() / 1000.0
+        };
         class.p50_ms = ms(0.5);
         class.p99_ms = ms(0.99);
         class.p999_ms = ms(0.999);

@@ -122,9 +122,23 @@ fn raise_fd_limit() {
     }
 }
 
+/// The same allocator as the `bulwark` binary, so that Bulwark measured from this binary
+/// (its hidden subcommand) is the Bulwark that ships.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     raise_fd_limit();
     let cli = Cli::parse();
+    if let Command::Bulwark { config } = &cli.command {
+        // Bulwark on the runtime the `bulwark` binary builds.
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+        let runtime = bulwark::serve::runtime().context("starting the async runtime")?;
+        return runtime.block_on(proxy_process::serve(config));
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -138,13 +152,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         list_storm::ListStorm, passthrough, skew::Skew,
     };
     let (report, common) = match command {
-        Command::Bulwark { config } => {
-            tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-                .with_writer(std::io::stderr)
-                .init();
-            return proxy_process::serve(&config).await;
-        }
+        Command::Bulwark { .. } => unreachable!("main runs Bulwark on its own runtime"),
         Command::Sandbox { dir, rules } => return sandbox::run(&dir, rules).await,
         Command::Controlplane {
             dir,

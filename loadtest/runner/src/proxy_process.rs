@@ -11,7 +11,7 @@ use anyhow::{Context, bail};
 use bulwark_sim::pki::{Ca, Pki};
 use bulwark_testkit::{BulwarkConfig, Credentials, Names};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::Child;
+use tokio::process::{Child, Command};
 
 use crate::client::Target;
 use crate::report::ProxyCost;
@@ -105,7 +105,7 @@ pub struct ProxyProcess {
 
 /// A free port on 127.0.0.1: bound, then released for the child to bind. Another process
 /// could take it in between; the child then fails to start and says so.
-fn free_port() -> anyhow::Result<SocketAddr> {
+pub fn free_port() -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?)
 }
@@ -176,12 +176,25 @@ impl ProxyProcess {
         upstream: &Upstream<'_>,
     ) -> anyhow::Result<ProxyProcess> {
         let (config, target, admin) = write_config(dir, upstream)?;
+        ProxyProcess::launch(crate::child::command(exe), &config, target, admin, dir).await
+    }
+
+    /// Starts Bulwark from `command` (a `bulwark-loadtest` binary, perhaps behind a wrapper
+    /// such as `taskset`) with the configuration at `config`, logging into `dir`, and waits
+    /// until its admin `/readyz` answers 200.
+    pub async fn launch(
+        mut command: Command,
+        config: &Path,
+        target: Target,
+        admin: SocketAddr,
+        dir: &Path,
+    ) -> anyhow::Result<ProxyProcess> {
         let log = dir.join("bulwark.log");
         let log_file = std::fs::File::create(&log)?;
-        let child = crate::child::command(exe)
+        let child = command
             .arg(SUBCOMMAND)
             .arg("--config")
-            .arg(&config)
+            .arg(config)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),

@@ -20,6 +20,31 @@ pub struct Report {
     /// in the order they ran; written as a JSON object keyed by target.
     #[serde(serialize_with = "as_map")]
     pub runs: Vec<(String, Run)>,
+    /// How the load was made, for scenarios that measure with an outside load generator
+    /// (`passthrough`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bench: Option<BenchSetup>,
+}
+
+impl Report {
+    /// A report of `runs`, in the order they ran.
+    pub fn new(scenario: &str, scale: f64, runs: Vec<(String, Run)>) -> Report {
+        Report {
+            scenario: scenario.to_string(),
+            scale,
+            runs,
+            bench: None,
+        }
+    }
+}
+
+/// The load generator and the cores of a measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchSetup {
+    /// Which generator, and the shape of its load.
+    pub load_generator: String,
+    /// Which cores the proxy, the upstream and the generator ran on.
+    pub pinning: String,
 }
 
 /// Writes `(name, run)` pairs as a JSON object, keeping their order.
@@ -92,6 +117,8 @@ pub struct Class {
     pub rejected: u64,
     /// Every other failure: other statuses, resets, timeouts, connection errors.
     pub errors: u64,
+    /// Mean latency of successful requests, milliseconds.
+    pub mean_ms: f64,
     /// Latency percentiles of successful requests, milliseconds.
     pub p50_ms: f64,
     /// See `p50_ms`.
@@ -225,6 +252,7 @@ pub fn table(report: &Report) -> String {
             format!("{} / {} / {}", c.ok, c.rejected, c.errors)
         }));
         rows.push(row("ok per second", &|r| format!("{:.1}", get(r).rps)));
+        rows.push(row("mean ms", &|r| format!("{:.3}", get(r).mean_ms)));
         rows.push(row("p50 / p99 / p99.9 ms", &|r| {
             let c = get(r);
             format!("{:.1} / {:.1} / {:.1}", c.p50_ms, c.p99_ms, c.p999_ms)
@@ -245,6 +273,10 @@ pub fn table(report: &Report) -> String {
         })
         .collect();
     let mut out = String::new();
+    if let Some(bench) = &report.bench {
+        let _ = writeln!(out, "load: {}", bench.load_generator);
+        let _ = writeln!(out, "pinning: {}", bench.pinning);
+    }
     let _ = write!(
         out,
         "{:<label_width$}",
@@ -297,11 +329,7 @@ mod tests {
             ("direct".to_string(), direct),
             ("bulwark".to_string(), bulwark),
         ];
-        Report {
-            scenario: "list-storm".into(),
-            scale: 0.1,
-            runs,
-        }
+        Report::new("list-storm", 0.1, runs)
     }
 
     #[test]
@@ -349,6 +377,7 @@ mod tests {
             "ok",
             "rejected",
             "errors",
+            "mean_ms",
             "p50_ms",
             "p99_ms",
             "p999_ms",

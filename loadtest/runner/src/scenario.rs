@@ -62,22 +62,14 @@ pub enum Mode {
     Direct,
     /// Clients → Bulwark (its own process) → replicas.
     Bulwark,
-    /// Clients → replica 0 itself, no balancer (the passthrough baseline).
-    Replica,
-    /// Clients → haproxy (TLS-terminating) → replica 0.
-    Haproxy,
-    /// Clients → nginx (TLS-terminating) → replica 0.
-    Nginx,
 }
 
 impl Mode {
     /// The run's name in the report.
     pub fn name(self) -> &'static str {
         match self {
-            Mode::Direct | Mode::Replica => "direct",
+            Mode::Direct => "direct",
             Mode::Bulwark => "bulwark",
-            Mode::Haproxy => "haproxy",
-            Mode::Nginx => "nginx",
         }
     }
 }
@@ -276,7 +268,7 @@ pub struct Env {
     pub fleet: Arc<Fleet>,
     /// Where clients connect.
     pub target: Target,
-    proxy: Option<Proxy>,
+    proxy: Option<ProxyProcess>,
     heap_limit: u64,
     peak_watches: Arc<AtomicU64>,
     sampler: JoinHandle<()>,
@@ -339,20 +331,7 @@ impl Env {
                     identity_mode: None,
                 };
                 let proxy = ProxyProcess::start(&dir, &upstream).await?;
-                (proxy.target.clone(), Some(Proxy::Bulwark(proxy)))
-            }
-            Mode::Replica => {
-                let addr = *fleet.addrs().first().context("the fleet has no replica")?;
-                let target = Target {
-                    addr,
-                    ca_pem: pki.server_ca.cert_pem(),
-                };
-                (target, None)
-            }
-            Mode::Haproxy | Mode::Nginx => {
-                let upstream = *fleet.addrs().first().context("the fleet has no replica")?;
-                let proxy = passthrough::External::start(mode, &dir, upstream, &pki).await?;
-                (proxy.target.clone(), Some(Proxy::External(proxy)))
+                (proxy.target.clone(), Some(proxy))
             }
         };
         let peak_watches = Arc::new(AtomicU64::new(0));
@@ -386,8 +365,7 @@ impl Env {
         let open_now: u64 = stats.iter().map(|s| s.open_watches).sum();
         let peak_watches = self.peak_watches.load(Ordering::Relaxed).max(open_now);
         let proxy = match self.proxy {
-            Some(Proxy::Bulwark(p)) => Some(p.stop().await?),
-            Some(Proxy::External(p)) => Some(p.stop().await?),
+            Some(p) => Some(p.stop().await?),
             None => None,
         };
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -477,12 +455,6 @@ impl Env {
             }
         })
     }
-}
-
-/// The proxy process of a run, if any.
-enum Proxy {
-    Bulwark(ProxyProcess),
-    External(passthrough::External),
 }
 
 static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -604,10 +576,6 @@ pub trait Scenario {
     fn name(&self) -> &'static str;
     /// The fleet it needs.
     fn setup(&self, opts: &Options) -> Setup;
-    /// The targets, in the order they run.
-    fn modes(&self) -> Vec<Mode> {
-        vec![Mode::Direct, Mode::Bulwark]
-    }
     /// Drives one run's load against `env.target` and reports what the clients saw.
     fn drive(
         &self,
@@ -622,7 +590,7 @@ pub async fn run<S: Scenario + Sync>(scenario: &S, opts: &Options) -> anyhow::Re
     let pki = Arc::new(Pki::new());
     let setup = scenario.setup(opts);
     let mut runs = Vec::new();
-    for mode in scenario.modes() {
+    for mode in [Mode::Direct, Mode::Bulwark] {
         if opts
             .only
             .as_deref()
@@ -637,9 +605,5 @@ pub async fn run<S: Scenario + Sync>(scenario: &S, opts: &Options) -> anyhow::Re
         eprintln!("== {} ({}): done", scenario.name(), mode.name());
         runs.push((mode.name().to_string(), run));
     }
-    Ok(Report {
-        scenario: scenario.name().to_string(),
-        scale: opts.scale,
-        runs,
-    })
+    Ok(Report::new(scenario.name(), opts.scale, runs))
 }

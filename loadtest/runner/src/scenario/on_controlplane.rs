@@ -98,11 +98,11 @@ async fn run_modes(
         eprintln!("== {name} on a control plane ({}): done", mode.name());
         runs.push((mode.name().to_string(), run));
     }
-    Ok(Report {
-        scenario: format!("{name}-controlplane"),
-        scale: opts.scale,
+    Ok(Report::new(
+        &format!("{name}-controlplane"),
+        opts.scale,
         runs,
-    })
+    ))
 }
 
 /// What a run drives.

@@ -1,302 +1,795 @@
-//! `passthrough`: raw proxy overhead on a small GET — straight to one replica, through
-//! Bulwark, through haproxy and through nginx (Debian's packages, configured here as
-//! TLS-terminating reverse proxies to the same replica) — first at a fixed rate, then at
-//! saturation.
+//! `passthrough`: what a proxy costs on a small GET, measured with a load generator that is
+//! not the bottleneck. h2load (nghttp2's) sends GETs of one small object over TLS and
+//! HTTP/2 — straight to the upstream, then through haproxy, nginx and Bulwark with one and
+//! with two worker threads — first at a fixed rate (the latency each proxy adds), then as
+//! fast as it can (each proxy's saturation throughput).
+//!
+//! The upstream is nginx answering like an apiserver (the object, a TokenReview, `/readyz`)
+//! from static text, so that it is never the bottleneck: about 150k requests/s on one core
+//! here. The proxies and the upstream share one core and h2load has another (`taskset`),
+//! so a proxy's throughput is what is left of its core after the upstream's share; Bulwark
+//! with two workers gets both cores. Every proxy terminates TLS and speaks TLS upstream,
+//! HTTP/2 on both legs but for nginx, which speaks HTTP/1.1 upstream.
+//!
+//! Bulwark does all its per-request work: the client's bearer token reviewed by
+//! TokenReview (cached), classification, a rule match (an exempt rule, so that no limit
+//! shapes the figures), admission, metrics, the replica pick and the front-proxy headers;
+//! its cache is off.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use bulwark_sim::pki::{Ca, Pki};
+use bulwark_testkit::{BulwarkConfig, Credentials, Names};
+use hdrhistogram::Histogram;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
-use tokio::time::Instant;
 
-use super::{Driven, Env, Load, Mode, Options, Req, Scenario, Setup, identities};
-use crate::client::Target;
-use crate::report::{ProxyCost, Report};
+use super::Options;
+use crate::child;
+use crate::client::{Target, new_histogram};
+use crate::proxy_process::{ProxyProcess, free_port, stop_child};
+use crate::report::{self, Class, ProxyCost, Report, Run};
 
-/// The scenario.
-pub struct Passthrough {
-    modes: Vec<Mode>,
-}
-
-/// The small object every GET reads.
+/// The object every GET reads.
 const PATH: &str = "/api/v1/namespaces/ns-0/configmaps/configmap-0";
-/// Requests per second of each `fixed_rate` identity.
-const PER_IDENTITY_RPS: u64 = 20;
+/// What the upstream answers to it.
+const OBJECT: &str = r#"{"kind":"ConfigMap","apiVersion":"v1","metadata":{"name":"configmap-0","namespace":"ns-0","resourceVersion":"1"},"data":{"k":"v"}}"#;
+/// What the upstream answers to every TokenReview.
+const REVIEW: &str = r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{"authenticated":true,"user":{"username":"passthrough","groups":["system:authenticated"]}}}"#;
+/// The bearer token h2load sends.
+const CLIENT_TOKEN: &str = "passthrough-client-token";
+/// h2load's connections and concurrent streams on each.
+const CONNECTIONS: u32 = 20;
+/// See [`CONNECTIONS`].
+const STREAMS: u32 = 10;
+/// The fixed rate the added latency is measured at, requests/s over all connections.
+const FIXED_RATE: u32 = 2_000;
+/// Requests each target gets before it is measured (connections, the token review).
+const WARM_UP: u32 = 2_000;
 
-/// An external reverse proxy (haproxy or nginx) started for one run.
-pub struct External {
-    child: Child,
-    /// Where clients connect.
-    pub target: Target,
-    name: &'static str,
-    log: PathBuf,
+/// Bulwark exempts the scenario's client, so that the figures are the proxy's own cost.
+const MEASURED_RULE: &str = r#"
+rules:
+  - name: passthrough-measurement
+    precedence: 100
+    match:
+      groups: ["system:authenticated"]
+    level: exempt
+"#;
+
+/// What is measured, in the order it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Subject {
+    /// h2load → the upstream.
+    Direct,
+    /// h2load → haproxy (one thread) → the upstream.
+    Haproxy,
+    /// h2load → nginx (one worker) → the upstream.
+    Nginx,
+    /// h2load → Bulwark with this many worker threads → the upstream.
+    Bulwark(usize),
 }
 
-fn binary(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Nginx => "nginx",
-        _ => "haproxy",
+impl Subject {
+    const ALL: [Subject; 5] = [
+        Subject::Direct,
+        Subject::Haproxy,
+        Subject::Nginx,
+        Subject::Bulwark(1),
+        Subject::Bulwark(2),
+    ];
+
+    /// The run's name in the report.
+    fn name(self) -> &'static str {
+        match self {
+            Subject::Direct => "direct",
+            Subject::Haproxy => "haproxy",
+            Subject::Nginx => "nginx",
+            Subject::Bulwark(1) => "bulwark",
+            Subject::Bulwark(_) => "bulwark-2-workers",
+        }
     }
 }
 
-/// Where a program is on `PATH` (or in `/usr/sbin`, where Debian puts these two).
+/// The programs the scenario runs.
+struct Tools {
+    h2load: PathBuf,
+    nginx: PathBuf,
+    haproxy: Option<PathBuf>,
+    taskset: Option<PathBuf>,
+}
+
+/// Where a program is on `PATH` or in `/usr/sbin` (where Debian puts nginx and haproxy).
 fn find(program: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")])
-        .map(|d| d.join(program))
-        .find(|p| p.is_file())
+    child::on_path(program).or_else(|| {
+        [Path::new("/usr/sbin"), Path::new("/usr/local/sbin")]
+            .iter()
+            .map(|d| d.join(program))
+            .find(|p| p.is_file())
+    })
 }
 
-fn free_port() -> anyhow::Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+impl Tools {
+    fn find() -> anyhow::Result<Tools> {
+        let need = |program: &str, package: &str| {
+            find(program).with_context(|| {
+                format!(
+                    "passthrough needs {program}, which is not installed; on Debian or \
+                     Ubuntu: sudo apt-get install {package}"
+                )
+            })
+        };
+        let haproxy = find("haproxy");
+        if haproxy.is_none() {
+            eprintln!(
+                "note: haproxy is not installed, so its run is skipped; on Debian or Ubuntu: \
+                 sudo apt-get install haproxy"
+            );
+        }
+        Ok(Tools {
+            h2load: need("h2load", "nghttp2-client")?,
+            nginx: need("nginx", "nginx")?,
+            haproxy,
+            taskset: find("taskset"),
+        })
+    }
 }
 
-impl External {
-    /// Writes a TLS-terminating reverse proxy config for `upstream` and starts the proxy in
-    /// the foreground; it verifies client certificates against the simulator's client CA
-    /// and talks to the replica with a client certificate of its own.
-    pub async fn start(
-        mode: Mode,
+/// Which cores the proxies (with the upstream) and the load generator run on.
+#[derive(Clone, Debug)]
+struct Pinning {
+    proxy: usize,
+    load: usize,
+}
+
+impl Pinning {
+    /// The first two cores this process may run on, when `taskset` is there to pin.
+    fn choose(tools: &Tools) -> Option<Pinning> {
+        tools.taskset.as_ref()?;
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let list = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+        let mut cores = cpu_list(list).into_iter();
+        Some(Pinning {
+            proxy: cores.next()?,
+            load: cores.next()?,
+        })
+    }
+
+    /// The cores of a subject's processes: Bulwark with two workers gets both.
+    fn proxy_cores(&self, subject: Subject) -> String {
+        match subject {
+            Subject::Bulwark(n) if n > 1 => format!("{},{}", self.proxy, self.load),
+            _ => self.proxy.to_string(),
+        }
+    }
+
+    fn describe(pinning: Option<&Pinning>) -> String {
+        match pinning {
+            Some(p) => format!(
+                "upstream and proxy on core {}, h2load on core {} (Bulwark with two \
+                 workers: cores {})",
+                p.proxy,
+                p.load,
+                p.proxy_cores(Subject::Bulwark(2))
+            ),
+            None => "none: taskset is missing or this machine has one core, so the proxy, \
+                     the upstream and h2load share every core"
+                .into(),
+        }
+    }
+}
+
+/// The cores of a CPU list as the kernel writes it (`0-3,8,10-11`), in order.
+fn cpu_list(list: &str) -> Vec<usize> {
+    let mut cores = Vec::new();
+    for part in list.trim().split(',') {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        if let (Ok(first), Ok(last)) = (first.trim().parse::<usize>(), last.trim().parse::<usize>())
+        {
+            cores.extend(first..=last);
+        }
+    }
+    cores
+}
+
+/// A command for `program`, pinned to `cores` when there is pinning.
+fn pinned(tools: &Tools, cores: Option<String>, program: &Path) -> Command {
+    match (&tools.taskset, cores) {
+        (Some(taskset), Some(cores)) => {
+            let mut command = child::command(taskset);
+            command.arg("-c").arg(cores).arg(program);
+            command
+        }
+        _ => child::command(program),
+    }
+}
+
+/// Runs the scenario against every subject that is installed.
+pub async fn run(opts: &Options) -> anyhow::Result<Report> {
+    let tools = Tools::find()?;
+    let pinning = Pinning::choose(&tools);
+    let phase = opts.duration_or(Duration::from_secs(20)) / 2;
+    let dir = tempfile::Builder::new()
+        .prefix("bulwark-passthrough-")
+        .tempdir()
+        .context("creating the run's folder")?;
+    let bench = Bench::start(dir.path(), &tools, pinning.clone()).await?;
+    let mut runs = Vec::new();
+    for subject in Subject::ALL {
+        if opts
+            .only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|o| o == subject.name()))
+        {
+            continue;
+        }
+        if subject == Subject::Haproxy && tools.haproxy.is_none() {
+            continue;
+        }
+        eprintln!("== passthrough ({}): starting", subject.name());
+        let run = bench.measure(subject, phase).await?;
+        eprintln!(
+            "== passthrough ({}): {:.0} requests/s at saturation",
+            subject.name(),
+            run.classes.get("saturation").map_or(0.0, |c| c.rps)
+        );
+        runs.push((subject.name().to_string(), run));
+    }
+    let mut report = Report::new("passthrough", opts.scale, runs);
+    report.bench = Some(report::BenchSetup {
+        load_generator: format!(
+            "{}, {CONNECTIONS} connections × {STREAMS} streams, one bearer token; fixed \
+             rate {FIXED_RATE} requests/s",
+            bench.h2load_version
+        ),
+        pinning: Pinning::describe(pinning.as_ref()),
+    });
+    Ok(report)
+}
+
+/// The upstream and what every subject is started with.
+struct Bench<'a> {
+    dir: PathBuf,
+    tools: &'a Tools,
+    pinning: Option<Pinning>,
+    pki: Pki,
+    upstream: Child,
+    /// The upstream's TLS listener.
+    upstream_addr: SocketAddr,
+    /// The upstream's plain listener for `stub_status` (its request count).
+    status_addr: SocketAddr,
+    h2load_version: String,
+}
+
+/// How h2load loads a subject.
+#[derive(Clone, Copy, Debug)]
+enum Load {
+    /// A fixed number of requests, as fast as they go, not measured.
+    WarmUp,
+    /// [`FIXED_RATE`] requests/s for this long.
+    Fixed(Duration),
+    /// As fast as the subject answers, for this long.
+    Saturation(Duration),
+}
+
+/// A subject's proxy process, if it has one.
+enum Front {
+    Upstream,
+    External { child: Child, name: &'static str },
+    Bulwark(ProxyProcess),
+}
+
+impl Front {
+    async fn stop(self, dir: &Path) -> anyhow::Result<Option<ProxyCost>> {
+        Ok(match self {
+            Front::Upstream => None,
+            Front::External { mut child, name } => {
+                let log =
+                    std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
+                Some(stop_child(&mut child, name, &log).await?)
+            }
+            Front::Bulwark(process) => Some(process.stop().await?),
+        })
+    }
+}
+
+impl<'a> Bench<'a> {
+    /// Writes the upstream's certificate and configuration into `dir` and starts it.
+    async fn start(
         dir: &Path,
-        upstream: SocketAddr,
-        pki: &Pki,
-    ) -> anyhow::Result<External> {
-        let name = binary(mode);
-        let exe = find(name).with_context(|| format!("{name} is not installed"))?;
-        std::fs::create_dir_all(dir)?;
-        let serving_ca = Ca::new(&format!("{name}-serving-ca"));
-        let serving = serving_ca.server_cert(&["127.0.0.1", "localhost"]);
-        let (crt, key) = serving.write(dir, "serving")?;
-        let own = pki.client_ca.client_cert("external-proxy", &["fixed_rate"]);
-        let (own_crt, own_key) = own.write(dir, "upstream-client")?;
-        let client_ca = dir.join("client-ca.crt");
-        std::fs::write(&client_ca, pki.client_ca.cert_pem())?;
-        let upstream_ca = dir.join("upstream-ca.crt");
-        std::fs::write(&upstream_ca, pki.server_ca.cert_pem())?;
-        let addr = free_port()?;
-        let log = dir.join(format!("{name}.log"));
-        let d = |p: &Path| p.to_string_lossy().into_owned();
-        let mut command = match mode {
-            Mode::Nginx => {
-                let tmp = dir.join("nginx-tmp");
-                std::fs::create_dir_all(&tmp)?;
-                let t = d(&tmp);
-                let config = format!(
-                    r#"daemon off;
-master_process off;
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {log} warn;
+        tools: &'a Tools,
+        pinning: Option<Pinning>,
+    ) -> anyhow::Result<Bench<'a>> {
+        let pki = Pki::new();
+        let (crt, key) = pki
+            .server_ca
+            .server_cert(&["127.0.0.1", "localhost"])
+            .write(dir, "upstream")?;
+        let upstream_addr = free_port()?;
+        let status_addr = free_port()?;
+        let d = dir.display();
+        let config = format!(
+            r#"daemon off; master_process off; worker_processes 1; pid {d}/upstream.pid;
+error_log {d}/upstream.log warn;
 events {{ worker_connections 8000; }}
 http {{
   access_log off;
-  client_body_temp_path {t}/body;
-  proxy_temp_path {t}/proxy;
-  fastcgi_temp_path {t}/fastcgi;
-  uwsgi_temp_path {t}/uwsgi;
-  scgi_temp_path {t}/scgi;
-  upstream apiserver {{ server {upstream}; keepalive 64; }}
+  client_body_temp_path {d}/upstream-tmp;
+  default_type application/json;
   server {{
-    listen {addr} ssl http2;
+    listen {upstream_addr} ssl http2;
     ssl_certificate {crt};
     ssl_certificate_key {key};
-    ssl_client_certificate {client_ca};
-    ssl_verify_client on;
-    http2_max_concurrent_streams 250;
-    location / {{
-      proxy_pass https://apiserver;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_ssl_certificate {own_crt};
-      proxy_ssl_certificate_key {own_key};
-      proxy_ssl_trusted_certificate {upstream_ca};
-      proxy_ssl_verify on;
-      proxy_ssl_name localhost;
-      proxy_ssl_server_name on;
-      proxy_ssl_session_reuse on;
-    }}
+    http2_max_concurrent_streams 1000;
+    keepalive_requests 100000000;
+    location = /readyz {{ return 200 'ok'; }}
+    location = /apis/authentication.k8s.io/v1/tokenreviews {{ return 201 '{REVIEW}'; }}
+    location / {{ return 200 '{OBJECT}'; }}
+  }}
+  server {{
+    listen {status_addr};
+    location / {{ stub_status; }}
   }}
 }}
 "#,
-                    dir = d(dir),
-                    log = d(&log),
-                    crt = d(&crt),
-                    key = d(&key),
-                    client_ca = d(&client_ca),
-                    own_crt = d(&own_crt),
-                    own_key = d(&own_key),
-                    upstream_ca = d(&upstream_ca),
-                );
-                let path = dir.join("nginx.conf");
-                std::fs::write(&path, config)?;
-                let mut c = Command::new(exe);
-                c.arg("-c")
-                    .arg(&path)
-                    .arg("-p")
-                    .arg(dir)
-                    .arg("-e")
-                    .arg(&log);
-                c
-            }
-            _ => {
-                // haproxy wants each certificate and its key in one PEM file.
+            crt = crt.display(),
+            key = key.display(),
+        );
+        let path = dir.join("upstream.conf");
+        std::fs::write(&path, config)?;
+        let cores = pinning.as_ref().map(|p| p.proxy.to_string());
+        let mut command = pinned(tools, cores, &tools.nginx);
+        command.arg("-c").arg(&path).arg("-p").arg(dir);
+        let upstream = spawn(command, dir, "upstream")?;
+        let version = Command::new(&tools.h2load)
+            .arg("--version")
+            .output()
+            .await?;
+        let mut bench = Bench {
+            dir: dir.to_path_buf(),
+            tools,
+            pinning,
+            pki,
+            upstream,
+            upstream_addr,
+            status_addr,
+            h2load_version: String::from_utf8_lossy(&version.stdout).trim().to_string(),
+        };
+        wait_listening(
+            &mut bench.upstream,
+            upstream_addr,
+            "the upstream nginx",
+            dir,
+        )
+        .await?;
+        Ok(bench)
+    }
+
+    /// Starts `subject`, warms it up, measures it at the fixed rate and at saturation, and
+    /// stops it.
+    async fn measure(&self, subject: Subject, phase: Duration) -> anyhow::Result<Run> {
+        let (addr, front) = self.front(subject).await?;
+        let url = format!("https://{addr}{PATH}");
+        let warm = self.h2load(&url, Load::WarmUp).await?;
+        if warm.ok == 0 {
+            let _ = front.stop(&self.dir).await;
+            bail!(
+                "{}: not one warm-up request succeeded ({} requests, {} refused, {} errors)",
+                subject.name(),
+                warm.requests,
+                warm.rejected,
+                warm.errors
+            );
+        }
+        let before = self.upstream_requests().await?;
+        let fixed = self.h2load(&url, Load::Fixed(phase)).await?;
+        let saturation = self.h2load(&url, Load::Saturation(phase)).await?;
+        // The second status read counts itself.
+        let upstream = (self.upstream_requests().await?).saturating_sub(before + 1);
+        let proxy = front.stop(&self.dir).await?;
+        Ok(Run {
+            apiserver: report::Apiserver {
+                replica_requests: vec![upstream],
+                upstream_requests: upstream,
+                ..report::Apiserver::default()
+            },
+            proxy,
+            classes: [
+                ("fixed_rate".to_string(), fixed),
+                ("saturation".to_string(), saturation),
+            ]
+            .into(),
+            event_delivery_p99_ms: None,
+        })
+    }
+
+    /// Starts the subject's proxy, pinned; returns where h2load connects.
+    async fn front(&self, subject: Subject) -> anyhow::Result<(SocketAddr, Front)> {
+        let cores = self.pinning.as_ref().map(|p| p.proxy_cores(subject));
+        let dir = &self.dir;
+        let d = dir.display();
+        let up = self.upstream_addr;
+        let addr = free_port()?;
+        let serving = self.dir.join("upstream.crt");
+        let serving_key = self.dir.join("upstream.key");
+        let (serving, serving_key) = (serving.display(), serving_key.display());
+        let ca = dir.join("upstream-ca.crt");
+        std::fs::write(&ca, self.pki.server_ca.cert_pem())?;
+        let ca = ca.display();
+        let (mut child, name) = match subject {
+            Subject::Direct => return Ok((up, Front::Upstream)),
+            Subject::Bulwark(workers) => return self.bulwark(workers, cores).await,
+            Subject::Haproxy => {
                 let bundle = dir.join("serving.pem");
-                std::fs::write(&bundle, format!("{}{}", serving.cert_pem, serving.key_pem))?;
-                let own_bundle = dir.join("upstream-client.pem");
-                std::fs::write(&own_bundle, format!("{}{}", own.cert_pem, own.key_pem))?;
+                std::fs::write(
+                    &bundle,
+                    std::fs::read_to_string(dir.join("upstream.crt"))?
+                        + &std::fs::read_to_string(dir.join("upstream.key"))?,
+                )?;
                 let config = format!(
                     r#"global
   maxconn 8000
+  nbthread 1
 defaults
   mode http
   timeout connect 5s
   timeout client 60s
   timeout server 60s
 frontend clients
-  bind {addr} ssl crt {bundle} ca-file {client_ca} verify required alpn h2,http/1.1
-  default_backend apiserver
-backend apiserver
+  bind {addr} ssl crt {bundle} alpn h2,http/1.1
+  default_backend upstream
+backend upstream
   http-reuse always
-  server replica {upstream} ssl verify required verifyhost localhost ca-file {upstream_ca} crt {own} alpn h2
+  server up {up} ssl verify required verifyhost localhost ca-file {ca} alpn h2
 "#,
-                    bundle = d(&bundle),
-                    client_ca = d(&client_ca),
-                    upstream_ca = d(&upstream_ca),
-                    own = d(&own_bundle),
+                    bundle = bundle.display(),
                 );
                 let path = dir.join("haproxy.cfg");
                 std::fs::write(&path, config)?;
-                let mut c = Command::new(exe);
-                c.arg("-db").arg("-f").arg(&path);
-                c
+                let haproxy = self
+                    .tools
+                    .haproxy
+                    .as_ref()
+                    .context("haproxy is not installed")?;
+                let mut command = pinned(self.tools, cores, haproxy);
+                command.arg("-db").arg("-f").arg(&path);
+                (spawn(command, dir, "haproxy")?, "haproxy")
             }
-        };
-        let out = std::fs::File::create(dir.join(format!("{name}.out")))?;
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .kill_on_drop(true)
-            .spawn()
-            .with_context(|| format!("starting {name}"))?;
-        let mut external = External {
-            child,
-            target: Target {
-                addr,
-                ca_pem: serving_ca.cert_pem(),
-            },
-            name,
-            log,
-        };
-        external.wait_listening(dir).await?;
-        Ok(external)
-    }
-
-    async fn wait_listening(&mut self, dir: &Path) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait()? {
-                let out = std::fs::read_to_string(dir.join(format!("{}.out", self.name)))
-                    .unwrap_or_default();
-                bail!("{} exited at start ({status}):\n{out}", self.name);
-            }
-            if tokio::net::TcpStream::connect(self.target.addr)
-                .await
-                .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "{} did not listen on {} within 10 s",
-                    self.name,
-                    self.target.addr
+            Subject::Nginx => {
+                let config = format!(
+                    r#"daemon off; master_process off; worker_processes 1; pid {d}/proxy.pid;
+error_log {d}/nginx.log warn;
+events {{ worker_connections 8000; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/proxy-tmp; proxy_temp_path {d}/proxy-tmp;
+  upstream up {{ server {up}; keepalive 64; }}
+  server {{
+    listen {addr} ssl http2;
+    ssl_certificate {serving};
+    ssl_certificate_key {serving_key};
+    http2_max_concurrent_streams 1000;
+    location / {{
+      proxy_pass https://up; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_ssl_trusted_certificate {ca}; proxy_ssl_verify on; proxy_ssl_name localhost;
+      proxy_ssl_session_reuse on;
+    }}
+  }}
+}}
+"#
                 );
+                let path = dir.join("nginx.conf");
+                std::fs::write(&path, config)?;
+                let mut command = pinned(self.tools, cores, &self.tools.nginx);
+                command.arg("-c").arg(&path).arg("-p").arg(dir);
+                (spawn(command, dir, "nginx")?, "nginx")
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Measures and stops the proxy.
-    pub async fn stop(mut self) -> anyhow::Result<ProxyCost> {
-        let tail = std::fs::read_to_string(&self.log).unwrap_or_default();
-        crate::proxy_process::stop_child(&mut self.child, self.name, &tail).await
-    }
-}
-
-/// The scenario measures the proxy's own overhead, not a limit: its identities are exempt
-/// (under the shipped rules they would be catch-all users, held to 20 requests/s each).
-const MEASURED_RULE: &str = r#"
-rules:
-  - name: passthrough-measurement
-    precedence: 50
-    match:
-      groups: [fixed_rate, saturation]
-    level: exempt
-"#;
-
-impl Scenario for Passthrough {
-    fn name(&self) -> &'static str {
-        "passthrough"
-    }
-
-    fn setup(&self, _opts: &Options) -> Setup {
-        Setup {
-            replicas: 1,
-            seed: vec!["configmaps=10x1KiB".into()],
-            extra_rules: vec![("passthrough.yaml", MEASURED_RULE)],
-            ..Setup::default()
-        }
-    }
-
-    fn modes(&self) -> Vec<Mode> {
-        self.modes.clone()
-    }
-
-    async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
-        let duration = opts.duration_or(Duration::from_secs(20));
-        let fixed = Load {
-            class: "fixed_rate".into(),
-            identities: identities(pki, "fixed_rate", opts.scaled(10, 1)),
-            think: Duration::from_millis(1000 / PER_IDENTITY_RPS),
-            next: Arc::new(|_, _| Req::get(PATH.into(), Duration::from_secs(10))),
         };
-        let saturation = Load {
-            class: "saturation".into(),
-            identities: identities(pki, "saturation", opts.scaled(64, 1)),
-            think: Duration::ZERO,
-            next: Arc::new(|_, _| Req::get(PATH.into(), Duration::from_secs(10))),
-        };
-        // One phase after the other, so that the fixed-rate latencies are not measured
-        // under saturation.
-        let mut first = env.drive_loads(vec![fixed], duration / 2).await?;
-        let second = env.drive_loads(vec![saturation], duration / 2).await?;
-        first.classes.extend(second.classes);
-        Ok(first)
+        wait_listening(&mut child, addr, name, dir).await?;
+        Ok((addr, Front::External { child, name }))
     }
-}
 
-/// Runs the scenario against every target that is installed; says how to install the
-/// missing ones.
-pub async fn run(opts: &Options) -> anyhow::Result<Report> {
-    let mut modes = vec![Mode::Replica, Mode::Bulwark];
-    for mode in [Mode::Haproxy, Mode::Nginx] {
-        if find(binary(mode)).is_some() {
-            modes.push(mode);
-        } else {
-            eprintln!(
-                "note: {0} is not installed, so its run is skipped; on Debian or Ubuntu: \
-                 sudo apt-get install {0}",
-                binary(mode)
+    /// Starts Bulwark (this binary's hidden subcommand) with `workers` worker threads.
+    async fn bulwark(
+        &self,
+        workers: usize,
+        cores: Option<String>,
+    ) -> anyhow::Result<(SocketAddr, Front)> {
+        let dir = self.dir.join(format!("bulwark-{workers}"));
+        let serving_ca = Ca::new("bulwark-serving-ca");
+        let credentials = Credentials::mint(&dir, &self.pki, &serving_ca, Names::default())?;
+        let rules = dir.join("rules");
+        std::fs::create_dir_all(&rules)?;
+        std::fs::write(rules.join("passthrough.yaml"), MEASURED_RULE)?;
+        let mut config = BulwarkConfig::new(credentials, vec![self.upstream_addr]);
+        config.listen = free_port()?;
+        config.admin = free_port()?;
+        config.cache = false;
+        config.rules = Some(rules);
+        config.shutdown = (Duration::ZERO, Duration::from_secs(2));
+        let path = dir.join("bulwark.yaml");
+        config.write(&path)?;
+        let exe = std::env::current_exe().context("locating this binary")?;
+        let mut command = pinned(self.tools, cores, &exe);
+        command.env("TOKIO_WORKER_THREADS", workers.to_string());
+        let target = Target {
+            addr: config.listen,
+            ca_pem: serving_ca.cert_pem(),
+        };
+        let process = ProxyProcess::launch(command, &path, target, config.admin, &dir).await?;
+        Ok((config.listen, Front::Bulwark(process)))
+    }
+
+    /// Runs h2load against `url` and reads what it saw.
+    async fn h2load(&self, url: &str, load: Load) -> anyhow::Result<Class> {
+        let cores = self.pinning.as_ref().map(|p| p.load.to_string());
+        let mut command = pinned(self.tools, cores, &self.tools.h2load);
+        command
+            .arg("-c")
+            .arg(CONNECTIONS.to_string())
+            .arg("-m")
+            .arg(STREAMS.to_string())
+            .arg("-H")
+            .arg(format!("authorization: Bearer {CLIENT_TOKEN}"));
+        let seconds = |d: Duration| d.as_secs().max(1).to_string();
+        match load {
+            Load::WarmUp => command.arg("-n").arg(WARM_UP.to_string()),
+            Load::Fixed(d) => command
+                .arg("--rps")
+                .arg((FIXED_RATE / CONNECTIONS).to_string())
+                .arg("-D")
+                .arg(seconds(d)),
+            Load::Saturation(d) => command.arg("-D").arg(seconds(d)),
+        };
+        // h2load appends to its log: every run starts a fresh one.
+        let log = self.dir.join("h2load.log");
+        match std::fs::remove_file(&log) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
+        }
+        command
+            .arg(format!("--log-file={}", log.display()))
+            .arg(url);
+        let out = command
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .context("running h2load")?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!(
+                "h2load failed ({}):\n{stdout}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
             );
         }
+        let summary = Summary::parse(&stdout)
+            .with_context(|| format!("h2load printed no summary:\n{stdout}"))?;
+        let entries = std::fs::read_to_string(&log).context("reading h2load's log")?;
+        Ok(summary.class(&entries))
     }
-    super::run(&Passthrough { modes }, opts).await
+
+    /// How many requests the upstream has served so far (nginx's `stub_status`).
+    async fn upstream_requests(&self) -> anyhow::Result<u64> {
+        let mut stream = tokio::net::TcpStream::connect(self.status_addr).await?;
+        stream
+            .write_all(b"GET / HTTP/1.0\r\nHost: status\r\n\r\n")
+            .await?;
+        let mut text = String::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut text))
+            .await
+            .context("the upstream's status did not answer")??;
+        stub_status_requests(&text).with_context(|| format!("not nginx's stub_status: {text}"))
+    }
+}
+
+/// The total request count in nginx's `stub_status` page:
+/// `server accepts handled requests` is followed by a line of those three numbers.
+fn stub_status_requests(page: &str) -> Option<u64> {
+    let mut lines = page
+        .lines()
+        .skip_while(|l| !l.contains("accepts handled requests"));
+    lines.next()?;
+    lines.next()?.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Starts `command` with its output in `dir/NAME.out`.
+fn spawn(mut command: Command, dir: &Path, name: &str) -> anyhow::Result<Child> {
+    let out = std::fs::File::create(dir.join(format!("{name}.out")))?;
+    command
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("starting {name}"))
+}
+
+/// Waits until something accepts connections on `addr`, or says why `child` exited.
+async fn wait_listening(
+    child: &mut Child,
+    addr: SocketAddr,
+    name: &str,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let out = std::fs::read_to_string(dir.join(format!("{name}.out"))).unwrap_or_default();
+            bail!("{name} exited at start ({status}):\n{out}");
+        }
+        if tokio::net::TcpStream::connect(addr).await.is_ok() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("{name} did not listen on {addr} within 10 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What h2load prints at the end of a run that its log does not hold.
+#[derive(Debug, PartialEq)]
+struct Summary {
+    /// How long the measured part ran.
+    elapsed: Duration,
+    /// Requests that ended, answered or failed.
+    done: u64,
+}
+
+impl Summary {
+    /// Reads `finished in 10.00s, ...` and `requests: N total, N started, N done, ...`.
+    fn parse(stdout: &str) -> Option<Summary> {
+        let finished = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("finished in "))?;
+        let elapsed = finished.split(',').next()?.trim();
+        let elapsed = match elapsed.strip_suffix("ms") {
+            Some(ms) => ms.parse::<f64>().ok()? / 1000.0,
+            None => elapsed.strip_suffix('s')?.parse::<f64>().ok()?,
+        };
+        let requests = stdout.lines().find_map(|l| l.strip_prefix("requests: "))?;
+        let done = requests
+            .split(", ")
+            .find_map(|part| part.strip_suffix(" done"))?
+            .parse()
+            .ok()?;
+        Some(Summary {
+            elapsed: Duration::from_secs_f64(elapsed),
+            done,
+        })
+    }
+
+    /// The class figures from h2load's per-request log (`start µs`, `status`, `µs until
+    /// the end of the response`, tab-separated): latency of the 2xx answers, 429s as
+    /// refused, every other status or unlogged failure as an error.
+    fn class(&self, log: &str) -> Class {
+        let mut hist: Histogram<u64> = new_histogram();
+        let (mut ok, mut rejected, mut logged) = (0u64, 0u64, 0u64);
+        for line in log.lines() {
+            let mut columns = line.split('\t');
+            let (Some(_), Some(status), Some(micros)) =
+                (columns.next(), columns.next(), columns.next())
+            else {
+                continue;
+            };
+            let (Ok(status), Ok(micros)) = (status.parse::<u16>(), micros.parse::<u64>()) else {
+                continue;
+            };
+            logged += 1;
+            match status {
+                200..=299 => {
+                    ok += 1;
+                    let _ = hist.record(micros.max(1));
+                }
+                429 => rejected += 1,
+                _ => {}
+            }
+        }
+        let requests = self.done.max(logged);
+        let ms = |q: f64| {
+            if hist.is_empty() {
+                0.0
+            } else {
+                hist.value_at_quantile(q) as f64 / 1000.0
+            }
+        };
+        let secs = self.elapsed.as_secs_f64();
+        Class {
+            requests,
+            ok,
+            rejected,
+            errors: requests - ok - rejected,
+            mean_ms: if hist.is_empty() {
+                0.0
+            } else {
+                hist.mean() / 1000.0
+            },
+            p50_ms: ms(0.5),
+            p99_ms: ms(0.99),
+            p999_ms: ms(0.999),
+            rps: if secs > 0.0 { ok as f64 / secs } else { 0.0 },
+            // One bearer token: one identity.
+            per_identity_ok: vec![ok],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H2LOAD_OUTPUT: &str = "starting benchmark...
+spawning thread #0: 20 total client(s). Timing-based test with 0s of warm-up time and 2s of main duration for measurements.
+Warm-up phase is over for thread #0.
+Main benchmark duration is over for thread #0. Stopping all clients.
+Stopped all clients for thread #0
+
+finished in 2.00s, 34912.50 req/s, 5.23MB/s
+requests: 69825 total, 70025 started, 69825 done, 69820 succeeded, 5 failed, 5 errored, 0 timeout
+status codes: 69820 2xx, 0 3xx, 3 4xx, 0 5xx
+traffic: 10.46MB (10968040) total, 0.98MB (1027440) headers (space savings 95.56%), 8.99MB (9425600) data
+                     min         max         mean         sd        +/- sd
+time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
+";
+
+    #[test]
+    fn reads_the_run_length_and_requests_done_from_h2loads_summary() {
+        let summary = Summary::parse(H2LOAD_OUTPUT).unwrap();
+        assert_eq!(
+            summary,
+            Summary {
+                elapsed: Duration::from_secs(2),
+                done: 69825
+            }
+        );
+        let short = "finished in 812.25ms, 2462.29 req/s, 1MB/s\nrequests: 2000 total, 2000 started, 2000 done, 2000 succeeded, 0 failed, 0 errored, 0 timeout\n";
+        assert_eq!(
+            Summary::parse(short).unwrap().elapsed,
+            Duration::from_micros(812_250)
+        );
+        assert_eq!(Summary::parse("h2load: connection refused\n"), None);
+    }
+
+    #[test]
+    fn a_class_counts_statuses_and_times_the_answers_from_the_log() {
+        let summary = Summary {
+            elapsed: Duration::from_secs(2),
+            done: 6,
+        };
+        // Five logged answers (one a 429, one a 503), one request failed unlogged, and a
+        // line that is not an entry.
+        let log = "1700000000000000\t200\t100\n1700000000000100\t200\t300\n\
+                   1700000000000200\t429\t50\n1700000000000300\t503\t70\n\
+                   1700000000000400\t200\t200\ngarbage\n";
+        let class = summary.class(log);
+        assert_eq!(
+            (class.requests, class.ok, class.rejected, class.errors),
+            (6, 3, 1, 2)
+        );
+        assert!((class.mean_ms - 0.2).abs() < 0.001, "{class:?}");
+        assert!((class.p99_ms - 0.3).abs() < 0.001, "{class:?}");
+        assert!((class.rps - 1.5).abs() < 1e-9);
+        assert_eq!(class.per_identity_ok, vec![3]);
+    }
+
+    #[test]
+    fn reads_the_kernels_cpu_lists() {
+        assert_eq!(cpu_list("0-1\n"), vec![0, 1]);
+        assert_eq!(cpu_list("0-2,8,10-11"), vec![0, 1, 2, 8, 10, 11]);
+        assert_eq!(cpu_list("3"), vec![3]);
+        assert_eq!(cpu_list(""), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn reads_the_request_count_from_nginxs_stub_status() {
+        let page = "Active connections: 3 \nserver accepts handled requests\n 12 12 98765 \nReading: 0 Writing: 1 Waiting: 2 \n";
+        assert_eq!(stub_status_requests(page), Some(98765));
+        assert_eq!(stub_status_requests("<html>404</html>"), None);
+    }
 }

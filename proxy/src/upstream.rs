@@ -510,11 +510,9 @@ impl Inner {
                     ));
                 }
                 Err(failure) => {
-                    let name = self.balancer.replica(index).name.clone();
-                    self.metrics
-                        .upstream_responses_total
-                        .with_label_values(&[&*name, "error"])
-                        .inc();
+                    let replica = self.balancer.replica(index);
+                    replica.count_response(None);
+                    let name = replica.name.clone();
                     match failure {
                         Failure::Fatal(error) => return Err(error),
                         Failure::NotSent { error, eject } => {
@@ -619,10 +617,7 @@ impl Inner {
         let now = Instant::now();
         let replica = self.balancer.replica(index).clone();
         let status = response.status();
-        self.metrics
-            .upstream_responses_total
-            .with_label_values(&[&*replica.name, code_class(status)])
-            .inc();
+        replica.count_response(Some(status));
         self.balancer.succeeded(index, now);
         if let Some(for_how_long) = replica_throttle(status, response.headers()) {
             self.balancer.throttle(index, for_how_long, now);
@@ -762,17 +757,6 @@ fn classify_hyper_error(replica: &Arc<str>, error: hyper::Error) -> Failure {
         Failure::MaybeSent { error, eject }
     } else {
         Failure::NotSent { error, eject }
-    }
-}
-
-/// The label of `upstream_responses_total` for a status.
-fn code_class(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        100..=199 => "1xx",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        _ => "5xx",
     }
 }
 
@@ -1088,13 +1072,5 @@ mod tests {
             assert_eq!(replica_throttle(too_many, &h), None, "{apf}");
         }
         assert_eq!(replica_throttle(StatusCode::OK, &headers(&[])), None);
-    }
-
-    #[test]
-    fn code_classes_cover_every_status() {
-        assert_eq!(code_class(StatusCode::OK), "2xx");
-        assert_eq!(code_class(StatusCode::TOO_MANY_REQUESTS), "4xx");
-        assert_eq!(code_class(StatusCode::SERVICE_UNAVAILABLE), "5xx");
-        assert_eq!(code_class(StatusCode::SWITCHING_PROTOCOLS), "1xx");
     }
 }

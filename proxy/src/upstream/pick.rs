@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use prometheus::IntGauge;
+use prometheus::{IntCounter, IntGauge};
 use rand::Rng;
 use tokio::time::Instant;
 
@@ -61,7 +61,14 @@ pub(crate) struct Replica {
     in_flight_gauge: IntGauge,
     watches_gauge: IntGauge,
     healthy_gauge: IntGauge,
+    /// `bulwark_upstream_responses_total` of this replica for each of
+    /// [`RESPONSE_CLASSES`], resolved once rather than looked up by label per response.
+    responses: [IntCounter; RESPONSE_CLASSES.len()],
 }
+
+/// The `code_class` labels of `bulwark_upstream_responses_total`: a status class, or
+/// `error` for an exchange that got no answer.
+const RESPONSE_CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
 
 impl Replica {
     /// Parses `host:port` (or `[v6]:port`); without a port, 443.
@@ -98,7 +105,26 @@ impl Replica {
             in_flight_gauge: metrics.upstream_in_flight.with_label_values(&label),
             watches_gauge: metrics.upstream_watches.with_label_values(&label),
             healthy_gauge: metrics.upstream_healthy.with_label_values(&label),
+            responses: RESPONSE_CLASSES.map(|class| {
+                metrics
+                    .upstream_responses_total
+                    .with_label_values(&[name, class])
+            }),
         })
+    }
+
+    /// Counts one answer of this replica with `status`, or with `None` one exchange that got
+    /// no answer.
+    pub(crate) fn count_response(&self, status: Option<http::StatusCode>) {
+        let class = match status.map(|s| s.as_u16()) {
+            Some(100..=199) => 0,
+            Some(200..=299) => 1,
+            Some(300..=399) => 2,
+            Some(400..=499) => 3,
+            Some(_) => 4,
+            None => 5,
+        };
+        self.responses[class].inc();
     }
 
     /// Requests sent and waiting for their response head.
@@ -549,6 +575,33 @@ mod tests {
         let counts: Vec<u64> = b.replicas().iter().map(|r| r.pending()).collect();
         let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
         assert!(max - min <= 3, "{counts:?}");
+    }
+
+    #[test]
+    fn each_answer_is_counted_under_its_replica_and_status_class() {
+        let (b, metrics) = balancer(2);
+        let replica = b.replica(1);
+        for status in [200, 201, 429, 503, 101, 304] {
+            replica.count_response(Some(http::StatusCode::from_u16(status).unwrap()));
+        }
+        replica.count_response(None);
+        let count = |name: &str, class: &str| {
+            metrics
+                .upstream_responses_total
+                .with_label_values(&[name, class])
+                .get()
+        };
+        let name = &*replica.name;
+        let counts: Vec<u64> = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"]
+            .iter()
+            .map(|class| count(name, class))
+            .collect();
+        assert_eq!(counts, [1, 2, 1, 1, 1, 1]);
+        assert_eq!(
+            count(&b.replica(0).name, "2xx"),
+            0,
+            "the other replica's are its own"
+        );
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

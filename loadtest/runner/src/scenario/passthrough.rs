@@ -475,6 +475,9 @@ http {{
     ssl_certificate {serving};
     ssl_certificate_key {serving_key};
     http2_max_concurrent_streams 1000;
+    # nginx closes a client connection after 1,000 requests by default, and h2load does
+    # not reconnect.
+    keepalive_requests 100000000;
     location / {{
       proxy_pass https://up; proxy_http_version 1.1; proxy_set_header Connection "";
       proxy_ssl_trusted_certificate {ca}; proxy_ssl_verify on; proxy_ssl_name localhost;

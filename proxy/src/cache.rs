@@ -37,6 +37,7 @@ pub mod audit;
 pub mod authz;
 mod informer;
 pub mod layer;
+pub mod protobuf;
 mod respond;
 pub(crate) mod store;
 mod watch;

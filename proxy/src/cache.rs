@@ -33,11 +33,14 @@
 //! **Versions newer than the cache** go upstream, where the apiserver decides (it waits for
 //! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
 
+mod accept;
 pub mod audit;
 pub mod authz;
 mod informer;
 pub mod layer;
 pub mod protobuf;
+
+pub use accept::Encoding;
 mod respond;
 pub(crate) mod store;
 mod watch;
@@ -116,6 +119,7 @@ struct ListKey {
     fields: Option<String>,
     rv: u64,
     gzip: bool,
+    encoding: Encoding,
 }
 
 /// The LRU of encoded LIST responses, bounded in bytes.
@@ -205,6 +209,7 @@ pub struct Plan {
     filter: watch::Filter,
     what: Planned,
     bytes: u64,
+    encoding: Encoding,
 }
 
 impl Plan {
@@ -399,6 +404,7 @@ impl Cache {
             peer: reader.peer,
             filter: plan.filter,
             audit_id,
+            encoding: plan.encoding,
         };
         match plan.what {
             Planned::Get { name } => self.answer_get(request, name).await,
@@ -445,9 +451,14 @@ impl Cache {
         if let Some(why) = self.bypass(info, headers) {
             return Err(GoUpstream::Bypass(why));
         }
-        let Some(store) = resource.store().filter(|s| s.synced()).cloned() else {
+        let Some(store) = resource.store().cloned() else {
             return Err(GoUpstream::Miss("not synced"));
         };
+        let encoding =
+            accept::negotiate(headers, store.kind.proto.is_some()).map_err(GoUpstream::Bypass)?;
+        if !store.synced() {
+            return Err(GoUpstream::Miss("not synced"));
+        }
         if info.api_version != store.kind.version {
             return Err(GoUpstream::Bypass("another API version"));
         }
@@ -491,6 +502,7 @@ impl Cache {
             filter,
             what,
             bytes,
+            encoding,
         })
     }
 
@@ -511,9 +523,6 @@ impl Cache {
             .any(|name| name.as_str().starts_with("impersonate-"))
         {
             return Some("impersonation");
-        }
-        if !accepts_plain_json(headers) {
-            return Some("Accept asks for another form");
         }
         None
     }
@@ -811,7 +820,8 @@ impl Cache {
             let response = respond::status_response(&status, &request.audit_id);
             return Ok(self.give(&request, ("get", Some(&name), 404), response));
         };
-        let pieces = respond::object_pieces(kind, &obj);
+        let pieces = respond::object_answer(kind, &obj, request.encoding)
+            .map_err(|e| unencodable(&e, &request))?;
         let response = self.respond(&request, pieces).await;
         Ok(self.give(&request, ("get", Some(&name), 200), response))
     }
@@ -839,7 +849,7 @@ impl Cache {
             } else {
                 Some(items.len() as u64)
             };
-            let response = self.page(&request, at, items, total_after).await;
+            let response = self.page(&request, at, items, total_after).await?;
             return Ok(self.give(&request, ("list", None, 200), response));
         }
         let q = &request.info.query;
@@ -849,7 +859,7 @@ impl Cache {
         if limit(request.info).is_some() {
             let count = items.len() as u64;
             let total = (!request.filter.selects()).then_some(count);
-            let response = self.page(&request, list_rv, items, total).await;
+            let response = self.page(&request, list_rv, items, total).await?;
             return Ok(self.give(&request, ("list", None, 200), response));
         }
         let gzip = wants_gzip(request.headers);
@@ -860,6 +870,7 @@ impl Cache {
             fields: q.field_selector.clone(),
             rv: list_rv,
             gzip,
+            encoding: request.encoding,
         };
         let cached = self
             .lists
@@ -870,7 +881,9 @@ impl Cache {
             let response = self.send(&request, pieces, gzip);
             return Ok(self.give(&request, ("list", None, 200), response));
         }
-        let pieces = respond::list_pieces(&request.store.kind, list_rv, None, &items);
+        let pieces =
+            respond::list_answer(&request.store.kind, list_rv, None, &items, request.encoding)
+                .map_err(|e| unencodable(&e, &request))?;
         drop(items);
         let (pieces, gzipped) = encode(pieces, gzip).await;
         self.lists
@@ -888,7 +901,7 @@ impl Cache {
         rv: u64,
         items: Vec<Arc<Obj>>,
         total: Option<u64>,
-    ) -> Response<Body> {
+    ) -> Result<Response<Body>, CacheError> {
         let limit = page_limit(request.info);
         let scope = Scope::of(request.info.namespace.as_deref());
         let next = (items.len() > limit).then(|| {
@@ -900,8 +913,10 @@ impl Cache {
             }
         });
         let page = &items[..items.len().min(limit)];
-        let pieces = respond::list_pieces(&request.store.kind, rv, next.as_ref(), page);
-        self.respond(request, pieces).await
+        let kind = &request.store.kind;
+        let pieces = respond::list_answer(kind, rv, next.as_ref(), page, request.encoding)
+            .map_err(|e| unencodable(&e, request))?;
+        Ok(self.respond(request, pieces).await)
     }
 
     async fn respond(&self, request: &Request<'_>, pieces: Arc<[Bytes]>) -> Response<Body> {
@@ -910,10 +925,11 @@ impl Cache {
     }
 
     fn send(&self, request: &Request<'_>, pieces: Arc<[Bytes]>, gzipped: bool) -> Response<Body> {
-        let mut response = respond::json_response(
+        let mut response = respond::response(
             StatusCode::OK,
             respond::chain_body(pieces),
             &request.audit_id,
+            respond::content_type(request.encoding, false),
         );
         if gzipped {
             response.headers_mut().insert(
@@ -946,10 +962,19 @@ impl Cache {
                     ),
                     None,
                 );
-                let response = respond::json_response(
+                let event = match request.encoding {
+                    Encoding::Json => Bytes::from(status.error_event()),
+                    Encoding::Protobuf => {
+                        let object = protobuf::status(&status.to_bytes())
+                            .map_err(|e| unencodable(&e, &request))?;
+                        Bytes::from(protobuf::watch_frame("ERROR", object))
+                    }
+                };
+                let response = respond::response(
                     StatusCode::OK,
-                    crate::full(status.error_event()),
+                    crate::full(event),
                     &request.audit_id,
+                    respond::content_type(request.encoding, true),
                 );
                 return Ok(self.give(&request, ("watch", None, 200), response));
             }
@@ -968,6 +993,7 @@ impl Cache {
             initial_events_end: watch_list,
             timeout,
             from,
+            encoding: request.encoding,
         };
         let reauth = watch::Reauthorize {
             access: self.access.clone(),
@@ -983,7 +1009,8 @@ impl Cache {
             initial_seats,
             self.metrics.clone(),
         );
-        let response = respond::json_response(StatusCode::OK, body, &request.audit_id);
+        let content_type = respond::content_type(request.encoding, true);
+        let response = respond::response(StatusCode::OK, body, &request.audit_id, content_type);
         Ok(self.give(&request, ("watch", None, 200), response))
     }
 }
@@ -1051,6 +1078,7 @@ struct Request<'a> {
     peer: Option<IpAddr>,
     filter: watch::Filter,
     audit_id: String,
+    encoding: Encoding,
 }
 
 /// Who asks: the user, the request's headers and the client's address (for the audit
@@ -1092,29 +1120,12 @@ fn forbidden(user: &User, attrs: &Attributes, reason: &str) -> Status {
     )
 }
 
-/// Whether the client takes plain JSON: no `as=` (Table, PartialObjectMetadata) and some
-/// range that JSON satisfies. No `Accept` at all takes JSON.
-fn accepts_plain_json(headers: &HeaderMap) -> bool {
-    let mut any = false;
-    let mut json = false;
-    for value in headers.get_all(http::header::ACCEPT) {
-        let Ok(value) = value.to_str() else {
-            return false;
-        };
-        for range in value.split(',') {
-            let mut parts = range.split(';');
-            let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
-            if media.is_empty() {
-                continue;
-            }
-            any = true;
-            if parts.any(|p| p.trim().to_ascii_lowercase().starts_with("as=")) {
-                return false;
-            }
-            json |= matches!(media.as_str(), "application/json" | "application/*" | "*/*");
-        }
-    }
-    !any || json
+/// The apiserver's 500 for a cached object that does not encode in protobuf (its JSON not
+/// reading as its kind): an error, never a silently different object.
+fn unencodable(error: &protobuf::ProtoError, request: &Request<'_>) -> CacheError {
+    tracing::warn!(error = %crate::report::Chain(error), "a cached object does not encode in protobuf");
+    let status = Status::failure(500, "InternalError", error.to_string(), None);
+    CacheError::Status(Box::new(status), request.audit_id.clone())
 }
 
 fn wants_gzip(headers: &HeaderMap) -> bool {

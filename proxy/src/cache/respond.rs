@@ -14,7 +14,9 @@ use http_body::{Frame, SizeHint};
 use apimachinery::continue_token;
 use apimachinery::status::Status;
 
-use super::store::{Kind, Obj};
+use super::accept::Encoding;
+use super::protobuf::{self, ProtoError};
+use super::store::{Kind, Obj, encode_event};
 use crate::{Body, BoxError};
 
 /// Responses at least this large are gzipped for clients that accept it (the apiserver's
@@ -140,6 +142,60 @@ pub fn list_pieces(
     pieces.into()
 }
 
+/// A LIST response in `encoding`: JSON as [`list_pieces`], or protobuf (one piece) for a
+/// kind that has it; JSON for one that has not (negotiation sends those upstream).
+pub fn list_answer(
+    kind: &Kind,
+    rv: u64,
+    next: Option<&Continue>,
+    items: &[Arc<Obj>],
+    encoding: Encoding,
+) -> Result<Arc<[Bytes]>, ProtoError> {
+    let Some(proto) = kind.proto.filter(|_| encoding == Encoding::Protobuf) else {
+        return Ok(list_pieces(kind, rv, next, items));
+    };
+    let messages = items
+        .iter()
+        .map(|obj| proto.message(&obj.body))
+        .collect::<Result<Vec<_>, _>>()?;
+    let token = next.map(|next| {
+        continue_token::encode(i64::try_from(next.rv).unwrap_or(i64::MAX), &next.start)
+    });
+    let rv = rv.to_string();
+    let meta = protobuf::ListMeta {
+        resource_version: &rv,
+        next: token.as_deref(),
+        remaining_item_count: next
+            .and_then(|n| n.remaining)
+            .map(|r| i64::try_from(r).unwrap_or(i64::MAX)),
+    };
+    let raw = protobuf::list_message(&meta, messages.iter().map(Vec::as_slice));
+    let list = protobuf::envelope(&kind.api_version(), &format!("{}List", kind.kind), raw);
+    Ok(Arc::from([Bytes::from(list)]))
+}
+
+/// A GET response in `encoding`: JSON as [`object_pieces`], or protobuf (one piece).
+pub fn object_answer(
+    kind: &Kind,
+    obj: &Obj,
+    encoding: Encoding,
+) -> Result<Arc<[Bytes]>, ProtoError> {
+    let Some(proto) = kind.proto.filter(|_| encoding == Encoding::Protobuf) else {
+        return Ok(object_pieces(kind, obj));
+    };
+    let object = protobuf::envelope(&kind.api_version(), &kind.kind, proto.message(&obj.body)?);
+    Ok(Arc::from([Bytes::from(object)]))
+}
+
+/// The `Content-Type` of an answer in `encoding` (`watch`: of a watch stream).
+pub fn content_type(encoding: Encoding, watch: bool) -> &'static str {
+    match (encoding, watch) {
+        (Encoding::Json, _) => "application/json",
+        (Encoding::Protobuf, false) => protobuf::MEDIA_TYPE,
+        (Encoding::Protobuf, true) => protobuf::WATCH_MEDIA_TYPE,
+    }
+}
+
 /// A GET response's pieces: the object with kind and apiVersion, and a newline.
 pub fn object_pieces(kind: &Kind, obj: &Obj) -> Arc<[Bytes]> {
     let [prefix, rest] = kind.full_object(obj);
@@ -166,12 +222,22 @@ pub async fn gzip(pieces: Arc<[Bytes]>) -> std::io::Result<Bytes> {
 
 /// A JSON response with the headers every cache answer carries.
 pub fn json_response(status: StatusCode, body: Body, audit_id: &str) -> Response<Body> {
+    response(status, body, audit_id, "application/json")
+}
+
+/// A response of `content_type` with the headers every cache answer carries.
+pub fn response(
+    status: StatusCode,
+    body: Body,
+    audit_id: &str,
+    content_type: &'static str,
+) -> Response<Body> {
     let mut response = Response::new(body);
     *response.status_mut() = status;
     let headers = response.headers_mut();
     headers.insert(
         http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
+        HeaderValue::from_static(content_type),
     );
     headers.insert(
         http::header::CACHE_CONTROL,
@@ -204,11 +270,12 @@ pub fn status_response(status: &Status, audit_id: &str) -> Response<Body> {
     response
 }
 
-/// Chunks of a watch stream's initial state: ADDED lines copied into frames of about
-/// [`FRAME`] bytes.
+/// Chunks of a watch stream's initial state: ADDED events (JSON lines or protobuf frames)
+/// copied into frames of about [`FRAME`] bytes.
 pub fn added_frames(
     kind: &Kind,
     objects: &mut VecDeque<Arc<Obj>>,
+    encoding: Encoding,
     keep: impl Fn(&Obj) -> bool,
 ) -> Option<Bytes> {
     let mut out = BytesMut::new();
@@ -216,10 +283,17 @@ pub fn added_frames(
         if !keep(&obj) {
             continue;
         }
-        out.put_slice(b"{\"type\":\"ADDED\",\"object\":");
-        out.put_slice(&kind.prefix);
-        out.put_slice(obj.body.get(1..).unwrap_or_default());
-        out.put_slice(b"}\n");
+        match encoding {
+            Encoding::Json => {
+                out.put_slice(b"{\"type\":\"ADDED\",\"object\":");
+                out.put_slice(&kind.prefix);
+                out.put_slice(obj.body.get(1..).unwrap_or_default());
+                out.put_slice(b"}\n");
+            }
+            Encoding::Protobuf => {
+                out.put_slice(&encode_event(kind, "ADDED", encoding, &obj.body));
+            }
+        }
         if out.len() >= FRAME {
             break;
         }

@@ -23,6 +23,10 @@ use serde_json::value::RawValue;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
+use super::accept::Encoding;
+use super::protobuf::{self, ProtoKind};
+use apimachinery::status::Status;
+
 /// What the cache knows about a resource's type, from discovery.
 #[derive(Debug, Clone)]
 pub struct Kind {
@@ -39,6 +43,8 @@ pub struct Kind {
     /// `{"kind":"Secret","apiVersion":"v1",`: put before an item's bytes (without their `{`)
     /// to make the object as GET and watch events carry it.
     pub prefix: Bytes,
+    /// Its protobuf form, when the cache encodes this kind in protobuf.
+    pub proto: Option<ProtoKind>,
 }
 
 impl Kind {
@@ -54,6 +60,7 @@ impl Kind {
             prefix: Bytes::from(format!(
                 "{{\"kind\":\"{kind}\",\"apiVersion\":\"{api_version}\","
             )),
+            proto: ProtoKind::of(group, version, kind),
         }
     }
 
@@ -276,8 +283,10 @@ pub struct Event {
     pub obj: Arc<Obj>,
     /// The object before the change, if the cache had it.
     pub prev: Option<Arc<Obj>>,
-    lines: [OnceLock<Bytes>; 3],
-    left: OnceLock<Bytes>,
+    /// Per encoding, per type the event is sent as.
+    lines: [[OnceLock<Bytes>; 3]; 2],
+    /// Per encoding.
+    left: [OnceLock<Bytes>; 2],
 }
 
 impl Event {
@@ -288,42 +297,87 @@ impl Event {
             obj,
             prev,
             lines: Default::default(),
-            left: OnceLock::new(),
+            left: Default::default(),
         }
     }
 
-    /// The line `{"type":T,"object":{kind,apiVersion,…}}\n` for this event's object sent
-    /// as `as_type` (a selector watch may see a MODIFIED as ADDED). Encoded at most once
-    /// per type; `counter` counts encodings.
-    pub fn line(&self, kind: &Kind, as_type: EventType, counter: &AtomicU64) -> Bytes {
-        self.lines[as_type as usize]
+    /// The event as a watch stream in `encoding` carries it, for this event's object sent
+    /// as `as_type` (a selector watch may see a MODIFIED as ADDED): a JSON line
+    /// `{"type":T,"object":{kind,apiVersion,…}}\n` or a protobuf frame. Encoded at most
+    /// once per encoding and type, whatever the number of watchers; `counter` counts
+    /// encodings.
+    pub fn line(
+        &self,
+        kind: &Kind,
+        as_type: EventType,
+        encoding: Encoding,
+        counter: &AtomicU64,
+    ) -> Bytes {
+        self.lines[encoding as usize][as_type as usize]
             .get_or_init(|| {
                 counter.fetch_add(1, Ordering::Relaxed);
-                event_line(kind, as_type, &self.obj.body)
+                encode_event(kind, as_type.as_str(), encoding, &self.obj.body)
             })
             .clone()
     }
 
-    /// The DELETED line for a selector watch the object left: the previous object at this
+    /// The DELETED event for a selector watch the object left: the previous object at this
     /// event's version.
-    pub fn left_line(&self, kind: &Kind, counter: &AtomicU64) -> Bytes {
+    pub fn left_line(&self, kind: &Kind, encoding: Encoding, counter: &AtomicU64) -> Bytes {
         let Some(prev) = &self.prev else {
-            return self.line(kind, EventType::Deleted, counter);
+            return self.line(kind, EventType::Deleted, encoding, counter);
         };
-        self.left
+        self.left[encoding as usize]
             .get_or_init(|| {
                 counter.fetch_add(1, Ordering::Relaxed);
-                event_line(kind, EventType::Deleted, &prev.at_version(self.rv))
+                encode_event(
+                    kind,
+                    EventType::Deleted.as_str(),
+                    encoding,
+                    &prev.at_version(self.rv),
+                )
             })
             .clone()
     }
 }
 
+/// One watch event of `item` (an object's cached JSON) in `encoding`. An object that does
+/// not encode in protobuf (the cache's JSON not reading as its kind) becomes an ERROR
+/// event with a 500 Status, as the apiserver reports an object it cannot encode: the
+/// client sees the failure and watches again rather than missing the change unawares.
+pub fn encode_event(kind: &Kind, type_name: &str, encoding: Encoding, item: &[u8]) -> Bytes {
+    match (encoding, kind.proto) {
+        (Encoding::Json, _) => json_event(kind, type_name, item),
+        (Encoding::Protobuf, Some(proto)) => match proto.message(item) {
+            Ok(message) => {
+                let object = protobuf::envelope(&kind.api_version(), &kind.kind, message);
+                Bytes::from(protobuf::watch_frame(type_name, object))
+            }
+            Err(error) => {
+                tracing::warn!(kind = %kind.kind, error = %crate::report::Chain(&error), "a cached object does not encode in protobuf");
+                protobuf_error_event(&error.to_string())
+            }
+        },
+        (Encoding::Protobuf, None) => protobuf_error_event("this kind has no protobuf form"),
+    }
+}
+
+/// An ERROR frame of a protobuf watch with a 500 Status saying `message`.
+pub fn protobuf_error_event(message: &str) -> Bytes {
+    let status = Status::failure(500, "InternalError", message.to_owned(), None);
+    let object = protobuf::status(&status.to_bytes()).unwrap_or_default();
+    Bytes::from(protobuf::watch_frame("ERROR", object))
+}
+
 /// `{"type":T,"object":` + prefix + item without `{` + `}\n`, in one allocation.
 pub fn event_line(kind: &Kind, as_type: EventType, item: &[u8]) -> Bytes {
+    json_event(kind, as_type.as_str(), item)
+}
+
+fn json_event(kind: &Kind, type_name: &str, item: &[u8]) -> Bytes {
     let head = b"{\"type\":\"";
     let mid = b"\",\"object\":";
-    let ty = as_type.as_str().as_bytes();
+    let ty = type_name.as_bytes();
     let body = item.get(1..).unwrap_or_default();
     let mut out = BytesMut::with_capacity(
         head.len() + ty.len() + mid.len() + kind.prefix.len() + body.len() + 2,
@@ -337,19 +391,19 @@ pub fn event_line(kind: &Kind, as_type: EventType, item: &[u8]) -> Bytes {
     out.freeze()
 }
 
-/// A BOOKMARK line at `rv`, annotated as the end of a WatchList's initial events when asked.
-pub fn bookmark_line(kind: &Kind, rv: u64, initial_events_end: bool) -> Bytes {
+/// A BOOKMARK event at `rv` in `encoding`, annotated as the end of a WatchList's initial
+/// events when asked.
+pub fn bookmark_line(kind: &Kind, rv: u64, initial_events_end: bool, encoding: Encoding) -> Bytes {
     let annotation = if initial_events_end {
         ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}"
     } else {
         ""
     };
-    Bytes::from(format!(
-        "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotation}}}{}}}}}\n",
-        kind.kind,
-        kind.api_version(),
+    let object = format!(
+        "{{\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotation}}}{}}}",
         kind.zero_fields()
-    ))
+    );
+    encode_event(kind, "BOOKMARK", encoding, object.as_bytes())
 }
 
 /// Object count and bytes of a scope.
@@ -822,7 +876,7 @@ mod tests {
         s.apply(EventType::Modified, secret("ns", "a", 6, "db"));
         let start = s.watch(Some(5)).ok().unwrap();
         let counter = AtomicU64::new(0);
-        let line = start.backlog[0].left_line(&s.kind, &counter);
+        let line = start.backlog[0].left_line(&s.kind, Encoding::Json, &counter);
         let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(value["type"], "DELETED");
         assert_eq!(value["object"]["metadata"]["labels"]["app"], "web");

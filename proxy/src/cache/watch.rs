@@ -16,6 +16,7 @@ use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::accept::Encoding;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
@@ -63,6 +64,8 @@ pub struct Options {
     pub timeout: Duration,
     /// The version the client asked to start after, if any.
     pub from: Option<u64>,
+    /// JSON lines or protobuf frames.
+    pub encoding: Encoding,
 }
 
 /// Periodic re-authorization of an open watch.
@@ -117,6 +120,7 @@ impl Watcher {
         let filter = &self.options.filter;
         let counter = &self.store.encodings;
         let kind = &self.store.kind;
+        let encoding = self.options.encoding;
         let now = event.kind != EventType::Deleted && filter.matches(&event.obj);
         let before = match (&event.prev, event.kind) {
             (Some(prev), _) => filter.matches(prev),
@@ -125,12 +129,12 @@ impl Watcher {
             (None, _) => false,
         };
         let line = match (now, before) {
-            (true, false) => event.line(kind, EventType::Added, counter),
-            (true, true) => event.line(kind, EventType::Modified, counter),
+            (true, false) => event.line(kind, EventType::Added, encoding, counter),
+            (true, true) => event.line(kind, EventType::Modified, encoding, counter),
             (false, true) if event.kind == EventType::Deleted => {
-                event.line(kind, EventType::Deleted, counter)
+                event.line(kind, EventType::Deleted, encoding, counter)
             }
-            (false, true) => event.left_line(kind, counter),
+            (false, true) => event.left_line(kind, encoding, counter),
             (false, false) => return,
         };
         out.extend_from_slice(&line);
@@ -152,7 +156,9 @@ impl Watcher {
         let kind = self.store.kind.clone();
         if let Some(chunk) = {
             let filter = &self.options.filter;
-            super::respond::added_frames(&kind, &mut self.initial, |o| filter.matches(o))
+            super::respond::added_frames(&kind, &mut self.initial, self.options.encoding, |o| {
+                filter.matches(o)
+            })
         } {
             return Some(chunk);
         }
@@ -160,7 +166,7 @@ impl Watcher {
         self.initial_seats = None;
         let mut out = BytesMut::new();
         if let Some(rv) = self.end_bookmark.take() {
-            out.extend_from_slice(&bookmark_line(&kind, rv, true));
+            out.extend_from_slice(&bookmark_line(&kind, rv, true, self.options.encoding));
         }
         while let Some(event) = self.backlog.pop_front() {
             self.convert(&mut out, &event);
@@ -219,7 +225,7 @@ impl Watcher {
                         }
                     }
                     self.last_rv = self.last_rv.max(rv);
-                    out.extend_from_slice(&bookmark_line(&kind, self.last_rv, false));
+                    out.extend_from_slice(&bookmark_line(&kind, self.last_rv, false, self.options.encoding));
                     self.next_bookmark = self.options.bookmarks.map(|every| Instant::now() + every);
                     return Some(out.freeze());
                 }

@@ -11,8 +11,10 @@
 //	    [--content-type STRING] [--watchlist] [--churn N] [--timeout 60s]
 //	cpdriver list-pages --kubeconfig K --resource secrets|endpointslices \
 //	    --limit N [--namespace NS] [--continue-via K2] [--accept STRING]
+//	cpdriver object-compare --via KUBECONFIG_A --direct KUBECONFIG_B \
+//	    --resource secrets|endpointslices [--namespace NS] [--accept STRING]
 //
-// See informer.go and pages.go.
+// See informer.go, pages.go and objects.go.
 package main
 
 import (
@@ -40,6 +42,8 @@ func main() {
 		out, err = informerCompare(os.Args[2:])
 	case "list-pages":
 		out, err = listPages(os.Args[2:])
+	case "object-compare":
+		out, err = objectCompare(os.Args[2:])
 	case "-h", "-help", "--help", "help":
 		usage(os.Stdout)
 		return
@@ -61,7 +65,7 @@ func main() {
 }
 
 func usage(w io.Writer) {
-	fmt.Fprintln(w, "usage: cpdriver informer-compare|list-pages [flags] (cpdriver SUBCOMMAND -h for flags)")
+	fmt.Fprintln(w, "usage: cpdriver informer-compare|list-pages|object-compare [flags] (cpdriver SUBCOMMAND -h for flags)")
 }
 
 // newFlagSet returns a flag set that reports errors instead of exiting, so

@@ -68,7 +68,11 @@ pub struct Client {
     target: Target,
     tls: TlsConnector,
     sender: Option<SendRequest<Full<Bytes>>>,
+    accept: &'static str,
 }
+
+/// What kubelet and most client-go programs send: protobuf first, JSON for the rest.
+pub const PROTOBUF_FIRST: &str = "application/vnd.kubernetes.protobuf,application/json";
 
 /// The result of one request, as the scenario statistics count it.
 #[derive(Debug)]
@@ -138,7 +142,14 @@ impl Client {
             target: target.clone(),
             tls: tls_connector(target, identity)?,
             sender: None,
+            accept: "application/json",
         })
+    }
+
+    /// The same client asking for `accept` (default: `application/json`).
+    pub fn with_accept(mut self, accept: &'static str) -> Client {
+        self.accept = accept;
+        self
     }
 
     /// Opens the HTTP/2 connection now, unless one is open.
@@ -188,7 +199,7 @@ impl Client {
         let mut builder = Request::builder()
             .method(method)
             .uri(format!("https://{}{path}", self.target.addr))
-            .header(http::header::ACCEPT, "application/json");
+            .header(http::header::ACCEPT, self.accept);
         let body = match body {
             Some((bytes, content_type)) => {
                 builder = builder.header(http::header::CONTENT_TYPE, content_type);
@@ -282,9 +293,20 @@ impl Client {
         if !status.is_success() {
             return Err(Outcome::Error(format!("watch: {status}")));
         }
+        let framing = match response.headers().get(http::header::CONTENT_TYPE) {
+            Some(t)
+                if t.as_bytes()
+                    .starts_with(b"application/vnd.kubernetes.protobuf") =>
+            {
+                Framing::LengthPrefixed
+            }
+            _ => Framing::Lines,
+        };
         Ok(Lines {
             body: response.into_body(),
             buf: BytesMut::new(),
+            framing,
+            bytes: 0,
         })
     }
 }
@@ -300,30 +322,70 @@ pub fn retry_after(headers: &http::HeaderMap) -> Duration {
         .min(MAX_RETRY_AFTER)
 }
 
-/// A newline-delimited stream (a watch), split into lines without copying the body twice.
+/// How a watch stream separates its events.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// JSON: one event per line.
+    Lines,
+    /// Protobuf (`;stream=watch`): each event after its 4-byte big-endian length.
+    LengthPrefixed,
+}
+
+/// A watch stream, split into events without copying the body twice.
 pub struct Lines {
     body: Incoming,
     buf: BytesMut,
+    framing: Framing,
+    bytes: u64,
 }
 
 impl Lines {
-    /// The next complete line without its newline; `None` at a clean end of stream.
+    /// The next complete event (a line without its newline, or a frame without its
+    /// length); `None` at a clean end of stream.
     pub async fn next(&mut self) -> Result<Option<Bytes>, String> {
         loop {
-            if let Some(at) = self.buf.iter().position(|&b| b == b'\n') {
-                let line = self.buf.split_to(at + 1).freeze();
-                return Ok(Some(line.slice(..at)));
+            if let Some(event) = self.split() {
+                return Ok(Some(event));
             }
             match self.body.frame().await {
                 None => return Ok(None),
                 Some(Err(e)) => return Err(e.to_string()),
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
+                        self.bytes += data.len() as u64;
                         self.buf.extend_from_slice(data);
                     }
                 }
             }
         }
+    }
+
+    fn split(&mut self) -> Option<Bytes> {
+        match self.framing {
+            Framing::Lines => {
+                let at = self.buf.iter().position(|&b| b == b'\n')?;
+                let line = self.buf.split_to(at + 1).freeze();
+                Some(line.slice(..at))
+            }
+            Framing::LengthPrefixed => {
+                let len = u32::from_be_bytes(self.buf.get(..4)?.try_into().ok()?) as usize;
+                if self.buf.len() < 4 + len {
+                    return None;
+                }
+                let frame = self.buf.split_to(4 + len).freeze();
+                Some(frame.slice(4..))
+            }
+        }
+    }
+
+    /// How the stream frames its events.
+    pub fn framing(&self) -> Framing {
+        self.framing
+    }
+
+    /// Body bytes received so far.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
     }
 }
 

@@ -37,6 +37,10 @@ struct Common {
     /// Run only these targets (comma-separated: `direct`, `bulwark`, `haproxy`, `nginx`).
     #[arg(long, hide = true)]
     only: Option<String>,
+    /// informers, node-join: nodes ask for protobuf first
+    /// (`application/vnd.kubernetes.protobuf,application/json`), as kubelet and kube-proxy do.
+    #[arg(long)]
+    protobuf: bool,
 }
 
 /// `list-storm`'s and `informers`' options: the common ones, and a real control plane
@@ -291,5 +295,6 @@ fn opts(c: &Common) -> Options {
         duration: c.duration,
         scale: c.scale,
         only: c.only.clone(),
+        protobuf: c.protobuf,
     }
 }

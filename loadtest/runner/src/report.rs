@@ -70,6 +70,10 @@ pub struct Run {
     /// p99 of write acknowledged → watch event received (informers, node-join only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub event_delivery_p99_ms: Option<f64>,
+    /// Watch stream bytes the nodes received per event, bookmarks included (informers,
+    /// node-join only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub watch_bytes_per_event: Option<f64>,
 }
 
 /// The simulated apiserver fleet's figures for one run.
@@ -229,6 +233,15 @@ pub fn table(report: &Report) -> String {
             Some(p) => format!("{:.2}", p.cpu_seconds),
             None => "-".into(),
         }));
+    }
+    if runs.iter().any(|r| r.watch_bytes_per_event.is_some()) {
+        rows.push(row(
+            "watch bytes per event",
+            &|r| match r.watch_bytes_per_event {
+                Some(b) => format!("{b:.0}"),
+                None => "-".into(),
+            },
+        ));
     }
     if runs.iter().any(|r| r.event_delivery_p99_ms.is_some()) {
         rows.push(row(

@@ -41,6 +41,8 @@ pub struct Options {
     pub scale: f64,
     /// Run only the target with this name.
     pub only: Option<String>,
+    /// `informers`, `node-join`: nodes ask for protobuf first, as kubelet and kube-proxy do.
+    pub protobuf: bool,
 }
 
 impl Options {
@@ -394,6 +396,7 @@ impl Env {
             proxy,
             classes,
             event_delivery_p99_ms: driven.event_delivery_p99_ms,
+            watch_bytes_per_event: driven.watch_bytes_per_event,
         })
     }
 
@@ -416,6 +419,7 @@ impl Env {
                 .map(|(name, stats)| (name, stats, elapsed))
                 .collect(),
             event_delivery_p99_ms: None,
+            watch_bytes_per_event: None,
         })
     }
 
@@ -465,6 +469,8 @@ pub struct Driven {
     pub classes: Vec<(String, Arc<ClassStats>, Duration)>,
     /// p99 write → event latency, for watch scenarios.
     pub event_delivery_p99_ms: Option<f64>,
+    /// Watch stream bytes received per event, for watch scenarios.
+    pub watch_bytes_per_event: Option<f64>,
 }
 
 /// Classes by name.

@@ -4,6 +4,7 @@
 //! that matters is event delivery latency (write acknowledged → event received).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -15,7 +16,12 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::{Classes, Driven, Env, Options, Persona, Scenario, Setup};
-use crate::client::{ClassStats, Client, Identity, Outcome, Read, Tally, Target, new_histogram};
+#[cfg(test)]
+use crate::client::HEAD_BYTES;
+use crate::client::{
+    ClassStats, Client, Framing, Identity, Outcome, PROTOBUF_FIRST, Read, Tally, Target,
+    new_histogram,
+};
 
 /// The steady-state scenario.
 pub struct Informers;
@@ -78,8 +84,70 @@ struct Meta {
     resource_version: Option<String>,
 }
 
-/// The list's `metadata.resourceVersion` from the first bytes of a list response.
+/// A protobuf object's metadata: field 1 of every kind this scenario watches (Secret,
+/// EndpointSlice); the rest of the message is skipped.
+#[derive(Clone, PartialEq, prost::Message)]
+struct MetadataOnly {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+}
+
+/// A watch event's type and its object's resourceVersion, in either encoding.
+fn event_head(event: &[u8], framing: Framing) -> Option<(String, Option<String>)> {
+    use prost::Message;
+    match framing {
+        Framing::Lines => {
+            let event: EventHead = serde_json::from_slice(event).ok()?;
+            Some((event.kind, event.object.metadata.resource_version))
+        }
+        Framing::LengthPrefixed => {
+            let event =
+                k8s_pb::apimachinery::pkg::apis::meta::v1::WatchEvent::decode(event).ok()?;
+            let object = event.object.and_then(|o| o.raw).unwrap_or_default();
+            let rv = object
+                .strip_prefix(b"k8s\0")
+                .and_then(|b| k8s_pb::apimachinery::pkg::runtime::Unknown::decode(b).ok())
+                .and_then(|u| MetadataOnly::decode(u.raw?.as_slice()).ok())
+                .and_then(|m| m.metadata?.resource_version);
+            Some((event.r#type?, rv))
+        }
+    }
+}
+
+/// One length-delimited field `tag` of a protobuf message in `buf` (cut short where `buf`
+/// ends), skipping the fields before it.
+fn protobuf_field<'a>(buf: &mut &'a [u8], tag: u32) -> Option<&'a [u8]> {
+    use prost::encoding::{WireType, decode_key, decode_varint};
+    loop {
+        let (number, wire) = decode_key(buf).ok()?;
+        match wire {
+            WireType::LengthDelimited => {
+                let len = usize::try_from(decode_varint(buf).ok()?).ok()?;
+                let (value, rest) = buf.split_at(len.min(buf.len()));
+                *buf = rest;
+                if number == tag {
+                    return Some(value);
+                }
+            }
+            WireType::Varint => {
+                decode_varint(buf).ok()?;
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// The list's `metadata.resourceVersion` from the first bytes of a list response: JSON,
+/// or protobuf (`k8s\0`, `runtime.Unknown.raw`, the list's `metadata`, which comes first).
 fn list_rv(head: &[u8]) -> Option<String> {
+    use prost::Message;
+    if let Some(mut unknown) = head.strip_prefix(b"k8s\0") {
+        let mut list = protobuf_field(&mut unknown, 2)?;
+        let meta = protobuf_field(&mut list, 1)?;
+        return k8s_pb::apimachinery::pkg::apis::meta::v1::ListMeta::decode(meta)
+            .ok()?
+            .resource_version;
+    }
     let text = std::str::from_utf8(head).ok().or_else(|| {
         // The head may end inside a multi-byte character; the metadata comes first anyway.
         let valid = std::str::from_utf8(head).err()?.valid_up_to();
@@ -99,6 +167,7 @@ async fn reflector(
     list_path: String,
     deadline: Instant,
     delivery: Option<Delivery>,
+    received: Arc<Received>,
 ) -> Tally {
     let mut local = new_histogram();
     let mut pending: VecDeque<(u64, Instant)> = VecDeque::new();
@@ -138,7 +207,13 @@ async fn reflector(
                     continue 'relist;
                 }
             };
+            let counted = Counted {
+                received: &received,
+                at: 0,
+            };
+            let mut counted = counted;
             loop {
+                counted.update(&lines);
                 let line = tokio::select! {
                     l = lines.next() => l,
                     _ = tokio::time::sleep_until(deadline) => break 'relist,
@@ -152,15 +227,17 @@ async fn reflector(
                         break;
                     }
                 };
-                let Ok(event) = serde_json::from_slice::<EventHead>(&line) else {
+                let Some((kind, version)) = event_head(&line, lines.framing()) else {
                     continue;
                 };
-                if event.kind == "ERROR" {
+                received.events.fetch_add(1, Ordering::Relaxed);
+                if kind == "ERROR" {
                     // 410 Gone or similar: start over with a fresh list.
+                    counted.update(&lines);
                     continue 'relist;
                 }
-                if let Some(v) = event.object.metadata.resource_version {
-                    if event.kind == "MODIFIED"
+                if let Some(v) = version {
+                    if kind == "MODIFIED"
                         && let Ok(n) = v.parse::<u64>()
                     {
                         pending.push_back((n, Instant::now()));
@@ -182,6 +259,29 @@ async fn reflector(
     tally
 }
 
+/// Watch bytes and events received by every node, for bytes per event.
+#[derive(Default)]
+pub(super) struct Received {
+    bytes: AtomicU64,
+    events: AtomicU64,
+}
+
+/// Adds a watch stream's bytes to [`Received`] as they arrive.
+struct Counted<'a> {
+    received: &'a Received,
+    at: u64,
+}
+
+impl Counted<'_> {
+    fn update(&mut self, lines: &crate::client::Lines) {
+        let now = lines.bytes();
+        self.received
+            .bytes
+            .fetch_add(now - self.at, Ordering::Relaxed);
+        self.at = now;
+    }
+}
+
 /// Records the delivery latency of every received event whose write has been acknowledged;
 /// an event that arrived before its acknowledgement counts as zero.
 fn settle(acks: &Acks, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histogram<u64>) {
@@ -201,9 +301,9 @@ async fn node(
     client: Client,
     class: Arc<ClassStats>,
     index: usize,
-    start: Instant,
-    deadline: Instant,
+    (start, deadline): (Instant, Instant),
     delivery: Delivery,
+    received: Arc<Received>,
 ) {
     tokio::time::sleep_until(start).await;
     let secret = |k: usize| {
@@ -219,10 +319,18 @@ async fn node(
             class.tally(),
             SLICES_PATH.into(),
             deadline,
-            Some(delivery)
+            Some(delivery),
+            received.clone(),
         ),
-        reflector(client.clone(), class.tally(), secret(0), deadline, None),
-        reflector(client, class.tally(), secret(1), deadline, None),
+        reflector(
+            client.clone(),
+            class.tally(),
+            secret(0),
+            deadline,
+            None,
+            received.clone()
+        ),
+        reflector(client, class.tally(), secret(1), deadline, None, received),
     );
     a.merge(b);
     a.merge(c);
@@ -282,6 +390,7 @@ pub(super) async fn drive_nodes(
     s: &Sizes,
     duration: Duration,
     join_window: Duration,
+    protobuf: bool,
 ) -> anyhow::Result<Driven> {
     let node_ids: Vec<Identity> = Persona::Nodes.mint(pki, s.nodes);
     // The EndpointSlice controller of kube-controller-manager.
@@ -294,6 +403,7 @@ pub(super) async fn drive_nodes(
     let churner = ClassStats::new();
     let acks = Arc::new(Acks::default());
     let hist = Arc::new(Mutex::new(new_histogram()));
+    let received = Arc::new(Received::default());
     let started = Instant::now();
     let deadline = started + duration;
     let classes = vec![
@@ -304,13 +414,17 @@ pub(super) async fn drive_nodes(
     let mut tasks = Vec::new();
     for (i, id) in node_ids.iter().enumerate() {
         let start = started + join_window.mul_f64(i as f64 / s.nodes as f64);
+        let mut client = Client::new(target, id)?;
+        if protobuf {
+            client = client.with_accept(PROTOBUF_FIRST);
+        }
         tasks.push(tokio::spawn(node(
-            Client::new(target, id)?,
+            client,
             nodes.clone(),
             i,
-            start,
-            deadline,
+            (start, deadline),
             (acks.clone(), hist.clone()),
+            received.clone(),
         )));
     }
     for id in &churn_id {
@@ -338,6 +452,10 @@ pub(super) async fn drive_nodes(
             .collect(),
         // Always present for these scenarios; 0 when no event could be matched.
         event_delivery_p99_ms: Some(p99.unwrap_or(0.0)),
+        watch_bytes_per_event: {
+            let events = received.events.load(Ordering::Relaxed);
+            (events > 0).then(|| received.bytes.load(Ordering::Relaxed) as f64 / events as f64)
+        },
     })
 }
 
@@ -365,6 +483,7 @@ impl Scenario for Informers {
             &sizes(opts, 2_000),
             duration,
             window,
+            opts.protobuf,
         )
         .await
     }
@@ -394,6 +513,7 @@ impl Scenario for NodeJoin {
             &sizes(opts, 1_000),
             duration,
             window,
+            opts.protobuf,
         )
         .await
     }
@@ -412,6 +532,46 @@ mod tests {
         let mut cut = br#"{"metadata":{"resourceVersion":"9"},"items":["#.to_vec();
         cut.extend_from_slice(&"é".as_bytes()[..1]);
         assert_eq!(list_rv(&cut).as_deref(), Some("9"));
+    }
+
+    #[test]
+    fn list_rv_reads_a_protobuf_lists_metadata_from_its_head() {
+        use bulwark::cache::protobuf::{ListMeta, ProtoKind, envelope, list_message};
+        let item = ProtoKind::EndpointSlice
+            .message(br#"{"metadata":{"name":"e","resourceVersion":"12"},"addressType":"IPv4"}"#)
+            .unwrap();
+        let meta = ListMeta {
+            resource_version: "4711",
+            next: None,
+            remaining_item_count: None,
+        };
+        let items = vec![item.as_slice(); 1000];
+        let list = envelope(
+            "discovery.k8s.io/v1",
+            "EndpointSliceList",
+            list_message(&meta, items),
+        );
+        assert!(list.len() > HEAD_BYTES);
+        assert_eq!(list_rv(&list[..HEAD_BYTES]).as_deref(), Some("4711"));
+        assert_eq!(list_rv(b"k8s\0garbage"), None);
+    }
+
+    #[test]
+    fn event_head_reads_json_lines_and_protobuf_frames_alike() {
+        use bulwark::cache::protobuf::{ProtoKind, envelope, watch_frame};
+        let json = br#"{"type":"MODIFIED","object":{"kind":"Secret","metadata":{"resourceVersion":"77"}}}"#;
+        let want = Some(("MODIFIED".to_string(), Some("77".to_string())));
+        assert_eq!(event_head(json, Framing::Lines), want);
+        let object = envelope(
+            "v1",
+            "Secret",
+            ProtoKind::Secret
+                .message(br#"{"metadata":{"name":"s","resourceVersion":"77"},"data":{"k":"dg=="}}"#)
+                .unwrap(),
+        );
+        let frame = watch_frame("MODIFIED", object);
+        assert_eq!(event_head(&frame[4..], Framing::LengthPrefixed), want);
+        assert_eq!(event_head(b"\xff\xff", Framing::LengthPrefixed), None);
     }
 
     #[test]

@@ -164,14 +164,14 @@ async fn one_run(
     };
     let duration = opts.duration_or(Duration::from_secs(60));
     let started = Instant::now();
-    let (classes, event_delivery_p99_ms, upstream_watches) = match work {
+    let (classes, event_delivery_p99_ms, watch_bytes_per_event, upstream_watches) = match work {
         Work::ListStorm(sizes) => {
             let loads = list_storm::loads(cp.pki(), sizes);
             let (classes, all) = spawn_loads(&target, loads, started + duration)?;
             let progress = progress(mode, &classes);
             all.await.context("a client loop panicked")?;
             progress.abort();
-            (classes, None, 0)
+            (classes, None, None, 0)
         }
         Work::Informers(sizes) => {
             // The replicas' own count of open watches, sampled while the informers run; the
@@ -198,6 +198,7 @@ async fn one_run(
                     sizes,
                     duration,
                     window,
+                    opts.protobuf,
                 );
                 tokio::select! {
                     d = nodes => d?,
@@ -214,7 +215,12 @@ async fn one_run(
                 "  peak watches open on the replicas: {watches}; event delivery p99 {:.1} ms",
                 driven.event_delivery_p99_ms.unwrap_or(0.0)
             );
-            (classes, driven.event_delivery_p99_ms, watches)
+            (
+                classes,
+                driven.event_delivery_p99_ms,
+                driven.watch_bytes_per_event,
+                watches,
+            )
         }
     };
     let elapsed = started.elapsed();
@@ -263,6 +269,7 @@ async fn one_run(
             .map(|(name, stats)| (name.clone(), stats.summary(elapsed)))
             .collect(),
         event_delivery_p99_ms,
+        watch_bytes_per_event,
     })
 }
 

@@ -406,6 +406,7 @@ http {{
             ]
             .into(),
             event_delivery_p99_ms: None,
+            watch_bytes_per_event: None,
         })
     }
 

@@ -5,11 +5,13 @@
 //! Beyond not panicking: every line is one JSON object ending in a newline, of the event's
 //! type, whose object has the kind and apiVersion of the resource and the same metadata as
 //! the object parsed; the rewritten object differs from it in `metadata.resourceVersion`
-//! alone.
+//! alone. The same object as a protobuf watch frame (what protobuf readers get) is one
+//! length-prefixed frame, whatever the bytes: the event, or an ERROR event when they do not
+//! read as the kind.
 
 #![no_main]
 
-use bulwark::fuzzing::{EventType, Kind, Obj, at_version, event_line};
+use bulwark::fuzzing::{Encoding, EventType, Kind, Obj, at_version, encode_event, event_line};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
@@ -36,6 +38,21 @@ fuzz_target!(|data: &[u8]| {
     );
     let full = json(&kind.full_object(&obj).concat(), "the full object");
     assert_eq!(&full["metadata"], metadata);
+
+    for kind in [
+        Kind::new("", "v1", "secrets", "Secret", true),
+        Kind::new(
+            "discovery.k8s.io",
+            "v1",
+            "endpointslices",
+            "EndpointSlice",
+            true,
+        ),
+    ] {
+        let frame = encode_event(&kind, "MODIFIED", Encoding::Protobuf, &obj.body);
+        let len = u32::from_be_bytes(frame[..4].try_into().expect("a length")) as usize;
+        assert_eq!(len, frame.len() - 4, "one whole frame");
+    }
 
     for as_type in [EventType::Added, EventType::Modified, EventType::Deleted] {
         let line = event_line(&kind, as_type, &obj.body);

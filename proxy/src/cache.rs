@@ -33,7 +33,7 @@
 //! **Versions newer than the cache** go upstream, where the apiserver decides (it waits for
 //! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
 
-mod accept;
+pub(crate) mod accept;
 pub mod audit;
 pub mod authz;
 mod informer;

@@ -1,7 +1,8 @@
 //! Entry points for the fuzz targets in `fuzz/` to reach parsers that are private to their
 //! stage. Not an API: hidden from the docs, and nothing in Bulwark uses it.
 
-pub use crate::cache::store::{EventType, Kind, Obj, event_line};
+pub use crate::cache::accept::{Encoding, negotiate};
+pub use crate::cache::store::{EventType, Kind, Obj, encode_event, event_line};
 
 /// The object with its `metadata.resourceVersion` replaced, as a selector watch sends an
 /// object that left it (see the cache's store).

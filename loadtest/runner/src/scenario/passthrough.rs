@@ -259,6 +259,10 @@ struct Bench<'a> {
     tools: &'a Tools,
     pinning: Option<Pinning>,
     pki: Pki,
+    /// The serving certificate and key of the upstream, which the proxies serve too.
+    serving: (PathBuf, PathBuf),
+    /// The CA that signed it, which the proxies verify the upstream with.
+    upstream_ca: PathBuf,
     upstream: Child,
     /// The upstream's TLS listener.
     upstream_addr: SocketAddr,
@@ -311,17 +315,12 @@ impl<'a> Bench<'a> {
             .server_ca
             .server_cert(&["127.0.0.1", "localhost"])
             .write(dir, "upstream")?;
+        let upstream_ca = dir.join("upstream-ca.crt");
+        std::fs::write(&upstream_ca, pki.server_ca.cert_pem())?;
         let upstream_addr = free_port()?;
         let status_addr = free_port()?;
-        let d = dir.display();
         let config = format!(
-            r#"daemon off; master_process off; worker_processes 1; pid {d}/upstream.pid;
-error_log {d}/upstream.log warn;
-events {{ worker_connections 8000; }}
-http {{
-  access_log off;
-  client_body_temp_path {d}/upstream-tmp;
-  default_type application/json;
+            r#"{head}  default_type application/json;
   server {{
     listen {upstream_addr} ssl http2;
     ssl_certificate {crt};
@@ -338,6 +337,7 @@ http {{
   }}
 }}
 "#,
+            head = nginx_head(dir, "upstream"),
             crt = crt.display(),
             key = key.display(),
         );
@@ -356,6 +356,8 @@ http {{
             tools,
             pinning,
             pki,
+            serving: (crt, key),
+            upstream_ca,
             upstream,
             upstream_addr,
             status_addr,
@@ -414,15 +416,10 @@ http {{
     async fn front(&self, subject: Subject) -> anyhow::Result<(SocketAddr, Front)> {
         let cores = self.pinning.as_ref().map(|p| p.proxy_cores(subject));
         let dir = &self.dir;
-        let d = dir.display();
         let up = self.upstream_addr;
         let addr = free_port()?;
-        let serving = self.dir.join("upstream.crt");
-        let serving_key = self.dir.join("upstream.key");
-        let (serving, serving_key) = (serving.display(), serving_key.display());
-        let ca = dir.join("upstream-ca.crt");
-        std::fs::write(&ca, self.pki.server_ca.cert_pem())?;
-        let ca = ca.display();
+        let (serving, serving_key) = (self.serving.0.display(), self.serving.1.display());
+        let ca = self.upstream_ca.display();
         let (mut child, name) = match subject {
             Subject::Direct => return Ok((up, Front::Upstream)),
             Subject::Bulwark(workers) => return self.bulwark(workers, cores).await,
@@ -430,8 +427,8 @@ http {{
                 let bundle = dir.join("serving.pem");
                 std::fs::write(
                     &bundle,
-                    std::fs::read_to_string(dir.join("upstream.crt"))?
-                        + &std::fs::read_to_string(dir.join("upstream.key"))?,
+                    std::fs::read_to_string(&self.serving.0)?
+                        + &std::fs::read_to_string(&self.serving.1)?,
                 )?;
                 let config = format!(
                     r#"global
@@ -464,12 +461,7 @@ backend upstream
             }
             Subject::Nginx => {
                 let config = format!(
-                    r#"daemon off; master_process off; worker_processes 1; pid {d}/proxy.pid;
-error_log {d}/nginx.log warn;
-events {{ worker_connections 8000; }}
-http {{
-  access_log off;
-  client_body_temp_path {d}/proxy-tmp; proxy_temp_path {d}/proxy-tmp;
+                    r#"{head}  proxy_temp_path {d}/nginx-tmp;
   upstream up {{ server {up}; keepalive 64; }}
   server {{
     listen {addr} ssl http2;
@@ -486,7 +478,9 @@ http {{
     }}
   }}
 }}
-"#
+"#,
+                    head = nginx_head(dir, "nginx"),
+                    d = dir.display(),
                 );
                 let path = dir.join("nginx.conf");
                 std::fs::write(&path, config)?;
@@ -591,6 +585,22 @@ http {{
             .context("the upstream's status did not answer")??;
         stub_status_requests(&text).with_context(|| format!("not nginx's stub_status: {text}"))
     }
+}
+
+/// The start of an nginx configuration: one worker in the foreground with its pid, error
+/// log (`NAME.log`, which a stop quotes) and body buffers in `dir`, and an `http` block
+/// without an access log, left open.
+fn nginx_head(dir: &Path, name: &str) -> String {
+    let d = dir.display();
+    format!(
+        "daemon off; master_process off; worker_processes 1; pid {d}/{name}.pid;
+error_log {d}/{name}.log warn;
+events {{ worker_connections 8000; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/{name}-tmp;
+"
+    )
 }
 
 /// The total request count in nginx's `stub_status` page:

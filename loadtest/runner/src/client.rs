@@ -383,9 +383,9 @@ impl Lines {
         self.framing
     }
 
-    /// Body bytes received so far.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
+    /// Body bytes received since the last call.
+    pub fn take_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.bytes)
     }
 }
 

@@ -207,17 +207,14 @@ async fn reflector(
                     continue 'relist;
                 }
             };
-            let counted = Counted {
-                received: &received,
-                at: 0,
-            };
-            let mut counted = counted;
             loop {
-                counted.update(&lines);
                 let line = tokio::select! {
                     l = lines.next() => l,
                     _ = tokio::time::sleep_until(deadline) => break 'relist,
                 };
+                received
+                    .bytes
+                    .fetch_add(lines.take_bytes(), Ordering::Relaxed);
                 let line: Bytes = match line {
                     Ok(Some(line)) => line,
                     // The watch ended (timeout or the server closed it): resume from `rv`.
@@ -233,7 +230,6 @@ async fn reflector(
                 received.events.fetch_add(1, Ordering::Relaxed);
                 if kind == "ERROR" {
                     // 410 Gone or similar: start over with a fresh list.
-                    counted.update(&lines);
                     continue 'relist;
                 }
                 if let Some(v) = version {
@@ -264,22 +260,6 @@ async fn reflector(
 pub(super) struct Received {
     bytes: AtomicU64,
     events: AtomicU64,
-}
-
-/// Adds a watch stream's bytes to [`Received`] as they arrive.
-struct Counted<'a> {
-    received: &'a Received,
-    at: u64,
-}
-
-impl Counted<'_> {
-    fn update(&mut self, lines: &crate::client::Lines) {
-        let now = lines.bytes();
-        self.received
-            .bytes
-            .fetch_add(now - self.at, Ordering::Relaxed);
-        self.at = now;
-    }
 }
 
 /// Records the delivery latency of every received event whose write has been acknowledged;

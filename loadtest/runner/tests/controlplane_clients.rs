@@ -324,25 +324,35 @@ async fn pagination_across(cp: &ControlPlane) {
     assert_eq!(unique.len(), full.len(), "no Secret twice");
 }
 
-/// One `informer-compare` run; panics unless the stores agree.
-async fn informers_agree(cp: &ControlPlane, resource: &str, accept: &str, watchlist: bool) {
-    let mut args: Vec<String> = [
-        "informer-compare",
+/// The arguments of a cpdriver comparison (`informer-compare`, `object-compare`) of
+/// `resource` through Bulwark (the admin) against the apiserver (direct-admin), both clients
+/// asking with `accept`, and `extra` flags.
+fn compare_args(
+    cp: &ControlPlane,
+    subcommand: &str,
+    resource: &str,
+    accept: &str,
+    extra: &[&str],
+) -> Vec<String> {
+    let (via, direct) = (path_arg(cp, "admin"), path_arg(cp, "direct-admin"));
+    let common = [
+        subcommand,
         "--via",
-        &path_arg(cp, "admin"),
+        &via,
         "--direct",
-        &path_arg(cp, "direct-admin"),
+        &direct,
         "--resource",
         resource,
         "--accept",
         accept,
-        "--churn",
-        "30",
-        "--timeout",
-        "120s",
-    ]
-    .map(String::from)
-    .into();
+    ];
+    common.iter().chain(extra).map(|a| a.to_string()).collect()
+}
+
+/// One `informer-compare` run; panics unless the stores agree.
+async fn informers_agree(cp: &ControlPlane, resource: &str, accept: &str, watchlist: bool) {
+    let churn = ["--churn", "30", "--timeout", "120s"];
+    let mut args = compare_args(cp, "informer-compare", resource, accept, &churn);
     if watchlist {
         args.push("--watchlist".into());
     }
@@ -401,21 +411,13 @@ async fn protobuf_from_the_cache(cp: &ControlPlane) {
         ("endpointslices", "default"),
         ("secrets", "kube-system"),
     ] {
-        let args: Vec<String> = [
+        let args = compare_args(
+            cp,
             "object-compare",
-            "--via",
-            &path_arg(cp, "admin"),
-            "--direct",
-            &path_arg(cp, "direct-admin"),
-            "--resource",
             resource,
-            "--namespace",
-            namespace,
-            "--accept",
             PROTOBUF_ONLY,
-        ]
-        .map(String::from)
-        .into();
+            &["--namespace", namespace],
+        );
         let result = cpdriver(cp, &args).await;
         eprintln!("{resource} in {namespace}, protobuf: {result}");
         assert_eq!(result["equal"], true, "{resource} in {namespace}: {result}");

@@ -1378,8 +1378,9 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     ));
 }
 
-/// Headers of a client-go reader that prefers protobuf (kubelet's `Accept`).
-fn protobuf_reader() -> HeaderMap {
+/// Alice's answer from the cache to `uri`, asked as a client-go reader that prefers
+/// protobuf (kubelet's `Accept`); panics when the cache does not answer.
+async fn ask_protobuf(s: &Setup, uri: &str) -> Response<Body> {
     let mut headers = HeaderMap::new();
     headers.insert(
         "accept",
@@ -1387,7 +1388,11 @@ fn protobuf_reader() -> HeaderMap {
             .parse()
             .unwrap(),
     );
-    headers
+    s.cache
+        .serve(&info(uri), reader(&user("alice"), &headers), None)
+        .await
+        .unwrap()
+        .expect("a protobuf reader is answered from the cache")
 }
 
 /// The message inside a `k8s\0` + `runtime.Unknown` body, with the envelope's kind.
@@ -1404,14 +1409,8 @@ async fn protobuf_readers_get_the_same_list_and_object_in_protobuf() {
     use k8s_pb::api::core::v1 as pb;
     use prost::Message;
     let s = seeded();
-    let headers = protobuf_reader();
     let uri = "/api/v1/namespaces/ns-a/secrets?resourceVersion=0";
-    let response = s
-        .cache
-        .serve(&info(uri), reader(&user("alice"), &headers), None)
-        .await
-        .unwrap()
-        .expect("a protobuf reader is answered from the cache");
+    let response = ask_protobuf(&s, uri).await;
     assert_eq!(
         response.headers()["content-type"],
         "application/vnd.kubernetes.protobuf"
@@ -1440,12 +1439,7 @@ async fn protobuf_readers_get_the_same_list_and_object_in_protobuf() {
     }
 
     let one = "/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0";
-    let response = s
-        .cache
-        .serve(&info(one), reader(&user("alice"), &headers), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let response = ask_protobuf(&s, one).await;
     let body = response.into_body().collect().await.unwrap().to_bytes();
     let (kind, raw) = unwrap_protobuf(&body);
     assert_eq!(kind, "Secret");
@@ -1457,14 +1451,8 @@ async fn protobuf_readers_get_the_same_list_and_object_in_protobuf() {
 async fn a_protobuf_page_carries_the_continue_token_and_remaining_count() {
     use prost::Message;
     let s = seeded();
-    let headers = protobuf_reader();
     let uri = "/api/v1/secrets?resourceVersion=10&resourceVersionMatch=NotOlderThan&limit=2";
-    let response = s
-        .cache
-        .serve(&info(uri), reader(&user("alice"), &headers), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let response = ask_protobuf(&s, uri).await;
     let body = response.into_body().collect().await.unwrap().to_bytes();
     let (_, raw) = unwrap_protobuf(&body);
     let list = k8s_pb::api::core::v1::SecretList::decode(raw.as_slice()).unwrap();
@@ -1509,14 +1497,8 @@ async fn a_protobuf_watch_list_sends_frames_and_ends_with_the_annotated_bookmark
     use k8s_pb::api::core::v1 as pb;
     use prost::Message;
     let s = seeded();
-    let headers = protobuf_reader();
     let uri = "/api/v1/namespaces/ns-a/secrets?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&allowWatchBookmarks=true";
-    let response = s
-        .cache
-        .serve(&info(uri), reader(&user("alice"), &headers), None)
-        .await
-        .unwrap()
-        .unwrap();
+    let response = ask_protobuf(&s, uri).await;
     assert_eq!(
         response.headers()["content-type"],
         "application/vnd.kubernetes.protobuf;stream=watch"

@@ -821,9 +821,24 @@ impl Cache {
             return Ok(self.give(&request, ("get", Some(&name), 404), response));
         };
         let pieces = respond::object_answer(kind, &obj, request.encoding)
-            .map_err(|e| unencodable(&e, &request))?;
+            .map_err(|e| self.unencodable(&e, &request, ("get", Some(&name))))?;
         let response = self.respond(&request, pieces).await;
         Ok(self.give(&request, ("get", Some(&name), 200), response))
+    }
+
+    /// The apiserver's 500 for a cached object that does not encode in protobuf (its JSON
+    /// not reading as its kind): an error, never a silently different object, audited like
+    /// any other answer (`verb`, `name`).
+    fn unencodable(
+        &self,
+        error: &protobuf::ProtoError,
+        request: &Request<'_>,
+        (verb, name): (&str, Option<&str>),
+    ) -> CacheError {
+        tracing::warn!(error = %crate::report::Chain(error), "a cached object does not encode in protobuf");
+        self.audit(request, verb, name, 500);
+        let status = Status::failure(500, "InternalError", error.to_string(), None);
+        CacheError::Status(Box::new(status), request.audit_id.clone())
     }
 
     /// Gives an answer and writes its audit line `(verb, name, code)`.
@@ -883,7 +898,7 @@ impl Cache {
         }
         let pieces =
             respond::list_answer(&request.store.kind, list_rv, None, &items, request.encoding)
-                .map_err(|e| unencodable(&e, &request))?;
+                .map_err(|e| self.unencodable(&e, &request, ("list", None)))?;
         drop(items);
         let (pieces, gzipped) = encode(pieces, gzip).await;
         self.lists
@@ -915,7 +930,7 @@ impl Cache {
         let page = &items[..items.len().min(limit)];
         let kind = &request.store.kind;
         let pieces = respond::list_answer(kind, rv, next.as_ref(), page, request.encoding)
-            .map_err(|e| unencodable(&e, request))?;
+            .map_err(|e| self.unencodable(&e, request, ("list", None)))?;
         Ok(self.respond(request, pieces).await)
     }
 
@@ -966,7 +981,7 @@ impl Cache {
                     Encoding::Json => Bytes::from(status.error_event()),
                     Encoding::Protobuf => {
                         let object = protobuf::status(&status.to_bytes())
-                            .map_err(|e| unencodable(&e, &request))?;
+                            .map_err(|e| self.unencodable(&e, &request, ("watch", None)))?;
                         Bytes::from(protobuf::watch_frame("ERROR", object))
                     }
                 };
@@ -1118,14 +1133,6 @@ fn forbidden(user: &User, attrs: &Attributes, reason: &str) -> Status {
         message,
         Some(Details::of(&attrs.name, &attrs.group, &attrs.resource)),
     )
-}
-
-/// The apiserver's 500 for a cached object that does not encode in protobuf (its JSON not
-/// reading as its kind): an error, never a silently different object.
-fn unencodable(error: &protobuf::ProtoError, request: &Request<'_>) -> CacheError {
-    tracing::warn!(error = %crate::report::Chain(error), "a cached object does not encode in protobuf");
-    let status = Status::failure(500, "InternalError", error.to_string(), None);
-    CacheError::Status(Box::new(status), request.audit_id.clone())
 }
 
 fn wants_gzip(headers: &HeaderMap) -> bool {

@@ -1526,3 +1526,54 @@ async fn a_protobuf_watch_list_sends_frames_and_ends_with_the_annotated_bookmark
         Some("11")
     );
 }
+
+#[tokio::test]
+async fn a_cached_object_that_does_not_convert_is_a_500_audited_never_a_different_object() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit.jsonl");
+    let s = setup_with(config(), Some(AuditLog::open(&path).unwrap()));
+    // The store reads only metadata; `data` that is not base64 is no Secret.
+    let broken = br#"{"metadata":{"name":"bad","namespace":"ns-a","resourceVersion":"3"},"data":{"k":"not base64!"}}"#;
+    s.store.replace(vec![Obj::parse(broken).unwrap()], 10);
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "accept",
+        "application/vnd.kubernetes.protobuf,application/json"
+            .parse()
+            .unwrap(),
+    );
+    for uri in [
+        "/api/v1/namespaces/ns-a/secrets/bad?resourceVersion=0",
+        "/api/v1/namespaces/ns-a/secrets?resourceVersion=0",
+    ] {
+        let error = s
+            .cache
+            .serve(&info(uri), reader(&user("alice"), &headers), None)
+            .await
+            .unwrap_err();
+        let CacheError::Status(status, _) = &error else {
+            panic!("{uri}: {error:?}");
+        };
+        assert_eq!(
+            (status.code, status.reason.as_str()),
+            (500, "InternalError")
+        );
+        assert!(status.message.contains("Secret"), "{}", status.message);
+    }
+    let text = std::fs::read_to_string(&path).unwrap();
+    let codes: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["responseStatus"]["code"].clone())
+        .collect();
+    assert_eq!(codes, [500, 500], "each failed read audited");
+    // JSON readers still get the object as it is.
+    let response = ask(
+        &s,
+        "alice",
+        "/api/v1/namespaces/ns-a/secrets/bad?resourceVersion=0",
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+}

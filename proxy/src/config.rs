@@ -60,6 +60,29 @@ pub struct Listen {
     /// How a SIGTERM drains this listener.
     #[serde(default)]
     pub shutdown: Shutdown,
+    /// The PROXY protocol (v1 and v2) from the load balancers in front; off when absent.
+    #[serde(default)]
+    pub proxy_protocol: Option<ProxyProtocol>,
+}
+
+/// Which peers may tell Bulwark the client's address with a PROXY protocol header, as
+/// HAProxy's `send-proxy-v2`, nginx's `proxy_protocol on` and Envoy's upstream PROXY
+/// protocol do. Any other peer that sends such a header is refused.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ProxyProtocol {
+    /// Address ranges (`10.0.0.0/8`, `fd00::/8`, or one address) of the load balancers
+    /// that may send the header. Required, at least one.
+    pub trusted_sources: Vec<ipnet::IpNet>,
+    /// Whether a trusted peer must send the header: `true` refuses a connection from one
+    /// of them without it (a balancer misconfigured to send none would otherwise make every
+    /// client look like the balancer); `false` takes such a connection as it comes.
+    #[serde(default = "yes")]
+    pub required: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Explicit limits on client connections.
@@ -103,6 +126,26 @@ pub struct ListenLimits {
     /// that file-system notifications missed (notifications usually see it at once).
     #[serde(with = "humantime_serde")]
     pub file_check_interval: Duration,
+    /// Client connections open at once, all sources together. Past it a new connection is
+    /// closed as soon as it is accepted. Bulwark also never lets client connections take
+    /// the file descriptors of `reservedFileDescriptors`, whatever this says.
+    pub max_connections: usize,
+    /// Client connections open at once from one source address (an IPv6 source by its
+    /// /64); `0` for no per-source cap. The source is the PROXY protocol's client address
+    /// where a trusted balancer sends one, else the peer's: behind a balancer that hides
+    /// client addresses without the PROXY protocol, raise it or set it to 0.
+    pub max_connections_per_source: usize,
+    /// File descriptors kept out of reach of client connections, for upstream
+    /// connections, the admin listener, the audit log and certificate reloads.
+    pub reserved_file_descriptors: usize,
+    /// A connection that has not authenticated a request (certificate or accepted token)
+    /// within this time after its handshake is closed: a client that only collects 401s
+    /// holds no connection. Requests on the anonymous allowlist do not count.
+    #[serde(with = "humantime_serde")]
+    pub unauthenticated_timeout: Duration,
+    /// A connection whose requests are refused this many times in a row for their
+    /// credentials (401, or a token review refused with 429) is closed.
+    pub max_unauthenticated_requests: u32,
 }
 
 impl Default for ListenLimits {
@@ -112,13 +155,18 @@ impl Default for ListenLimits {
             header_read_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
             max_concurrent_streams: 250,
-            idle_timeout: Duration::from_secs(600),
+            idle_timeout: Duration::from_secs(90),
             keepalive_interval: Duration::from_secs(30),
             keepalive_timeout: Duration::from_secs(20),
             max_body_bytes: 3 * 1024 * 1024,
             buffered_body_bytes: Quantity(256 * 1024 * 1024),
             buffered_body_bytes_per_flow: Quantity(32 * 1024 * 1024),
             file_check_interval: Duration::from_secs(30),
+            max_connections: 20_000,
+            max_connections_per_source: 1_000,
+            reserved_file_descriptors: 1_024,
+            unauthenticated_timeout: Duration::from_secs(10),
+            max_unauthenticated_requests: 16,
         }
     }
 }
@@ -775,6 +823,23 @@ impl Config {
             p.add(
                 "listen.limits.bufferedBodyBytes",
                 "must be at least listen.limits.bufferedBodyBytesPerFlow",
+            );
+        }
+        p.nonzero("listen.limits.maxConnections", l.max_connections as u64);
+        p.positive(
+            "listen.limits.unauthenticatedTimeout",
+            l.unauthenticated_timeout,
+        );
+        p.nonzero(
+            "listen.limits.maxUnauthenticatedRequests",
+            l.max_unauthenticated_requests.into(),
+        );
+        if let Some(pp) = &listen.proxy_protocol
+            && pp.trusted_sources.is_empty()
+        {
+            p.add(
+                "listen.proxyProtocol.trustedSources",
+                "at least one address range is required",
             );
         }
         // A zero pause is a valid choice (no balancer to wait for); a zero grace is not.

@@ -3,6 +3,7 @@
 
 pub use crate::cache::accept::{Encoding, negotiate};
 pub use crate::cache::store::{EventType, Kind, Obj, encode_event, event_line};
+pub use crate::listen::proxy_header_at_start as proxy_header;
 
 /// The object with its `metadata.resourceVersion` replaced, as a selector watch sends an
 /// object that left it (see the cache's store).

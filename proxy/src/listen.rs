@@ -1,18 +1,23 @@
-//! The client-facing TLS listener: handshake, limits, reload, drain (DESIGN.md steps 1 and 9).
+//! The client-facing TLS listener: connection caps, the PROXY protocol, handshake, limits,
+//! reload, drain (DESIGN.md steps 1 and 9).
 //!
 //! [`Listener::bind`] reads the certificate files and binds the socket, [`Listener::serve`]
-//! accepts connections and drives each through TLS and HTTP/1.1 or HTTP/2 into the caller's
-//! tower service with a [`ConnInfo`] in every request's extensions, and
+//! accepts connections within the caps, reads a trusted balancer's PROXY header, and drives
+//! each through TLS and HTTP/1.1 or HTTP/2 into the caller's tower service with a
+//! [`ConnInfo`] in every request's extensions, and
 //! [`Listener::spawn_reload`] swaps in new certificate files for new handshakes. The caller's
 //! SIGTERM handler moves a [`DrainPhase`] watch from `Serving` to `GoAway` to `Close`.
 
+mod caps;
 mod conn;
+mod proxy_header;
 mod reload;
 mod tls;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -20,19 +25,23 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use rustls::pki_types::CertificateDer;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use crate::Body;
 use crate::config;
 use crate::identity::User;
+use crate::metrics::Metrics;
 
-pub use conn::Connections;
+pub use caps::{Connections, raise_open_file_limit};
+#[doc(hidden)]
+pub use proxy_header::at_start as proxy_header_at_start;
 
 /// What the request path learns from the connection; inserted into every request's extensions.
 #[derive(Debug, Clone)]
 pub struct ConnInfo {
-    /// The client's address.
+    /// The client's address: the one a trusted balancer's PROXY header carries, else the
+    /// peer's.
     pub peer: SocketAddr,
     /// The client certificate chain (leaf first), present only when the client sent one and it
     /// verified against the configured client CA.
@@ -42,8 +51,56 @@ pub struct ConnInfo {
     pub client_user: Arc<OnceLock<Result<User, String>>>,
     /// Whether this request came over HTTP/2.
     pub http2: bool,
+    /// Where the identity stage reports whether the connection's requests authenticate.
+    pub auth: Arc<ConnAuth>,
 }
 
+/// Whether a connection's requests authenticate: a connection that never does within
+/// `unauthenticatedTimeout`, or whose requests are refused for their credentials
+/// `maxUnauthenticatedRequests` times in a row, is closed.
+#[derive(Debug)]
+pub struct ConnAuth {
+    authenticated: AtomicBool,
+    refused_in_a_row: AtomicU32,
+    max_refused: u32,
+    give_up: Notify,
+}
+
+impl ConnAuth {
+    /// A connection closed after `max_refused` refusals in a row.
+    pub fn new(max_refused: u32) -> ConnAuth {
+        ConnAuth {
+            authenticated: AtomicBool::new(false),
+            refused_in_a_row: AtomicU32::new(0),
+            max_refused,
+            give_up: Notify::new(),
+        }
+    }
+
+    /// A request on the connection authenticated.
+    pub fn accepted(&self) {
+        // Loads first: under load every request lands here, and a store would bounce the
+        // cache line between cores for nothing.
+        if !self.authenticated.load(Ordering::Relaxed) {
+            self.authenticated.store(true, Ordering::Relaxed);
+        }
+        if self.refused_in_a_row.load(Ordering::Relaxed) != 0 {
+            self.refused_in_a_row.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// A request on the connection was refused for its credentials.
+    pub fn refused(&self) {
+        if self.refused_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 >= self.max_refused {
+            self.give_up.notify_one();
+        }
+    }
+
+    /// Whether any request on the connection has authenticated.
+    pub fn authenticated(&self) -> bool {
+        self.authenticated.load(Ordering::Relaxed)
+    }
+}
 /// Drain phases driven by the SIGTERM handler, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum DrainPhase {
@@ -156,12 +213,13 @@ pub struct Listener {
     settings: Arc<conn::Settings>,
     file_check_interval: Duration,
     connections: Connections,
+    metrics: Metrics,
 }
 
 impl Listener {
     /// Loads the certificate, key and client CA now (a bad file is an error naming it) and
-    /// binds the address.
-    pub async fn bind(cfg: &config::Listen) -> Result<Listener, ListenError> {
+    /// binds the address; its connections are counted in `metrics`.
+    pub async fn bind(cfg: &config::Listen, metrics: &Metrics) -> Result<Listener, ListenError> {
         // Three small files, read once at startup: not worth a blocking-pool hop.
         let tls = tls::TlsState::load(tls::TlsFiles::from_config(cfg))?;
         let tcp = TcpListener::bind(cfg.address)
@@ -174,13 +232,18 @@ impl Listener {
             address: cfg.address,
             source,
         })?;
+        let connections = Connections::new(&cfg.limits, metrics.connections_open.clone());
+        metrics
+            .connections_max
+            .set(i64::try_from(connections.max()).unwrap_or(i64::MAX));
         Ok(Listener {
             tcp,
             local_addr,
             tls: Arc::new(tls),
-            settings: Arc::new(conn::Settings::new(&cfg.limits, cfg.goaway_chance)),
+            settings: Arc::new(conn::Settings::new(cfg, metrics)),
             file_check_interval: cfg.limits.file_check_interval,
-            connections: Connections::default(),
+            connections,
+            metrics: metrics.clone(),
         })
     }
 
@@ -230,6 +293,7 @@ impl Listener {
             tls,
             settings,
             connections,
+            metrics,
             ..
         } = self;
         let mut tasks = JoinSet::new();
@@ -243,12 +307,19 @@ impl Listener {
                         if let Err(error) = stream.set_nodelay(true) {
                             tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
                         }
-                        let guard = connections.track();
+                        let guard = match connections.admit() {
+                            Ok(guard) => guard,
+                            Err(full) => {
+                                refuse(stream, full.reason(), &metrics);
+                                continue;
+                            }
+                        };
                         let serve = conn::serve(
                             stream,
                             peer,
                             tls.clone(),
                             settings.clone(),
+                            connections.clone(),
                             service.clone(),
                             drain.clone(),
                         );
@@ -292,6 +363,20 @@ impl Listener {
         }
         result
     }
+}
+
+/// Closes a connection Bulwark will not serve, with a reset so that the client fails at
+/// once (and a balancer tries another replica) instead of waiting on a handshake that will
+/// never come.
+fn refuse(stream: tokio::net::TcpStream, reason: &'static str, metrics: &Metrics) {
+    metrics
+        .connections_refused_total
+        .with_label_values(&[reason])
+        .inc();
+    if let Err(error) = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)) {
+        tracing::debug!(%error, "cannot set SO_LINGER");
+    }
+    drop(stream);
 }
 
 /// How the accept loop reacts to an error from `accept`.

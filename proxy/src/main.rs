@@ -28,6 +28,10 @@ fn main() -> ExitCode {
             let Some(config) = load(&config) else {
                 return ExitCode::from(2);
             };
+            // Client connections are capped below this limit (with a reserve kept back), so
+            // take all the descriptors the system allows, as Go programs do.
+            let descriptors = bulwark::listen::raise_open_file_limit();
+            tracing::info!(descriptors, "open-file limit");
             let runtime = match bulwark::serve::runtime() {
                 Ok(runtime) => runtime,
                 Err(e) => {

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use http::{Method, StatusCode};
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::classify::{RequestInfo, Verb};
@@ -221,6 +221,16 @@ pub struct MetricFamilies {
     /// `bulwark_cache_slow_watchers_total{resource}`: watchers disconnected for falling
     /// behind.
     pub cache_slow_watchers_total: IntCounterVec,
+    /// `bulwark_connections_open`: client connections open, handshakes included.
+    pub connections_open: IntGauge,
+    /// `bulwark_connections_max`: the total connection cap in force.
+    pub connections_max: IntGauge,
+    /// `bulwark_connections_refused_total{reason}`: client connections closed before
+    /// their handshake (a cap, or the PROXY protocol).
+    pub connections_refused_total: IntCounterVec,
+    /// `bulwark_connections_closed_total{reason}`: client connections Bulwark closed for
+    /// not authenticating.
+    pub connections_closed_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -284,6 +294,32 @@ impl Metrics {
             "cache_slow_watchers_total",
             "Watchers disconnected because they fell further behind than their buffer.",
             &["resource"],
+        );
+        let connections_refused_total = counter(
+            "connections_refused_total",
+            "Client connections closed before their TLS handshake, by reason: max_connections, max_connections_per_source, proxy_header_untrusted, proxy_header_missing, proxy_header_malformed, proxy_header_silent.",
+            &["reason"],
+        );
+        let connections_closed_total = counter(
+            "connections_closed_total",
+            "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row).",
+            &["reason"],
+        );
+        let plain_gauge = |name: &str, help: &str| {
+            let g =
+                IntGauge::new(format!("bulwark_{name}"), help).expect("valid metric definition");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("metric registered once");
+            g
+        };
+        let connections_open = plain_gauge(
+            "connections_open",
+            "Client connections open, TLS handshakes included.",
+        );
+        let connections_max = plain_gauge(
+            "connections_max",
+            "The cap on open client connections in force (listen.limits.maxConnections, lowered to the open-file limit less the reserve).",
         );
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g = IntGaugeVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
@@ -417,6 +453,10 @@ impl Metrics {
             cache_relists_total,
             cache_requests_total,
             cache_slow_watchers_total,
+            connections_open,
+            connections_max,
+            connections_refused_total,
+            connections_closed_total,
         }))
     }
 

@@ -179,7 +179,7 @@ impl Running {
             forward,
         );
 
-        let listener = Listener::bind(&config.listen).await?;
+        let listener = Listener::bind(&config.listen, &metrics).await?;
         let addr = listener.local_addr();
         listener.spawn_reload();
         let (drain, drain_rx) = watch::channel(DrainPhase::Serving);

@@ -214,6 +214,7 @@ fn listen_config(mount: &SecretMount, client_ca: bool, limits: ListenLimits) -> 
         limits,
         goaway_chance: 0.0,
         shutdown: Shutdown::default(),
+        proxy_protocol: None,
     }
 }
 
@@ -230,7 +231,7 @@ struct Server {
 
 impl Server {
     async fn start(cfg: &Listen, watch_files: bool) -> Result<Self> {
-        let listener = Listener::bind(cfg).await?;
+        let listener = Listener::bind(cfg, &bulwark::metrics::Metrics::new()).await?;
         let addr = listener.local_addr();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
@@ -721,14 +722,20 @@ async fn bind_names_the_bad_file() -> Result<()> {
     let mount = SecretMount::new(&server, None)?;
     let mut cfg = listen_config(&mount, false, limits());
     cfg.key = mount.dir.0.join("missing.key");
-    let error = Listener::bind(&cfg).await.err().context("bind must fail")?;
+    let error = Listener::bind(&cfg, &bulwark::metrics::Metrics::new())
+        .await
+        .err()
+        .context("bind must fail")?;
     assert!(error.to_string().contains("missing.key"), "{error}");
 
     let other = ca.server()?;
     let wrong_key = mount.dir.0.join("other.key");
     std::fs::write(&wrong_key, &other.key_pem)?;
     cfg.key = wrong_key;
-    let error = Listener::bind(&cfg).await.err().context("bind must fail")?;
+    let error = Listener::bind(&cfg, &bulwark::metrics::Metrics::new())
+        .await
+        .err()
+        .context("bind must fail")?;
     assert!(matches!(error, ListenError::KeyMismatch { .. }), "{error}");
     assert!(error.to_string().contains("other.key"), "{error}");
     Ok(())

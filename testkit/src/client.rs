@@ -53,15 +53,45 @@ impl Client {
     /// Connects to `addr` with TLS (presenting `cert` if given) and HTTP/2.
     pub async fn connect(addr: SocketAddr, pki: &Pki, cert: Option<&CertKey>) -> Client {
         let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        Client::over(tcp, pki, cert)
+            .await
+            .expect("TLS and HTTP/2 handshakes")
+    }
+
+    /// TLS (presenting `cert` if given) and HTTP/2 over a connection the caller opened (from
+    /// an address of its choice, or through a balancer); the error says which handshake
+    /// failed.
+    pub async fn over(
+        tcp: tokio::net::TcpStream,
+        pki: &Pki,
+        cert: Option<&CertKey>,
+    ) -> Result<Client, String> {
         let tls = TlsConnector::from(Arc::new(tls_config(pki, cert)))
             .connect(ServerName::try_from("127.0.0.1").expect("name"), tcp)
             .await
-            .expect("TLS handshake");
+            .map_err(|e| format!("TLS handshake: {e}"))?;
         let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
             .await
-            .expect("HTTP/2 handshake");
+            .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
         tokio::spawn(conn);
-        Client { sender }
+        Ok(Client { sender })
+    }
+
+    /// Sends a request and reads the whole answer, or says why the connection could not.
+    pub async fn try_send(&mut self, request: Request<Full<Bytes>>) -> Result<Answer, String> {
+        self.sender.ready().await.map_err(|e| e.to_string())?;
+        let response = self
+            .sender
+            .send_request(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
     }
 
     /// Sends a request and reads the whole answer.

@@ -37,10 +37,25 @@ impl<B: Send + 'static> Stage<B> for Identify {
             &self.tokens,
             &self.anonymous,
         )
-        .await?;
+        .await;
+        if let Some(conn) = &call.conn {
+            tell_connection(conn, &identity);
+        }
+        let identity = identity?;
         let _ = call.report.who.set(identity.name().to_string());
         let info = call.facts.info.clone();
         next.run(call.learn(Identified { info, identity })).await
+    }
+}
+
+/// Tells the connection whether its client authenticates, so that one that never does (or
+/// keeps failing) is closed. A review that could not be made is not the client's fault, and
+/// an anonymous request on the allowlist (a balancer's `/readyz`) proves nothing either way.
+fn tell_connection(conn: &ConnInfo, identity: &Result<Identity, IdentityError>) {
+    match identity {
+        Ok(Identity::User { .. }) => conn.auth.accepted(),
+        Ok(Identity::Anonymous) | Err(IdentityError::ReviewFailed(_)) => {}
+        Err(_) => conn.auth.refused(),
     }
 }
 

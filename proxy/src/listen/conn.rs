@@ -1,5 +1,6 @@
-//! One client connection: TLS handshake, HTTP/1.1 or HTTP/2, open-request counting for the
-//! idle timeout, the GOAWAY chance, and the drain phases.
+//! One client connection: the PROXY header and the per-source cap, TLS handshake, HTTP/1.1
+//! or HTTP/2, open-request counting for the idle timeout, closing connections that do not
+//! authenticate, the GOAWAY chance, and the drain phases.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -22,10 +23,15 @@ use tokio::sync::{Notify, watch};
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
+use super::caps::Connections;
+use super::proxy_header::{self, Trust};
 use super::tls::TlsState;
-use super::{ConnInfo, DrainPhase};
-use crate::config::ListenLimits;
-use crate::{Body, BoxError};
+use super::{ConnAuth, ConnInfo, DrainPhase};
+use crate::metrics::Metrics;
+use crate::{Body, BoxError, config};
+
+/// How long a connection closed for not authenticating has to flush its last answers.
+const LAST_WORDS: Duration = Duration::from_secs(1);
 
 /// hyper refuses an HTTP/1 read buffer smaller than this.
 const MIN_H1_BUFFER: usize = 8192;
@@ -37,10 +43,15 @@ pub(super) struct Settings {
     header_read_timeout: Duration,
     idle_timeout: Duration,
     goaway_chance: f64,
+    trust: Option<Trust>,
+    unauthenticated_timeout: Duration,
+    max_unauthenticated_requests: u32,
+    metrics: Metrics,
 }
 
 impl Settings {
-    pub(super) fn new(limits: &ListenLimits, goaway_chance: f64) -> Self {
+    pub(super) fn new(cfg: &config::Listen, metrics: &Metrics) -> Self {
+        let limits = &cfg.limits;
         let mut builder = auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
@@ -62,17 +73,37 @@ impl Settings {
             handshake_timeout: limits.handshake_timeout,
             header_read_timeout: limits.header_read_timeout,
             idle_timeout: limits.idle_timeout,
-            goaway_chance: goaway_chance.clamp(0.0, 1.0),
+            goaway_chance: cfg.goaway_chance.clamp(0.0, 1.0),
+            trust: Trust::from_config(cfg.proxy_protocol.as_ref()),
+            unauthenticated_timeout: limits.unauthenticated_timeout,
+            max_unauthenticated_requests: limits.max_unauthenticated_requests,
+            metrics: metrics.clone(),
         }
+    }
+
+    fn refused(&self, reason: &'static str) {
+        self.metrics
+            .connections_refused_total
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    fn closed(&self, reason: &'static str) {
+        self.metrics
+            .connections_closed_total
+            .with_label_values(&[reason])
+            .inc();
     }
 }
 
-/// Serves one accepted TCP connection until it closes, is idle, or the drain closes it.
+/// Serves one accepted TCP connection until it closes, is idle, does not authenticate, or
+/// the drain closes it.
 pub(super) async fn serve<S>(
     tcp: TcpStream,
     peer: SocketAddr,
     tls: Arc<TlsState>,
     settings: Arc<Settings>,
+    connections: Connections,
     service: S,
     mut drain: watch::Receiver<DrainPhase>,
 ) where
@@ -82,10 +113,37 @@ pub(super) async fn serve<S>(
         + 'static,
     S::Future: Send,
 {
+    let started = tokio::time::Instant::now();
+    let header = proxy_header::accept(
+        tcp,
+        peer,
+        settings.trust.as_ref(),
+        settings.handshake_timeout,
+    );
+    let (tcp, peer) = tokio::select! {
+        read = header => match read {
+            Ok(found) => found,
+            Err(refused) => {
+                tracing::debug!(%peer, %refused, "connection refused");
+                settings.refused(refused.reason());
+                return;
+            }
+        },
+        () = phase_reached(&mut drain, DrainPhase::Close) => return,
+    };
+    let _source = match connections.admit_source(peer.ip()) {
+        Ok(guard) => guard,
+        Err(full) => {
+            tracing::debug!(%peer, "connection refused: too many from this source");
+            settings.refused(full.reason());
+            return;
+        }
+    };
     // Each handshake takes the configuration current at accept, so a reload affects new
     // connections only.
     let acceptor = TlsAcceptor::from(tls.current());
-    let handshake = tokio::time::timeout(settings.handshake_timeout, acceptor.accept(tcp));
+    let handshake =
+        tokio::time::timeout_at(started + settings.handshake_timeout, acceptor.accept(tcp));
     let stream = tokio::select! {
         done = handshake => match done {
             Ok(Ok(stream)) => stream,
@@ -108,11 +166,13 @@ pub(super) async fn serve<S>(
 
     let (requests, mut open_rx) = Requests::new();
     let goaway = Arc::new(Notify::new());
+    let auth = Arc::new(ConnAuth::new(settings.max_unauthenticated_requests));
     let tracked = Tracked {
         inner: service,
         peer,
         client_chain,
         client_user: Arc::default(),
+        auth: auth.clone(),
         requests,
         goaway: goaway.clone(),
         goaway_chance: settings.goaway_chance,
@@ -124,6 +184,12 @@ pub(super) async fn serve<S>(
 
     let mut shutting_down = false;
     let mut drain_open = true;
+    let auth_deadline = tokio::time::sleep_until(started + settings.unauthenticated_timeout);
+    tokio::pin!(auth_deadline);
+    let mut auth_pending = true;
+    let hard_close = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(hard_close);
+    let mut closing = false;
     // A handshake that finished while the drain moved on: the loop below only sees changes
     // from here on.
     match *drain.borrow_and_update() {
@@ -153,6 +219,28 @@ pub(super) async fn serve<S>(
                 conn.as_mut().graceful_shutdown();
                 shutting_down = true;
             }
+            () = &mut auth_deadline, if auth_pending => {
+                auth_pending = false;
+                if !auth.authenticated() {
+                    tracing::debug!(%peer, "closing a connection that never authenticated");
+                    settings.closed("unauthenticated_timeout");
+                    conn.as_mut().graceful_shutdown();
+                    shutting_down = true;
+                    hard_close.as_mut().reset(tokio::time::Instant::now() + LAST_WORDS);
+                    closing = true;
+                }
+            }
+            () = auth.give_up.notified(), if !closing => {
+                tracing::debug!(%peer, "closing a connection whose credentials keep failing");
+                settings.closed("unauthenticated_requests");
+                conn.as_mut().graceful_shutdown();
+                shutting_down = true;
+                hard_close.as_mut().reset(tokio::time::Instant::now() + LAST_WORDS);
+                closing = true;
+            }
+            // GOAWAY lets the last refusals reach the client; a hostile one that holds its
+            // streams open gets no longer than this.
+            () = &mut hard_close, if closing => return,
             () = goaway.notified(), if !shutting_down => {
                 tracing::debug!(%peer, "GOAWAY chance: asking the client to reconnect");
                 conn.as_mut().graceful_shutdown();
@@ -278,6 +366,7 @@ struct Tracked<S> {
     peer: SocketAddr,
     client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
     client_user: Arc<std::sync::OnceLock<Result<crate::identity::User, String>>>,
+    auth: Arc<ConnAuth>,
     requests: Arc<Requests>,
     goaway: Arc<Notify>,
     goaway_chance: f64,
@@ -305,6 +394,7 @@ where
             client_chain: self.client_chain.clone(),
             client_user: self.client_user.clone(),
             http2,
+            auth: self.auth.clone(),
         });
         let goaway =
             (http2 && self.goaway_chance > 0.0 && rand::random::<f64>() < self.goaway_chance)
@@ -353,32 +443,6 @@ impl http_body::Body for TrackedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// Counts open client connections (including those still in their TLS handshake).
-#[derive(Debug, Clone, Default)]
-pub struct Connections(Arc<AtomicUsize>);
-
-impl Connections {
-    /// Client connections open right now.
-    pub fn open(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
-    }
-
-    /// Counts one connection until the returned guard is dropped.
-    pub(super) fn track(&self) -> ConnectionGuard {
-        self.0.fetch_add(1, Ordering::Relaxed);
-        ConnectionGuard(self.0.clone())
-    }
-}
-
-/// Holds one count of [`Connections`].
-pub(super) struct ConnectionGuard(Arc<AtomicUsize>);
-
-impl Drop for ConnectionGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

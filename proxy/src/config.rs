@@ -245,7 +245,9 @@ pub struct Upstream {
     /// How many Bulwark replicas share the apiservers.
     #[serde(default = "default_bulwark_replicas")]
     pub bulwark_replicas: u32,
-    /// How often each replica's `/readyz` is probed.
+    /// How often each replica's `/readyz` is probed. A probe that gets no answer within the
+    /// interval (at least 1 s) ejects the replica as unresponsive, and the reads waiting on
+    /// it go to other replicas.
     #[serde(default = "default_probe_interval", with = "humantime_serde")]
     pub probe_interval: Duration,
     /// First wait before an ejected replica is tried again; doubles up to `ejectMax`.
@@ -354,6 +356,17 @@ pub struct Timeouts {
     /// create, update, patch, delete, deletecollection.
     #[serde(with = "humantime_serde")]
     pub write: Duration,
+    /// One try of a get, a watch's start or another read that is not a list, on one
+    /// replica, until its response head; then the read goes to another replica, within
+    /// `read` in all. No healthy apiserver holds such a read longer: API Priority and
+    /// Fairness queues a request for at most a quarter of its 60 s deadline, then answers
+    /// 429 itself. Lists have no such limit: the apiserver sends a list's head only once it
+    /// has read the whole result (a consistent list of a large collection from etcd can
+    /// take tens of seconds), so a cut would start the same costly read on another replica
+    /// and the list would fail anyway; a list leaves a replica that stopped answering when
+    /// the probe ejects it. Writes are never sent twice, so none has an attempt limit.
+    #[serde(with = "humantime_serde")]
+    pub attempt: Duration,
 }
 
 impl Default for Timeouts {
@@ -363,6 +376,7 @@ impl Default for Timeouts {
             read: Duration::from_secs(60),
             list: Duration::from_secs(60),
             write: Duration::from_secs(60),
+            attempt: Duration::from_secs(20),
         }
     }
 }
@@ -917,6 +931,7 @@ impl Config {
         p.positive("upstream.timeouts.read", t.read);
         p.positive("upstream.timeouts.list", t.list);
         p.positive("upstream.timeouts.write", t.write);
+        p.positive("upstream.timeouts.attempt", t.attempt);
         p.nonzero(
             "upstream.streamsPerConnection",
             up.streams_per_connection.into(),
@@ -1073,6 +1088,16 @@ impl Timeouts {
             }
             _ => self.write,
         })
+    }
+
+    /// The limit on one try of a request until its response head ([`Timeouts::attempt`]):
+    /// reads that are not lists, watches' starts included; `None` for lists, writes and
+    /// the long-running requests whose head waits on something other than the apiserver
+    /// (a pod's proxy, `log?follow`, a profile).
+    pub fn attempt_for(&self, info: &crate::classify::RequestInfo) -> Option<Duration> {
+        use crate::classify::Verb;
+        let head_from_apiserver = !info.is_long_running() || info.verb == Verb::Watch;
+        (info.is_read() && !info.is_list() && head_from_apiserver).then_some(self.attempt)
     }
 }
 

@@ -177,6 +177,9 @@ pub struct MetricFamilies {
     pub rule_requests_total: IntCounterVec,
     /// `bulwark_upstream_responses_total{replica, code_class}`.
     pub upstream_responses_total: IntCounterVec,
+    /// `bulwark_upstream_retries_total{replica, reason}`: requests sent again to another
+    /// replica after one failed them, by the replica that failed and why.
+    pub upstream_retries_total: IntCounterVec,
     /// `bulwark_upstream_healthy{replica}`: 1 when the replica takes traffic.
     pub upstream_healthy: IntGaugeVec,
     /// `bulwark_upstream_in_flight{replica}`: requests waiting for their response head.
@@ -264,6 +267,11 @@ impl Metrics {
             "upstream_responses_total",
             "Responses from each apiserver replica, by status class (2xx..5xx, or error).",
             &["replica", "code_class"],
+        );
+        let upstream_retries_total = counter(
+            "upstream_retries_total",
+            "Requests sent again after a replica failed them, by that replica and why: not_sent (it never reached the apiserver), reset (the exchange broke), attempt_timeout (no response head within upstream.timeouts.attempt), unresponsive (the replica was ejected for not answering its probe).",
+            &["replica", "reason"],
         );
         let authz_reviews_total = counter(
             "authz_reviews_total",
@@ -433,6 +441,7 @@ impl Metrics {
             rejected_requests_total,
             rule_requests_total,
             upstream_responses_total,
+            upstream_retries_total,
             upstream_healthy,
             upstream_in_flight,
             upstream_watches,

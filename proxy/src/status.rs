@@ -142,7 +142,10 @@ fn upstream_refusal(error: &UpstreamError) -> Refusal {
         UpstreamError::NoHealthyReplica { retry_after } => {
             Refusal::new(Reason::NoHealthyUpstream, message).retry_after(*retry_after)
         }
-        UpstreamError::Timeout => Refusal::new(Reason::UpstreamTimeout, message),
+        UpstreamError::Timeout { .. } => Refusal::new(
+            Reason::UpstreamTimeout,
+            "the apiserver did not answer in time",
+        ),
         UpstreamError::BodyBudget(_) => {
             Refusal::new(Reason::BodyBudget, message).retry_after(Duration::from_secs(1))
         }
@@ -457,9 +460,14 @@ mod tests {
         assert_eq!(refusal.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(refusal.reason, Reason::NoHealthyUpstream);
         assert_eq!(refusal.retry_after, Some(Duration::from_secs(2)));
-        assert_eq!(status(UpstreamError::Timeout), StatusCode::GATEWAY_TIMEOUT);
         assert_eq!(
-            status(UpstreamError::Interrupted(Arc::new(UpstreamError::Timeout))),
+            status(UpstreamError::Timeout { replica: None }),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+        assert_eq!(
+            status(UpstreamError::Interrupted(Arc::new(
+                UpstreamError::Timeout { replica: None }
+            ))),
             StatusCode::BAD_GATEWAY
         );
         assert_eq!(

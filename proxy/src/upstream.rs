@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::report::{Chain, SharedError, find_source};
 
 use body::{Framing, OnFailure};
-use pick::{Balancer, EjectCause, Load, PendingGuard, ReplicaWatch};
+use pick::{Balancer, EjectCause, Load, PendingGuard, ReplicaWatch, RetryReason};
 use pool::{Lease, Pool, ReqBody};
 
 pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
@@ -79,8 +79,13 @@ pub struct Route {
     /// Balanced by watch count and counted in `upstream_watches`; a failure mid-stream
     /// ends the body cleanly (clients watch again).
     pub watch: bool,
-    /// Time allowed until the response head; ignored for long-running requests.
+    /// Time allowed until the response head, every attempt together; ignored for
+    /// long-running requests.
     pub timeout: Option<Duration>,
+    /// Time allowed to one attempt on one replica until its response head, for a read;
+    /// after it the read goes to another replica (`upstream.timeouts.attempt`). Ignored
+    /// for writes, which are never sent twice.
+    pub attempt_timeout: Option<Duration>,
     /// The replica that holds this LIST's bytes ([`Upstream::hold_list_bytes`]): the first
     /// attempt goes there while it is in rotation, so the bytes are counted where they land.
     pub replica: Option<Arc<str>>,
@@ -150,9 +155,16 @@ pub enum UpstreamError {
         /// When the client should try again.
         retry_after: Duration,
     },
-    /// No response head within the route's timeout.
-    #[error("the apiserver did not answer in time")]
-    Timeout,
+    /// No response head within the route's timeout (or, for a read that no other replica
+    /// could take, within its attempt limit).
+    #[error(
+        "{} did not answer in time",
+        replica.as_ref().map_or("the apiserver".to_owned(), |r| format!("apiserver {r}"))
+    )]
+    Timeout {
+        /// The replica that was waited on, when the request had reached one.
+        replica: Option<Arc<str>>,
+    },
     /// TCP connect to a replica failed, or took longer than the connect timeout.
     #[error("cannot connect to apiserver {replica}")]
     Connect {
@@ -316,6 +328,30 @@ enum Failure {
     Fatal(UpstreamError),
 }
 
+/// How many times a request that may have reached an apiserver is sent again: a read goes
+/// to at most two other replicas, so that a fleet-wide slowness costs at most three times
+/// the work, never once per replica.
+const MAX_RESENDS: usize = 2;
+
+/// How one attempt ended.
+enum Attempt {
+    /// The replica answered, or failed in a way [`Failure`] sorts.
+    Done(Result<(Response<Incoming>, Option<Lease>), Failure>),
+    /// A read left the replica before its response head: `why` is
+    /// [`RetryReason::AttemptTimeout`] or [`RetryReason::Unresponsive`].
+    Unanswered(RetryReason),
+    /// The request's own deadline passed.
+    Deadline,
+}
+
+/// Waits until `deadline`, or forever without one.
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The parts of a request that every attempt sends again.
 struct Resendable {
     method: Method,
@@ -391,12 +427,17 @@ impl Upstream {
         req: Request<Body>,
         route: Route,
     ) -> Result<Response<Body>, UpstreamError> {
-        let limit = route.timeout.filter(|_| !route.long_running);
-        let work = self.inner.send(req, route);
-        match limit {
-            Some(limit) => tokio::time::timeout(limit, work)
+        let deadline = route
+            .timeout
+            .filter(|_| !route.long_running)
+            .map(|limit| Instant::now() + limit);
+        let work = self.inner.send(req, route, deadline);
+        match deadline {
+            // The attempts end themselves at the deadline, naming their replica; this ends
+            // what comes before them (reading the request body).
+            Some(deadline) => tokio::time::timeout_at(deadline, work)
                 .await
-                .map_err(|_| UpstreamError::Timeout)?,
+                .map_err(|_| UpstreamError::Timeout { replica: None })?,
             None => work.await,
         }
     }
@@ -449,6 +490,7 @@ impl Inner {
         &self,
         mut req: Request<Body>,
         route: Route,
+        deadline: Option<Instant>,
     ) -> Result<Response<Body>, UpstreamError> {
         let upgrade = wants_upgrade(req.headers());
         let mut downstream_upgrade = if upgrade {
@@ -486,18 +528,83 @@ impl Inner {
         } else {
             Load::Requests
         };
+        // A read may leave a replica that has not answered: at its attempt limit, or when
+        // the replica is ejected for not answering its probe. A write waits: it may have
+        // arrived, and it is never sent twice.
+        let read = route.retry == RetryPolicy::Read && !resendable.upgrade;
         let replicas = self.balancer.replicas().len();
         let mut tried = Vec::with_capacity(replicas + 1);
         let mut only_not_sent = true;
         let mut last_error = None;
+        // The replica that failed the last attempt and why, counted once a retry starts.
+        let mut retrying: Option<(usize, RetryReason)> = None;
+        let mut resends = 0;
         for _ in 0..=replicas {
             let preferred = preferred
                 .filter(|&i| tried.is_empty() && self.balancer.in_rotation(i, Instant::now()));
             let Some(index) = preferred.or_else(|| self.pick(load, &tried)) else {
                 break;
             };
+            if let Some((failed, why)) = retrying.take() {
+                let unanswered =
+                    matches!(why, RetryReason::AttemptTimeout | RetryReason::Unresponsive);
+                // A replica that did not answer is not asked again: only another may help.
+                if unanswered && tried.contains(&index) {
+                    break;
+                }
+                self.balancer.replica(failed).count_retry(why);
+            }
             tried.push(index);
-            match self.attempt(index, route.credential, &resendable).await {
+            let replica = self.balancer.replica(index).clone();
+            let attempt = self.attempt(index, route.credential, &resendable);
+            let attempt = if read {
+                // Subscribed before the request leaves, so an ejection during it is seen.
+                let mut unresponsive = replica.unresponsive();
+                let limit = route
+                    .attempt_timeout
+                    .map(|limit| Instant::now() + limit)
+                    .filter(|limit| deadline.is_none_or(|deadline| *limit < deadline));
+                tokio::select! {
+                    biased;
+                    done = attempt => Attempt::Done(done),
+                    () = until(deadline) => Attempt::Deadline,
+                    _ = unresponsive.changed() => Attempt::Unanswered(RetryReason::Unresponsive),
+                    () = until(limit) => Attempt::Unanswered(RetryReason::AttemptTimeout),
+                }
+            } else {
+                tokio::select! {
+                    biased;
+                    done = attempt => Attempt::Done(done),
+                    () = until(deadline) => Attempt::Deadline,
+                }
+            };
+            let name = replica.name.clone();
+            let outcome = match attempt {
+                Attempt::Done(outcome) => outcome,
+                Attempt::Deadline => {
+                    replica.count_response(None);
+                    tracing::warn!(replica = %name, "no response head before the request's deadline");
+                    return Err(UpstreamError::Timeout {
+                        replica: Some(name),
+                    });
+                }
+                Attempt::Unanswered(why) => {
+                    replica.count_response(None);
+                    only_not_sent = false;
+                    last_error = Some(UpstreamError::Timeout {
+                        replica: Some(name.clone()),
+                    });
+                    if resends >= MAX_RESENDS {
+                        tracing::warn!(replica = %name, ?why, "read unanswered; no retry left");
+                        break;
+                    }
+                    tracing::info!(replica = %name, ?why, "read unanswered; retrying on another replica");
+                    resends += 1;
+                    retrying = Some((index, why));
+                    continue;
+                }
+            };
+            match outcome {
                 Ok((response, lease)) => {
                     return Ok(self.respond(
                         index,
@@ -508,25 +615,31 @@ impl Inner {
                     ));
                 }
                 Err(failure) => {
-                    let replica = self.balancer.replica(index);
                     replica.count_response(None);
-                    let name = replica.name.clone();
                     match failure {
                         Failure::Fatal(error) => return Err(error),
                         Failure::NotSent { error, eject } => {
                             tracing::debug!(replica = %name, error = %Chain(&error), "not sent; retrying");
                             self.eject(index, eject);
                             last_error = Some(error);
+                            retrying = Some((index, RetryReason::NotSent));
                         }
                         Failure::MaybeSent { error, eject } => {
                             self.eject(index, eject);
                             only_not_sent = false;
-                            if route.retry == RetryPolicy::Write || resendable.upgrade {
+                            if !read {
                                 tracing::warn!(replica = %name, error = %Chain(&error), "write may have arrived; not retried");
                                 return Err(UpstreamError::Interrupted(Arc::new(error)));
                             }
+                            if resends >= MAX_RESENDS {
+                                tracing::warn!(replica = %name, error = %Chain(&error), "read failed; no retry left");
+                                last_error = Some(error);
+                                break;
+                            }
                             tracing::debug!(replica = %name, error = %Chain(&error), "read failed; retrying");
                             last_error = Some(error);
+                            resends += 1;
+                            retrying = Some((index, RetryReason::Reset));
                         }
                     }
                 }
@@ -679,6 +792,8 @@ impl Inner {
         let limit = self.probe_interval.max(Duration::from_secs(1));
         let now = || Instant::now();
         let name = &self.balancer.replica(index).name;
+        // Err: why, and the cause: a replica that answered something is not ready; one
+        // that gave no answer in time (a connect timing out included) is unresponsive.
         let outcome = tokio::time::timeout(limit, async {
             let (response, lease) = self
                 .attempt(index, UpstreamCredential::Own, &resendable)
@@ -686,7 +801,14 @@ impl Inner {
                 .map_err(|f| match f {
                     Failure::NotSent { error, .. }
                     | Failure::MaybeSent { error, .. }
-                    | Failure::Fatal(error) => Chain(&error).to_string(),
+                    | Failure::Fatal(error) => {
+                        let cause = if timed_out(&error) {
+                            EjectCause::Unresponsive
+                        } else {
+                            EjectCause::Probe
+                        };
+                        (Chain(&error).to_string(), cause)
+                    }
                 })?;
             let status = response.status();
             // Read the short answer to the end so the stream closes cleanly.
@@ -697,19 +819,31 @@ impl Inner {
             if status == StatusCode::OK {
                 Ok(())
             } else {
-                Err(format!("/readyz answered {status}"))
+                Err((format!("/readyz answered {status}"), EjectCause::Probe))
             }
         })
         .await
-        .unwrap_or_else(|_| Err(format!("/readyz did not answer within {limit:?}")));
+        .unwrap_or_else(|_| {
+            Err((
+                format!("/readyz did not answer within {limit:?}"),
+                EjectCause::Unresponsive,
+            ))
+        });
         match outcome {
             Ok(()) => self.balancer.probe_ok(index, now()),
-            Err(why) => {
-                tracing::warn!(replica = %name, %why, "readiness probe failed");
-                self.balancer.eject(index, EjectCause::Probe, now());
+            Err((why, cause)) => {
+                tracing::warn!(replica = %name, %why, ?cause, "readiness probe failed");
+                self.balancer.eject(index, cause, now());
             }
         }
     }
+}
+
+/// Whether a failed exchange is a connect that timed out (a replica that accepts TCP but
+/// never completes the handshake: stopped, or wedged).
+fn timed_out(error: &UpstreamError) -> bool {
+    matches!(error, UpstreamError::Connect { source, .. }
+        if source.kind() == std::io::ErrorKind::TimedOut)
 }
 
 /// A connect-stage failure: the request never left Bulwark. Configuration problems cannot

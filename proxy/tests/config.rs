@@ -461,3 +461,49 @@ fn timeouts_follow_the_verb_class_and_long_running_requests_have_none() {
     assert_eq!(timeout("POST", "/api/v1/namespaces/d/pods/p/exec"), None);
     assert_eq!(timeouts.connect, Duration::from_secs(5));
 }
+
+#[test]
+fn an_attempt_limit_covers_reads_whose_head_the_apiserver_sends_at_once() {
+    let default: Config = minimal_with("upstream.timeouts", "{}")
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        default.upstream.timeouts.attempt,
+        Duration::from_secs(20),
+        "the default"
+    );
+    let text = minimal_with("upstream.timeouts", "{attempt: 3s}");
+    let config: Config = text.parse().unwrap_or_else(|e| panic!("{e}"));
+    let timeouts = &config.upstream.timeouts;
+    let attempt = |method: &str, target: &str| {
+        let method = http::Method::from_bytes(method.as_bytes()).expect("method");
+        let info = classify(&method, &target.parse().expect("uri")).expect("classifies");
+        timeouts.attempt_for(&info)
+    };
+    let three = Some(Duration::from_secs(3));
+    assert_eq!(attempt("GET", "/api/v1/namespaces/d/pods/p"), three);
+    assert_eq!(attempt("GET", "/version"), three);
+    assert_eq!(
+        attempt("GET", "/api/v1/pods?watch=1"),
+        three,
+        "a watch's start"
+    );
+    // A list's head comes only once its whole result is read.
+    assert_eq!(attempt("GET", "/api/v1/pods"), None);
+    // Writes are never sent twice.
+    assert_eq!(attempt("POST", "/api/v1/namespaces/d/pods"), None);
+    assert_eq!(attempt("DELETE", "/api/v1/namespaces/d/pods/p"), None);
+    // Heads that wait on a pod or the kubelet, not the apiserver.
+    assert_eq!(
+        attempt("GET", "/api/v1/namespaces/d/pods/p/log?follow=true"),
+        None
+    );
+    assert_eq!(attempt("GET", "/api/v1/namespaces/d/pods/p/proxy/x"), None);
+    assert_eq!(attempt("GET", "/api/v1/namespaces/d/pods/p/exec"), None);
+    let zero = minimal_with("upstream.timeouts", "{attempt: 0s}");
+    let err = zero.parse::<Config>().expect_err("zero is refused");
+    assert!(
+        err.to_string().contains("upstream.timeouts.attempt"),
+        "{err}"
+    );
+}

@@ -82,6 +82,7 @@ fn read() -> Route {
         long_running: false,
         watch: false,
         timeout: Some(Duration::from_secs(10)),
+        attempt_timeout: None,
         replica: None,
         body_flow: None,
     }
@@ -434,7 +435,7 @@ async fn a_response_head_slower_than_the_timeout_is_a_timeout() -> Result<()> {
         .send(get("/api/v1/namespaces"), route)
         .await
         .expect_err("the head is late");
-    assert!(matches!(err, UpstreamError::Timeout), "{err:?}");
+    assert!(matches!(err, UpstreamError::Timeout { .. }), "{err:?}");
     assert_eq!(status_of(err), StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(s.upstream.snapshot()[0].pending, 0);
     Ok(())
@@ -657,5 +658,134 @@ async fn an_oversized_body_is_refused_before_anything_is_sent() -> Result<()> {
         .expect_err("too large");
     assert_eq!(status_of(err), StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(s.fleet.stats()[0].requests, before);
+    Ok(())
+}
+
+/// Sends one read to replica `i` so that its connection is open (a frozen replica accepts
+/// TCP but completes no handshake, so only a request on an open connection reaches it).
+async fn warm(s: &Setup, i: usize) -> Result<()> {
+    let route = Route {
+        replica: Some(s.fleet.addrs()[i].to_string().into()),
+        ..read()
+    };
+    let r = s.upstream.send(get("/api/v1/namespaces"), route).await?;
+    assert_eq!(replica_of(&r), s.fleet.addrs()[i].to_string());
+    drain(r).await?;
+    Ok(())
+}
+
+fn retries(s: &Setup, replica: usize, reason: &str) -> u64 {
+    s.metrics
+        .upstream_retries_total
+        .with_label_values(&[&s.fleet.addrs()[replica].to_string(), reason])
+        .get()
+}
+
+#[tokio::test]
+async fn a_read_on_a_frozen_replica_goes_to_another_at_its_attempt_limit() -> Result<()> {
+    let s = setup(3, vec![seed("secrets", 1, 100)], &[]).await?;
+    warm(&s, 0).await?;
+    s.fleet.replica(0).freeze();
+    let frozen = s.fleet.addrs()[0].to_string();
+    let route = Route {
+        replica: Some(frozen.clone().into()),
+        attempt_timeout: Some(Duration::from_millis(300)),
+        ..read()
+    };
+    let started = std::time::Instant::now();
+    let r = s
+        .upstream
+        .send(get("/api/v1/namespaces/ns-0/secrets/secret-0"), route)
+        .await?;
+    let took = started.elapsed();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_ne!(replica_of(&r), frozen);
+    drain(r).await?;
+    // It reached the frozen replica first (the warm-up was its other request).
+    assert_eq!(s.fleet.replica(0).stats().requests, 2);
+    assert_eq!(retries(&s, 0, "attempt_timeout"), 1);
+    // A bound, not a speed target: well before the request's own 10 s timeout.
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    s.fleet.replica(0).thaw();
+    Ok(())
+}
+
+#[tokio::test]
+async fn reads_waiting_on_a_replica_ejected_as_unresponsive_go_to_another() -> Result<()> {
+    let s = setup(3, vec![seed("secrets", 1, 100)], &[]).await?;
+    s.upstream.spawn_probes();
+    warm(&s, 0).await?;
+    s.fleet.replica(0).freeze();
+    let frozen = s.fleet.addrs()[0].to_string();
+    // No attempt limit: only the ejection can move these reads on.
+    let route = Route {
+        replica: Some(frozen.clone().into()),
+        ..read()
+    };
+    let started = std::time::Instant::now();
+    let r = s
+        .upstream
+        .send(get("/api/v1/namespaces/ns-0/secrets/secret-0"), route)
+        .await?;
+    let took = started.elapsed();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_ne!(replica_of(&r), frozen);
+    drain(r).await?;
+    assert!(!s.upstream.snapshot()[0].healthy, "ejected");
+    assert_eq!(s.fleet.replica(0).stats().requests, 2);
+    assert_eq!(retries(&s, 0, "unresponsive"), 1);
+    // The probe (every 100 ms, no answer within 1 s) ejects it: well before the 10 s timeout.
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    s.fleet.replica(0).thaw();
+    eventually("the thawed replica is back", || {
+        s.upstream.healthy_replicas() == 3
+    })
+    .await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_write_on_a_frozen_replica_is_never_sent_again() -> Result<()> {
+    let s = setup(2, vec![], &[]).await?;
+    s.upstream.spawn_probes();
+    warm(&s, 0).await?;
+    let before: Vec<u64> = s.fleet.stats().iter().map(|r| r.requests).collect();
+    s.fleet.replica(0).freeze();
+    let frozen = s.fleet.addrs()[0].to_string();
+    // The replica is ejected as unresponsive while the write waits, and the attempt limit
+    // passes: neither sends a write that may have arrived to another replica.
+    let route = Route {
+        replica: Some(frozen.clone().into()),
+        timeout: Some(Duration::from_secs(3)),
+        attempt_timeout: Some(Duration::from_millis(200)),
+        ..write()
+    };
+    let err = s
+        .upstream
+        .send(create_configmap("once"), route)
+        .await
+        .expect_err("a frozen replica never answers");
+    assert!(
+        matches!(&err, UpstreamError::Timeout { replica: Some(r) } if **r == *frozen),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains(&frozen), "{err}");
+    assert_eq!(status_of(err), StatusCode::GATEWAY_TIMEOUT);
+    assert!(!s.upstream.snapshot()[0].healthy, "ejected meanwhile");
+    let after: Vec<u64> = s.fleet.stats().iter().map(|r| r.requests).collect();
+    assert_eq!(
+        (after[0] - before[0], after[1] - before[1]),
+        (1, 0),
+        "seen once, by the frozen replica"
+    );
+    assert_eq!(s.fleet.applied_writes(), 0);
+    // Thawed, the replica applies the one write it holds, once.
+    s.fleet.replica(0).thaw();
+    eventually("the held write is applied", || {
+        s.fleet.applied_writes() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(s.fleet.applied_writes(), 1);
     Ok(())
 }

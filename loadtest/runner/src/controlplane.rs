@@ -148,6 +148,9 @@ pub enum Error {
     /// No replica has this index.
     #[error("there is no replica {0}")]
     NoReplica(usize),
+    /// The replica has no running process.
+    #[error("replica {0} is not running")]
+    NotRunning(usize),
     /// The replica is running already.
     #[error("replica {0} is running already")]
     AlreadyRunning(usize),
@@ -255,6 +258,19 @@ struct Replica {
 struct Running {
     stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
+}
+
+/// A replica frozen by [`ControlPlane::freeze_replica`]; dropping this thaws it (SIGCONT).
+#[must_use = "dropping it thaws the replica at once"]
+#[derive(Debug)]
+pub struct Frozen {
+    pid: u32,
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        child::signal_group(self.pid, Signal::CONT);
+    }
 }
 
 /// One replica's figures.
@@ -465,6 +481,20 @@ impl ControlPlane {
         self.replicas
             .get(i)
             .is_some_and(|r| r.shared.pid.load(Ordering::Relaxed) != 0)
+    }
+
+    /// Freezes replica `i` with SIGSTOP, as a wedged node or a debugger would: its sockets
+    /// stay open and the kernel still accepts connections, but it answers nothing until the
+    /// returned guard is dropped, which sends SIGCONT (also when a test panics, so that
+    /// the replica can be stopped afterwards).
+    pub fn freeze_replica(&self, i: usize) -> Result<Frozen, Error> {
+        let replica = self.replicas.get(i).ok_or(Error::NoReplica(i))?;
+        let pid = replica.shared.pid.load(Ordering::Relaxed);
+        if pid == 0 {
+            return Err(Error::NotRunning(i));
+        }
+        child::signal_group(pid, Signal::STOP);
+        Ok(Frozen { pid })
     }
 
     /// Stops replica `i` (SIGTERM, then SIGKILL after a grace period) and waits for it to

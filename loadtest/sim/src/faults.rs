@@ -1,5 +1,5 @@
-//! Fault hooks of a replica (delay, injected status, mid-body reset, refused streams) and
-//! its request statistics.
+//! Fault hooks of a replica (delay, injected status, mid-body reset, refused streams,
+//! freeze) and its request statistics.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
@@ -7,22 +7,44 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Fault settings, read on every request; all take effect immediately.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Faults {
     delay_us: AtomicU64,
     fail: AtomicU16,
     /// `u64::MAX` = off.
     reset_after: AtomicU64,
     refuse: AtomicBool,
+    /// True while the replica answers nothing, like a stopped (SIGSTOP) process.
+    frozen: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Faults {
+    fn default() -> Faults {
+        Faults::new()
+    }
 }
 
 impl Faults {
     /// No faults.
     pub fn new() -> Faults {
         Faults {
+            delay_us: AtomicU64::new(0),
+            fail: AtomicU16::new(0),
             reset_after: AtomicU64::new(u64::MAX),
-            ..Faults::default()
+            refuse: AtomicBool::new(false),
+            frozen: tokio::sync::watch::Sender::new(false),
         }
+    }
+    /// Sets whether the replica is frozen: while it is, requests (probes included) and TLS
+    /// handshakes wait, unanswered, and go on when it thaws, as a stopped process's would.
+    pub fn set_frozen(&self, on: bool) {
+        self.frozen.send_replace(on);
+    }
+    /// Waits while the replica is frozen.
+    pub async fn thawed(&self) {
+        let mut frozen = self.frozen.subscribe();
+        // The sender lives as long as `self`; an error cannot happen while we borrow it.
+        let _ = frozen.wait_for(|on| !on).await;
     }
     /// Sets the delay before every response head.
     pub fn set_delay(&self, d: Duration) {

@@ -196,6 +196,19 @@ impl Replica {
         self.inner.faults.set_reset_mid_body(after_bytes);
     }
 
+    /// Freezes the replica, like SIGSTOP: connections stay open and TCP connects still
+    /// succeed, but no TLS handshake completes and no request (probes included) is
+    /// answered until [`Replica::thaw`]; a request is counted as it arrives. Requests
+    /// waiting when it thaws are answered then.
+    pub fn freeze(&self) {
+        self.inner.faults.set_frozen(true);
+    }
+
+    /// Ends [`Replica::freeze`]: like SIGCONT.
+    pub fn thaw(&self) {
+        self.inner.faults.set_frozen(false);
+    }
+
     /// Refuses every new stream (HTTP/2 `REFUSED_STREAM`; HTTP/1.1: the connection is closed).
     pub fn set_refuse_streams(&self, on: bool) {
         self.inner.faults.set_refuse_streams(on);
@@ -334,6 +347,8 @@ async fn serve_conn(
     tcp: tokio::net::TcpStream,
     cancel: CancellationToken,
 ) {
+    // A frozen process never reads the client's hello.
+    inner.faults.thawed().await;
     let tls = match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp))
         .await
     {
@@ -380,8 +395,9 @@ async fn serve_request(
         .iter()
         .any(|p| path == *p || path.starts_with(&format!("{p}/")));
     if probe {
-        // Probes are slowed like everything else but never failed or refused: a replica is
-        // unhealthy only when it is down.
+        // Probes are slowed and frozen like everything else but never failed or refused: a
+        // replica is unhealthy only when it is down.
+        inner.faults.thawed().await;
         let delay = inner.faults.delay();
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
@@ -390,6 +406,7 @@ async fn serve_request(
     }
     inner.counters.requests.fetch_add(1, Ordering::Relaxed);
     let f = &inner.faults;
+    f.thawed().await;
     if f.refuse_streams() {
         // hyper resets an HTTP/2 stream with the h2 reason found in the service error;
         // for HTTP/1.1 a service error closes the connection.

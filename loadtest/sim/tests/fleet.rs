@@ -326,6 +326,27 @@ fn admin_tls(pki: &Pki, alpn: &[&[u8]]) -> rustls::ClientConfig {
 }
 
 #[tokio::test]
+async fn a_frozen_replica_answers_nothing_until_it_thaws() {
+    let fleet = Fleet::start(cfg()).await.unwrap();
+    let tls = admin_tls(fleet.pki(), &[b"h2"]);
+    let a0 = fleet.addrs()[0];
+    fleet.replica(0).freeze();
+    let read = tokio::spawn({
+        let tls = tls.clone();
+        async move { client::get(a0, &tls, "/api/v1/namespaces").await }
+    });
+    let probe = tokio::spawn(async move { client::get(a0, &tls, "/readyz").await });
+    // Real time: a frozen replica answers nothing however long the wait.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!read.is_finished(), "a frozen replica answered a read");
+    assert!(!probe.is_finished(), "a frozen replica answered its probe");
+    fleet.replica(0).thaw();
+    assert_eq!(read.await.unwrap().unwrap().status, 200);
+    assert_eq!(probe.await.unwrap().unwrap().status, 200);
+    assert_eq!(fleet.replica(0).stats().requests, 1);
+}
+
+#[tokio::test]
 async fn fault_hooks_take_effect_immediately() {
     let fleet = Fleet::start(cfg()).await.unwrap();
     let tls = admin_tls(fleet.pki(), &[b"h2"]);

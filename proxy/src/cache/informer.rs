@@ -134,6 +134,8 @@ async fn get(
         } else {
             LIST_TIMEOUT
         }),
+        // A replica ejected for not answering its probe still moves these on at once.
+        attempt_timeout: None,
         replica: None,
         body_flow: None,
     };

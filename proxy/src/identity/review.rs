@@ -313,6 +313,7 @@ pub async fn post_json(
         long_running: false,
         watch: false,
         timeout: Some(REVIEW_TIMEOUT),
+        attempt_timeout: None,
         replica: None,
         body_flow: None,
     };

@@ -74,6 +74,7 @@ impl Forward {
             long_running: info.is_long_running(),
             watch: info.query.watch || matches!(info.verb, Verb::Watch),
             timeout: self.timeouts.for_request(&info),
+            attempt_timeout: self.timeouts.attempt_for(&info),
             replica,
             body_flow: Some(body_flow),
         };

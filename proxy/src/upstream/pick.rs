@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use prometheus::{IntCounter, IntGauge};
 use rand::Rng;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{ReplicaView, UpstreamError};
@@ -43,8 +44,45 @@ pub(crate) enum EjectCause {
     Connect,
     /// A stream or connection was reset (other than `REFUSED_STREAM`).
     Reset,
-    /// `/readyz` failed; the replica stays out until a probe succeeds.
+    /// `/readyz` answered something other than 200; the replica stays out until a probe
+    /// succeeds. Requests waiting on it keep waiting: it answers, so they may well finish.
     Probe,
+    /// `/readyz` got no answer at all in time (a stopped process, a wedged node); the
+    /// replica stays out until a probe succeeds, and the reads waiting on it are sent to
+    /// other replicas at once ([`Replica::unresponsive`]).
+    Unresponsive,
+}
+
+/// Why a request was sent again after a replica failed it: the `reason` label of
+/// `bulwark_upstream_retries_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RetryReason {
+    /// It provably never reached the apiserver (connect error, refused stream, GOAWAY).
+    NotSent,
+    /// The exchange broke after the request may have arrived (a read).
+    Reset,
+    /// No response head within the attempt limit (a read).
+    AttemptTimeout,
+    /// The replica was ejected for not answering its probe while the read waited (a read).
+    Unresponsive,
+}
+
+impl RetryReason {
+    const ALL: [RetryReason; 4] = [
+        RetryReason::NotSent,
+        RetryReason::Reset,
+        RetryReason::AttemptTimeout,
+        RetryReason::Unresponsive,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            RetryReason::NotSent => "not_sent",
+            RetryReason::Reset => "reset",
+            RetryReason::AttemptTimeout => "attempt_timeout",
+            RetryReason::Unresponsive => "unresponsive",
+        }
+    }
 }
 
 /// One apiserver replica and its live counters.
@@ -64,6 +102,11 @@ pub(crate) struct Replica {
     /// `bulwark_upstream_responses_total` of this replica for each of
     /// [`RESPONSE_CLASSES`], resolved once rather than looked up by label per response.
     responses: [IntCounter; RESPONSE_CLASSES.len()],
+    /// `bulwark_upstream_retries_total` of this replica for each [`RetryReason`].
+    retries: [IntCounter; RetryReason::ALL.len()],
+    /// Bumped when the replica is ejected as [`EjectCause::Unresponsive`]; a read waiting
+    /// for its response head subscribes before it is sent and leaves when this changes.
+    unresponsive: watch::Sender<()>,
 }
 
 /// The `code_class` labels of `bulwark_upstream_responses_total`: a status class, or
@@ -110,7 +153,24 @@ impl Replica {
                     .upstream_responses_total
                     .with_label_values(&[name, class])
             }),
+            retries: RetryReason::ALL.map(|reason| {
+                metrics
+                    .upstream_retries_total
+                    .with_label_values(&[name, reason.label()])
+            }),
+            unresponsive: watch::Sender::new(()),
         })
+    }
+
+    /// Counts one request sent again after this replica failed it.
+    pub(crate) fn count_retry(&self, reason: RetryReason) {
+        self.retries[reason as usize].inc();
+    }
+
+    /// Changes when the replica is ejected for not answering its probe: subscribe before
+    /// sending, and wait on [`watch::Receiver::changed`].
+    pub(crate) fn unresponsive(&self) -> watch::Receiver<()> {
+        self.unresponsive.subscribe()
     }
 
     /// Counts one answer of this replica with `status`, or with `None` one exchange that got
@@ -390,10 +450,13 @@ impl Balancer {
             .min(self.eject_max);
         h.ejected_until = Some(now + backoff);
         h.ejections = h.ejections.saturating_add(1);
-        if cause == EjectCause::Probe {
+        if matches!(cause, EjectCause::Probe | EjectCause::Unresponsive) {
             h.probe_failed = true;
         }
         self.replicas[index].healthy_gauge.set(0);
+        if cause == EjectCause::Unresponsive {
+            self.replicas[index].unresponsive.send_replace(());
+        }
         tracing::warn!(
             replica = %self.replicas[index].name,
             ?cause,

@@ -53,6 +53,30 @@ impl Client {
     /// Connects to `addr` with TLS (presenting `cert` if given) and HTTP/2.
     pub async fn connect(addr: SocketAddr, pki: &Pki, cert: Option<&CertKey>) -> Client {
         let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        Client::over(tcp, pki, cert).await
+    }
+
+    /// Connects to `addr` from the local address `from` (any of 127.0.0.0/8 reaches a
+    /// listener on 127.0.0.1), so that one test can be many client addresses.
+    pub async fn connect_from(
+        addr: SocketAddr,
+        from: std::net::IpAddr,
+        pki: &Pki,
+        cert: Option<&CertKey>,
+    ) -> Client {
+        let socket = match from {
+            std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }
+        .expect("socket");
+        socket
+            .bind(SocketAddr::new(from, 0))
+            .expect("bind the client address");
+        let tcp = socket.connect(addr).await.expect("connect");
+        Client::over(tcp, pki, cert).await
+    }
+
+    async fn over(tcp: tokio::net::TcpStream, pki: &Pki, cert: Option<&CertKey>) -> Client {
         let tls = TlsConnector::from(Arc::new(tls_config(pki, cert)))
             .connect(ServerName::try_from("127.0.0.1").expect("name"), tcp)
             .await

@@ -50,7 +50,6 @@ use crate::upstream::Upstream;
 
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
 pub use flows::FlowWatch;
-pub(crate) use flows::TokioClock;
 
 use cost::CostModel;
 use flows::{Bucket, Flows};

@@ -125,6 +125,22 @@ where
         Ok(Lookup::Fetched { result, recorded })
     }
 
+    /// Remembers an answer learnt other than by a fetch of this cache (a re-review made
+    /// elsewhere), as `keep` says.
+    pub fn remember(&self, key: K, value: V, keep: Keep) {
+        let mut state = self.lock();
+        let (cache, ttl) = match keep {
+            Keep::Positive(ttl) => (&mut state.positive, ttl),
+            Keep::Negative(ttl) => (&mut state.negative, ttl),
+            Keep::Not => return,
+        };
+        let entry = Entry {
+            value,
+            expires: Instant::now() + ttl,
+        };
+        cache.put(key, entry);
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State<K, V, E>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }

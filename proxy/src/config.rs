@@ -429,7 +429,9 @@ pub enum IdentityMode {
 /// The cache of TokenReview results, and the bounds on the reviews it makes.
 ///
 /// A token in neither cache costs one upstream TokenReview before any rule applies, so
-/// reviews are bounded on their own: per source address, overall, and in flight.
+/// reviews are bounded on their own: per source prefix, overall (shared fairly between
+/// prefixes), and in flight. An accepted token is re-reviewed in the background before its
+/// `ttl` ends, with a budget of its own that unknown tokens cannot spend.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct TokenReview {
@@ -438,6 +440,15 @@ pub struct TokenReview {
     /// working about as soon as it would without Bulwark.
     #[serde(with = "humantime_serde")]
     pub ttl: Duration,
+    /// How long before `ttl` ends a request with the token starts its re-review in the
+    /// background, so that a token in use never waits for one (at most half the `ttl`).
+    #[serde(with = "humantime_serde")]
+    pub refresh_ahead: Duration,
+    /// The longest an accepted token is served since the review that last accepted it,
+    /// while its re-reviews fail or cannot be made (never past the token's own expiry).
+    /// A re-review that rejects the token ends it at once.
+    #[serde(with = "humantime_serde")]
+    pub max_age: Duration,
     /// How long a rejected token is remembered (a review that failed is not).
     #[serde(with = "humantime_serde")]
     pub failure_ttl: Duration,
@@ -448,17 +459,24 @@ pub struct TokenReview {
     pub max_rejected_entries: usize,
     /// Longest bearer token reviewed; a longer one gets 401 without a review.
     pub max_token_bytes: usize,
-    /// Reviews Bulwark makes for all clients together.
+    /// Reviews of unknown tokens Bulwark makes for all clients together. Once the bucket
+    /// is below half full, each client prefix gets a fair share of it: the rate divided
+    /// among the prefixes active in the last second, and one more.
     pub rate: ReviewRate,
-    /// Reviews Bulwark makes for one client address (IPv6 by /64).
+    /// Reviews of unknown tokens Bulwark makes for one client prefix (IPv4 /24, IPv6 /48).
     pub per_source: ReviewRate,
-    /// Client addresses whose review rate is remembered; the least recently seen beyond
+    /// Client prefixes whose review rate is remembered; the least recently seen beyond
     /// this starts again with a full bucket.
     pub max_sources: usize,
-    /// Reviews in flight at once.
+    /// Re-reviews of accepted tokens, apart from `rate` and `perSource` so that unknown
+    /// tokens cannot spend them.
+    pub refresh_rate: ReviewRate,
+    /// Reviews of unknown tokens in flight at once.
     pub max_concurrent: usize,
+    /// Re-reviews of accepted tokens in flight at once, apart from `maxConcurrent`.
+    pub max_concurrent_refreshes: usize,
     /// How long a request waits for a review to start while `maxConcurrent` are in flight
-    /// before it gets 429.
+    /// before it gets 429 (and a re-review waits while `maxConcurrentRefreshes` are).
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
 }
@@ -467,6 +485,8 @@ impl Default for TokenReview {
     fn default() -> Self {
         Self {
             ttl: Duration::from_secs(10),
+            refresh_ahead: Duration::from_secs(3),
+            max_age: Duration::from_secs(60),
             failure_ttl: Duration::from_secs(10),
             max_entries: 10_000,
             max_rejected_entries: 1_000,
@@ -480,7 +500,12 @@ impl Default for TokenReview {
                 burst: 100,
             },
             max_sources: 10_000,
+            refresh_rate: ReviewRate {
+                qps: 500.0,
+                burst: 1_000,
+            },
             max_concurrent: 32,
+            max_concurrent_refreshes: 8,
             max_wait: Duration::from_secs(1),
         }
     }
@@ -977,6 +1002,9 @@ impl Config {
         }
         let tr = &id.token_review;
         p.positive("identity.tokenReview.ttl", tr.ttl);
+        if tr.max_age < tr.ttl {
+            p.add("identity.tokenReview.maxAge", "must be at least ttl");
+        }
         p.positive("identity.tokenReview.failureTtl", tr.failure_ttl);
         p.nonzero("identity.tokenReview.maxEntries", tr.max_entries as u64);
         p.nonzero(
@@ -990,6 +1018,7 @@ impl Config {
         for (field, rate) in [
             ("identity.tokenReview.rate", tr.rate),
             ("identity.tokenReview.perSource", tr.per_source),
+            ("identity.tokenReview.refreshRate", tr.refresh_rate),
         ] {
             if !(rate.qps.is_finite() && rate.qps > 0.0) {
                 p.add(format!("{field}.qps"), "must be greater than 0");
@@ -1000,6 +1029,10 @@ impl Config {
         p.nonzero(
             "identity.tokenReview.maxConcurrent",
             tr.max_concurrent as u64,
+        );
+        p.nonzero(
+            "identity.tokenReview.maxConcurrentRefreshes",
+            tr.max_concurrent_refreshes as u64,
         );
         p.positive("identity.tokenReview.maxWait", tr.max_wait);
     }

@@ -58,6 +58,28 @@ impl Client {
             .expect("TLS and HTTP/2 handshakes")
     }
 
+    /// Connects to `addr` from the local address `from` (any of 127.0.0.0/8 reaches a
+    /// listener on 127.0.0.1), so that one test can be many client addresses.
+    pub async fn connect_from(
+        addr: SocketAddr,
+        from: std::net::IpAddr,
+        pki: &Pki,
+        cert: Option<&CertKey>,
+    ) -> Client {
+        let socket = match from {
+            std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }
+        .expect("socket");
+        socket
+            .bind(SocketAddr::new(from, 0))
+            .expect("bind the client address");
+        let tcp = socket.connect(addr).await.expect("connect");
+        Client::over(tcp, pki, cert)
+            .await
+            .expect("TLS and HTTP/2 handshakes")
+    }
+
     /// TLS (presenting `cert` if given) and HTTP/2 over a connection the caller opened (from
     /// an address of its choice, or through a balancer); the error says which handshake
     /// failed.

@@ -1,26 +1,31 @@
-//! How many TokenReviews Bulwark may make: per client address, for everyone, and at once.
+//! How many TokenReviews Bulwark may make: per client prefix, for everyone (shared fairly
+//! between prefixes), at once, and apart from these for re-reviews of accepted tokens.
 //!
 //! A token neither cache knows costs an upstream review before any rule applies, so an
 //! unbounded stream of made-up tokens would be an unbounded stream of reviews. Each review
 //! takes a token from its source's bucket and from the global bucket, then a slot among
-//! the reviews in flight. A source's bucket lives in an LRU of `maxSources` addresses, so
-//! however many addresses come by, memory stays bounded; an address pushed out starts
-//! again with a full bucket, which the global bucket still bounds.
+//! the reviews in flight. A source is a prefix (IPv4 /24, IPv6 /48) rather than an address,
+//! because whoever holds one address commonly holds its neighbours too. Its bucket lives in
+//! an LRU of `maxSources` prefixes, so however many come by, memory stays bounded; a prefix
+//! pushed out starts again with a full bucket, which the global bucket still bounds.
+//!
+//! Once the global bucket is below half full, a prefix takes from it only within its fair
+//! share: the global rate divided among the prefixes active in the last second and one
+//! more for a newcomer. Many prefixes flooding together then leave the bucket's lower part,
+//! and a share of its refill, to the others.
+//!
+//! Re-reviews of tokens already accepted have a bucket and in-flight slots of their own,
+//! which unknown tokens never touch: a flood of made-up tokens cannot delay them. They are
+//! bounded too, by those and by the number of accepted tokens remembered.
 
 use std::net::IpAddr;
-use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use governor::clock::Clock;
-use governor::middleware::NoOpMiddleware;
-use governor::nanos::Nanos;
-use governor::state::{InMemoryState, NotKeyed, StateStore};
-use governor::{Quota, RateLimiter};
 use lru::LruCache;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
-use crate::admit::TokioClock;
 use crate::config;
 
 /// Why a review may not be made now, and when to try again.
@@ -35,130 +40,278 @@ pub struct Limited {
 /// The bound that refused a review.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bound {
-    /// The client address's bucket is empty.
+    /// The client prefix's bucket is empty.
     Source,
-    /// The bucket of all clients is empty.
+    /// The bucket of all clients is empty, or this prefix has had its share of it.
     Global,
     /// `maxConcurrent` reviews stayed in flight for `maxWait`.
     InFlight,
+    /// The bucket of re-reviews of accepted tokens is empty.
+    Refresh,
 }
 
 impl std::fmt::Display for Bound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Bound::Source => "this client address makes too many token reviews",
+            Bound::Source => "this client address range makes too many token reviews",
             Bound::Global => "too many token reviews",
             Bound::InFlight => "too many token reviews in flight",
+            Bound::Refresh => "too many token re-reviews",
         })
     }
 }
 
-/// A client address as its review bucket is keyed: IPv4 as is, IPv6 by its /64 (one host
-/// commonly holds a whole /64), IPv4-mapped IPv6 as the IPv4 address.
+/// A client address as its review bucket is keyed: IPv4 by its /24, IPv6 by its /48 (a
+/// site's usual allocation), IPv4-mapped IPv6 as the IPv4 address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Source(IpAddr);
+struct Prefix(IpAddr);
 
-impl From<IpAddr> for Source {
+impl From<IpAddr> for Prefix {
     fn from(ip: IpAddr) -> Self {
         match ip.to_canonical() {
-            IpAddr::V6(v6) => {
-                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-                Source(IpAddr::V6(prefix.into()))
-            }
-            v4 => Source(v4),
+            IpAddr::V6(v6) => Prefix(IpAddr::V6((u128::from(v6) & !(u128::MAX >> 48)).into())),
+            IpAddr::V4(v4) => Prefix(IpAddr::V4((u32::from(v4) & !0xff).into())),
         }
     }
 }
 
-/// governor's per-key state (one GCRA arrival time per source) in an LRU.
-struct SourceStates(Mutex<LruCache<Source, Nanos>>);
+/// A token bucket, refilled when it is looked at.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
 
-impl StateStore for SourceStates {
-    type Key = Source;
+impl Bucket {
+    fn holding(tokens: f64, now: Instant) -> Self {
+        Self { tokens, at: now }
+    }
 
-    fn measure_and_replace<T, F, E>(&self, key: &Source, f: F) -> Result<T, E>
-    where
-        F: Fn(Option<Nanos>) -> Result<(T, Nanos), E>,
-    {
-        let mut states = self.0.lock().expect("review source states lock");
-        let (answer, next) = f(states.get(key).copied())?;
-        states.put(*key, next);
-        Ok(answer)
+    /// Adds what `qps` brought since it was last looked at, up to `capacity`.
+    fn refill(&mut self, qps: f64, capacity: f64, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * qps).min(capacity);
+        self.at = now;
+    }
+
+    /// How long until it holds one token at `qps` (rounded up to the millisecond).
+    fn wait(&self, qps: f64) -> Duration {
+        let millis = ((1.0 - self.tokens) / qps * 1000.0 - 1e-6).ceil().max(0.0);
+        Duration::try_from_secs_f64(millis / 1000.0).unwrap_or(Duration::from_secs(86_400))
     }
 }
 
-type Global = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Duration>>;
-type PerSource = RateLimiter<Source, SourceStates, TokioClock, NoOpMiddleware<Duration>>;
+/// What is remembered of one prefix.
+struct PrefixState {
+    /// Its own bucket (`perSource`).
+    own: Bucket,
+    /// Its fair share of the global bucket, spent only while that is below half full.
+    share: Bucket,
+    /// The last activity window it was counted in.
+    window: u64,
+}
+
+/// How many prefixes asked for reviews lately: distinct prefixes counted per one-second
+/// window, the busier of this window and the last.
+struct Activity {
+    window: u64,
+    started: Instant,
+    current: usize,
+    previous: usize,
+}
+
+/// How long a prefix counts as active after it last asked.
+const ACTIVITY_WINDOW: Duration = Duration::from_secs(1);
+
+impl Activity {
+    fn roll(&mut self, now: Instant) {
+        let passed = now.saturating_duration_since(self.started);
+        if passed < ACTIVITY_WINDOW {
+            return;
+        }
+        self.previous = if passed < 2 * ACTIVITY_WINDOW {
+            self.current
+        } else {
+            0
+        };
+        self.current = 0;
+        self.window += 1;
+        self.started = now;
+    }
+
+    fn active(&self) -> usize {
+        self.current.max(self.previous).max(1)
+    }
+}
+
+/// The buckets of unknown tokens' reviews, under one lock.
+struct Buckets {
+    global: Bucket,
+    prefixes: LruCache<Prefix, PrefixState>,
+    activity: Activity,
+}
 
 /// The bounds on TokenReviews, built from `identity.tokenReview`.
 pub struct ReviewLimits {
-    global: Global,
-    per_source: PerSource,
+    buckets: Mutex<Buckets>,
+    refresh: Mutex<Bucket>,
+    rate: config::ReviewRate,
+    per_source: config::ReviewRate,
+    refresh_rate: config::ReviewRate,
     in_flight: Arc<Semaphore>,
+    refreshing: Arc<Semaphore>,
     max_wait: Duration,
 }
 
 impl ReviewLimits {
-    /// Limits with the configured rates, address count, concurrency and wait.
+    /// Limits with the configured rates, prefix count, concurrency and wait.
     pub fn new(settings: &config::TokenReview) -> Self {
-        let clock = TokioClock::new();
-        let sources = std::num::NonZeroUsize::new(settings.max_sources.max(1)).expect("at least 1");
+        let now = Instant::now();
+        let prefixes =
+            std::num::NonZeroUsize::new(settings.max_sources.max(1)).expect("at least 1");
+        // A rate that slipped through validation as 0 (or less) would never refill:
+        // one a day instead.
+        let sane = |rate: config::ReviewRate| config::ReviewRate {
+            qps: if rate.qps.is_finite() && rate.qps > 0.0 {
+                rate.qps
+            } else {
+                1.0 / 86_400.0
+            },
+            burst: rate.burst.max(1),
+        };
+        let (rate, per_source, refresh_rate) = (
+            sane(settings.rate),
+            sane(settings.per_source),
+            sane(settings.refresh_rate),
+        );
         Self {
-            global: RateLimiter::new(
-                quota(settings.rate),
-                InMemoryState::default(),
-                clock.clone(),
-            ),
-            per_source: RateLimiter::new(
-                quota(settings.per_source),
-                SourceStates(Mutex::new(LruCache::new(sources))),
-                clock,
-            ),
+            buckets: Mutex::new(Buckets {
+                global: Bucket::holding(f64::from(rate.burst), now),
+                prefixes: LruCache::new(prefixes),
+                activity: Activity {
+                    window: 0,
+                    started: now,
+                    current: 0,
+                    previous: 0,
+                },
+            }),
+            refresh: Mutex::new(Bucket::holding(f64::from(refresh_rate.burst), now)),
+            rate,
+            per_source,
+            refresh_rate,
             in_flight: Arc::new(Semaphore::new(settings.max_concurrent.max(1))),
+            refreshing: Arc::new(Semaphore::new(settings.max_concurrent_refreshes.max(1))),
             max_wait: settings.max_wait,
         }
     }
 
-    /// Takes one review from the source's bucket, then from everyone's. A request without
-    /// a known address (none reaches here from the listener) counts against everyone's only.
+    /// Takes one review of an unknown token from the source prefix's bucket, then from
+    /// everyone's within the prefix's fair share. Nothing is taken when either refuses. A
+    /// request without a known address (none reaches here from the listener) counts against
+    /// everyone's only.
     pub fn take(&self, source: Option<IpAddr>) -> Result<(), Limited> {
-        if let Some(ip) = source {
-            self.per_source
-                .check_key(&Source::from(ip))
-                .map_err(|until| Limited {
-                    bound: Bound::Source,
-                    retry_after: until.wait_time_from(self.per_source.clock().now()),
-                })?;
+        let now = Instant::now();
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let Buckets {
+            global,
+            prefixes,
+            activity,
+        } = &mut *buckets;
+        activity.roll(now);
+        let (global_qps, global_burst) = (self.rate.qps, f64::from(self.rate.burst));
+        global.refill(global_qps, global_burst, now);
+        let Some(ip) = source else {
+            return take_global(global, global_qps);
+        };
+        let per_source = self.per_source;
+        let state = prefixes.get_or_insert_mut(Prefix::from(ip), || PrefixState {
+            own: Bucket::holding(f64::from(per_source.burst), now),
+            // Refilled to the share's capacity below, whatever that is now.
+            share: Bucket::holding(f64::INFINITY, now),
+            window: u64::MAX,
+        });
+        if state.window != activity.window {
+            state.window = activity.window;
+            activity.current += 1;
         }
-        self.global.check().map_err(|until| Limited {
-            bound: Bound::Global,
-            retry_after: until.wait_time_from(self.global.clock().now()),
-        })
+        state
+            .own
+            .refill(per_source.qps, f64::from(per_source.burst), now);
+        if state.own.tokens < 1.0 {
+            return Err(Limited {
+                bound: Bound::Source,
+                retry_after: state.own.wait(per_source.qps),
+            });
+        }
+        // The active prefixes and one more, for whoever comes next.
+        let shares = (activity.active() + 1) as f64;
+        let (share_qps, share_capacity) =
+            (global_qps / shares, (global_burst / 2.0 / shares).max(1.0));
+        state.share.refill(share_qps, share_capacity, now);
+        let contended = global.tokens < global_burst / 2.0;
+        if contended && state.share.tokens < 1.0 {
+            return Err(Limited {
+                bound: Bound::Global,
+                retry_after: state.share.wait(share_qps),
+            });
+        }
+        take_global(global, global_qps)?;
+        if contended {
+            state.share.tokens -= 1.0;
+        }
+        state.own.tokens -= 1.0;
+        Ok(())
+    }
+
+    /// Takes one re-review of an accepted token from the bucket of re-reviews.
+    pub fn take_refresh(&self) -> Result<(), Limited> {
+        let rate = self.refresh_rate;
+        let mut bucket = self.refresh.lock().unwrap_or_else(|p| p.into_inner());
+        bucket.refill(rate.qps, f64::from(rate.burst), Instant::now());
+        if bucket.tokens < 1.0 {
+            return Err(Limited {
+                bound: Bound::Refresh,
+                retry_after: bucket.wait(rate.qps),
+            });
+        }
+        bucket.tokens -= 1.0;
+        Ok(())
     }
 
     /// A slot among the reviews in flight, waited for at most `maxWait`.
     pub async fn slot(&self) -> Result<OwnedSemaphorePermit, Limited> {
-        let acquire = self.in_flight.clone().acquire_owned();
-        match tokio::time::timeout(self.max_wait, acquire).await {
-            Ok(Ok(permit)) => Ok(permit),
-            _ => Err(Limited {
-                bound: Bound::InFlight,
-                retry_after: Duration::from_secs(1),
-            }),
-        }
+        wait_for(&self.in_flight, self.max_wait).await
+    }
+
+    /// A slot among the re-reviews in flight (apart from other reviews), waited for at
+    /// most `maxWait`.
+    pub async fn refresh_slot(&self) -> Result<OwnedSemaphorePermit, Limited> {
+        wait_for(&self.refreshing, self.max_wait).await
     }
 }
 
-/// The quota of a validated rate (a rate that slipped through as 0 allows one a day
-/// rather than panicking).
-fn quota(rate: config::ReviewRate) -> Quota {
-    let period = Duration::try_from_secs_f64(1.0 / rate.qps)
-        .unwrap_or(Duration::from_secs(86_400))
-        .max(Duration::from_nanos(1));
-    let burst = NonZeroU32::new(rate.burst.max(1)).expect("at least 1");
-    Quota::with_period(period)
-        .expect("a positive period")
-        .allow_burst(burst)
+fn take_global(global: &mut Bucket, qps: f64) -> Result<(), Limited> {
+    if global.tokens < 1.0 {
+        return Err(Limited {
+            bound: Bound::Global,
+            retry_after: global.wait(qps),
+        });
+    }
+    global.tokens -= 1.0;
+    Ok(())
+}
+
+async fn wait_for(
+    slots: &Arc<Semaphore>,
+    max_wait: Duration,
+) -> Result<OwnedSemaphorePermit, Limited> {
+    match tokio::time::timeout(max_wait, slots.clone().acquire_owned()).await {
+        Ok(Ok(permit)) => Ok(permit),
+        _ => Err(Limited {
+            bound: Bound::InFlight,
+            retry_after: Duration::from_secs(1),
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -176,7 +329,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_source_gets_its_burst_then_its_rate() {
+    async fn a_prefix_gets_its_burst_then_its_rate() {
         let limits = limits(|s| {
             s.per_source = config::ReviewRate { qps: 2.0, burst: 3 };
         });
@@ -186,19 +339,39 @@ mod tests {
         let refused = limits.take(ip("10.0.0.1")).unwrap_err();
         assert_eq!(refused.bound, Bound::Source);
         assert_eq!(refused.retry_after, Duration::from_millis(500));
-        // Another address has a bucket of its own; the same /64 does not.
-        limits.take(ip("10.0.0.2")).unwrap();
+        // Another /24 has a bucket of its own; the same /24 and the same /48 do not.
+        assert!(limits.take(ip("10.0.0.2")).is_err());
+        limits.take(ip("10.0.1.1")).unwrap();
         limits.take(ip("2001:db8::1")).unwrap();
-        limits.take(ip("2001:db8::2")).unwrap();
-        limits.take(ip("2001:db8::3")).unwrap();
+        limits.take(ip("2001:db8:0:1::2")).unwrap();
+        limits.take(ip("2001:db8:0:ffff::3")).unwrap();
         assert!(limits.take(ip("2001:db8::ffff:1")).is_err());
+        limits.take(ip("2001:db8:1::1")).unwrap();
+        // IPv4-mapped IPv6 is the IPv4 address.
+        assert!(limits.take(ip("::ffff:10.0.0.9")).is_err());
         tokio::time::advance(Duration::from_millis(500)).await;
         limits.take(ip("10.0.0.1")).unwrap();
-        assert!(limits.take(ip("10.0.0.1")).is_err());
+        assert!(limits.take(ip("10.0.0.200")).is_err());
     }
 
     #[tokio::test(start_paused = true)]
-    async fn every_source_together_gets_the_global_rate() {
+    async fn two_hundred_addresses_in_one_slash_24_share_one_bucket() {
+        let limits = limits(|s| {
+            s.per_source = config::ReviewRate {
+                qps: 1.0,
+                burst: 10,
+            };
+        });
+        let taken = (1..=200)
+            .filter(|host| limits.take(ip(&format!("10.0.0.{host}"))).is_ok())
+            .count();
+        assert_eq!(taken, 10);
+        // Another /24 is untouched.
+        limits.take(ip("10.0.1.1")).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_prefix_together_gets_the_global_rate() {
         let limits = limits(|s| {
             s.rate = config::ReviewRate {
                 qps: 10.0,
@@ -206,11 +379,72 @@ mod tests {
             };
         });
         for i in 0..5 {
-            limits.take(ip(&format!("10.0.1.{i}"))).unwrap();
+            limits.take(ip(&format!("10.0.{i}.1"))).unwrap();
         }
-        let refused = limits.take(ip("10.0.1.200")).unwrap_err();
+        let refused = limits.take(ip("10.0.200.1")).unwrap_err();
         assert_eq!(refused.bound, Bound::Global);
         assert_eq!(refused.retry_after, Duration::from_millis(100));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_prefix_gets_its_reviews_while_the_first_floods() {
+        // Prefix buckets large enough (as behind a NAT) that only the global one holds.
+        let limits = limits(|s| {
+            s.rate = config::ReviewRate {
+                qps: 100.0,
+                burst: 100,
+            };
+            s.per_source = config::ReviewRate {
+                qps: 10_000.0,
+                burst: 10_000,
+            };
+        });
+        let (mut flood_taken, mut flood_refused, mut other_taken) = (0, 0, 0);
+        // Two seconds: the flood asks every millisecond from 200 addresses of one /24,
+        // the other /24 every 100 ms.
+        for ms in 0..2000u32 {
+            let host = ms % 200 + 1;
+            match limits.take(ip(&format!("10.0.0.{host}"))) {
+                Ok(()) => flood_taken += 1,
+                Err(_) => flood_refused += 1,
+            }
+            if ms % 100 == 0 && limits.take(ip("10.0.1.1")).is_ok() {
+                other_taken += 1;
+            }
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        assert_eq!(other_taken, 20, "the second /24 was refused");
+        assert!(flood_refused > 0);
+        // Together within the global bucket: its burst and two seconds of its rate.
+        assert!(flood_taken + other_taken <= 100 + 200, "{flood_taken}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_flooding_prefixes_leave_a_fair_share_to_another() {
+        let limits = limits(|s| {
+            s.rate = config::ReviewRate {
+                qps: 100.0,
+                burst: 100,
+            };
+            s.per_source = config::ReviewRate {
+                qps: 10_000.0,
+                burst: 10_000,
+            };
+        });
+        let (mut flood_taken, mut other_taken) = (0, 0);
+        for ms in 0..2000u32 {
+            // 20 /24s each asking every 20 ms: 1000 a second together, where a fair share
+            // of the global rate is 100 / 21 a second.
+            if limits.take(ip(&format!("10.1.{}.1", ms % 20))).is_ok() {
+                flood_taken += 1;
+            }
+            if ms % 250 == 0 && limits.take(ip("10.0.1.1")).is_ok() {
+                other_taken += 1;
+            }
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        assert_eq!(other_taken, 8, "the other /24 was refused");
+        assert!(flood_taken + other_taken <= 100 + 200, "{flood_taken}");
     }
 
     #[tokio::test(start_paused = true)]
@@ -227,17 +461,33 @@ mod tests {
         assert!(limits.take(ip("10.1.0.0")).is_err());
         for i in 1..=1000u32 {
             limits
-                .take(Some(IpAddr::V4((0x0a01_0000u32 + i).into())))
+                .take(Some(IpAddr::V4((0x0a01_0000u32 + (i << 8)).into())))
                 .unwrap();
         }
-        let states = limits.per_source.into_state_store().0.into_inner().unwrap();
-        assert_eq!(states.len(), 100);
+        let buckets = limits.buckets.into_inner().unwrap();
+        assert_eq!(buckets.prefixes.len(), 100);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn re_reviews_have_a_bucket_of_their_own() {
+        let limits = limits(|s| {
+            s.rate = config::ReviewRate { qps: 1.0, burst: 1 };
+            s.refresh_rate = config::ReviewRate { qps: 2.0, burst: 2 };
+        });
+        limits.take(ip("10.0.0.1")).unwrap();
+        assert!(limits.take(ip("10.0.1.1")).is_err());
+        limits.take_refresh().unwrap();
+        limits.take_refresh().unwrap();
+        let refused = limits.take_refresh().unwrap_err();
+        assert_eq!(refused.bound, Bound::Refresh);
+        assert_eq!(refused.retry_after, Duration::from_millis(500));
     }
 
     #[tokio::test(start_paused = true)]
     async fn reviews_in_flight_are_capped_and_a_waiter_gives_up_after_max_wait() {
         let limits = limits(|s| {
             s.max_concurrent = 2;
+            s.max_concurrent_refreshes = 1;
             s.max_wait = Duration::from_millis(300);
         });
         let first = limits.slot().await.unwrap();
@@ -246,6 +496,10 @@ mod tests {
         let refused = limits.slot().await.unwrap_err();
         assert_eq!(refused.bound, Bound::InFlight);
         assert_eq!(started.elapsed(), Duration::from_millis(300));
+        // Re-reviews have slots of their own.
+        let refreshing = limits.refresh_slot().await.unwrap();
+        assert!(limits.refresh_slot().await.is_err());
+        drop(refreshing);
         // A waiter gets the slot as soon as one is free.
         let waiting = limits.slot();
         drop(first);

@@ -1,23 +1,35 @@
 //! Bearer tokens resolved by TokenReview, cached by the token's hash and coalesced.
 //!
-//! An accepted token is trusted for min(ttl, the token's own expiry); a rejected one is
-//! remembered for `failure_ttl` in a smaller cache of its own, so that a client retrying a
-//! bad token cannot flood the apiserver with reviews and a flood of bad tokens cannot push
-//! good ones out. A review that could not be made is not remembered: the request is refused
-//! (never passed on) and the next one tries again. Concurrent requests with the same token
-//! share one review. A token in neither cache needs a review, and reviews are bounded per
-//! client address, overall and in flight ([`ReviewLimits`]): over a bound, the request gets
-//! [`IdentityError::ReviewLimited`] (429 with `Retry-After`) and no review is made.
+//! An accepted token is trusted for min(ttl, the token's own expiry). A request that comes
+//! in the last `refreshAhead` of that starts the token's re-review in the background and is
+//! answered at once, so a token in use never waits for a review; a request after the ttl
+//! waits for the re-review. Re-reviews have a budget and in-flight slots of their own
+//! ([`ReviewLimits::take_refresh`]), which unknown tokens cannot spend. A re-review that
+//! rejects the token ends it at once; one without an answer leaves the token served as it
+//! was until `maxAge` after the review that last accepted it (never past its own expiry),
+//! and after that the token is unknown again.
+//!
+//! A rejected token is remembered for `failure_ttl` in a smaller cache of its own, so that
+//! a client retrying a bad token cannot flood the apiserver with reviews and a flood of bad
+//! tokens cannot push good ones out. A review that could not be made is not remembered: the
+//! request is refused (never passed on) and the next one tries again. Concurrent requests
+//! with the same token share one review. A token in neither cache needs a review, and
+//! reviews are bounded per client prefix, overall and in flight ([`ReviewLimits`]): over a
+//! bound, the request gets [`IdentityError::ReviewLimited`] (429 with `Retry-After`) and no
+//! review is made.
 
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine;
 use futures::FutureExt;
-use futures::future::BoxFuture;
+use futures::future::{BoxFuture, Shared};
 use http::StatusCode;
+use lru::LruCache;
 use sha2::{Digest, Sha256};
+use tokio::time::Instant;
 
 use super::forward::{ForwardError, OwnToken};
 use super::limits::{Limited, ReviewLimits};
@@ -54,13 +66,81 @@ enum NoOutcome {
     Failed(Arc<ReviewError>),
 }
 
+/// What a re-review of an accepted token came to.
+#[derive(Debug, Clone)]
+enum Refreshed {
+    /// The review said yes again.
+    Accepted(User),
+    /// The review said no: the token is refused from now on.
+    Rejected(String),
+    /// No answer, or no slot to ask in: the token is served as it was, within `maxAge`.
+    NoAnswer,
+}
+
+type Refresh = Shared<BoxFuture<'static, Refreshed>>;
+
+/// An accepted token, and when it is to be reviewed again.
+struct Known {
+    user: User,
+    /// From here, a request starts the token's re-review in the background.
+    refresh_from: Instant,
+    /// Until here, the review that accepted it is trusted as it is.
+    fresh_until: Instant,
+    /// After `fresh_until` and until here, it is served while its re-reviews have no
+    /// answer.
+    hard_until: Instant,
+    /// The re-review under way.
+    refresh: Option<Refresh>,
+    /// Whether the last re-review had no answer.
+    failed: bool,
+}
+
+impl Known {
+    /// A token accepted now for `user`, under the configured lifetimes and its own expiry.
+    fn accepted(settings: &config::TokenReview, token: &str, user: User) -> Known {
+        let now = Instant::now();
+        let left = token_lifetime(token);
+        let (fresh, refresh, hard) = match left {
+            // The token ends before the ttl: nothing to re-review it for.
+            Some(left) if left <= settings.ttl => (left, left, left),
+            _ => {
+                let ahead = settings.refresh_ahead.min(settings.ttl / 2);
+                let hard = left.map_or(settings.max_age, |left| left.min(settings.max_age));
+                (settings.ttl, settings.ttl - ahead, hard.max(settings.ttl))
+            }
+        };
+        Known {
+            user,
+            refresh_from: now + refresh,
+            fresh_until: now + fresh,
+            hard_until: now + hard,
+            refresh: None,
+            failed: false,
+        }
+    }
+}
+
+/// What a request with an accepted token does.
+enum Step {
+    /// It is answered with this user now.
+    Serve(User),
+    /// It waits for the re-review, and is answered with this user if that has no answer.
+    Await(Refresh, User),
+}
+
+type KnownTokens = Arc<Mutex<LruCache<Key, Known>>>;
+type Outcomes = Arc<Coalescing<Key, ReviewOutcome, NoOutcome>>;
+
 /// The TokenReview cache in front of a [`TokenReviewer`].
 pub struct TokenCache {
     reviewer: Arc<dyn TokenReviewer>,
     settings: config::TokenReview,
     limits: Arc<ReviewLimits>,
-    /// Accepted tokens are the positive answers, rejected ones the negative.
-    outcomes: Coalescing<Key, ReviewOutcome, NoOutcome>,
+    /// Accepted tokens, with their re-reviews.
+    known: KnownTokens,
+    /// Rejected tokens, and the reviews of unknown tokens under way (accepted ones go to
+    /// `known`, so its positive side stays empty).
+    outcomes: Outcomes,
     metrics: Metrics,
 }
 
@@ -71,10 +151,12 @@ impl TokenCache {
         settings: config::TokenReview,
         metrics: Metrics,
     ) -> Self {
+        let entries = NonZeroUsize::new(settings.max_entries.max(1)).expect("at least 1");
         Self {
             reviewer,
             limits: Arc::new(ReviewLimits::new(&settings)),
-            outcomes: Coalescing::new(settings.max_entries, settings.max_rejected_entries),
+            known: Arc::new(Mutex::new(LruCache::new(entries))),
+            outcomes: Arc::new(Coalescing::new(1, settings.max_rejected_entries)),
             settings,
             metrics,
         }
@@ -91,16 +173,28 @@ impl TokenCache {
             return Err(IdentityError::TokenTooLong(self.settings.max_token_bytes));
         }
         let key: Key = Sha256::digest(token.as_bytes()).into();
+        match self.known_step(key, token) {
+            Some(Step::Serve(user)) => {
+                self.count("cached");
+                return Ok(user);
+            }
+            Some(Step::Await(refresh, user)) => {
+                return match refresh.await {
+                    Refreshed::Accepted(user) => Ok(user),
+                    Refreshed::Rejected(why) => Err(IdentityError::TokenRejected(why)),
+                    Refreshed::NoAnswer => Ok(user),
+                };
+            }
+            None => {}
+        }
         let start = || -> Result<_, Limited> {
             self.limits.take(source)?;
-            Ok(self.review(token))
+            Ok(self.review(key, token))
         };
         let keep = |result: &Result<ReviewOutcome, NoOutcome>| match result {
-            Ok(ReviewOutcome::Authenticated(_)) => Keep::Positive(
-                token_lifetime(token).map_or(self.settings.ttl, |left| left.min(self.settings.ttl)),
-            ),
             Ok(ReviewOutcome::Rejected(_)) => Keep::Negative(self.settings.failure_ttl),
-            Err(_) => Keep::Not,
+            // An accepted token went to `known` with its review.
+            Ok(ReviewOutcome::Authenticated(_)) | Err(_) => Keep::Not,
         };
         let result = match self.outcomes.get(key, start, keep).await {
             Err(limited) => {
@@ -130,16 +224,119 @@ impl TokenCache {
         }
     }
 
-    /// One review, sent once a slot among the reviews in flight is free.
-    fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, NoOutcome>> {
-        let (reviewer, limits, token) =
-            (self.reviewer.clone(), self.limits.clone(), token.to_owned());
+    /// What a request does with a token accepted before, starting its re-review when due;
+    /// `None` for a token not (or no longer) accepted.
+    fn known_step(&self, key: Key, token: &str) -> Option<Step> {
+        let now = Instant::now();
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = known.get_mut(&key)?;
+        if now >= entry.hard_until {
+            known.pop(&key);
+            return None;
+        }
+        let user = entry.user.clone();
+        if now < entry.fresh_until {
+            if now >= entry.refresh_from && entry.refresh.is_none() {
+                entry.refresh = self.start_refresh(key, token);
+            }
+            return Some(Step::Serve(user));
+        }
+        // Past the ttl: wait for a re-review, unless the last one had no answer (then
+        // another is tried in the background) or none may be made now.
+        if entry.refresh.is_none() {
+            entry.refresh = self.start_refresh(key, token);
+        }
+        match &entry.refresh {
+            Some(refresh) if !entry.failed => Some(Step::Await(refresh.clone(), user)),
+            _ => Some(Step::Serve(user)),
+        }
+    }
+
+    /// Starts a re-review of an accepted token, driven by a task of its own so that it
+    /// finishes whether or not anyone waits for it; `None` when the re-review budget is
+    /// spent.
+    fn start_refresh(&self, key: Key, token: &str) -> Option<Refresh> {
+        if self.limits.take_refresh().is_err() {
+            self.count("limited");
+            return None;
+        }
+        let (reviewer, limits, known, outcomes, settings, metrics) = (
+            self.reviewer.clone(),
+            self.limits.clone(),
+            self.known.clone(),
+            self.outcomes.clone(),
+            self.settings.clone(),
+            self.metrics.clone(),
+        );
+        let token = token.to_owned();
+        let refresh = async move {
+            let answer = match limits.refresh_slot().await {
+                Ok(_slot) => reviewer.review(&token).await.map_err(|_| "error"),
+                Err(_) => Err("limited"),
+            };
+            let (result, refreshed) = match answer {
+                Ok(ReviewOutcome::Authenticated(user)) => ("allowed", Refreshed::Accepted(user)),
+                Ok(ReviewOutcome::Rejected(why)) => ("denied", Refreshed::Rejected(why)),
+                Err(result) => (result, Refreshed::NoAnswer),
+            };
+            metrics
+                .authz_reviews_total
+                .with_label_values(&["token", result])
+                .inc();
+            let mut tokens = known.lock().unwrap_or_else(|p| p.into_inner());
+            match &refreshed {
+                Refreshed::Accepted(user) => {
+                    tokens.put(key, Known::accepted(&settings, &token, user.clone()));
+                }
+                Refreshed::Rejected(why) => {
+                    tokens.pop(&key);
+                    drop(tokens);
+                    let rejected = ReviewOutcome::Rejected(why.clone());
+                    outcomes.remember(key, rejected, Keep::Negative(settings.failure_ttl));
+                }
+                Refreshed::NoAnswer => {
+                    if let Some(entry) = tokens.peek_mut(&key) {
+                        entry.refresh = None;
+                        entry.failed = true;
+                    }
+                }
+            }
+            refreshed
+        }
+        .boxed()
+        .shared();
+        tokio::spawn(refresh.clone());
+        Some(refresh)
+    }
+
+    /// One review of an unknown token, sent once a slot among the reviews in flight is
+    /// free; an accepted token goes to `known` before the review's waiters hear of it.
+    fn review(
+        &self,
+        key: Key,
+        token: &str,
+    ) -> BoxFuture<'static, Result<ReviewOutcome, NoOutcome>> {
+        let (reviewer, limits, known, settings, token) = (
+            self.reviewer.clone(),
+            self.limits.clone(),
+            self.known.clone(),
+            self.settings.clone(),
+            token.to_owned(),
+        );
         async move {
             let _slot = limits.slot().await.map_err(NoOutcome::Limited)?;
-            reviewer
+            let outcome = reviewer
                 .review(&token)
                 .await
-                .map_err(|e| NoOutcome::Failed(Arc::new(e)))
+                .map_err(|e| NoOutcome::Failed(Arc::new(e)))?;
+            if let ReviewOutcome::Authenticated(user) = &outcome {
+                let accepted = Known::accepted(&settings, &token, user.clone());
+                known
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .put(key, accepted);
+            }
+            Ok(outcome)
         }
         .boxed()
     }
@@ -344,23 +541,30 @@ const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     use super::*;
 
-    /// Reviews by the token's first word: `good…` is alice, `fail…` gets no answer,
-    /// anything else is rejected; counts the reviews made and the most at once.
+    /// Reviews by the token's first word: `good…` is alice (until `revoked`), `fail…` gets
+    /// no answer, anything else is rejected; while `down`, nothing gets an answer. Counts
+    /// the reviews made and the most at once.
     struct Counting {
         calls: AtomicUsize,
         in_flight: AtomicUsize,
         most_in_flight: AtomicUsize,
         delay: Duration,
+        revoked: AtomicBool,
+        down: AtomicBool,
     }
 
     impl TokenReviewer for Arc<Counting> {
         fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, ReviewError>> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            let answer = if token.starts_with("good") {
+            let answer = if self.down.load(Ordering::SeqCst) {
+                Err(ReviewError::NoStatus)
+            } else if token.starts_with("good") && self.revoked.load(Ordering::SeqCst) {
+                Ok(ReviewOutcome::Rejected("revoked".into()))
+            } else if token.starts_with("good") {
                 Ok(ReviewOutcome::Authenticated(alice()))
             } else if token.starts_with("fail") {
                 Err(ReviewError::NoStatus)
@@ -399,6 +603,8 @@ mod tests {
             in_flight: AtomicUsize::new(0),
             most_in_flight: AtomicUsize::new(0),
             delay: Duration::from_millis(50),
+            revoked: AtomicBool::new(false),
+            down: AtomicBool::new(false),
         });
         let mut settings = config::TokenReview::default();
         tweak(&mut settings);
@@ -413,18 +619,157 @@ mod tests {
     const HERE: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
 
     #[tokio::test(start_paused = true)]
-    async fn accepted_tokens_are_cached_for_the_ttl_then_reviewed_again() {
+    async fn an_idle_token_is_cached_for_the_ttl_then_reviewed_again() {
         let (reviewer, cache) = cache();
         assert_eq!(
             cache.authenticate("good", HERE).await.unwrap().username,
             "alice"
         );
-        tokio::time::advance(Duration::from_secs(9)).await;
+        tokio::time::advance(Duration::from_secs(6)).await;
         cache.authenticate("good", HERE).await.unwrap();
         assert_eq!(reviewer.calls(), 1);
-        tokio::time::advance(Duration::from_secs(2)).await;
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let started = Instant::now();
         cache.authenticate("good", HERE).await.unwrap();
         assert_eq!(reviewer.calls(), 2);
+        assert_eq!(started.elapsed(), Duration::from_millis(50), "it waited");
+    }
+
+    /// Unknown tokens from up to 50 prefixes until the global bucket refuses one.
+    async fn flood(cache: &TokenCache) {
+        for i in 0..50u8 {
+            let source = Some(IpAddr::from([10, 1, i, 1]));
+            if let Err(IdentityError::ReviewLimited(limited)) =
+                cache.authenticate(&format!("bad-{i}"), source).await
+            {
+                assert_eq!(limited.bound, super::super::limits::Bound::Global);
+                return;
+            }
+        }
+        panic!("the flood never emptied the global bucket");
+    }
+
+    fn small_global(s: &mut config::TokenReview) {
+        s.rate = config::ReviewRate { qps: 0.1, burst: 5 };
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_in_use_is_re_reviewed_in_the_background_during_a_flood() {
+        let (reviewer, cache) = cache_with(small_global);
+        cache.authenticate("good", HERE).await.unwrap();
+        tokio::time::advance(Duration::from_secs(8)).await;
+        flood(&cache).await;
+        let calls = reviewer.calls();
+        // Due for its re-review: answered at once, reviewed behind it.
+        let started = Instant::now();
+        assert_eq!(
+            cache.authenticate("good", HERE).await.unwrap().username,
+            "alice"
+        );
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(reviewer.calls(), calls + 1);
+        // Past the ttl of its first review, the re-review is what it is trusted on.
+        tokio::time::advance(Duration::from_secs(4)).await;
+        flood(&cache).await;
+        let calls = reviewer.calls();
+        cache.authenticate("good", HERE).await.unwrap();
+        assert_eq!(reviewer.calls(), calls);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_token_past_its_ttl_is_re_reviewed_on_a_budget_the_flood_cannot_spend() {
+        let (reviewer, cache) = cache_with(small_global);
+        cache.authenticate("good", HERE).await.unwrap();
+        tokio::time::advance(Duration::from_secs(11)).await;
+        flood(&cache).await;
+        let calls = reviewer.calls();
+        assert_eq!(
+            cache.authenticate("good", HERE).await.unwrap().username,
+            "alice"
+        );
+        assert_eq!(reviewer.calls(), calls + 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_its_re_review_rejects_is_refused_from_then_on() {
+        let (reviewer, cache) = cache();
+        cache.authenticate("good", HERE).await.unwrap();
+        reviewer.revoked.store(true, Ordering::SeqCst);
+        tokio::time::advance(Duration::from_secs(8)).await;
+        // The request that starts the re-review is answered from before it.
+        cache.authenticate("good", HERE).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let answer = cache.authenticate("good", HERE).await;
+        assert!(
+            matches!(&answer, Err(IdentityError::TokenRejected(why)) if why == "revoked"),
+            "{answer:?}"
+        );
+        // Remembered as rejected: no review for each retry.
+        assert_eq!(reviewer.calls(), 2);
+        assert!(cache.authenticate("good", HERE).await.is_err());
+        assert_eq!(reviewer.calls(), 2);
+
+        // A token idle past its ttl waits for its re-review, and hears no.
+        let (reviewer, cache) = cache_with(|_| {});
+        cache.authenticate("good-2", HERE).await.unwrap();
+        reviewer.revoked.store(true, Ordering::SeqCst);
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert!(matches!(
+            cache.authenticate("good-2", HERE).await,
+            Err(IdentityError::TokenRejected(_))
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_whose_re_reviews_get_no_answer_is_served_until_max_age() {
+        let (reviewer, cache) = cache_with(|s| s.max_age = Duration::from_secs(30));
+        cache.authenticate("good", HERE).await.unwrap();
+        reviewer.down.store(true, Ordering::SeqCst);
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_eq!(
+            cache.authenticate("good", HERE).await.unwrap().username,
+            "alice"
+        );
+        assert_eq!(reviewer.calls(), 2);
+        // The last re-review failed: served at once while another is tried.
+        tokio::time::advance(Duration::from_secs(18)).await;
+        let started = Instant::now();
+        cache.authenticate("good", HERE).await.unwrap();
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(reviewer.calls(), 3);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(matches!(
+            cache.authenticate("good", HERE).await,
+            Err(IdentityError::ReviewFailed(_))
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn re_reviews_are_bounded_by_their_own_budget() {
+        let (reviewer, cache) = cache_with(|s| {
+            s.refresh_rate = config::ReviewRate { qps: 0.1, burst: 3 };
+            s.per_source = config::ReviewRate {
+                qps: 100.0,
+                burst: 100,
+            };
+        });
+        for i in 0..10 {
+            cache
+                .authenticate(&format!("good-{i}"), HERE)
+                .await
+                .unwrap();
+        }
+        tokio::time::advance(Duration::from_secs(8)).await;
+        for i in 0..10 {
+            cache
+                .authenticate(&format!("good-{i}"), HERE)
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(reviewer.calls(), 13);
     }
 
     #[tokio::test(start_paused = true)]

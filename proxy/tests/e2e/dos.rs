@@ -100,11 +100,17 @@ async fn random_methods_paths_and_headers_leave_no_trace_in_the_metrics() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_thousand_random_tokens_make_a_bounded_number_of_reviews() {
+    // A ttl longer than the flood: the good token is not yet due for its re-review at the
+    // end, so a review then would mean the flood pushed it out.
     let cluster = Cluster::start(Setup {
         replicas: 1,
         // All 3,000 on one connection, which would otherwise be closed after 16 refusals in
         // a row (`front_door.rs` tests that): here only the review bounds are under test.
-        settings: vec![("listen.limits.maxUnauthenticatedRequests", "100000")],
+        settings: vec![
+            ("identity.tokenReview.ttl", "60s"),
+            ("identity.tokenReview.maxAge", "120s"),
+            ("listen.limits.maxUnauthenticatedRequests", "100000"),
+        ],
         ..Setup::default()
     })
     .await;
@@ -174,6 +180,113 @@ async fn three_thousand_random_tokens_make_a_bounded_number_of_reviews() {
         token_reviews(&cluster),
         0,
         "the good token was reviewed again"
+    );
+}
+
+/// Sends random tokens from `client` until `until`; returns each answer's status and
+/// `X-Bulwark-Reason`.
+async fn random_tokens_until(
+    client: bulwark_testkit::Client,
+    path: &'static str,
+    until: tokio::time::Instant,
+) -> Vec<(u16, String)> {
+    let mut sender = client.sender();
+    let mut answers = Vec::new();
+    while tokio::time::Instant::now() < until {
+        if sender.ready().await.is_err() {
+            break;
+        }
+        let Ok(response) = sender.send_request(bearer(path, &random(40))).await else {
+            break;
+        };
+        let status = response.status().as_u16();
+        let reason = response
+            .headers()
+            .get("x-bulwark-reason")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let _ = http_body_util::BodyExt::collect(response.into_body()).await;
+        answers.push((status, reason));
+    }
+    answers
+}
+
+/// The TokenReviews Bulwark counted as accepted (`bulwark_authz_reviews_total`).
+fn accepted_reviews(cluster: &Cluster) -> f64 {
+    cluster
+        .metrics()
+        .lines()
+        .filter(|l| {
+            l.starts_with("bulwark_authz_reviews_total{")
+                && l.contains("kind=\"token\"")
+                && l.contains("result=\"allowed\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_random_tokens_from_200_addresses_cannot_starve_a_known_token() {
+    // A small global review budget that the flood empties at once, and a ttl short enough
+    // for the known token to be due for its re-review several times during the flood.
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        settings: vec![
+            ("identity.tokenReview.ttl", "1s"),
+            ("identity.tokenReview.rate", "{qps: 50, burst: 50}"),
+            // Each flooder keeps its connection (it would be closed after 16 refusals in a
+            // row and have to reconnect): the review budget alone is under test here.
+            ("listen.limits.maxUnauthenticatedRequests", "100000"),
+        ],
+        ..Setup::default()
+    })
+    .await;
+    let path = "/api/v1/namespaces/default/configmaps";
+    let at = |host: u8| std::net::IpAddr::from([127, 0, 0, host]);
+    let mut known =
+        bulwark_testkit::Client::connect_from(cluster.bulwark.addr, at(1), &cluster.pki, None)
+            .await;
+    assert_eq!(known.send(bearer(path, GOOD_TOKEN)).await.status, 200);
+
+    let flooders = futures::future::join_all((2..=201).map(|host| {
+        bulwark_testkit::Client::connect_from(cluster.bulwark.addr, at(host), &cluster.pki, None)
+    }))
+    .await;
+    let until = tokio::time::Instant::now() + Duration::from_millis(3500);
+    let mut flood = tokio::task::JoinSet::new();
+    for client in flooders {
+        flood.spawn(random_tokens_until(client, path, until));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = accepted_reviews(&cluster);
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let answer = known.send(bearer(path, GOOD_TOKEN)).await;
+        statuses.push(answer.status.as_u16());
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let re_reviews = accepted_reviews(&cluster) - before;
+    let mut flooded = Vec::new();
+    while let Some(done) = flood.join_next().await {
+        flooded.extend(done.unwrap());
+    }
+    let limited = flooded.iter().filter(|(s, _)| *s == 429).count();
+    let known_limited = statuses.iter().filter(|s| **s == 429).count();
+    println!(
+        "{} random tokens from 200 addresses: {limited} answered 429; the known token: \
+         {known_limited} of 20 answered 429, {re_reviews} re-reviews",
+        flooded.len()
+    );
+    assert!(limited > 0, "the flood was never limited");
+    for (status, reason) in &flooded {
+        if *status == 429 {
+            assert_eq!(reason, "review_limited");
+        }
+    }
+    assert_eq!(statuses, [200; 20], "the known token was refused");
+    assert!(
+        re_reviews >= 1.0,
+        "the known token was not re-reviewed during the flood"
     );
 }
 

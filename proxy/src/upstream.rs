@@ -469,17 +469,10 @@ impl Upstream {
     /// ([`pick::Balancer::pick_for_bytes`]) when `fits` its bytes in flight; `None` when no
     /// replica can be used or it has no room. Send the request there with
     /// [`Route::replica`].
-    pub fn hold_list_bytes(
-        &self,
-        bytes: u64,
-        fits: impl FnOnce(u64) -> bool,
-    ) -> Option<InFlightBytes> {
+    pub fn hold_list_bytes(&self, bytes: u64, fits: impl Fn(u64) -> bool) -> Option<InFlightBytes> {
         let balancer = &self.inner.balancer;
-        let index = balancer.pick_for_bytes(Instant::now())?;
+        let index = balancer.pick_for_bytes(fits, Instant::now(), &mut rand::rng())?;
         let replica = balancer.replica(index).clone();
-        if !fits(replica.in_flight_bytes()) {
-            return None;
-        }
         replica.add_bytes(bytes);
         Some(InFlightBytes { replica, bytes })
     }

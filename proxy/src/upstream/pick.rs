@@ -386,16 +386,29 @@ impl Balancer {
         }
     }
 
-    /// Picks the replica a LIST's bytes are held on (and its request then sent to): among
-    /// the same replicas [`Balancer::pick`] chooses from, the one with the fewest in-flight
-    /// LIST bytes, so that the byte budget and the balancer never disagree about where a
-    /// LIST lands.
-    pub(crate) fn pick_for_bytes(&self, now: Instant) -> Option<usize> {
+    /// Picks the replica a LIST's bytes are held on (and its request then sent to): the
+    /// replica [`Balancer::pick`] chooses for any request (load, pending requests, LIST
+    /// bytes in flight and the replica's own 429s counted, ties broken at random), so that
+    /// LISTs spread like every other request; when its bytes do not `fit` there, the replica
+    /// in rotation with the fewest LIST bytes in flight, if they fit there. The byte budget
+    /// and the balancer never disagree about where a LIST lands.
+    pub(crate) fn pick_for_bytes(
+        &self,
+        fits: impl Fn(u64) -> bool,
+        now: Instant,
+        rng: &mut impl Rng,
+    ) -> Option<usize> {
+        let chosen = self.pick(Load::Requests, &[], now, rng)?;
+        if fits(self.replicas[chosen].in_flight_bytes()) {
+            return Some(chosen);
+        }
         let (health, in_rotation) = self.rotation(now);
         drop(health);
         in_rotation
             .into_iter()
+            .filter(|&i| i != chosen)
             .min_by_key(|&i| self.replicas[i].in_flight_bytes())
+            .filter(|&i| fits(self.replicas[i].in_flight_bytes()))
     }
 
     /// Every replica's health now, and the replicas a request may go to: those in
@@ -606,6 +619,55 @@ mod tests {
             "removal saturates at zero"
         );
         assert_eq!(spread(&b, Load::Requests, 20, &mut rng), vec![20, 0]);
+    }
+
+    /// Where `rounds` LISTs land when each is answered before the next is sent.
+    fn list_spread(b: &Balancer, rounds: usize, rng: &mut StdRng) -> Vec<usize> {
+        let mut hits = vec![0; b.replicas().len()];
+        for _ in 0..rounds {
+            let i = b.pick_for_bytes(|_| true, Instant::now(), rng).unwrap();
+            hits[i] += 1;
+        }
+        hits
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn lists_one_after_another_spread_over_the_replicas() {
+        // With no LIST in flight every replica ties on bytes: the first in the
+        // configuration used to take them all (20 sequential LISTs went 20/0/0).
+        let (b, _) = balancer(3);
+        let mut rng = StdRng::seed_from_u64(7);
+        let hits = list_spread(&b, 60, &mut rng);
+        assert!(hits.iter().all(|&h| h >= 10), "{hits:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn lists_avoid_a_busy_replica_and_one_that_answers_429() {
+        let (b, _) = balancer(3);
+        let mut rng = StdRng::seed_from_u64(8);
+        let _busy: Vec<_> = (0..20)
+            .map(|_| PendingGuard::new(b.replica(0).clone()))
+            .collect();
+        b.throttle(1, Duration::from_secs(10), Instant::now());
+        let hits = list_spread(&b, 60, &mut rng);
+        assert_eq!(hits[0], 0, "{hits:?}");
+        assert!(hits[2] > hits[1], "{hits:?}");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_list_that_does_not_fit_its_pick_goes_where_it_fits_or_nowhere() {
+        let (b, _) = balancer(2);
+        let mut rng = StdRng::seed_from_u64(9);
+        b.replica(0).add_bytes(1000);
+        b.replica(1).add_bytes(10);
+        for _ in 0..20 {
+            let i = b.pick_for_bytes(|in_flight| in_flight < 100, Instant::now(), &mut rng);
+            assert_eq!(i, Some(1));
+        }
+        assert_eq!(
+            b.pick_for_bytes(|in_flight| in_flight < 5, Instant::now(), &mut rng),
+            None
+        );
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

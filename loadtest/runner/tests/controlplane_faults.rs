@@ -182,10 +182,10 @@ async fn broken_rule_files_leave_the_old_rules_serving() {
     wait_for_reloads(cp, "success", successes + 1.0).await;
 }
 
-/// Three floods, one after the other, each from one authenticated HTTP/2
-/// connection that reads whatever Bulwark answers (the costliest kind of flood: every
-/// acknowledgement is written): SETTINGS, PING and WINDOW_UPDATE frames, for
-/// [`FLOOD_FOR`] each. Bulwark's resident memory grows by less than
+/// Four floods, one after the other, each from one authenticated HTTP/2
+/// connection, for [`FLOOD_FOR`] each: SETTINGS, PING and WINDOW_UPDATE frames from a
+/// client that reads whatever Bulwark answers (the costliest kind: every acknowledgement
+/// is written), then PING frames from one that never reads its acknowledgements. Bulwark's resident memory grows by less than
 /// [`RSS_GROWTH_BOUND`], it spends at most [`FLOOD_CPU_BOUND`] cores, and an innocent
 /// client's GETs all succeed within [`INNOCENT_LATENCY_BOUND`] meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,23 +195,28 @@ async fn frame_floods_cost_bounded_memory_and_cpu() {
     let cp = &cp;
     let pid = cp.bulwark_pid().expect("Bulwark runs");
     let innocent = cp.client_without_retries("operator").await.unwrap();
-    let floods: [(&str, Vec<u8>); 3] = [
+    let ping = frame(PING, 0, 0, b"floodme!");
+    let floods: [(&str, Vec<u8>, bool); 4] = [
         (
             "SETTINGS",
             frame(SETTINGS, 0, 0, &settings_payload(&[(0x3, 100)])),
+            true,
         ),
-        ("PING", frame(PING, 0, 0, b"floodme!")),
+        ("PING", ping.clone(), true),
         (
             "WINDOW_UPDATE",
             frame(WINDOW_UPDATE, 0, 0, &1u32.to_be_bytes()),
+            true,
         ),
+        // Its acknowledgements pile up unread: Bulwark must stop reading, not queue them.
+        ("PING (never reading)", ping, false),
     ];
-    for (name, one) in floods {
+    for (name, one, reads) in floods {
         let rss_before = rss(pid);
         let cpu_before = cpu_seconds(pid);
         let start = Instant::now();
         let (report, peak, served) = tokio::join!(
-            flood(cp, &one, FLOOD_FOR),
+            flood(cp, &one, FLOOD_FOR, reads),
             peak_rss(pid, FLOOD_FOR),
             innocent_gets(&innocent, FLOOD_FOR),
         );
@@ -1116,8 +1121,9 @@ struct FloodReport {
 }
 
 /// One authenticated HTTP/2 connection (a GET of `/version` first) that writes `one`
-/// frame over and over, in batches, for `span`, and reads (and counts) what comes back.
-async fn flood(cp: &ControlPlane, one: &[u8], span: Duration) -> FloodReport {
+/// frame over and over, in batches, for `span`, and, if `reads`, reads (and counts) what
+/// comes back.
+async fn flood(cp: &ControlPlane, one: &[u8], span: Duration, reads: bool) -> FloodReport {
     let flooder = cp.pki().client_ca.client_cert("flooder", &[]);
     let tls = connect(cp, &flooder, b"h2", None).await;
     let (mut reader, mut writer) = tokio::io::split(tls);
@@ -1129,6 +1135,11 @@ async fn flood(cp: &ControlPlane, one: &[u8], span: Duration) -> FloodReport {
     let read = tokio::spawn(async move {
         let mut acks = 0u64;
         let mut closed = false;
+        if !reads {
+            // Holds the connection open without reading a byte.
+            tokio::time::sleep_until(until.into()).await;
+            return (acks, closed);
+        }
         loop {
             match tokio::time::timeout_at(until.into(), read_frame(&mut reader)).await {
                 Ok(Ok((kind, flags, _, _))) => {

@@ -383,6 +383,16 @@ impl ControlPlane {
         self.proxy.as_ref().map(|p| p.admin)
     }
 
+    /// Bulwark's process id, while it runs (for `/proc` figures).
+    pub fn bulwark_pid(&self) -> Option<u32> {
+        self.proxy.as_ref().and_then(ProxyProcess::pid)
+    }
+
+    /// etcd's process id, while it runs (for faults such as SIGSTOP).
+    pub fn etcd_pid(&self) -> Option<u32> {
+        self.etcd.as_ref().and_then(|e| e.child.id())
+    }
+
     /// Bulwark's peak RSS and CPU time so far.
     pub fn bulwark_cost(&self) -> Option<crate::report::ProxyCost> {
         self.proxy.as_ref().and_then(|p| p.cost().ok())

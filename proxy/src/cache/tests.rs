@@ -1668,3 +1668,41 @@ async fn a_cached_object_that_does_not_convert_is_a_500_audited_never_a_differen
     .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
 }
+
+#[tokio::test]
+async fn what_the_apiserver_refuses_goes_to_it_for_its_400_or_406() {
+    let s = seeded();
+    // A label key with a name over 63 bytes, or a prefix over 253: the apiserver's 400.
+    let long_name = "x".repeat(64);
+    let long_prefix = format!("{}/x", "a".repeat(254));
+    for key in [&long_name, &long_prefix] {
+        for uri in [
+            format!("/api/v1/secrets?resourceVersion=0&labelSelector={key}%3Da"),
+            format!("/api/v1/secrets?watch=1&resourceVersion=0&labelSelector={key}"),
+        ] {
+            assert!(ask(&s, "alice", &uri).await.unwrap().is_none(), "{uri}");
+        }
+    }
+    // The longest valid key is answered.
+    let longest = format!("{}/{}", "a".repeat(253), "x".repeat(63));
+    let uri = format!("/api/v1/secrets?resourceVersion=0&labelSelector=!{longest}");
+    let (status, list) = json(ask(&s, "alice", &uri).await.unwrap().unwrap()).await;
+    assert_eq!(status, 200);
+    assert_eq!(names(&list).len(), 3);
+    // An Accept of empty ranges accepts nothing: the apiserver's 406, not JSON.
+    for accept in [",", ", ,"] {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::ACCEPT, HeaderValue::from_static(accept));
+        for uri in [
+            "/api/v1/secrets?resourceVersion=0",
+            "/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0",
+        ] {
+            let answer = s
+                .cache
+                .serve(&info(uri), reader(&user("alice"), &headers), None)
+                .await
+                .unwrap();
+            assert!(answer.is_none(), "{accept:?} {uri}");
+        }
+    }
+}

@@ -34,8 +34,9 @@
 //! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
 //! **Versions older than the ring** go upstream too: a watch resuming from before the
 //! cache's start (after a Bulwark restart or relist) is streamed by the apiserver's own
-//! watch cache, which reaches further back, or refused with its own 410 — a 410 from
-//! Bulwark would send every such client to relist with a consistent LIST. Both count as
+//! watch cache, which reaches further back, or refused with its own 410. A 410 from
+//! Bulwark would make every such client relist after each restart (a whole LIST each, and
+//! its handlers told a replaced state instead of the events in between). Both count as
 //! misses (`cache_requests_total{result="miss"}`, `requests_total{served_by="upstream"}`).
 
 pub(crate) mod accept;

@@ -130,29 +130,37 @@ struct ListKey {
 
 /// The LRU of encoded LIST responses, bounded in bytes.
 struct Lists {
-    entries: lru::LruCache<ListKey, Arc<[Bytes]>>,
+    entries: lru::LruCache<ListKey, ListAnswer>,
     bytes: u64,
     limit: u64,
 }
 
+/// A whole LIST answer as it was sent, and whether it was gzipped: a client that asked for
+/// gzip gets a small answer uncompressed, and must be told so again when it is reused.
+#[derive(Clone)]
+struct ListAnswer {
+    pieces: Arc<[Bytes]>,
+    gzipped: bool,
+}
+
 impl Lists {
-    fn get(&mut self, key: &ListKey) -> Option<Arc<[Bytes]>> {
+    fn get(&mut self, key: &ListKey) -> Option<ListAnswer> {
         self.entries.get(key).cloned()
     }
 
-    fn put(&mut self, key: ListKey, pieces: Arc<[Bytes]>) {
-        let size = cost(&pieces);
+    fn put(&mut self, key: ListKey, answer: ListAnswer) {
+        let size = cost(&answer.pieces);
         if size > self.limit / 4 {
             // One response may not take most of the budget.
             return;
         }
-        if let Some(old) = self.entries.put(key, pieces) {
-            self.bytes -= cost(&old);
+        if let Some(old) = self.entries.put(key, answer) {
+            self.bytes -= cost(&old.pieces);
         }
         self.bytes += size;
         while self.bytes > self.limit {
             match self.entries.pop_lru() {
-                Some((_, old)) => self.bytes -= cost(&old),
+                Some((_, old)) => self.bytes -= cost(&old.pieces),
                 None => break,
             }
         }
@@ -928,8 +936,8 @@ impl Cache {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&key);
-        if let Some(pieces) = cached {
-            let response = self.send(&request, pieces, gzip);
+        if let Some(ListAnswer { pieces, gzipped }) = cached {
+            let response = self.send(&request, pieces, gzipped);
             return Ok(self.give(&request, ("list", None, 200), response));
         }
         let pieces =
@@ -937,10 +945,13 @@ impl Cache {
                 .map_err(|e| self.unencodable(&e, &request, ("list", None)))?;
         drop(items);
         let (pieces, gzipped) = encode(pieces, gzip).await;
-        self.lists
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .put(key, pieces.clone());
+        self.lists.lock().unwrap_or_else(|p| p.into_inner()).put(
+            key,
+            ListAnswer {
+                pieces: pieces.clone(),
+                gzipped,
+            },
+        );
         let response = self.send(&request, pieces, gzipped);
         Ok(self.give(&request, ("list", None, 200), response))
     }

@@ -13,8 +13,8 @@
 //! 5. etcd frozen for 15 s: writes and consistent reads get the apiserver's own answers
 //!    within their timeouts, cached reads keep being served, and afterwards the cache
 //!    catches up without a relist storm;
-//! 6. a cached LIST read twice by a gzip-accepting client decodes both times (ignored:
-//!    Bulwark fails it today).
+//! 6. a cached LIST read twice by a gzip-accepting client decodes both times (a reused
+//!    small answer was once labelled gzip while plain).
 //!
 //! Each test starts its own control plane of one replica (a few seconds), so that one
 //! fault's traces cannot blur another's figures. Bulwark's figures are the operating
@@ -459,8 +459,8 @@ async fn etcd_frozen_for_15_s() {
     let (cp, direct) = (&cp, &direct);
     let admin = cp.client_without_retries("admin").await.unwrap();
     let operator = cp.client_without_retries("operator").await.unwrap();
-    // Single Secrets: a whole cached LIST read twice is sent with a wrong encoding (see
-    // `cached_lists_keep_their_encoding`).
+    // Single Secrets: each read is its own object (`cached_lists_keep_their_encoding`
+    // covers whole LISTs read twice).
     let cached = |i: usize| {
         format!(
             "/api/v1/namespaces/{}/secrets/secret-{}?resourceVersion=0",
@@ -654,12 +654,11 @@ async fn etcd_frozen_for_15_s() {
 
 /// A whole cached LIST (Secrets of one namespace at resourceVersion 0, about 25 KB, under
 /// the 128 KiB above which the cache compresses) read twice by a client that accepts gzip,
-/// as kube-rs, client-go and kubectl all do: both answers decode to the same list. Fails
-/// today: the cache's reused LIST answers are labelled with the encoding the client asked
-/// for, not the one they were stored in, so the second answer says `Content-Encoding:
-/// gzip` over plain JSON and the client cannot read it.
+/// as kube-rs, client-go and kubectl all do: both answers decode to the same list. (The
+/// cache's reused LIST answers were once labelled with the encoding the client asked for,
+/// not the one they were stored in: the second said `Content-Encoding: gzip` over plain
+/// JSON and the client could not read it.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "Bulwark bug: a reused cached LIST under 128 KiB is sent as gzip uncompressed"]
 async fn cached_lists_keep_their_encoding() {
     let dir = tempfile::tempdir().unwrap();
     let (cp, _) = start(dir.path(), None, false).await;

@@ -1234,6 +1234,39 @@ async fn gzip_is_honoured_for_large_answers() {
 }
 
 #[tokio::test]
+async fn a_small_answer_to_a_gzip_reader_is_plain_every_time() {
+    // Under the gzip threshold the answer is sent as it is: its reuse from the LRU of
+    // encoded lists must not say it is gzipped (it once did, and clients failed to read it).
+    let s = setup();
+    s.store.replace(vec![secret("ns", "a", 1, "web")], 1);
+    let mut headers = HeaderMap::new();
+    headers.insert("accept-encoding", "gzip".parse().unwrap());
+    let mut bodies = Vec::new();
+    for _ in 0..2 {
+        let response = s
+            .cache
+            .serve(
+                &info("/api/v1/secrets?resourceVersion=0"),
+                reader(&user("alice"), &headers),
+                None,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            response.headers().get("content-encoding").is_none(),
+            "a plain answer labelled {:?}",
+            response.headers().get("content-encoding")
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let list: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(list["items"].as_array().unwrap().len(), 1);
+        bodies.push(body);
+    }
+    assert_eq!(bodies[0], bodies[1]);
+}
+
+#[tokio::test]
 async fn secret_reads_are_audited() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");

@@ -414,7 +414,10 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
     }
     // The fleet's Leases: exactly get, list, watch, create and update, in its namespace,
     // through a Role bound to the same ServiceAccount.
-    let fleet = config.fleet.as_ref().expect("the deployment runs as a fleet");
+    let fleet = config
+        .fleet
+        .as_ref()
+        .expect("the deployment runs as a fleet");
     let lease_binding = objects
         .iter()
         .find(|o| {
@@ -429,10 +432,16 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         "Role",
         lease_binding["roleRef"]["name"].as_str().unwrap(),
     );
-    assert_eq!(lease_role["metadata"]["namespace"], fleet.namespace.as_str());
+    assert_eq!(
+        lease_role["metadata"]["namespace"],
+        fleet.namespace.as_str()
+    );
     let lease_rules = lease_role["rules"].as_array().unwrap();
     assert_eq!(lease_rules.len(), 1, "{lease_rules:?}");
-    assert_eq!(strings(&lease_rules[0]["apiGroups"]), ["coordination.k8s.io"]);
+    assert_eq!(
+        strings(&lease_rules[0]["apiGroups"]),
+        ["coordination.k8s.io"]
+    );
     assert_eq!(strings(&lease_rules[0]["resources"]), ["leases"]);
     assert_eq!(
         strings(&lease_rules[0]["verbs"]),

@@ -92,6 +92,20 @@ fn budget(bulwark: &Running) -> f64 {
     metric_sum(&bulwark.admin.metrics.render(), "bulwark_list_bytes_budget")
 }
 
+/// The seats `bulwark` may use in the `lists` level now (`/debug/levels`).
+async fn lists_seats(bulwark: &Running) -> u64 {
+    let (status, body) = admin_get(bulwark.admin_addr, "/debug/levels")
+        .await
+        .expect("admin answers");
+    assert_eq!(status, 200, "{body}");
+    let levels: Value = serde_json::from_str(&body).expect("JSON");
+    levels["levels"]
+        .as_array()
+        .and_then(|l| l.iter().find(|l| l["name"] == "lists"))
+        .and_then(|l| l["seatsLimit"].as_u64())
+        .unwrap_or_else(|| panic!("no lists level: {levels}"))
+}
+
 /// Waits up to `within` for `done`, polling every 20 ms; says `what` when it never is.
 async fn eventually<F: std::future::Future<Output = bool>>(
     within: Duration,
@@ -118,6 +132,11 @@ async fn three_bulwarks_split_the_list_budget_by_demand_and_a_stopped_ones_share
     )
     .await;
     assert_eq!(debug_fleet(&a).await["shares"]["standing"], "alone");
+    assert_eq!(
+        lists_seats(&a).await,
+        30,
+        "the level's 10 seats x 3 replicas"
+    );
 
     let b = bulwark(&fleet, &pki, dir.path(), "bulwark-b").await;
     let c = bulwark(&fleet, &pki, dir.path(), "bulwark-c").await;
@@ -141,6 +160,7 @@ async fn three_bulwarks_split_the_list_budget_by_demand_and_a_stopped_ones_share
         [&a, &b, &c].iter().all(|r| budget(r) == third)
     })
     .await;
+    assert_eq!(lists_seats(&b).await, 10);
 
     // alice LISTs through A and leaves the answer unread: its bytes stay in flight there.
     let cert = pki.client_ca.client_cert("alice", &[]);
@@ -159,6 +179,10 @@ async fn three_bulwarks_split_the_list_budget_by_demand_and_a_stopped_ones_share
         },
     )
     .await;
+    // The level's seats follow the same way: B and C keep one each to start with.
+    assert_eq!(lists_seats(&b).await, 1);
+    assert_eq!(lists_seats(&c).await, 1);
+    assert_eq!(lists_seats(&a).await, 28);
     let sum = budget(&a) + budget(&b) + budget(&c);
     assert!(sum <= WHOLE, "the shares add up to {sum}, over {WHOLE}");
     let debug = debug_fleet(&a).await;

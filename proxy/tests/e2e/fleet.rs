@@ -234,3 +234,70 @@ async fn a_bulwark_that_cannot_write_its_lease_holds_the_static_split_not_the_wh
         "{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_bulwark_renews_the_lease_it_left_with_one_write_and_one_list_a_period() {
+    let (fleet, pki) = apiserver(true).await;
+    // The Lease a previous run of bulwark-a left behind, long expired.
+    let leases = "leases.coordination.k8s.io";
+    let left = fleet
+        .store()
+        .create(
+            leases,
+            "bulwark",
+            serde_json::json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": "bulwark-bulwark-a", "namespace": "bulwark"},
+                "spec": {
+                    "holderIdentity": "bulwark-a",
+                    "leaseDurationSeconds": 1,
+                    "renewTime": "2020-01-01T00:00:00.000000Z",
+                },
+            }),
+        )
+        .expect("old Lease stored");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let a = bulwark(&fleet, &pki, dir.path(), "bulwark-a").await;
+    eventually(Duration::from_secs(5), "A renews its old Lease", || async {
+        debug_fleet(&a).await["shares"]["standing"] == "alone"
+    })
+    .await;
+    let renewed = fleet
+        .store()
+        .get(leases, "bulwark", "bulwark-bulwark-a")
+        .expect("the Lease is there");
+    assert_ne!(
+        renewed["metadata"]["resourceVersion"],
+        left["metadata"]["resourceVersion"]
+    );
+    assert_ne!(renewed["spec"]["renewTime"], "2020-01-01T00:00:00.000000Z");
+    assert!(
+        renewed["metadata"]["annotations"]["bulwark.io/demand"].is_string(),
+        "{renewed}"
+    );
+
+    // Over a second (five renew periods): at most one write and one list a period (fewer
+    // only when a loaded machine delays the timer), nothing else.
+    fleet.clear_seen();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let traffic: Vec<(String, String)> = fleet
+        .seen_requests()
+        .into_iter()
+        .filter(|r| r.user == OWN_USER && r.path.contains("/leases"))
+        .map(|r| (r.method, r.path))
+        .collect();
+    let collection = "/apis/coordination.k8s.io/v1/namespaces/bulwark/leases";
+    let own = format!("{collection}/bulwark-bulwark-a");
+    let writes = traffic
+        .iter()
+        .filter(|(m, p)| m == "PUT" && *p == own)
+        .count();
+    let lists = traffic
+        .iter()
+        .filter(|(m, p)| m == "GET" && *p == collection)
+        .count();
+    assert!((2..=6).contains(&writes), "{traffic:?}");
+    assert!((2..=6).contains(&lists), "{traffic:?}");
+    assert_eq!(writes + lists, traffic.len(), "{traffic:?}");
+}

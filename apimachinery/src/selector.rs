@@ -50,11 +50,107 @@ fn split_top(s: &str) -> Vec<&str> {
     out
 }
 
+/// Whether a key is one token of the apiserver's selector lexer (what its parser reads as
+/// a key at all); whether it is a valid label key is [`invalid_key`]'s to say.
 fn valid_key(k: &str) -> bool {
     !k.is_empty()
-        && k.len() <= 316
         && k.chars()
             .all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+}
+
+/// apimachinery's `RegexError`: `msg`, its examples and the regular expression.
+fn regex_error(msg: &str, re: &str, examples: &[&str]) -> String {
+    let examples: Vec<String> = examples.iter().map(|e| format!("'{e}', ")).collect();
+    format!(
+        "{msg} (e.g. {}regex used for validation is '{re}')",
+        examples.join(" or ")
+    )
+}
+
+/// `[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?`, the name of a label key and a label value.
+fn label_shaped(s: &[u8]) -> bool {
+    match (s.first(), s.last()) {
+        (Some(first), Some(last)) => {
+            first.is_ascii_alphanumeric()
+                && last.is_ascii_alphanumeric()
+                && s.iter()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(b))
+        }
+        _ => false,
+    }
+}
+
+/// apimachinery's `IsDNS1123Subdomain`: at most 253 bytes of dot-separated lowercase
+/// RFC 1123 labels.
+fn invalid_subdomain(s: &str) -> Vec<String> {
+    const FORMAT: &str = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*";
+    let mut problems = Vec::new();
+    if s.len() > 253 {
+        problems.push("must be no more than 253 bytes".to_owned());
+    }
+    let label = |l: &str| {
+        let b = l.as_bytes();
+        match (b.first(), b.last()) {
+            (Some(first), Some(last)) => {
+                (first.is_ascii_lowercase() || first.is_ascii_digit())
+                    && (last.is_ascii_lowercase() || last.is_ascii_digit())
+                    && b.iter()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+            }
+            _ => false,
+        }
+    };
+    if !s.split('.').all(label) {
+        problems.push(regex_error(
+            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric \
+             characters, '-' or '.', and must start and end with an alphanumeric character",
+            FORMAT,
+            &["example.com"],
+        ));
+    }
+    problems
+}
+
+/// Why a label key is invalid, as apimachinery's `IsLabelKey` words it (its messages
+/// joined with "; "): an optional DNS-1123 subdomain prefix of at most 253 bytes and `/`,
+/// then a name of at most 63 bytes shaped like a label value; `None` when it is valid.
+fn invalid_key(k: &str) -> Option<String> {
+    const MESSAGE: &str = "must consist of alphanumeric characters, '-', '_' or '.', and \
+                           must start and end with an alphanumeric character";
+    const FORMAT: &str = "([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]";
+    const EXAMPLES: [&str; 3] = ["MyName", "my.name", "123-abc"];
+    let mut problems = Vec::new();
+    let name = match k.split('/').collect::<Vec<_>>()[..] {
+        [name] => name,
+        [prefix, name] => {
+            if prefix.is_empty() {
+                problems.push("prefix part must be non-empty".to_owned());
+            } else {
+                let prefixed = invalid_subdomain(prefix).into_iter();
+                problems.extend(prefixed.map(|p| format!("prefix part {p}")));
+            }
+            name
+        }
+        _ => {
+            return Some(format!(
+                "a valid label key {} with an optional DNS subdomain prefix and '/' (e.g. \
+                 'example.com/MyName')",
+                regex_error(MESSAGE, FORMAT, &EXAMPLES)
+            ));
+        }
+    };
+    if name.is_empty() {
+        problems.push("name part must be non-empty".to_owned());
+    } else if name.len() > 63 {
+        problems.push("name part must be no more than 63 bytes".to_owned());
+    }
+    if !label_shaped(name.as_bytes()) {
+        problems.push(format!(
+            "name part {}",
+            regex_error(MESSAGE, FORMAT, &EXAMPLES)
+        ));
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
 }
 
 /// Why a label value is invalid, as apimachinery's `IsValidLabelValue` words it (its
@@ -62,22 +158,15 @@ fn valid_key(k: &str) -> bool {
 fn invalid_value(v: &str) -> Option<String> {
     let mut problems = Vec::new();
     if v.len() > 63 {
-        problems.push("must be no more than 63 characters");
+        problems.push("must be no more than 63 bytes".to_owned());
     }
-    let bytes = v.as_bytes();
-    let shaped = bytes.is_empty()
-        || (bytes[0].is_ascii_alphanumeric()
-            && bytes[bytes.len() - 1].is_ascii_alphanumeric()
-            && bytes
-                .iter()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(b)));
-    if !shaped {
-        problems.push(
+    if !v.is_empty() && !label_shaped(v.as_bytes()) {
+        problems.push(regex_error(
             "a valid label must be an empty string or consist of alphanumeric characters, \
-             '-', '_' or '.', and must start and end with an alphanumeric character (e.g. \
-             'MyValue',  or 'my_value',  or '12345', regex used for validation is \
-             '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')",
-        );
+             '-', '_' or '.', and must start and end with an alphanumeric character",
+            "(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?",
+            &["MyValue", "my_value", "12345"],
+        ));
     }
     (!problems.is_empty()).then(|| problems.join("; "))
 }
@@ -118,6 +207,14 @@ impl LabelSelector {
             };
             if !valid_key(key) {
                 return Err(bad());
+            }
+            // A bad key is said alone, under the nil field path the apiserver's parser
+            // gives it (kube-apiserver v1.36 writes `<nil>`, as the differential suite
+            // measured); else the first bad value.
+            if let Some(why) = invalid_key(key) {
+                return Err(SelectError::Label(format!(
+                    "<nil>: Invalid value: {key:?}: {why}"
+                )));
             }
             for (i, v) in values.iter().enumerate() {
                 if let Some(why) = invalid_value(v) {
@@ -278,7 +375,71 @@ mod tests {
         let err = LabelSelector::parse(&format!("app!={long}"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("must be no more than 63 characters"), "{err}");
+        assert!(err.contains("must be no more than 63 bytes"), "{err}");
+    }
+
+    #[test]
+    fn label_keys_are_validated_as_the_apiserver_validates_them() {
+        let prefix = "a".repeat(253);
+        let name = "x".repeat(63);
+        for good in [
+            "app".to_owned(),
+            "example.com/My_Name-1".to_owned(),
+            format!("{prefix}/{name}"),
+            name.clone(),
+        ] {
+            for selector in [format!("{good}=a"), good.clone(), format!("!{good}")] {
+                assert!(LabelSelector::parse(&selector).is_ok(), "{selector:?}");
+            }
+        }
+        let long = "x".repeat(64);
+        let err = LabelSelector::parse(&format!("{long}=a"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "unable to parse requirement: <nil>: Invalid value: \"{long}\": name part \
+                 must be no more than 63 bytes"
+            )
+        );
+        for selector in [long.clone(), format!("!{long}"), format!("{long} in (a)")] {
+            assert!(LabelSelector::parse(&selector).is_err(), "{selector:?}");
+        }
+        let err = LabelSelector::parse(&format!("a{prefix}/x"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with("prefix part must be no more than 253 bytes"),
+            "{err}"
+        );
+        let err = LabelSelector::parse("Example.com/x")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("prefix part a lowercase RFC 1123 subdomain must consist of"),
+            "{err}"
+        );
+        for (key, problem) in [
+            ("/x", "prefix part must be non-empty"),
+            ("a/", "name part must be non-empty"),
+            ("a/b/c", "a valid label key must consist of"),
+            ("-x", "name part must consist of alphanumeric characters"),
+        ] {
+            let err = LabelSelector::parse(&format!("{key}=v"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(problem), "{key}: {err}");
+        }
+        // A bad key and a bad value: the key alone.
+        let err = LabelSelector::parse(&format!("{long}=-v"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("unable to parse requirement: <nil>: Invalid value:")
+                && !err.contains("values[0]"),
+            "{err}"
+        );
     }
 
     use super::*;

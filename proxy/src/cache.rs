@@ -32,6 +32,12 @@
 //!
 //! **Versions newer than the cache** go upstream, where the apiserver decides (it waits for
 //! a version it is about to reach, and answers 504 `ResourceVersionTooLarge` otherwise).
+//! **Versions older than the ring** go upstream too: a watch resuming from before the
+//! cache's start (after a Bulwark restart or relist) is streamed by the apiserver's own
+//! watch cache, which reaches further back, or refused with its own 410. A 410 from
+//! Bulwark would make every such client relist after each restart (a whole LIST each, and
+//! its handlers told a replaced state instead of the events in between). Both count as
+//! misses (`cache_requests_total{result="miss"}`, `requests_total{served_by="upstream"}`).
 
 pub(crate) mod accept;
 pub mod audit;
@@ -229,9 +235,19 @@ impl std::fmt::Debug for Plan {
 }
 
 enum Planned {
-    Get { name: String },
-    List { continued: Option<Continued> },
-    Watch { from: Option<u64>, watch_list: bool },
+    Get {
+        name: String,
+    },
+    List {
+        continued: Option<Continued>,
+    },
+    Watch {
+        from: Option<u64>,
+        watch_list: bool,
+        /// For a watch from a version: its events, subscribed when planned, so that the
+        /// ring cannot move past that version while admission decides.
+        start: Option<store::WatchStart>,
+    },
 }
 
 /// The rest of a paginated list, at the version its continue token names.
@@ -409,8 +425,12 @@ impl Cache {
         match plan.what {
             Planned::Get { name } => self.answer_get(request, name).await,
             Planned::List { continued } => self.answer_list(request, continued).await,
-            Planned::Watch { from, watch_list } => {
-                self.answer_watch(request, from, watch_list, initial_seats)
+            Planned::Watch {
+                from,
+                watch_list,
+                start,
+            } => {
+                self.answer_watch(request, (from, start), watch_list, initial_seats)
                     .await
             }
         }
@@ -702,11 +722,27 @@ impl Cache {
         // A watch that starts with the current state sends a LIST's worth of objects
         // first: admission weighs it like a LIST of that size. A watch from a version
         // sends events as they come.
-        let bytes = match from {
-            None => answer_bytes(store, filter, info.namespace.as_deref(), usize::MAX),
-            Some(_) => 0,
+        let (bytes, start) = match from {
+            None => (
+                answer_bytes(store, filter, info.namespace.as_deref(), usize::MAX),
+                None,
+            ),
+            // A version the ring no longer holds (a client resuming across a Bulwark
+            // restart or relist, whose cache starts later) goes to the apiserver, whose
+            // own watch cache reaches further back: it streams, or answers 410 itself.
+            Some(n) => match store.watch_after(n) {
+                Ok(start) => (0, Some(start)),
+                Err(_) => return Err(GoUpstream::Miss("a watch older than the cache's events")),
+            },
         };
-        Ok((Planned::Watch { from, watch_list }, bytes))
+        Ok((
+            Planned::Watch {
+                from,
+                watch_list,
+                start,
+            },
+            bytes,
+        ))
     }
 
     /// Whether the store is fresh enough now; the cache never waits for it.
@@ -958,41 +994,17 @@ impl Cache {
     async fn answer_watch(
         &self,
         request: Request<'_>,
-        from: Option<u64>,
+        (from, planned): (Option<u64>, Option<store::WatchStart>),
         watch_list: bool,
         initial_seats: Option<Held>,
     ) -> Result<Response<Body>, CacheError> {
         let q = &request.info.query;
         let attrs = self.authorize_collection(&request, "watch").await?;
-        let start = match request.store.watch(from) {
-            Ok(start) => start,
-            Err(expired) => {
-                let status = Status::failure(
-                    410,
-                    "Expired",
-                    format!(
-                        "too old resource version: {} ({})",
-                        from.unwrap_or_default(),
-                        expired.oldest
-                    ),
-                    None,
-                );
-                let event = match request.encoding {
-                    Encoding::Json => Bytes::from(status.error_event()),
-                    Encoding::Protobuf => {
-                        let object = protobuf::status(&status.to_bytes())
-                            .map_err(|e| self.unencodable(&e, &request, ("watch", None)))?;
-                        Bytes::from(protobuf::watch_frame("ERROR", object))
-                    }
-                };
-                let response = respond::response(
-                    StatusCode::OK,
-                    crate::full(event),
-                    &request.audit_id,
-                    respond::content_type(request.encoding, true),
-                );
-                return Ok(self.give(&request, ("watch", None, 200), response));
-            }
+        // A watch from a version subscribed when it was planned; one that starts with the
+        // state takes the state of now, after admission.
+        let start = match planned {
+            Some(start) => start,
+            None => request.store.watch_state(),
         };
         // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
         // spread re-watches, a negative value ends the watch at once.

@@ -86,6 +86,9 @@ pub struct Route {
     /// after it the read goes to another replica (`upstream.timeouts.attempt`). Ignored
     /// for writes, which are never sent twice.
     pub attempt_timeout: Option<Duration>,
+    /// The request's own deadline (its `timeout` parameter), after which the apiserver ends
+    /// it: a read cut off past it is not sent again, the client has stopped waiting.
+    pub client_timeout: Option<Duration>,
     /// The replica that holds this LIST's bytes ([`Upstream::hold_list_bytes`]): the first
     /// attempt goes there while it is in rotation, so the bytes are counted where they land.
     pub replica: Option<Arc<str>>,
@@ -529,6 +532,7 @@ impl Inner {
         // the replica is ejected for not answering its probe. A write waits: it may have
         // arrived, and it is never sent twice.
         let read = route.retry == RetryPolicy::Read && !resendable.upgrade;
+        let started = Instant::now();
         let replicas = self.balancer.replicas().len();
         let mut tried = Vec::with_capacity(replicas + 1);
         let mut only_not_sent = true;
@@ -627,6 +631,18 @@ impl Inner {
                             if !read {
                                 tracing::warn!(replica = %name, error = %Chain(&error), "write may have arrived; not retried");
                                 return Err(UpstreamError::Interrupted(Arc::new(error)));
+                            }
+                            if route
+                                .client_timeout
+                                .is_some_and(|limit| started.elapsed() >= limit)
+                            {
+                                // The apiserver ends a request at its own `timeout` (Go's
+                                // timeout handler resets the stream): past it, the answer is
+                                // the client's 504, not a second try it no longer waits for.
+                                tracing::debug!(replica = %name, error = %Chain(&error), "read ended at its own timeout");
+                                return Err(UpstreamError::Timeout {
+                                    replica: Some(name.clone()),
+                                });
                             }
                             if resends >= MAX_RESENDS {
                                 tracing::warn!(replica = %name, error = %Chain(&error), "read failed; no retry left");

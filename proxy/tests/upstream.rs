@@ -83,6 +83,7 @@ fn read() -> Route {
         watch: false,
         timeout: Some(Duration::from_secs(10)),
         attempt_timeout: None,
+        client_timeout: None,
         replica: None,
         body_flow: None,
     }
@@ -787,5 +788,43 @@ async fn a_write_on_a_frozen_replica_is_never_sent_again() -> Result<()> {
     .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(s.fleet.applied_writes(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_read_cut_off_past_its_own_timeout_is_not_sent_again() -> Result<()> {
+    // The apiserver ends a request at its `timeout` parameter by resetting the stream; a
+    // second try past that deadline would make the client wait twice as long for nothing.
+    for (client_timeout, retried) in [(Some(Duration::from_millis(200)), false), (None, true)] {
+        let s = setup(2, vec![seed("secrets", 1, 100)], &[]).await?;
+        warm(&s, 0).await?;
+        s.fleet.replica(0).set_delay(Duration::from_secs(3));
+        let slow = s.fleet.addrs()[0].to_string();
+        let route = Route {
+            replica: Some(slow.clone().into()),
+            client_timeout,
+            ..read()
+        };
+        let replica = s.fleet.replica(0).clone();
+        // The replica drops the request once the client's own timeout has passed.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            replica.stop().await;
+        });
+        let result = s
+            .upstream
+            .send(get("/api/v1/namespaces/ns-0/secrets/secret-0"), route)
+            .await;
+        if retried {
+            let r = result?;
+            assert_eq!(r.status(), StatusCode::OK);
+            assert_ne!(replica_of(&r), slow);
+        } else {
+            let err = result.expect_err("a read past its own timeout was sent again");
+            assert!(matches!(err, UpstreamError::Timeout { .. }), "{err:?}");
+            assert_eq!(status_of(err), StatusCode::GATEWAY_TIMEOUT);
+            assert_eq!(s.fleet.replica(1).stats().requests, 0);
+        }
+    }
     Ok(())
 }

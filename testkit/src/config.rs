@@ -130,7 +130,9 @@ impl BulwarkConfig {
             audit: None,
             shutdown: (Duration::from_millis(100), Duration::from_secs(1)),
             heap_headroom: None,
-            settings: Vec::new(),
+            // Every simulated client, node and load generator connects from 127.0.0.1: no
+            // per-source connection cap (a test of the cap sets one).
+            settings: vec![("listen.limits.maxConnectionsPerSource".into(), "0".into())],
         }
     }
 

@@ -213,6 +213,8 @@ pub struct ControlPlane {
     etcd: Option<Etcd>,
     replicas: Vec<Replica>,
     proxy: Option<ProxyProcess>,
+    /// The binary Bulwark runs from, for a restart.
+    bulwark_exe: Option<PathBuf>,
     started_in: Duration,
     stopped: bool,
 }
@@ -314,6 +316,7 @@ impl ControlPlane {
             etcd: None,
             replicas: Vec::new(),
             proxy: None,
+            bulwark_exe: None,
             started_in: Duration::ZERO,
             stopped: false,
         };
@@ -381,6 +384,16 @@ impl ControlPlane {
     /// Bulwark's admin listener (`/metrics`, `/readyz`).
     pub fn bulwark_admin_addr(&self) -> Option<SocketAddr> {
         self.proxy.as_ref().map(|p| p.admin)
+    }
+
+    /// Bulwark's process id, while it runs (for `/proc` figures).
+    pub fn bulwark_pid(&self) -> Option<u32> {
+        self.proxy.as_ref().and_then(ProxyProcess::pid)
+    }
+
+    /// etcd's process id, while it runs (for faults such as SIGSTOP).
+    pub fn etcd_pid(&self) -> Option<u32> {
+        self.etcd.as_ref().and_then(|e| e.child.id())
     }
 
     /// Bulwark's peak RSS and CPU time so far.
@@ -701,6 +714,7 @@ impl ControlPlane {
             .await
             .map_err(Error::Proxy)?;
         self.proxy = Some(proxy);
+        self.bulwark_exe = Some(exe);
         Ok(())
     }
 
@@ -729,6 +743,43 @@ impl ControlPlane {
             pki::write(&self.dir, file, &text, true)?;
         }
         Ok(())
+    }
+
+    /// Stops Bulwark (SIGTERM, its short drain) and starts a new process on the same
+    /// addresses with the same configuration and certificates, as a rollout does: its cache
+    /// starts empty while the clients' kubeconfigs stay valid. Waits until it is ready.
+    pub async fn restart_bulwark(&mut self) -> Result<(), Error> {
+        let (Some(proxy), Some(exe)) = (self.proxy.take(), self.bulwark_exe.clone()) else {
+            return Err(Error::Proxy(anyhow::anyhow!("Bulwark does not run")));
+        };
+        let (target, admin) = (proxy.target.clone(), proxy.admin);
+        proxy.stop().await.map_err(Error::Proxy)?;
+        let dir = self.dir.join("bulwark");
+        let config = dir.join("bulwark.yaml");
+        let proxy = ProxyProcess::launch(crate::child::command(&exe), &config, target, admin, &dir)
+            .await
+            .map_err(Error::Proxy)?;
+        self.proxy = Some(proxy);
+        Ok(())
+    }
+
+    /// The sum over the replicas of `apiserver_request_total` samples with all of `labels`
+    /// (`verb="LIST"`, `resource="secrets"`), each replica's own count from its `/metrics`;
+    /// a replica that does not answer counts none.
+    pub async fn apiserver_requests(&self, labels: &[&str]) -> u64 {
+        let mut sum = 0;
+        for i in 0..self.replicas.len() {
+            let Ok(admin) = self.admin_client(i).await else {
+                continue;
+            };
+            let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
+                continue;
+            };
+            if let Ok(text) = admin.request_text(request).await {
+                sum += request_total(&text, labels);
+            }
+        }
+        sum
     }
 
     /// Watches open on the replicas, as each counts them on its own `/metrics`
@@ -1089,6 +1140,17 @@ fn longrunning_watches(metrics: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// The sum of `apiserver_request_total` samples with all of `labels` in a Prometheus text
+/// exposition.
+fn request_total(metrics: &str, labels: &[&str]) -> u64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("apiserver_request_total{"))
+        .filter(|l| labels.iter().all(|label| l.contains(label)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
 /// A `kube` client from kubeconfig text, with short timeouts: every server is local.
 /// `retry` keeps kube's default retries of 429, 503 and 504 answers.
 async fn client_from_yaml(yaml: &str, retry: bool) -> Result<Client, Error> {
@@ -1116,6 +1178,22 @@ apiserver_longrunning_requests{component=\"apiserver\",resource=\"pods\",verb=\"
 apiserver_longrunning_requests{component=\"apiserver\",resource=\"pods\",subresource=\"log\",verb=\"CONNECT\",version=\"v1\"} 2\n\
 apiserver_longrunning_requests_total 99\n";
         assert_eq!(longrunning_watches(text), 10);
+    }
+
+    #[test]
+    fn request_total_sums_the_series_with_every_label() {
+        let text = "# TYPE apiserver_request_total counter\n\
+apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"secrets\",scope=\"namespace\",verb=\"LIST\"} 4\n\
+apiserver_request_total{code=\"410\",component=\"apiserver\",resource=\"secrets\",scope=\"namespace\",verb=\"LIST\"} 1\n\
+apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"secrets\",scope=\"cluster\",verb=\"LIST\"} 9\n\
+apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"secrets\",scope=\"namespace\",verb=\"WATCH\"} 3\n";
+        let labels = [
+            "verb=\"LIST\"",
+            "resource=\"secrets\"",
+            "scope=\"namespace\"",
+        ];
+        assert_eq!(request_total(text, &labels), 5);
+        assert_eq!(request_total(text, &["verb=\"LIST\""]), 14);
     }
 
     /// The supervisor against the kernel's own OOM killer: a process that allocates past

@@ -246,6 +246,11 @@ impl ProxyProcess {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
+    /// Its process id, while it runs: for faults and figures read from `/proc`.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// Its peak RSS and CPU time so far.
     pub fn cost(&self) -> anyhow::Result<ProxyCost> {
         cost_of(&self.child)

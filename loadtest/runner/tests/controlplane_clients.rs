@@ -3,7 +3,8 @@
 //! cache and nothing else (the cache asks the real authorizer with SubjectAccessReviews);
 //! client-go informers (kubelet's and kube-proxy's content types, LIST+WATCH and
 //! WatchList) hold the same objects through Bulwark as straight from a replica, also
-//! across replica restarts; continue tokens minted on one path are redeemed on the other;
+//! across replica restarts, and resume their watches across a Bulwark restart without a
+//! relist; continue tokens minted on one path are redeemed on the other;
 //! kubectl apply, client-side and server-side, writes what it says. One control plane
 //! serves every section.
 
@@ -504,6 +505,98 @@ where
     }
 }
 
+/// Section 5: client-go informers (kubelet's Secrets, kube-proxy's EndpointSlices, each in
+/// a fresh namespace) through Bulwark while Bulwark is restarted, with an empty cache, as a
+/// rollout does; writes go on before, during and after. The informers resume their
+/// watches: the apiservers count no namespaced LIST of either resource in that time
+/// (Bulwark's own informers list the whole cluster, and by WatchList), each informer sent
+/// one LIST in all (its first sync, counted by the driver on its transport), and each was
+/// told exactly the events an informer straight at the apiserver was told, in order.
+async fn informers_resume_across_a_bulwark_restart(cp: &mut ControlPlane) {
+    let dir = cp.dir().join("resume");
+    std::fs::create_dir_all(&dir).unwrap();
+    let runs = [
+        ("secrets", KUBELET_ACCEPT),
+        ("endpointslices", KUBE_PROXY_ACCEPT),
+    ];
+    let mut drivers = Vec::new();
+    for (resource, accept) in runs {
+        let (ready, done) = (
+            dir.join(format!("{resource}.ready")),
+            dir.join(format!("{resource}.done")),
+        );
+        let flags = [
+            "--ready-file",
+            &ready.display().to_string(),
+            "--done-file",
+            &done.display().to_string(),
+            "--timeout",
+            "120s",
+        ]
+        .map(String::from);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let args = compare_args(cp, "informer-resume", resource, accept, &flags);
+        let command = tokio::process::Command::new(cp.binaries().dir().join("cpdriver"))
+            .args(&args)
+            .kill_on_drop(true)
+            .output();
+        drivers.push((resource, ready, done, tokio::spawn(command)));
+    }
+    let began = Instant::now();
+    for (resource, ready, _, _) in &drivers {
+        while !ready.exists() {
+            assert!(
+                began.elapsed() < Duration::from_secs(60),
+                "the {resource} informers never synced"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let relists = async |cp: &ControlPlane, resource: &str| {
+        let resource = format!("resource=\"{resource}\"");
+        let labels = ["verb=\"LIST\"", "scope=\"namespace\"", resource.as_str()];
+        cp.apiserver_requests(&labels).await
+    };
+    // Writes before the restart.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut before = Vec::new();
+    for (resource, _) in runs {
+        before.push(relists(cp, resource).await);
+    }
+    let restarted = Instant::now();
+    cp.restart_bulwark().await.expect("Bulwark restarts");
+    eprintln!(
+        "Bulwark restarted in {:.1} s",
+        restarted.elapsed().as_secs_f64()
+    );
+    // Writes while the informers find the new Bulwark, then after.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for (_, _, done, _) in &drivers {
+        std::fs::write(done, "").unwrap();
+    }
+    for ((resource, _, _, driver), before) in drivers.into_iter().zip(before) {
+        let out = driver.await.unwrap().expect("cpdriver runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "cpdriver informer-resume: {stderr}");
+        let result: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let after = relists(cp, resource).await;
+        eprintln!(
+            "{resource} across a Bulwark restart: {result}; namespaced LISTs at the apiservers \
+             {before} before, {after} after"
+        );
+        assert_eq!(result["equal"], true, "{resource}: {result}");
+        assert!(result["churned"].as_u64() > Some(30), "{result}");
+        assert_eq!(result["via_lists"], 1, "{resource} relisted: {result}");
+        assert!(
+            result["via_watches"].as_u64() >= Some(2),
+            "resumed: {result}"
+        );
+        assert_eq!(after, before, "{resource}: the apiservers served a relist");
+    }
+    let resumed_upstream = requests_total(cp, &["verb=\"watch\"", "served_by=\"upstream\""]).await;
+    eprintln!("watches the new Bulwark sent upstream: {resumed_upstream}");
+}
+
 /// Section 4: kubectl apply through Bulwark, client-side (validated against the OpenAPI
 /// document read through Bulwark) and server-side, twice each.
 async fn kubectl_apply(cp: &ControlPlane, direct: &Client) {
@@ -579,7 +672,7 @@ async fn real_clients_through_bulwark_agree_with_the_apiserver() {
     opts.replicas = 2;
     opts.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));
     let began = Instant::now();
-    let cp = ControlPlane::start(opts)
+    let mut cp = ControlPlane::start(opts)
         .await
         .unwrap_or_else(|e| panic!("the control plane did not start: {e}"));
     eprintln!(
@@ -607,6 +700,8 @@ async fn real_clients_through_bulwark_agree_with_the_apiserver() {
     timed("protobuf from the cache");
     informers_across_restarts(&cp, &admin).await;
     timed("informers across restarts");
+    informers_resume_across_a_bulwark_restart(&mut cp).await;
+    timed("informers resume across a Bulwark restart");
     cp.stop().await.unwrap();
     eprintln!("whole test: {:.1} s", began.elapsed().as_secs_f64());
 }

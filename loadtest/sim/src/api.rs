@@ -493,6 +493,9 @@ async fn serve(
         (_, "", _) if def.stored() => {}
         _ => return status_response(&status::path_not_found()),
     }
+    if let Some(refusal) = restful_not_acceptable(req.headers(), &ri.verb) {
+        return status_response(&refusal);
+    }
     let _in_flight = (ri.verb != "watch").then(|| rep.counters.enter(Gauge::InFlight));
     let repr = table::negotiate(
         req.headers()
@@ -568,6 +571,38 @@ fn get(
         As::Table => value_response(200, &table::table(def, None, json!({}), &[&o])),
         As::Metadata => value_response(200, &table::metadata_object(&o)),
     })
+}
+
+/// The 406 the apiserver's router (go-restful) gives before any handler runs, for an
+/// `Accept` with text but no media range (`,`): nothing in it matches what the route
+/// produces. A collection's route also produces the watch stream types.
+fn restful_not_acceptable(headers: &http::HeaderMap, verb: &str) -> Option<ApiError> {
+    let accept = headers.get(header::ACCEPT)?.to_str().ok()?;
+    let empty_ranges = !accept.trim().is_empty()
+        && accept.split(',').all(|range| {
+            range
+                .split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .is_empty()
+        });
+    if !empty_ranges {
+        return None;
+    }
+    let mut produces =
+        String::from("application/json, application/yaml, application/vnd.kubernetes.protobuf");
+    if matches!(verb, "list" | "watch") {
+        produces.push_str(
+            ", application/json;stream=watch, application/vnd.kubernetes.protobuf;stream=watch",
+        );
+    }
+    Some(ApiError::new(
+        406,
+        "NotAcceptable",
+        format!("406: Not Acceptable\n\nAvailable representations: {produces}"),
+        Some(apimachinery::status::Details::default()),
+    ))
 }
 
 fn not_acceptable() -> ApiError {

@@ -42,8 +42,12 @@ struct Range<'a> {
 /// (`protobuf`: whether the cache encodes this kind in protobuf); else why not.
 pub fn negotiate(headers: &HeaderMap, protobuf: bool) -> Result<Encoding, &'static str> {
     let mut ranges = Vec::new();
+    // An Accept with text but no range (`,`) accepts nothing: the apiserver's 406. Only
+    // an absent or empty one means "anything", JSON.
+    let mut said_something = false;
     for value in headers.get_all(http::header::ACCEPT) {
         let value = value.to_str().map_err(|_| "an Accept that is not text")?;
+        said_something |= !value.trim().is_empty();
         for range in value.split(',') {
             let mut parts = range.split(';');
             let media = parts.next().unwrap_or_default().trim();
@@ -76,8 +80,10 @@ pub fn negotiate(headers: &HeaderMap, protobuf: bool) -> Result<Encoding, &'stat
             });
         }
     }
-    if ranges.is_empty() {
-        return Ok(Encoding::Json);
+    match (ranges.is_empty(), said_something) {
+        (true, false) => return Ok(Encoding::Json),
+        (true, true) => return Err("an Accept of empty ranges"),
+        (false, _) => {}
     }
     // Stable: among equals, the client's order.
     ranges.sort_by(|a, b| {
@@ -148,6 +154,9 @@ mod tests {
         }
         let none = HeaderMap::new();
         assert_eq!(negotiate(&none, true), Ok(Json), "no Accept is JSON");
+        assert_eq!(accept("", true), Ok(Json), "an empty Accept is JSON");
+        assert_eq!(accept(" ", true), Ok(Json), "a blank Accept is JSON");
+        assert_eq!(accept(", application/json", true), Ok(Json));
     }
 
     #[test]
@@ -165,6 +174,10 @@ mod tests {
             ("text/html", true),
             ("application/json;q=0", true),
             ("garbage", true),
+            // Empty ranges only: the apiserver's 406, never JSON.
+            (",", true),
+            (", ,", true),
+            (" ;q=0.5 ,", true),
         ] {
             assert!(accept(value, protobuf).is_err(), "{value}");
         }

@@ -136,6 +136,7 @@ async fn get(
         }),
         // A replica ejected for not answering its probe still moves these on at once.
         attempt_timeout: None,
+        client_timeout: None,
         replica: None,
         body_flow: None,
     };

@@ -700,37 +700,40 @@ impl ResourceStore {
         Some((items.into_values().collect(), at))
     }
 
-    /// Subscribes a watch. `after: None` starts with the current objects (synthetic
-    /// ADDED); `Some(n)` with the ring's events after `n`, or [`Expired`] when they are
-    /// gone. The caller has made sure the cache reached `n`.
-    pub fn watch(&self, after: Option<u64>) -> Result<WatchStart, Expired> {
+    /// Subscribes a watch that starts with the current objects (synthetic ADDED).
+    pub fn watch_state(&self) -> WatchStart {
         let state = self.read();
-        let rx = self.tx.subscribe();
-        let generation = self.generation.subscribe();
-        match after {
-            None => Ok(WatchStart {
-                initial: state.objects.values().cloned().collect(),
-                backlog: Vec::new(),
-                rx,
-                rv: state.rv,
-                generation,
-            }),
-            Some(n) if n < state.floor => Err(Expired {
-                oldest: state.floor,
-            }),
-            Some(n) => Ok(WatchStart {
-                initial: Vec::new(),
-                backlog: state
-                    .ring
-                    .iter()
-                    .skip_while(|e| e.rv <= n)
-                    .cloned()
-                    .collect(),
-                rx,
-                rv: state.rv,
-                generation,
-            }),
+        WatchStart {
+            initial: state.objects.values().cloned().collect(),
+            backlog: Vec::new(),
+            rx: self.tx.subscribe(),
+            rv: state.rv,
+            generation: self.generation.subscribe(),
         }
+    }
+
+    /// Subscribes a watch that starts with the ring's events after `n`, or [`Expired`]
+    /// when they are gone (`n` is older than the ring). The caller has made sure the cache
+    /// reached `n`.
+    pub fn watch_after(&self, n: u64) -> Result<WatchStart, Expired> {
+        let state = self.read();
+        if n < state.floor {
+            return Err(Expired {
+                oldest: state.floor,
+            });
+        }
+        Ok(WatchStart {
+            initial: Vec::new(),
+            backlog: state
+                .ring
+                .iter()
+                .skip_while(|e| e.rv <= n)
+                .cloned()
+                .collect(),
+            rx: self.tx.subscribe(),
+            rv: state.rv,
+            generation: self.generation.subscribe(),
+        })
     }
 }
 
@@ -842,8 +845,8 @@ mod tests {
         }
         assert_eq!(s.rv(), 9);
         assert_eq!(s.floor(), 6);
-        assert!(s.watch(Some(5)).is_err());
-        let start = s.watch(Some(6)).ok().unwrap();
+        assert!(s.watch_after(5).is_err());
+        let start = s.watch_after(6).ok().unwrap();
         let rvs: Vec<u64> = start.backlog.iter().map(|e| e.rv).collect();
         assert_eq!(rvs, [7, 8, 9]);
     }
@@ -874,7 +877,7 @@ mod tests {
         let s = store();
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
         s.apply(EventType::Modified, secret("ns", "a", 6, "db"));
-        let start = s.watch(Some(5)).ok().unwrap();
+        let start = s.watch_after(5).ok().unwrap();
         let counter = AtomicU64::new(0);
         let line = start.backlog[0].left_line(&s.kind, Encoding::Json, &counter);
         let value: serde_json::Value = serde_json::from_slice(&line).unwrap();

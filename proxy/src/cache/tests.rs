@@ -845,8 +845,16 @@ async fn a_watch_streams_the_ring_then_live_events() {
     assert_eq!(got[1]["object"]["metadata"]["name"], "two");
 }
 
+/// Watches of secrets that went upstream as misses so far.
+fn watch_misses(s: &Setup) -> u64 {
+    s.metrics
+        .cache_requests_total
+        .with_label_values(&["secrets", "watch", "miss"])
+        .get()
+}
+
 #[tokio::test(start_paused = true)]
-async fn too_old_is_410_and_too_new_goes_upstream() {
+async fn a_watch_older_or_newer_than_the_cache_goes_upstream_never_410() {
     let s = setup_with(
         config::Cache {
             ring_size: 2,
@@ -859,17 +867,25 @@ async fn too_old_is_410_and_too_new_goes_upstream() {
         s.store
             .apply(EventType::Modified, secret("ns-a", "one", rv, "web"));
     }
-    let response = ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=10")
+    // The ring holds 13 and 14: a watch from 12 on is the cache's, one from before is the
+    // apiserver's to stream (its watch cache reaches further back) or to answer 410.
+    for rv in [5, 10, 11] {
+        let uri = format!("/api/v1/secrets?watch=1&resourceVersion={rv}");
+        assert!(ask(&s, "alice", &uri).await.unwrap().is_none(), "{uri}");
+    }
+    assert_eq!(watch_misses(&s), 3);
+    let mut body = ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=12")
         .await
         .unwrap()
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let mut body = response.into_body();
-    let got = lines(&mut body, 1).await;
-    assert_eq!(got[0]["type"], "ERROR");
-    assert_eq!(got[0]["object"]["code"], 410);
-    assert_eq!(got[0]["object"]["reason"], "Expired");
-    assert!(body.frame().await.is_none());
+        .unwrap()
+        .into_body();
+    let got = lines(&mut body, 2).await;
+    let versions: Vec<&Value> = got
+        .iter()
+        .map(|e| &e["object"]["metadata"]["resourceVersion"])
+        .collect();
+    assert_eq!(versions, ["13", "14"]);
+    assert_eq!(got[0]["type"], "MODIFIED");
 
     // Newer than the cache: upstream at once, where the apiserver decides between
     // waiting for it and 504 ResourceVersionTooLarge.
@@ -879,6 +895,81 @@ async fn too_old_is_410_and_too_new_goes_upstream() {
             .unwrap()
             .is_none()
     );
+    assert_eq!(watch_misses(&s), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_relist_a_watch_or_a_page_from_before_it_goes_upstream() {
+    // What every client sees after Bulwark restarts: the new cache starts at the version it
+    // listed, later than the version each client resumes from.
+    let s = seeded();
+    s.store.replace(
+        vec![
+            secret("ns-a", "one", 12, "web"),
+            secret("ns-b", "three", 5, "web"),
+        ],
+        20,
+    );
+    assert!(
+        ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=10")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // So does a page of a list from before it (from etcd, or the apiserver's own 410
+    // once compacted).
+    let token = continue_token::encode_after(10, "ns-a/one");
+    let uri = format!("/api/v1/secrets?limit=1&continue={token}");
+    assert!(ask(&s, "alice", &uri).await.unwrap().is_none());
+    // No review was asked for: the apiserver authorizes what goes to it.
+    assert!(s.policy.seen.lock().unwrap().is_empty());
+    // From the version listed on, the cache streams.
+    let mut body = ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=20")
+        .await
+        .unwrap()
+        .unwrap()
+        .into_body();
+    s.store
+        .apply(EventType::Deleted, secret("ns-b", "three", 21, "web"));
+    let got = lines(&mut body, 1).await;
+    assert_eq!(got[0]["type"], "DELETED");
+    assert_eq!(got[0]["object"]["metadata"]["resourceVersion"], "21");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_planned_watch_keeps_its_events_while_admission_decides() {
+    // Between the plan and the answer the ring moves on past the watch's version: the
+    // answer still streams every event after it, not a 410.
+    let s = setup_with(
+        config::Cache {
+            ring_size: 2,
+            ..config()
+        },
+        None,
+    );
+    s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
+    s.store
+        .apply(EventType::Modified, secret("ns-a", "one", 11, "web"));
+    let request = info("/api/v1/secrets?watch=1&resourceVersion=10");
+    let headers = HeaderMap::new();
+    let plan = s.cache.plan(&request, &headers, None).expect("planned");
+    for rv in 12..16 {
+        s.store
+            .apply(EventType::Modified, secret("ns-a", "one", rv, "web"));
+    }
+    let alice = user("alice");
+    let response = s
+        .cache
+        .answer(plan, &request, reader(&alice, &headers), None)
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let got = lines(&mut body, 5).await;
+    let versions: Vec<&Value> = got
+        .iter()
+        .map(|e| &e["object"]["metadata"]["resourceVersion"])
+        .collect();
+    assert_eq!(versions, ["11", "12", "13", "14", "15"]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1576,4 +1667,42 @@ async fn a_cached_object_that_does_not_convert_is_a_500_audited_never_a_differen
     .unwrap()
     .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn what_the_apiserver_refuses_goes_to_it_for_its_400_or_406() {
+    let s = seeded();
+    // A label key with a name over 63 bytes, or a prefix over 253: the apiserver's 400.
+    let long_name = "x".repeat(64);
+    let long_prefix = format!("{}/x", "a".repeat(254));
+    for key in [&long_name, &long_prefix] {
+        for uri in [
+            format!("/api/v1/secrets?resourceVersion=0&labelSelector={key}%3Da"),
+            format!("/api/v1/secrets?watch=1&resourceVersion=0&labelSelector={key}"),
+        ] {
+            assert!(ask(&s, "alice", &uri).await.unwrap().is_none(), "{uri}");
+        }
+    }
+    // The longest valid key is answered.
+    let longest = format!("{}/{}", "a".repeat(253), "x".repeat(63));
+    let uri = format!("/api/v1/secrets?resourceVersion=0&labelSelector=!{longest}");
+    let (status, list) = json(ask(&s, "alice", &uri).await.unwrap().unwrap()).await;
+    assert_eq!(status, 200);
+    assert_eq!(names(&list).len(), 3);
+    // An Accept of empty ranges accepts nothing: the apiserver's 406, not JSON.
+    for accept in [",", ", ,"] {
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::ACCEPT, HeaderValue::from_static(accept));
+        for uri in [
+            "/api/v1/secrets?resourceVersion=0",
+            "/api/v1/namespaces/ns-a/secrets/one?resourceVersion=0",
+        ] {
+            let answer = s
+                .cache
+                .serve(&info(uri), reader(&user("alice"), &headers), None)
+                .await
+                .unwrap();
+            assert!(answer.is_none(), "{accept:?} {uri}");
+        }
+    }
 }

@@ -511,6 +511,7 @@ pub async fn post_json(
         watch: false,
         timeout: Some(REVIEW_TIMEOUT),
         attempt_timeout: None,
+        client_timeout: None,
         replica: None,
         body_flow: None,
     };

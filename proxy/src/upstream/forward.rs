@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http::{HeaderValue, Request, Response};
 use http_body_util::BodyExt;
@@ -75,6 +76,7 @@ impl Forward {
             watch: info.query.watch || matches!(info.verb, Verb::Watch),
             timeout: self.timeouts.for_request(&info),
             attempt_timeout: self.timeouts.attempt_for(&info),
+            client_timeout: own_timeout(parts.uri.query()),
             replica,
             body_flow: Some(body_flow),
         };
@@ -104,6 +106,20 @@ impl Service<Call<Incoming, ToApiserver>> for Forward {
     }
 }
 
+/// A request's own `timeout` parameter (`timeout=30s`, `1m30s`), as the apiserver reads it
+/// for requests that are not watches; `None` when absent or not a duration.
+fn own_timeout(query: Option<&str>) -> Option<Duration> {
+    let value = query?
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("timeout="))?;
+    let value = percent_encoding::percent_decode_str(value)
+        .decode_utf8()
+        .ok()?;
+    humantime::parse_duration(&value)
+        .ok()
+        .filter(|d| !d.is_zero())
+}
+
 /// Appends the client's address to `X-Forwarded-For`, after any the client sent.
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
     let ip = peer.ip().to_string();
@@ -113,5 +129,22 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
     };
     if let Ok(value) = HeaderValue::from_str(&value) {
         headers.insert("x-forwarded-for", value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_own_timeout_is_read_as_the_apiserver_reads_it() {
+        let secs = |s| Some(Duration::from_secs(s));
+        assert_eq!(own_timeout(Some("timeout=4s")), secs(4));
+        assert_eq!(own_timeout(Some("limit=5&timeout=1m30s")), secs(90));
+        assert_eq!(own_timeout(Some("timeout=1m%2030s")), secs(90));
+        assert_eq!(own_timeout(Some("timeoutSeconds=5")), None);
+        assert_eq!(own_timeout(Some("timeout=0s")), None);
+        assert_eq!(own_timeout(Some("timeout=soon")), None);
+        assert_eq!(own_timeout(None), None);
     }
 }

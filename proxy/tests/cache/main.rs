@@ -648,3 +648,131 @@ async fn many_watchers_share_one_upstream_watch_per_resource() {
     assert_eq!(watches, 3, "secrets, endpoints, endpointslices");
     assert!(cluster.upstream_requests_of("alice").is_empty());
 }
+
+/// The events of a watch body that ended: `(type, name)` of each line.
+fn events(body: &[u8]) -> Vec<(String, String)> {
+    String::from_utf8_lossy(body)
+        .lines()
+        .map(|line| {
+            let event: Value = serde_json::from_str(line).unwrap();
+            let name = event["object"]["metadata"]["name"].as_str().unwrap_or("");
+            (event["type"].as_str().unwrap().to_owned(), name.to_owned())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_from_before_the_caches_events_is_streamed_by_the_apiserver() {
+    // The cache keeps two events and the simulator many: a client resuming from a version
+    // the cache no longer holds (as after a Bulwark restart) is streamed by the apiserver,
+    // with its own authorization, never refused with 410 by Bulwark.
+    let cluster = cached(Setup {
+        replicas: 2,
+        seed: vec!["secrets=3x256B@team"],
+        settings: vec![("cache.ringSize", "2")],
+        ..Setup::default()
+    })
+    .await;
+    let rv_of = |object: Value| -> u64 {
+        object["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let mut versions = Vec::new();
+    for i in 0..5 {
+        let object = cluster
+            .fleet
+            .store()
+            .create(
+                "secrets",
+                "team",
+                json!({"metadata": {"name": format!("resumed-{i}")}}),
+            )
+            .unwrap();
+        versions.push(rv_of(object));
+    }
+    let began = tokio::time::Instant::now();
+    while cluster
+        .cache()
+        .scope_size("secrets", Some("team"))
+        .map(|s| s.0)
+        != Some(8)
+    {
+        assert!(
+            began.elapsed() < Duration::from_secs(10),
+            "the cache follows"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let watch = |rv: u64| {
+        format!("/api/v1/namespaces/team/secrets?watch=1&resourceVersion={rv}&timeoutSeconds=1")
+    };
+    let served = |by: &str| {
+        requests(
+            &cluster,
+            &["verb=\"watch\"", &format!("served_by=\"{by}\"")],
+        )
+    };
+    let (upstream_before, cache_before) = (served("upstream"), served("cache"));
+
+    // From the first write: the cache holds only the last two events, the apiserver all.
+    let answer = cluster
+        .client("alice", &[])
+        .await
+        .get(&watch(versions[0]))
+        .await;
+    assert_eq!(answer.status, 200);
+    let expected: Vec<(String, String)> = (1..5)
+        .map(|i| ("ADDED".to_owned(), format!("resumed-{i}")))
+        .collect();
+    assert_eq!(events(&answer.body), expected);
+    assert!(
+        cluster
+            .upstream_requests_of("alice")
+            .iter()
+            .any(|p| p.contains(&format!("resourceVersion={}", versions[0]))),
+        "{:?}",
+        cluster.upstream_requests_of("alice")
+    );
+    assert_eq!(served("upstream") - upstream_before, 1.0);
+
+    // The apiserver authorizes what goes to it: mallory is refused by it.
+    let refused = cluster
+        .client("mallory", &[])
+        .await
+        .get(&watch(versions[0]))
+        .await;
+    assert_eq!(refused.status, 403);
+    assert!(
+        !cluster.upstream_requests_of("mallory").is_empty(),
+        "the apiserver answered mallory"
+    );
+
+    // Inside the cache's window: the cache streams, the apiserver sees nothing of alice.
+    let asked = cluster.upstream_requests_of("alice").len();
+    let answer = cluster
+        .client("alice", &[])
+        .await
+        .get(&watch(versions[3]))
+        .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        events(&answer.body),
+        [("ADDED".to_owned(), "resumed-4".to_owned())]
+    );
+    assert_eq!(cluster.upstream_requests_of("alice").len(), asked);
+    assert_eq!(served("cache") - cache_before, 1.0);
+}
+
+/// The sum of `bulwark_requests_total` samples with all of `labels`.
+fn requests(cluster: &Cluster, labels: &[&str]) -> f64 {
+    cluster
+        .metrics()
+        .lines()
+        .filter(|l| l.starts_with("bulwark_requests_total{"))
+        .filter(|l| labels.iter().all(|label| l.contains(label)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -48,3 +48,18 @@ func TestBehind(t *testing.T) {
 		t.Errorf("missing object: %v", d)
 	}
 }
+
+func TestFirstDifference(t *testing.T) {
+	a := []string{"ADDED n/a 5", "MODIFIED n/a 6"}
+	if i, _, _ := firstDifference(a, a); i != -1 {
+		t.Errorf("equal sequences differ at %d", i)
+	}
+	i, via, direct := firstDifference(a[:1], a)
+	if i != 1 || via != "" || direct != "MODIFIED n/a 6" {
+		t.Errorf("a missing event: %d %q %q", i, via, direct)
+	}
+	repeated := []string{"ADDED n/a 5", "MODIFIED n/a 5", "MODIFIED n/a 6"}
+	if i, via, _ := firstDifference(repeated, a); i != 1 || via != "MODIFIED n/a 5" {
+		t.Errorf("a repeated event: %d %q", i, via)
+	}
+}

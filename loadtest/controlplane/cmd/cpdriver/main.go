@@ -13,8 +13,11 @@
 //	    --limit N [--namespace NS] [--continue-via K2] [--accept STRING]
 //	cpdriver object-compare --via KUBECONFIG_A --direct KUBECONFIG_B \
 //	    --resource secrets|endpointslices [--namespace NS] [--accept STRING]
+//	cpdriver informer-resume --via KUBECONFIG_A --direct KUBECONFIG_B \
+//	    --resource secrets|endpointslices --ready-file F --done-file F \
+//	    [--accept STRING] [--interval 100ms] [--after N] [--timeout 120s]
 //
-// See informer.go, pages.go and objects.go.
+// See informer.go, pages.go, objects.go and resume.go.
 package main
 
 import (
@@ -27,7 +30,9 @@ import (
 	"strings"
 
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/transport"
 )
 
 func main() {
@@ -44,6 +49,8 @@ func main() {
 		out, err = listPages(os.Args[2:])
 	case "object-compare":
 		out, err = objectCompare(os.Args[2:])
+	case "informer-resume":
+		out, err = informerResume(os.Args[2:])
 	case "-h", "-help", "--help", "help":
 		usage(os.Stdout)
 		return
@@ -65,7 +72,7 @@ func main() {
 }
 
 func usage(w io.Writer) {
-	fmt.Fprintln(w, "usage: cpdriver informer-compare|list-pages|object-compare [flags] (cpdriver SUBCOMMAND -h for flags)")
+	fmt.Fprintln(w, "usage: cpdriver informer-compare|list-pages|object-compare|informer-resume [flags] (cpdriver SUBCOMMAND -h for flags)")
 }
 
 // newFlagSet returns a flag set that reports errors instead of exiting, so
@@ -81,6 +88,26 @@ func newFlagSet(name string) *flag.FlagSet {
 // accept when empty) sets rest.Config.ContentType, the way kubelet and
 // kube-proxy configure their clients.
 func clientFor(kubeconfig, accept, contentType string) (kubernetes.Interface, error) {
+	cfg, err := configFor(kubeconfig, accept, contentType)
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(cfg)
+}
+
+// clientWrapped is clientFor (the content type derived from accept) with its
+// transport wrapped by wrap, to see the requests it sends.
+func clientWrapped(kubeconfig, accept string, wrap transport.WrapperFunc) (kubernetes.Interface, error) {
+	cfg, err := configFor(kubeconfig, accept, "")
+	if err != nil {
+		return nil, err
+	}
+	cfg.WrapTransport = wrap
+	return kubernetes.NewForConfig(cfg)
+}
+
+// configFor is the rest.Config of clientFor.
+func configFor(kubeconfig, accept, contentType string) (*rest.Config, error) {
 	if kubeconfig == "" {
 		return nil, errors.New("a kubeconfig path is required")
 	}
@@ -102,7 +129,7 @@ func clientFor(kubeconfig, accept, contentType string) (kubernetes.Interface, er
 	cfg.QPS = 200
 	cfg.Burst = 400
 	cfg.UserAgent = "bulwark-cpdriver"
-	return kubernetes.NewForConfig(cfg)
+	return cfg, nil
 }
 
 // contentTypeFromAccept picks the request content type that matches an

@@ -18,6 +18,8 @@ pub struct Case {
     pub content_type: Option<&'static str>,
     /// A finite watch (`timeoutSeconds` set): read to its end, compared event by event.
     pub watch: bool,
+    /// `Accept`, when not `application/json`.
+    pub accept: Option<&'static str>,
 }
 
 fn case(id: &'static str, method: Method, path: impl Into<String>) -> Case {
@@ -28,6 +30,7 @@ fn case(id: &'static str, method: Method, path: impl Into<String>) -> Case {
         body: None,
         content_type: None,
         watch: false,
+        accept: None,
     }
 }
 
@@ -40,6 +43,11 @@ fn watch(id: &'static str, path: impl Into<String>) -> Case {
         watch: true,
         ..get(id, path)
     }
+}
+
+fn with_accept(mut c: Case, accept: &'static str) -> Case {
+    c.accept = Some(accept);
+    c
 }
 
 fn with_body(mut c: Case, body: Value) -> Case {
@@ -136,6 +144,20 @@ pub fn all() -> Vec<Case> {
         get("list-label-double-eq", format!("{secrets}?labelSelector=app%3D%3Db")),
         get("list-label-bad", format!("{secrets}?labelSelector=app+in+(")),
         get("list-label-bad-value", format!("{secrets}?labelSelector=app%3D-bad-")),
+        // Label keys: a name of at most 63 bytes, a DNS-1123 subdomain prefix of at most
+        // 253; values of at most 63.
+        get("list-label-key-longest", format!("{secrets}?labelSelector={}%2F{}%3Da", "a".repeat(253), "x".repeat(63))),
+        get("list-label-key-long-name", format!("{secrets}?labelSelector={}%3Da", "x".repeat(64))),
+        get("list-label-key-long-prefix", format!("{secrets}?labelSelector={}%2Fx%3Da", "a".repeat(254))),
+        get("list-label-key-upper-prefix", format!("{secrets}?labelSelector=Example.com%2Fx")),
+        get("list-label-key-two-slashes", format!("{secrets}?labelSelector=a%2Fb%2Fc")),
+        get("list-label-key-empty-name", format!("{secrets}?labelSelector=!a%2F")),
+        get("list-label-value-long", format!("{secrets}?labelSelector=app%3D{}", "x".repeat(64))),
+        get("list-label-key-and-value-bad", format!("{secrets}?labelSelector={}%3D-v", "x".repeat(64))),
+        // An Accept of empty ranges accepts nothing.
+        with_accept(get("list-accept-empty-ranges", &secrets), ","),
+        with_accept(get("list-accept-empty-ranges-2", &secrets), ", ,"),
+        with_accept(get("get-accept-empty-ranges", format!("{secrets}/a-1")), ","),
         get("list-field-name", format!("{secrets}?fieldSelector=metadata.name%3Da-1")),
         get("list-field-name-neq", format!("{secrets}?fieldSelector=metadata.name!%3Da-1")),
         get("list-field-namespace", format!("{secrets}?fieldSelector=metadata.namespace%3D{NS}")),
@@ -236,6 +258,8 @@ pub fn all() -> Vec<Case> {
         watch("watch-rv-not-a-number", format!("{secrets}?watch=1&resourceVersion=abc&timeoutSeconds=1")),
         watch("watch-timeout-not-a-number", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=soon")),
         watch("watch-label-bad", format!("{secrets}?watch=1&labelSelector=app+in+(&timeoutSeconds=1")),
+        watch("watch-label-key-long-name", format!("{secrets}?watch=1&labelSelector={}&timeoutSeconds=1", "x".repeat(64))),
+        with_accept(watch("watch-accept-empty-ranges", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1")), ","),
         watch("watch-rv-match-exact", format!("{secrets}?watch=1&resourceVersion=0&resourceVersionMatch=Exact&timeoutSeconds=1")),
         get("list-after-writes", &secrets),
         get("list-after-writes-limit", format!("{secrets}?limit=4")),

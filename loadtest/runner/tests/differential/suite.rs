@@ -72,7 +72,10 @@ async fn ask(endpoint: &Endpoint, case: &Case, path: &str) -> (Shape, Value) {
     let mut request = http::Request::builder()
         .method(case.method.clone())
         .uri(format!("https://localhost{path}"))
-        .header(http::header::ACCEPT, "application/json");
+        .header(
+            http::header::ACCEPT,
+            case.accept.unwrap_or("application/json"),
+        );
     if case.body.is_some() {
         request = request.header(
             http::header::CONTENT_TYPE,

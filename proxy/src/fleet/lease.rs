@@ -222,6 +222,7 @@ impl UpstreamLeases {
             watch: false,
             timeout: Some(self.timeout),
             attempt_timeout: None,
+            client_timeout: None,
             replica: None,
             body_flow: None,
         };

@@ -1,5 +1,5 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/levels`, `/debug/rules`,
-//! `/debug/upstream` (DESIGN.md step 10).
+//! `/debug/upstream`, `/debug/fleet` (DESIGN.md step 10).
 //!
 //! Plain HTTP on its own address (localhost unless configured), apart from client traffic
 //! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 use crate::admit::Admission;
 use crate::cache::Cache;
 use crate::config;
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::rules::Rules;
 use crate::upstream::Upstream;
@@ -37,6 +38,8 @@ pub struct State {
     pub admission: Arc<Admission>,
     /// The cache, whose first sync `/readyz` waits for (up to its cap).
     pub cache: Option<Arc<Cache>>,
+    /// The fleet membership, for `/debug/fleet`; `None` when the fleet is off.
+    pub fleet: Option<Arc<Fleet>>,
     /// What `/debug/*` requires: `Open` on loopback, else the token (or nothing is served).
     pub debug_token: DebugAccess,
     /// Set when SIGTERM arrived: `/readyz` fails from then on.
@@ -159,6 +162,13 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
         "/debug/levels" => json(state.admission.levels_json()),
         "/debug/rules" => json(state.rules.current().to_json()),
         "/debug/upstream" => json(upstream_json(&state.upstream)),
+        "/debug/fleet" => json(match &state.fleet {
+            Some(fleet) => fleet.debug_json(),
+            None => serde_json::json!({
+                "enabled": false,
+                "reason": "no fleet section in the configuration: each replica holds the static split",
+            }),
+        }),
         "/metrics" => text(
             StatusCode::OK,
             "text/plain; version=0.0.4",

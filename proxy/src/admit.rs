@@ -42,6 +42,7 @@ use tokio::time::Instant;
 
 use crate::Body;
 use crate::classify::{RequestInfo, Verb};
+use crate::fleet::FleetShares;
 use crate::identity::User;
 use crate::metrics::Metrics;
 use crate::rules::{LevelSpec, Matched, Mode};
@@ -99,6 +100,15 @@ impl Default for AdmissionConfig {
             shadow_logs_per_second: 5,
         }
     }
+}
+
+/// What this Bulwark asks of the fleet ([`Admission::fleet_demand`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FleetDemand {
+    /// LIST bytes waiting for seats or room, all levels together.
+    pub list_bytes: u64,
+    /// Per level: seats executing and waiting.
+    pub seats: std::collections::BTreeMap<String, u64>,
 }
 
 /// The admission controller: one per Bulwark, shared behind an `Arc`.
@@ -216,6 +226,18 @@ impl Admission {
     /// `upstream`'s replicas.
     pub fn new(levels: &[Arc<LevelSpec>], upstream: Upstream, metrics: Metrics) -> Arc<Self> {
         let budget = Arc::new(UpstreamBudget::new(upstream, &metrics));
+        Self::with_budget(levels, budget, AdmissionConfig::default(), metrics)
+    }
+
+    /// As [`Admission::new`], with each replica's byte budget and each level's seats the
+    /// shares this Bulwark holds in its fleet.
+    pub fn in_fleet(
+        levels: &[Arc<LevelSpec>],
+        upstream: Upstream,
+        shares: FleetShares,
+        metrics: Metrics,
+    ) -> Arc<Self> {
+        let budget = Arc::new(UpstreamBudget::new(upstream, &metrics).in_fleet(shares));
         Self::with_budget(levels, budget, AdmissionConfig::default(), metrics)
     }
 
@@ -589,6 +611,46 @@ impl Admission {
     /// requests arrive).
     pub fn evict_idle_flows(&self) {
         self.shared.flows.sweep_all(Instant::now());
+    }
+
+    /// The levels in force (and draining), in no order.
+    fn all_levels(&self) -> Vec<Arc<Level>> {
+        let shared = &self.shared;
+        let current = shared.levels.read().unwrap_or_else(|p| p.into_inner());
+        let draining = shared.draining.lock().unwrap_or_else(|p| p.into_inner());
+        current.values().chain(draining.iter()).cloned().collect()
+    }
+
+    /// What this Bulwark asks of the fleet now: LIST bytes waiting in every level, and per
+    /// level (not exempt) the seats executing and waiting.
+    pub fn fleet_demand(&self) -> FleetDemand {
+        let mut demand = FleetDemand::default();
+        for level in self.all_levels() {
+            if level.spec.exempt {
+                continue;
+            }
+            let (seats, bytes) = level.demand();
+            demand.list_bytes = demand.list_bytes.saturating_add(bytes);
+            *demand.seats.entry(level.spec.name.clone()).or_default() += seats;
+        }
+        demand
+    }
+
+    /// Each level's configured seats (not exempt ones): its static share of the fleet's.
+    pub fn configured_seats(&self) -> std::collections::BTreeMap<String, u64> {
+        let current = self.shared.levels.read().unwrap_or_else(|p| p.into_inner());
+        current
+            .values()
+            .filter(|l| !l.spec.exempt)
+            .map(|l| (l.spec.name.clone(), u64::from(l.spec.seats.max(1))))
+            .collect()
+    }
+
+    /// Dispatches what may go in every level: the seats or bytes it may use changed.
+    pub fn redispatch(&self) {
+        for level in self.all_levels() {
+            level.redispatch();
+        }
     }
 
     /// `/debug/levels`: per level, its seats, queues, waiting and executing requests.

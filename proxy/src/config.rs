@@ -33,6 +33,45 @@ pub struct Config {
     /// The audit log of reads answered by Bulwark itself.
     #[serde(default)]
     pub audit: Audit,
+    /// The fleet of Bulwark replicas that share the apiservers' budgets through Leases;
+    /// off when absent (each replica then takes a static `1/bulwarkReplicas`).
+    #[serde(default)]
+    pub fleet: Option<Fleet>,
+}
+
+/// Membership of the fleet of Bulwark replicas through `coordination.k8s.io/v1` Leases:
+/// each replica renews its own Lease with its recent demand, and the apiservers' LIST byte
+/// budgets and the levels' seats are split among the live ones by that demand.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Fleet {
+    /// Namespace of the Leases (Bulwark's own). Required.
+    pub namespace: String,
+    /// Every replica's Lease is named this prefix followed by its identity; the members
+    /// are the unexpired Leases with the prefix.
+    #[serde(default = "default_lease_prefix")]
+    pub lease_prefix: String,
+    /// This replica's identity in the fleet (a DNS label); default: the `POD_NAME`
+    /// environment variable, else the host name.
+    #[serde(default)]
+    pub identity: Option<String>,
+    /// How often the Lease is renewed and the others' read.
+    #[serde(default = "default_renew_interval", with = "humantime_serde")]
+    pub renew_interval: Duration,
+    /// How long a Lease not renewed counts as a member (whole seconds, at least twice
+    /// `renewInterval`): the time a stopped replica's share stays away.
+    #[serde(default = "default_lease_duration", with = "humantime_serde")]
+    pub lease_duration: Duration,
+}
+
+fn default_lease_prefix() -> String {
+    "bulwark-".into()
+}
+fn default_renew_interval() -> Duration {
+    Duration::from_secs(2)
+}
+fn default_lease_duration() -> Duration {
+    Duration::from_secs(10)
 }
 
 /// The client-facing listener (DESIGN.md step 1).
@@ -748,6 +787,55 @@ impl Config {
     }
 }
 
+fn validate_fleet(fleet: &Fleet, p: &mut Problems) {
+    if !is_dns_label(&fleet.namespace) {
+        p.add(
+            "fleet.namespace",
+            format!(
+                "{:?} is not a namespace name (a DNS label)",
+                fleet.namespace
+            ),
+        );
+    }
+    let prefix_ok = fleet.lease_prefix.len() < 63
+        && fleet
+            .lease_prefix
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && !fleet.lease_prefix.starts_with(['-', '.']);
+    if !prefix_ok {
+        p.add(
+            "fleet.leasePrefix",
+            format!(
+                "{:?} must be lower-case letters, digits, '-' and '.', shorter than 63, not starting with '-' or '.'",
+                fleet.lease_prefix
+            ),
+        );
+    }
+    if let Some(identity) = &fleet.identity
+        && !is_dns_label(identity)
+    {
+        p.add("fleet.identity", format!("{identity:?} is not a DNS label"));
+    }
+    p.positive("fleet.renewInterval", fleet.renew_interval);
+    let duration = fleet.lease_duration;
+    if duration.subsec_nanos() != 0 || duration.as_secs() == 0 || duration.as_secs() > 3600 {
+        p.add(
+            "fleet.leaseDuration",
+            "must be whole seconds, from 1s to 1h (a Lease counts in seconds)",
+        );
+    } else if duration < fleet.renew_interval * 2 {
+        p.add(
+            "fleet.leaseDuration",
+            format!(
+                "{} is shorter than twice fleet.renewInterval ({}): one late renewal would drop the replica",
+                humantime::format_duration(duration),
+                humantime::format_duration(fleet.renew_interval)
+            ),
+        );
+    }
+}
+
 impl std::str::FromStr for Config {
     type Err = ConfigError;
 
@@ -818,6 +906,9 @@ impl Config {
         self.validate_cache(&mut p);
         if let Some(path) = &self.audit.path {
             p.path("audit.path", path);
+        }
+        if let Some(fleet) = &self.fleet {
+            validate_fleet(fleet, &mut p);
         }
         // A non-local admin address without a token file is allowed: `/debug/*` is then
         // refused (see `Admin::debug_needs_token`), the rest still works.

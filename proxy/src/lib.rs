@@ -13,6 +13,7 @@ pub mod certs;
 pub mod classify;
 pub mod coalesce;
 pub mod config;
+pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod identity;

@@ -234,6 +234,18 @@ pub struct MetricFamilies {
     /// `bulwark_connections_closed_total{reason}`: client connections Bulwark closed for
     /// not authenticating.
     pub connections_closed_total: IntCounterVec,
+    /// `bulwark_fleet_members`: live members of the fleet this replica sees (0 when the
+    /// fleet is off or on the static split).
+    pub fleet_members: IntGauge,
+    /// `bulwark_fleet_static`: 1 while this replica holds the static split because it
+    /// cannot renew or read the fleet's Leases.
+    pub fleet_static: IntGauge,
+    /// `bulwark_fleet_share{kind, name}`: what this replica holds of the fleet's budget:
+    /// `list_bytes` per apiserver replica, `seats` per level.
+    pub fleet_share: IntGaugeVec,
+    /// `bulwark_fleet_renewals_total{result}`: rounds of the fleet's Lease renewal
+    /// (`success` or `error`).
+    pub fleet_renewals_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -313,6 +325,11 @@ impl Metrics {
             "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row).",
             &["reason"],
         );
+        let fleet_renewals_total = counter(
+            "fleet_renewals_total",
+            "Rounds of the fleet's Lease renewal and read, by result (success, error); an error falls back to the static split.",
+            &["result"],
+        );
         let plain_gauge = |name: &str, help: &str| {
             let g =
                 IntGauge::new(format!("bulwark_{name}"), help).expect("valid metric definition");
@@ -321,6 +338,14 @@ impl Metrics {
                 .expect("metric registered once");
             g
         };
+        let fleet_members = plain_gauge(
+            "fleet_members",
+            "Live members of the fleet of Bulwark replicas this one sees (0: fleet off or static split).",
+        );
+        let fleet_static = plain_gauge(
+            "fleet_static",
+            "1 while this replica holds the static split because it cannot renew or read the fleet's Leases.",
+        );
         let connections_open = plain_gauge(
             "connections_open",
             "Client connections open, TLS handshakes included.",
@@ -371,6 +396,11 @@ impl Metrics {
             "list_bytes_in_flight",
             "LIST bytes admitted to the apiserver replica and not yet answered in full.",
             &["replica"],
+        );
+        let fleet_share = gauge(
+            "fleet_share",
+            "What this replica holds of the fleet's budget: kind list_bytes per apiserver replica (bytes), kind seats per level.",
+            &["kind", "name"],
         );
         let list_bytes_budget = gauge(
             "list_bytes_budget",
@@ -466,6 +496,10 @@ impl Metrics {
             connections_max,
             connections_refused_total,
             connections_closed_total,
+            fleet_members,
+            fleet_static,
+            fleet_share,
+            fleet_renewals_total,
         }))
     }
 

@@ -25,6 +25,8 @@ use crate::cache::{AuditLog, Cache};
 use crate::call::StageLayer;
 use crate::classify::layer::Classify;
 use crate::config::{self, Config};
+use crate::fleet::lease::UpstreamLeases;
+use crate::fleet::{self, Fleet, FleetShares};
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::layer::Identify;
 use crate::identity::{TokenCache, UpstreamReviewer};
@@ -153,7 +155,46 @@ impl Running {
         };
         let rules = Rules::new(rule_set, config.rules.folder.clone(), metrics.clone());
         rules.spawn_watch();
-        let admission = Admission::new(rules.current().levels(), upstream.clone(), metrics.clone());
+        let fleet_shares = config.fleet.as_ref().map(|_| FleetShares::new());
+        let admission = match &fleet_shares {
+            Some(shares) => Admission::in_fleet(
+                rules.current().levels(),
+                upstream.clone(),
+                shares.clone(),
+                metrics.clone(),
+            ),
+            None => Admission::new(rules.current().levels(), upstream.clone(), metrics.clone()),
+        };
+        let fleet = config
+            .fleet
+            .as_ref()
+            .zip(fleet_shares)
+            .map(|(cfg, shares)| {
+                let settings = fleet::Settings::from_config(cfg, config.upstream.bulwark_replicas);
+                let store = Arc::new(UpstreamLeases::new(
+                    upstream.clone(),
+                    own_token.clone(),
+                    &cfg.namespace,
+                    &cfg.lease_prefix,
+                    &format!("{}{}", cfg.lease_prefix, settings.identity),
+                    cfg.renew_interval,
+                ));
+                let local = fleet::ProxyLocal {
+                    upstream: upstream.clone(),
+                    admission: admission.clone(),
+                };
+                Fleet::spawn(
+                    settings,
+                    Arc::new(store),
+                    Arc::new(local),
+                    shares,
+                    metrics.clone(),
+                )
+            });
+        let (fleet, fleet_task) = match fleet {
+            Some((fleet, task)) => (Some(fleet), Some(task)),
+            None => (None, None),
+        };
         let mut reloaded = rules.subscribe();
         let levels_follow = {
             let admission = admission.clone();
@@ -195,6 +236,7 @@ impl Running {
             rules,
             admission,
             cache,
+            fleet,
             debug_token: admin::debug_token(&config.admin)?,
             draining: AtomicBool::new(false),
         });
@@ -206,7 +248,10 @@ impl Running {
             admin,
             drain,
             shutdown: config.listen.shutdown.clone(),
-            tasks: vec![serving, admin_task, levels_follow],
+            tasks: [serving, admin_task, levels_follow]
+                .into_iter()
+                .chain(fleet_task)
+                .collect(),
         })
     }
 

@@ -469,10 +469,14 @@ impl Upstream {
     }
 
     /// Holds `bytes` of LIST budget on the replica the balancer picks for them
-    /// ([`pick::Balancer::pick_for_bytes`]) when `fits` its bytes in flight; `None` when no
-    /// replica can be used or it has no room. Send the request there with
+    /// ([`pick::Balancer::pick_for_bytes`]) when `fits` (its name, its bytes in flight);
+    /// `None` when no replica can be used or it has no room. Send the request there with
     /// [`Route::replica`].
-    pub fn hold_list_bytes(&self, bytes: u64, fits: impl Fn(u64) -> bool) -> Option<InFlightBytes> {
+    pub fn hold_list_bytes(
+        &self,
+        bytes: u64,
+        fits: impl Fn(&str, u64) -> bool,
+    ) -> Option<InFlightBytes> {
         let balancer = &self.inner.balancer;
         let index = balancer.pick_for_bytes(fits, Instant::now(), &mut rand::rng())?;
         let replica = balancer.replica(index).clone();
@@ -1144,10 +1148,10 @@ mod tests {
         let upstream = Upstream::new(&cfg, tls, Metrics::new()).unwrap();
         assert_eq!(upstream.byte_budget(), (8u64 << 30) / 5);
         // Each hold lands on the replica with the fewest bytes in flight.
-        let first = upstream.hold_list_bytes(4096, |_| true).unwrap();
-        let second = upstream.hold_list_bytes(10, |_| true).unwrap();
+        let first = upstream.hold_list_bytes(4096, |_, _| true).unwrap();
+        let second = upstream.hold_list_bytes(10, |_, _| true).unwrap();
         assert_ne!(first.replica(), second.replica());
-        let third = upstream.hold_list_bytes(1, |_| true).unwrap();
+        let third = upstream.hold_list_bytes(1, |_, _| true).unwrap();
         assert_eq!(third.replica(), second.replica());
         let mut bytes: Vec<u64> = upstream
             .snapshot()
@@ -1159,7 +1163,7 @@ mod tests {
         // No room: nothing is held.
         assert!(
             upstream
-                .hold_list_bytes(1, |in_flight| in_flight < 11)
+                .hold_list_bytes(1, |_, in_flight| in_flight < 11)
                 .is_none()
         );
         drop((first, second, third));

@@ -387,6 +387,51 @@ fn a_non_loopback_admin_address_without_token_is_allowed_but_guards_debug() {
 }
 
 #[test]
+fn the_fleet_is_off_by_default_and_its_section_is_checked_field_by_field() {
+    let off: Config = MINIMAL.parse().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(off.fleet, None);
+    let on: Config = minimal_with("fleet", "{namespace: bulwark}")
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let fleet = on.fleet.expect("fleet section");
+    assert_eq!(fleet.lease_prefix, "bulwark-");
+    assert_eq!(fleet.identity, None);
+    assert_eq!(fleet.renew_interval, Duration::from_secs(2));
+    assert_eq!(fleet.lease_duration, Duration::from_secs(10));
+    let found = problems(&minimal_with(
+        "fleet",
+        "{namespace: Kube_System, leasePrefix: -x, identity: Node.A, renewInterval: 0s, leaseDuration: 1500ms}",
+    ));
+    let fields: Vec<&str> = found.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        vec![
+            "fleet.namespace",
+            "fleet.leasePrefix",
+            "fleet.identity",
+            "fleet.renewInterval",
+            "fleet.leaseDuration",
+        ],
+        "{found:?}"
+    );
+    let short = problems(&minimal_with(
+        "fleet",
+        "{namespace: bulwark, renewInterval: 6s, leaseDuration: 10s}",
+    ));
+    assert_eq!(short.len(), 1, "{short:?}");
+    assert!(
+        short[0].message.contains("twice fleet.renewInterval"),
+        "{short:?}"
+    );
+    assert!(
+        minimal_with("fleet", "{leasePrefix: x-}")
+            .parse::<Config>()
+            .is_err(),
+        "namespace is required"
+    );
+}
+
+#[test]
 fn the_list_byte_budget_divides_headroom_by_five_and_by_replicas() {
     let text = minimal_with_all(&[
         ("upstream.replicaHeapHeadroom", "10Gi"),

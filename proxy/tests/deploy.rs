@@ -412,7 +412,55 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
             );
         }
     }
+    // The fleet's Leases: exactly get, list, watch, create and update, in its namespace,
+    // through a Role bound to the same ServiceAccount.
+    let fleet = config
+        .fleet
+        .as_ref()
+        .expect("the deployment runs as a fleet");
+    let lease_binding = objects
+        .iter()
+        .find(|o| {
+            o["kind"] == "RoleBinding"
+                && o["metadata"]["namespace"] == fleet.namespace.as_str()
+                && o["subjects"][0]["name"] == sa_name
+        })
+        .expect("a RoleBinding for the fleet's Leases");
+    assert_eq!(lease_binding["roleRef"]["kind"], "Role");
+    let lease_role = object(
+        objects,
+        "Role",
+        lease_binding["roleRef"]["name"].as_str().unwrap(),
+    );
+    assert_eq!(
+        lease_role["metadata"]["namespace"],
+        fleet.namespace.as_str()
+    );
+    let lease_rules = lease_role["rules"].as_array().unwrap();
+    assert_eq!(lease_rules.len(), 1, "{lease_rules:?}");
+    assert_eq!(
+        strings(&lease_rules[0]["apiGroups"]),
+        ["coordination.k8s.io"]
+    );
+    assert_eq!(strings(&lease_rules[0]["resources"]), ["leases"]);
+    assert_eq!(
+        strings(&lease_rules[0]["verbs"]),
+        ["get", "list", "watch", "create", "update"]
+    );
     let schema = only(objects, "FlowSchema");
+    let covers_leases = schema["spec"]["rules"][0]["resourceRules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|r| {
+            strings(&r["apiGroups"]) == ["coordination.k8s.io"]
+                && strings(&r["resources"]) == ["leases"]
+                && strings(&r["namespaces"]).contains(&fleet.namespace)
+                && ["get", "list", "create", "update"]
+                    .iter()
+                    .all(|v| strings(&r["verbs"]).iter().any(|x| x == v))
+        });
+    assert!(covers_leases, "the FlowSchema covers the fleet's Leases");
     let level = schema["spec"]["priorityLevelConfiguration"]["name"]
         .as_str()
         .unwrap();

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use prometheus::IntGauge;
 
+use crate::fleet::FleetShares;
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
 
@@ -79,6 +80,13 @@ pub trait ByteBudget: Send + Sync {
 
     /// `(healthy, configured)` replicas; level seats shrink with this share.
     fn health(&self) -> (usize, usize);
+
+    /// The seats `level` may use before health shrinks them: its `configured` seats, or
+    /// its share of the fleet's.
+    fn level_seats(&self, level: &str, configured: u32) -> u32 {
+        let _ = level;
+        configured
+    }
 }
 
 /// Whether `bytes` may join `in_flight` on a replica with budget `budget`.
@@ -86,7 +94,8 @@ fn fits(in_flight: u64, bytes: u64, budget: u64) -> bool {
     in_flight.saturating_add(bytes) <= budget || (in_flight == 0 && bytes > budget)
 }
 
-/// The byte budget over the real upstream pool: counts through
+/// The byte budget over the real upstream pool (in a fleet: this Bulwark's share of each
+/// replica's): counts through
 /// [`Upstream::hold_list_bytes`] on the replica the balancer picks for them, and exports
 /// `bulwark_list_bytes_in_flight` and `bulwark_list_bytes_budget`.
 pub struct UpstreamBudget {
@@ -95,9 +104,26 @@ pub struct UpstreamBudget {
     /// concurrently); the counters themselves are atomics in the pool.
     lock: Mutex<()>,
     in_flight: HashMap<String, IntGauge>,
+    /// This Bulwark's shares in its fleet; `None`: the static budget.
+    fleet: Option<FleetShares>,
 }
 
 impl UpstreamBudget {
+    /// Each replica's budget and each level's seats become this Bulwark's share in its
+    /// fleet (the static ones until the fleet publishes shares).
+    pub fn in_fleet(mut self, shares: FleetShares) -> Self {
+        self.fleet = Some(shares);
+        self
+    }
+
+    /// The in-flight LIST byte budget of `replica` now.
+    fn budget_of(&self, replica: &str) -> u64 {
+        self.fleet
+            .as_ref()
+            .and_then(|f| f.list_bytes(replica))
+            .unwrap_or_else(|| self.upstream.byte_budget())
+    }
+
     /// A budget over `upstream`'s replicas, each with `upstream.byte_budget()`.
     pub fn new(upstream: Upstream, metrics: &Metrics) -> Self {
         let mut in_flight = HashMap::new();
@@ -116,15 +142,15 @@ impl UpstreamBudget {
             upstream,
             lock: Mutex::new(()),
             in_flight,
+            fleet: None,
         }
     }
 
     fn reserve(&self, bytes: u64, check: bool) -> Option<Reservation> {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let budget = self.upstream.byte_budget();
-        let held = self
-            .upstream
-            .hold_list_bytes(bytes, |in_flight| !check || fits(in_flight, bytes, budget))?;
+        let held = self.upstream.hold_list_bytes(bytes, |replica, in_flight| {
+            !check || fits(in_flight, bytes, self.budget_of(replica))
+        })?;
         let replica = held.replica().clone();
         let gauge = self.in_flight.get(&*replica).cloned();
         let as_i64 = i64::try_from(bytes).unwrap_or(i64::MAX);
@@ -155,6 +181,13 @@ impl ByteBudget for UpstreamBudget {
 
     fn health(&self) -> (usize, usize) {
         (self.upstream.healthy_replicas(), self.upstream.replicas())
+    }
+
+    fn level_seats(&self, level: &str, configured: u32) -> u32 {
+        self.fleet
+            .as_ref()
+            .and_then(|f| f.seats(level))
+            .unwrap_or(configured)
     }
 }
 

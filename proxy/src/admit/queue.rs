@@ -243,10 +243,14 @@ impl Level {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The level's seats now: its configured seats times the share of healthy replicas,
+    /// The level's seats now: its configured seats (or its share of the fleet's) times the
+    /// share of healthy replicas,
     /// at least one, so a lost replica's load is not poured onto the survivors.
     pub(crate) fn seats_limit(&self) -> u32 {
-        let seats = self.spec.seats.max(1);
+        let seats = self
+            .budget
+            .level_seats(&self.spec.name, self.spec.seats.max(1))
+            .max(1);
         let (healthy, total) = self.budget.health();
         if total == 0 || healthy >= total {
             return seats;
@@ -441,6 +445,36 @@ impl Level {
             }
         }
         self.bytes_blocked.store(bytes_short, Ordering::Relaxed);
+    }
+
+    /// Seats executing and waiting, and the LIST bytes waiting: what the level asks of the
+    /// fleet.
+    pub(crate) fn demand(&self) -> (u64, u64) {
+        let state = self.lock();
+        let waiting_seats: u64 = state
+            .queues
+            .iter()
+            .map(|q| u64::from(q.waiting_seats))
+            .sum();
+        let waiting_bytes = state
+            .queues
+            .iter()
+            .flat_map(|q| q.waiters.iter())
+            .fold(0u64, |sum, w| sum.saturating_add(w.bytes));
+        (
+            u64::from(state.executing_seats) + waiting_seats,
+            waiting_bytes,
+        )
+    }
+
+    /// Re-runs dispatch: the seats or bytes the level may use changed.
+    pub(crate) fn redispatch(self: &Arc<Self>) {
+        let mut returned = Vec::new();
+        {
+            let mut state = self.lock();
+            self.dispatch(&mut state, &mut returned);
+        }
+        drop(returned);
     }
 
     /// Re-runs dispatch if a LIST is waiting for bytes.

@@ -394,12 +394,13 @@ impl Balancer {
     /// and the balancer never disagree about where a LIST lands.
     pub(crate) fn pick_for_bytes(
         &self,
-        fits: impl Fn(u64) -> bool,
+        fits: impl Fn(&str, u64) -> bool,
         now: Instant,
         rng: &mut impl Rng,
     ) -> Option<usize> {
+        let fits_on = |i: usize| fits(&self.replicas[i].name, self.replicas[i].in_flight_bytes());
         let chosen = self.pick(Load::Requests, &[], now, rng)?;
-        if fits(self.replicas[chosen].in_flight_bytes()) {
+        if fits_on(chosen) {
             return Some(chosen);
         }
         let (health, in_rotation) = self.rotation(now);
@@ -408,7 +409,7 @@ impl Balancer {
             .into_iter()
             .filter(|&i| i != chosen)
             .min_by_key(|&i| self.replicas[i].in_flight_bytes())
-            .filter(|&i| fits(self.replicas[i].in_flight_bytes()))
+            .filter(|&i| fits_on(i))
     }
 
     /// Every replica's health now, and the replicas a request may go to: those in
@@ -625,7 +626,7 @@ mod tests {
     fn list_spread(b: &Balancer, rounds: usize, rng: &mut StdRng) -> Vec<usize> {
         let mut hits = vec![0; b.replicas().len()];
         for _ in 0..rounds {
-            let i = b.pick_for_bytes(|_| true, Instant::now(), rng).unwrap();
+            let i = b.pick_for_bytes(|_, _| true, Instant::now(), rng).unwrap();
             hits[i] += 1;
         }
         hits
@@ -661,11 +662,11 @@ mod tests {
         b.replica(0).add_bytes(1000);
         b.replica(1).add_bytes(10);
         for _ in 0..20 {
-            let i = b.pick_for_bytes(|in_flight| in_flight < 100, Instant::now(), &mut rng);
+            let i = b.pick_for_bytes(|_, in_flight| in_flight < 100, Instant::now(), &mut rng);
             assert_eq!(i, Some(1));
         }
         assert_eq!(
-            b.pick_for_bytes(|in_flight| in_flight < 5, Instant::now(), &mut rng),
+            b.pick_for_bytes(|_, in_flight| in_flight < 5, Instant::now(), &mut rng),
             None
         );
     }

@@ -5,6 +5,7 @@ mod balance;
 mod cache;
 mod dos;
 mod fairness;
+mod fleet;
 mod front_door;
 mod identity;
 mod kube_client;

@@ -1,0 +1,496 @@
+//! The fleet of Bulwark replicas in front of the same apiservers, keeping one budget.
+//!
+//! Each replica renews a `coordination.k8s.io/v1` Lease every renew period, carrying its
+//! recent demand ([`share::Demand`]), and reads everyone's with one LIST. The live members
+//! are the unexpired Leases; each apiserver replica's in-flight LIST byte budget and each
+//! level's seats are split among them by demand ([`share::split`]). Admission reads the
+//! result from a [`FleetShares`] snapshot, with no lock on the request path.
+//!
+//! The fleet's whole of a budget is the static share times `bulwarkReplicas` (heap
+//! headroom ÷ 5 for an apiserver replica's bytes; the level's `seats` times
+//! `bulwarkReplicas` for its seats). A replica alone gets the whole; a replica that cannot
+//! renew or read the Leases takes the static share (whole ÷ `bulwarkReplicas`), never the
+//! whole, since it cannot know who else is serving.
+
+pub mod lease;
+pub mod share;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use serde::Serialize;
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+
+use self::lease::LeaseStore;
+use self::share::{Demand, Held, Member};
+use crate::metrics::Metrics;
+
+/// Where this replica stands in the fleet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Standing {
+    /// The static split (whole ÷ `bulwarkReplicas`): before the first renewal, or the
+    /// Leases could not be written or read.
+    Static,
+    /// No other live Lease: the whole.
+    Alone,
+    /// Split by demand with the other live members.
+    Shared,
+}
+
+/// What this replica holds now, and why. Published whole after every renewal.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Shares {
+    /// Where this replica stands.
+    pub standing: Standing,
+    /// Why, in words.
+    pub reason: String,
+    /// The live members' identities (this replica's among them), sorted.
+    pub members: Vec<String>,
+    /// Per apiserver replica (configured address): this replica's in-flight LIST bytes.
+    pub list_bytes: BTreeMap<String, Held>,
+    /// Per level: this replica's seats.
+    pub seats: BTreeMap<String, Held>,
+}
+
+impl Shares {
+    /// The static split of `statics`, for `reason`.
+    fn static_split(statics: &Statics, replicas: u64, reason: String) -> Shares {
+        let held = |&share: &u64| Held {
+            share,
+            whole: share.saturating_mul(replicas),
+            demand: 0,
+            fleet_demand: 0,
+        };
+        Shares {
+            standing: Standing::Static,
+            reason,
+            members: Vec::new(),
+            list_bytes: statics
+                .list_bytes
+                .iter()
+                .map(|(k, v)| (k.clone(), held(v)))
+                .collect(),
+            seats: statics
+                .seats
+                .iter()
+                .map(|(k, v)| (k.clone(), held(v)))
+                .collect(),
+        }
+    }
+}
+
+/// The current shares, read by admission on the request path. Cheap to clone.
+#[derive(Clone)]
+pub struct FleetShares(Arc<ArcSwap<Shares>>);
+
+impl FleetShares {
+    /// Shares that say "static" until the fleet publishes its first.
+    pub fn new() -> Self {
+        Self(Arc::new(ArcSwap::from_pointee(Shares {
+            standing: Standing::Static,
+            reason: "no renewal yet".into(),
+            members: Vec::new(),
+            list_bytes: BTreeMap::new(),
+            seats: BTreeMap::new(),
+        })))
+    }
+
+    /// This replica's in-flight LIST bytes on the apiserver replica `replica`; `None`:
+    /// the static budget.
+    pub fn list_bytes(&self, replica: &str) -> Option<u64> {
+        self.0.load().list_bytes.get(replica).map(|h| h.share)
+    }
+
+    /// This replica's seats in `level`; `None`: the level's configured seats.
+    pub fn seats(&self, level: &str) -> Option<u32> {
+        self.0
+            .load()
+            .seats
+            .get(level)
+            .map(|h| u32::try_from(h.share).unwrap_or(u32::MAX))
+    }
+
+    /// The whole snapshot.
+    pub fn current(&self) -> Arc<Shares> {
+        self.0.load_full()
+    }
+
+    fn publish(&self, shares: Shares) {
+        self.0.store(Arc::new(shares));
+    }
+}
+
+impl Default for FleetShares {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// This replica's static shares (what it takes without the fleet): per apiserver replica
+/// its LIST bytes, per level its seats.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Statics {
+    /// Per apiserver replica (configured address).
+    pub list_bytes: BTreeMap<String, u64>,
+    /// Per level (exempt levels have none).
+    pub seats: BTreeMap<String, u64>,
+}
+
+/// What the fleet reads of this replica.
+pub trait Local: Send + Sync + 'static {
+    /// Its demand now.
+    fn demand(&self) -> Demand;
+    /// Its static shares now (levels come and go with rule reloads).
+    fn statics(&self) -> Statics;
+    /// The shares changed: waiting requests may go now.
+    fn shares_changed(&self) {}
+}
+
+/// How the fleet runs.
+#[derive(Clone)]
+pub struct Settings {
+    /// This replica's identity.
+    pub identity: String,
+    /// How often the Lease is renewed and the others' read.
+    pub renew_interval: Duration,
+    /// How long a renewal counts.
+    pub lease_duration: Duration,
+    /// `upstream.bulwarkReplicas`: the whole is the static share times this.
+    pub bulwark_replicas: u32,
+    /// The wall clock the Leases' times are compared with.
+    pub clock: Arc<dyn Fn() -> SystemTime + Send + Sync>,
+}
+
+impl Settings {
+    /// Settings from the configuration, on the system clock.
+    pub fn from_config(fleet: &crate::config::Fleet, bulwark_replicas: u32) -> Settings {
+        Settings {
+            identity: fleet.identity.clone().unwrap_or_else(default_identity),
+            renew_interval: fleet.renew_interval,
+            lease_duration: fleet.lease_duration,
+            bulwark_replicas,
+            clock: Arc::new(SystemTime::now),
+        }
+    }
+}
+
+/// The pod's name (`POD_NAME`, from the downward API), else the host name, as a DNS label
+/// (lower-cased, other characters as `-`).
+pub fn default_identity() -> String {
+    let raw = std::env::var("POD_NAME")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+        })
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "bulwark".into());
+    let label: String = raw
+        .trim()
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_lowercase() || c.is_ascii_digit() {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(63)
+        .collect();
+    let label = label.trim_matches('-');
+    if label.is_empty() {
+        "bulwark".into()
+    } else {
+        label.to_string()
+    }
+}
+
+/// What `/debug/fleet` shows beyond the shares.
+#[derive(Default)]
+struct Seen {
+    /// Every Lease of the last list, live or not.
+    leases: Vec<Member>,
+    /// When the last renewal succeeded.
+    renewed: Option<SystemTime>,
+    /// The last failure, if the last round failed.
+    error: Option<String>,
+}
+
+/// The running fleet membership of this replica.
+pub struct Fleet {
+    settings: Settings,
+    shares: FleetShares,
+    store: Arc<dyn LeaseStore>,
+    local: Arc<dyn Local>,
+    metrics: Metrics,
+    seen: Mutex<Seen>,
+}
+
+/// How many demand samples are taken per renew period; the Lease carries their peak.
+const SAMPLES_PER_RENEWAL: u32 = 4;
+
+impl Fleet {
+    /// Starts renewing through `store` and publishing into `shares`; stops when the handle
+    /// is aborted.
+    pub fn spawn(
+        settings: Settings,
+        store: Arc<dyn LeaseStore>,
+        local: Arc<dyn Local>,
+        shares: FleetShares,
+        metrics: Metrics,
+    ) -> (Arc<Fleet>, JoinHandle<()>) {
+        let fleet = Arc::new(Fleet {
+            settings,
+            shares,
+            store,
+            local,
+            metrics,
+            seen: Mutex::new(Seen::default()),
+        });
+        let running = fleet.clone();
+        let task = tokio::spawn(async move { running.run().await });
+        (fleet, task)
+    }
+
+    /// The shares this replica holds.
+    pub fn shares(&self) -> &FleetShares {
+        &self.shares
+    }
+
+    async fn run(self: Arc<Self>) {
+        let every =
+            (self.settings.renew_interval / SAMPLES_PER_RENEWAL).max(Duration::from_millis(1));
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut peak = Demand::default();
+        let mut samples = 0;
+        loop {
+            tick.tick().await;
+            peak.peak(&self.local.demand());
+            samples += 1;
+            // The first round goes at once, so a replica starting alone gets the whole
+            // without waiting a period.
+            if samples != 1 && samples % SAMPLES_PER_RENEWAL != 1 {
+                continue;
+            }
+            let demand = std::mem::take(&mut peak);
+            let deadline = Instant::now() + self.settings.renew_interval;
+            let round = tokio::time::timeout_at(deadline, self.round(demand)).await;
+            let shares = match round {
+                Ok(Ok(shares)) => shares,
+                Ok(Err(why)) => self.failed(why),
+                Err(_) => self.failed("the renewal took longer than the renew interval".into()),
+            };
+            self.publish(shares);
+        }
+    }
+
+    /// Renews this replica's Lease, reads everyone's and splits.
+    async fn round(&self, demand: Demand) -> Result<Shares, String> {
+        let s = &self.settings;
+        let me = Member {
+            identity: s.identity.clone(),
+            renewed: (s.clock)(),
+            duration: s.lease_duration,
+            demand,
+        };
+        if let Err(e) = self.store.write(&me).await {
+            return Err(format!("renewing the Lease: {e}"));
+        }
+        let mut leases = match self.store.list().await {
+            Ok(leases) => leases,
+            Err(e) => return Err(format!("listing the Leases: {e}")),
+        };
+        self.metrics
+            .fleet_renewals_total
+            .with_label_values(&["success"])
+            .inc();
+        // The list may not show the write yet; this replica has just renewed.
+        leases.retain(|m| m.identity != me.identity);
+        leases.push(me.clone());
+        let now = (s.clock)();
+        let statics = self.local.statics();
+        let shares = split(&me.identity, &leases, now, &statics, s.bulwark_replicas);
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.leases = leases;
+        seen.renewed = Some(me.renewed);
+        seen.error = None;
+        Ok(shares)
+    }
+
+    fn failed(&self, why: String) -> Shares {
+        tracing::warn!(error = %why, "fleet: falling back to the static split");
+        self.metrics
+            .fleet_renewals_total
+            .with_label_values(&["error"])
+            .inc();
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).error = Some(why.clone());
+        Shares::static_split(
+            &self.local.statics(),
+            u64::from(self.settings.bulwark_replicas.max(1)),
+            format!("static split: {why}"),
+        )
+    }
+
+    fn publish(&self, shares: Shares) {
+        let m = &self.metrics;
+        m.fleet_members.set(shares.members.len() as i64);
+        m.fleet_static
+            .set(i64::from(shares.standing == Standing::Static));
+        let old = self.shares.current();
+        for (kind, old_map, new_map) in [
+            ("list_bytes", &old.list_bytes, &shares.list_bytes),
+            ("seats", &old.seats, &shares.seats),
+        ] {
+            for name in old_map.keys().filter(|k| !new_map.contains_key(*k)) {
+                let _ = m.fleet_share.remove_label_values(&[kind, name]);
+            }
+            for (name, held) in new_map {
+                m.fleet_share
+                    .with_label_values(&[kind, name])
+                    .set(i64::try_from(held.share).unwrap_or(i64::MAX));
+            }
+        }
+        for (replica, held) in &shares.list_bytes {
+            m.list_bytes_budget
+                .with_label_values(&[replica])
+                .set(i64::try_from(held.share).unwrap_or(i64::MAX));
+        }
+        self.shares.publish(shares);
+        self.local.shares_changed();
+    }
+
+    /// `/debug/fleet`: this replica's identity and standing, every Lease it saw, and what
+    /// it holds of each budget with the demand behind it.
+    pub fn debug_json(&self) -> serde_json::Value {
+        let shares = self.shares.current();
+        let now = (self.settings.clock)();
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let millis = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64)
+        };
+        let leases: Vec<_> = seen
+            .leases
+            .iter()
+            .map(|m| {
+                json!({
+                    "identity": m.identity,
+                    "live": m.live(now),
+                    "renewedUnixMillis": millis(m.renewed),
+                    "leaseDurationSeconds": m.duration.as_secs(),
+                    "demand": m.demand,
+                })
+            })
+            .collect();
+        json!({
+            "identity": self.settings.identity,
+            "renewIntervalSeconds": self.settings.renew_interval.as_secs_f64(),
+            "leaseDurationSeconds": self.settings.lease_duration.as_secs(),
+            "bulwarkReplicas": self.settings.bulwark_replicas,
+            "lastRenewalUnixMillis": seen.renewed.map(millis),
+            "lastError": seen.error,
+            "leases": leases,
+            "shares": &*shares,
+        })
+    }
+}
+
+/// The shares of `me` given every Lease seen (`leases`, `me`'s included) at `now`.
+pub fn split(
+    me: &str,
+    leases: &[Member],
+    now: SystemTime,
+    statics: &Statics,
+    bulwark_replicas: u32,
+) -> Shares {
+    let replicas = u64::from(bulwark_replicas.max(1));
+    let live = share::live(leases, now);
+    let wholes = |statics: &BTreeMap<String, u64>| -> BTreeMap<String, u64> {
+        statics
+            .iter()
+            .map(|(k, v)| (k.clone(), v.saturating_mul(replicas)))
+            .collect()
+    };
+    let list_bytes = share::shares_of(me, &live, &wholes(&statics.list_bytes), |d, r| {
+        d.bytes.get(r).map_or(0, |b| b.wanted)
+    });
+    let seats = share::shares_of(me, &live, &wholes(&statics.seats), |d, l| {
+        d.seats.get(l).copied().unwrap_or(0)
+    });
+    let members: Vec<String> = live.iter().map(|m| m.identity.clone()).collect();
+    let (standing, reason) = match members.len() {
+        1 => (
+            Standing::Alone,
+            "no other live Lease: the whole budget".to_string(),
+        ),
+        n => (
+            Standing::Shared,
+            format!("{n} live members: split by demand"),
+        ),
+    };
+    Shares {
+        standing,
+        reason,
+        members,
+        list_bytes,
+        seats,
+    }
+}
+
+/// The fleet's [`Local`] over the real upstream pool and admission.
+pub struct ProxyLocal {
+    /// The apiserver replicas, for their LIST bytes in flight.
+    pub upstream: crate::upstream::Upstream,
+    /// Admission, for what waits and the levels.
+    pub admission: Arc<crate::admit::Admission>,
+}
+
+impl Local for ProxyLocal {
+    fn demand(&self) -> Demand {
+        let snapshot = self.upstream.snapshot();
+        let waiting = self.admission.fleet_demand();
+        let spread = waiting.list_bytes / (snapshot.len().max(1) as u64);
+        let mut demand = Demand::default();
+        for replica in snapshot {
+            demand.bytes.insert(
+                replica.name,
+                share::Bytes {
+                    wanted: replica.in_flight_bytes + spread,
+                    in_flight: replica.in_flight_bytes,
+                },
+            );
+        }
+        demand.seats = waiting.seats;
+        demand
+    }
+
+    fn statics(&self) -> Statics {
+        let budget = self.upstream.byte_budget();
+        Statics {
+            list_bytes: self
+                .upstream
+                .snapshot()
+                .into_iter()
+                .map(|r| (r.name, budget))
+                .collect(),
+            seats: self.admission.configured_seats(),
+        }
+    }
+
+    fn shares_changed(&self) {
+        self.admission.redispatch();
+    }
+}
+
+#[cfg(test)]
+mod tests;

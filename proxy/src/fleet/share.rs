@@ -1,0 +1,286 @@
+//! The pure part of the fleet: who is a member, and what share of each budget a member
+//! holds. Every member computes the same split from the same Leases, so the shares agree
+//! without any member deciding for the others.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+/// What an idle member keeps of an equal share, in percent, so that it can start work at
+/// once: with three members and nothing asked of one, that one keeps 10% of a third.
+pub const FLOOR_PERCENT: u64 = 10;
+
+/// A member's recent demand, as its Lease carries it (compact JSON in an annotation).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Demand {
+    /// Per apiserver replica (by its configured address): LIST bytes wanted (in flight and
+    /// waiting) and in flight, the peak of the last renew period.
+    #[serde(default, rename = "b", skip_serializing_if = "BTreeMap::is_empty")]
+    pub bytes: BTreeMap<String, Bytes>,
+    /// Per priority level: seats wanted (executing and waiting), the peak of the last
+    /// renew period.
+    #[serde(default, rename = "s", skip_serializing_if = "BTreeMap::is_empty")]
+    pub seats: BTreeMap<String, u64>,
+}
+
+/// LIST bytes one member wants of one apiserver replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bytes {
+    /// In flight and waiting for room.
+    #[serde(rename = "w")]
+    pub wanted: u64,
+    /// In flight.
+    #[serde(rename = "f")]
+    pub in_flight: u64,
+}
+
+impl Demand {
+    /// Raises each figure to `other`'s where that is higher (the peak of two samples).
+    pub fn peak(&mut self, other: &Demand) {
+        for (replica, b) in &other.bytes {
+            let mine = self.bytes.entry(replica.clone()).or_default();
+            mine.wanted = mine.wanted.max(b.wanted);
+            mine.in_flight = mine.in_flight.max(b.in_flight);
+        }
+        for (level, &seats) in &other.seats {
+            let mine = self.seats.entry(level.clone()).or_default();
+            *mine = (*mine).max(seats);
+        }
+    }
+}
+
+/// One member as its Lease shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Its identity (`holderIdentity`).
+    pub identity: String,
+    /// When it last renewed (`renewTime`).
+    pub renewed: SystemTime,
+    /// How long the renewal counts (`leaseDurationSeconds`).
+    pub duration: Duration,
+    /// What it asked for.
+    pub demand: Demand,
+}
+
+impl Member {
+    /// Whether the Lease is unexpired at `now`: renewed within its duration.
+    pub fn live(&self, now: SystemTime) -> bool {
+        self.renewed
+            .checked_add(self.duration)
+            .is_some_and(|until| until > now)
+    }
+}
+
+/// The live members at `now`, each once (the latest renewal of an identity), by identity.
+pub fn live(members: &[Member], now: SystemTime) -> Vec<&Member> {
+    let mut by_identity: BTreeMap<&str, &Member> = BTreeMap::new();
+    for member in members.iter().filter(|m| m.live(now)) {
+        let entry = by_identity.entry(&member.identity).or_insert(member);
+        if member.renewed > entry.renewed {
+            *entry = member;
+        }
+    }
+    by_identity.into_values().collect()
+}
+
+/// Splits `whole` among members by their `demands`: each gets [`FLOOR_PERCENT`] of an equal
+/// share (at least 1 where the whole has one for each), and the rest goes in proportion to
+/// demand, or equally when nobody asks. Rounded down, so the shares never add up to more
+/// than `whole`. One member gets the whole.
+pub fn split(whole: u64, demands: &[u64]) -> Vec<u64> {
+    let n = demands.len() as u64;
+    match n {
+        0 => return Vec::new(),
+        1 => return vec![whole],
+        _ => {}
+    }
+    let equal = whole / n;
+    let tenth = u128::from(equal) * u128::from(FLOOR_PERCENT) / 100;
+    let floor = u64::try_from(tenth).unwrap_or(equal).max(equal.min(1));
+    let rest = whole - floor * n;
+    let total: u128 = demands.iter().map(|&d| u128::from(d)).sum();
+    demands
+        .iter()
+        .map(|&d| {
+            if total == 0 {
+                return equal;
+            }
+            let part = u128::from(rest) * u128::from(d) / total;
+            floor + u64::try_from(part).unwrap_or(rest)
+        })
+        .collect()
+}
+
+/// What this replica holds of one budget, and how it got there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Held {
+    /// This replica's share.
+    pub share: u64,
+    /// The fleet's whole (the static share times `bulwarkReplicas`).
+    pub whole: u64,
+    /// This replica's demand, as its Lease carries it.
+    pub demand: u64,
+    /// All live members' demand together.
+    pub fleet_demand: u64,
+}
+
+/// Each budget's share for member `me` among `members` (the live ones, `me` among them).
+/// `wholes` name the budgets (an apiserver replica's address or a level's name) and the
+/// fleet's whole of each; `demand_of` reads a member's demand on one of them.
+pub fn shares_of(
+    me: &str,
+    members: &[&Member],
+    wholes: &BTreeMap<String, u64>,
+    demand_of: impl Fn(&Demand, &str) -> u64,
+) -> BTreeMap<String, Held> {
+    let Some(mine) = members.iter().position(|m| m.identity == me) else {
+        return BTreeMap::new();
+    };
+    wholes
+        .iter()
+        .map(|(name, &whole)| {
+            let demands: Vec<u64> = members.iter().map(|m| demand_of(&m.demand, name)).collect();
+            let shares = split(whole, &demands);
+            let held = Held {
+                share: shares[mine],
+                whole,
+                demand: demands[mine],
+                fleet_demand: demands.iter().sum(),
+            };
+            (name.clone(), held)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000 + secs)
+    }
+
+    fn member(identity: &str, renewed: u64, wanted: u64) -> Member {
+        let mut demand = Demand::default();
+        demand.bytes.insert(
+            "r0".into(),
+            Bytes {
+                wanted,
+                in_flight: 0,
+            },
+        );
+        demand.seats.insert("lists".into(), wanted);
+        Member {
+            identity: identity.into(),
+            renewed: at(renewed),
+            duration: Duration::from_secs(10),
+            demand,
+        }
+    }
+
+    #[test]
+    fn a_member_is_live_until_its_lease_duration_after_its_renewal() {
+        let m = member("a", 100, 0);
+        assert!(m.live(at(100)));
+        assert!(m.live(at(109)));
+        assert!(!m.live(at(110)), "renewTime + duration is the end");
+        assert!(!m.live(at(500)));
+        let members = [member("a", 100, 0), member("b", 95, 0), member("a", 90, 0)];
+        let live: Vec<_> = live(&members, at(106))
+            .into_iter()
+            .map(|m| (m.identity.as_str(), m.renewed))
+            .collect();
+        assert_eq!(
+            live,
+            vec![("a", at(100))],
+            "b expired; a counts once, by its latest renewal"
+        );
+    }
+
+    #[test]
+    fn one_member_gets_the_whole() {
+        assert_eq!(split(1000, &[0]), vec![1000]);
+        assert_eq!(split(1000, &[5]), vec![1000]);
+        assert!(split(1000, &[]).is_empty());
+    }
+
+    #[test]
+    fn the_split_follows_demand_above_a_floor_and_never_adds_up_to_more_than_the_whole() {
+        // Nobody asks: equal shares.
+        assert_eq!(split(900, &[0, 0, 0]), vec![300, 300, 300]);
+        // One asks for everything: the others keep 10% of a third.
+        assert_eq!(split(900, &[500, 0, 0]), vec![840, 30, 30]);
+        // Two ask, one twice as much.
+        assert_eq!(split(900, &[200, 100, 0]), vec![30 + 540, 30 + 270, 30]);
+        // Seats: a floor of at least one seat while there is one for each.
+        assert_eq!(split(3, &[9, 0, 0]), vec![1, 1, 1]);
+        assert_eq!(split(30, &[9, 0, 0]), vec![28, 1, 1]);
+        assert_eq!(split(2, &[0, 0, 0]), vec![0, 0, 0]);
+        // Rounding and huge figures never overshoot.
+        for (whole, demands) in [
+            (1000, vec![1, 1, 1]),
+            (7, vec![3, 5, 11, 2]),
+            (u64::MAX, vec![u64::MAX, u64::MAX, 1]),
+            (1 << 40, vec![u64::MAX, 0]),
+            (10, vec![1; 20]),
+        ] {
+            let shares = split(whole, &demands);
+            let sum: u128 = shares.iter().map(|&s| u128::from(s)).sum();
+            assert!(sum <= u128::from(whole), "{whole} {demands:?} → {shares:?}");
+            assert!(
+                sum + demands.len() as u128 >= u128::from(whole),
+                "at most one unit per member lost to rounding: {whole} {demands:?} → {shares:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_member_computes_its_own_share_from_the_same_leases() {
+        let members = [member("a", 100, 300), member("b", 101, 100)];
+        let live = live(&members, at(105));
+        let wholes: BTreeMap<String, u64> = [("r0".to_string(), 1000)].into();
+        let bytes = |d: &Demand, r: &str| d.bytes.get(r).map_or(0, |b| b.wanted);
+        let a = shares_of("a", &live, &wholes, bytes);
+        let b = shares_of("b", &live, &wholes, bytes);
+        assert_eq!(
+            a["r0"],
+            Held {
+                share: 50 + 675,
+                whole: 1000,
+                demand: 300,
+                fleet_demand: 400
+            }
+        );
+        assert_eq!(b["r0"].share, 50 + 225);
+        assert!(a["r0"].share + b["r0"].share <= 1000);
+        assert!(
+            shares_of("c", &live, &wholes, bytes).is_empty(),
+            "not a member: no share"
+        );
+    }
+
+    #[test]
+    fn demand_travels_as_compact_json_and_peaks_keep_the_highest_sample() {
+        let mut first = member("a", 0, 300).demand;
+        let json = serde_json::to_string(&first).unwrap();
+        assert_eq!(json, r#"{"b":{"r0":{"w":300,"f":0}},"s":{"lists":300}}"#);
+        assert_eq!(serde_json::from_str::<Demand>(&json).unwrap(), first);
+        assert_eq!(
+            serde_json::from_str::<Demand>("{}").unwrap(),
+            Demand::default()
+        );
+        let mut second = member("a", 0, 100).demand;
+        second.bytes.get_mut("r0").unwrap().in_flight = 50;
+        first.peak(&second);
+        assert_eq!(
+            first.bytes["r0"],
+            Bytes {
+                wanted: 300,
+                in_flight: 50
+            }
+        );
+        assert_eq!(first.seats["lists"], 300);
+    }
+}

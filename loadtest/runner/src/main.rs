@@ -61,6 +61,42 @@ struct OnControlPlaneArgs {
     apiserver_memory_limit: u64,
 }
 
+/// `conn-flood`'s options.
+#[derive(Args, Debug, Clone)]
+struct ConnFloodArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Flood connections to open (the runner needs one descriptor each, so `ulimit -n`
+    /// must exceed it).
+    #[arg(long, default_value_t = 5_000)]
+    connections: usize,
+    /// Loopback source addresses the flood comes from (127.0.0.10 on).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=240))]
+    sources: u16,
+    /// Flood connection attempts in flight at once.
+    #[arg(long, default_value_t = 50)]
+    concurrency: usize,
+    /// How long the flood is held once open, unless Bulwark closes it all before.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    hold: Duration,
+    /// How long after the flood ends Bulwark's descriptors and memory are read again.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    settle: Duration,
+    /// Bulwark's `listen.limits.unauthenticatedTimeout` (default: Bulwark's own).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    unauthenticated_timeout: Option<Duration>,
+    /// Also run this `bulwark` binary (`PATH serve --config FILE`), first, as `baseline`.
+    #[arg(long, hide = true)]
+    bulwark_bin: Option<PathBuf>,
+    /// The baseline's configuration leaves out the keys of the connection caps, for a
+    /// `bulwark` built before them.
+    #[arg(long, hide = true, requires = "bulwark_bin")]
+    legacy_config: bool,
+    /// Bulwark's open-file limit, soft and hard (set with util-linux `prlimit`).
+    #[arg(long, hide = true)]
+    bulwark_fd_limit: Option<u64>,
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Many identities LIST all large Secrets in a loop; innocent clients and heartbeats
@@ -76,6 +112,9 @@ enum Command {
     NodeJoin(Common),
     /// Raw proxy overhead on a small GET: direct, Bulwark, haproxy and nginx.
     Passthrough(Common),
+    /// Thousands of TLS connections that collect a 401 and idle, while an authenticated
+    /// client works and a new one connects: Bulwark's descriptors, memory and latency.
+    ConnFlood(ConnFloodArgs),
     /// A two-minute, scaled-down list-storm plus skew: start here.
     Demo(Common),
     /// A fleet with Bulwark in front and kubeconfigs to try it with kubectl.
@@ -193,6 +232,23 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::NodeJoin(c) => (scenario::run(&NodeJoin, &opts(&c)).await?, c),
         Command::Demo(c) => (scenario::run(&Demo, &opts(&c)).await?, c),
         Command::Passthrough(c) => (passthrough::run(&opts(&c)).await?, c),
+        Command::ConnFlood(a) => {
+            let flood = scenario::conn_flood::FloodOptions {
+                connections: a.connections,
+                sources: usize::from(a.sources),
+                concurrency: a.concurrency,
+                hold: a.hold,
+                settle: a.settle,
+                unauthenticated_timeout: a.unauthenticated_timeout,
+                bulwark_bin: a.bulwark_bin,
+                legacy_config: a.legacy_config,
+                bulwark_fd_limit: a.bulwark_fd_limit,
+            };
+            (
+                scenario::conn_flood::run(&opts(&a.common), &flood).await?,
+                a.common,
+            )
+        }
     };
     println!();
     print!("{}", report::table(&report));

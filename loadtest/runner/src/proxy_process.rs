@@ -183,7 +183,20 @@ impl ProxyProcess {
     /// such as `taskset`) with the configuration at `config`, logging into `dir`, and waits
     /// until its admin `/readyz` answers 200.
     pub async fn launch(
+        command: Command,
+        config: &Path,
+        target: Target,
+        admin: SocketAddr,
+        dir: &Path,
+    ) -> anyhow::Result<ProxyProcess> {
+        ProxyProcess::launch_as(command, SUBCOMMAND, config, target, admin, dir).await
+    }
+
+    /// Like [`ProxyProcess::launch`], with `command` any program that takes
+    /// `SUBCOMMAND --config FILE`: the `bulwark` binary itself is `serve`.
+    pub async fn launch_as(
         mut command: Command,
+        subcommand: &str,
         config: &Path,
         target: Target,
         admin: SocketAddr,
@@ -192,7 +205,7 @@ impl ProxyProcess {
         let log = dir.join("bulwark.log");
         let log_file = std::fs::File::create(&log)?;
         let child = command
-            .arg(SUBCOMMAND)
+            .arg(subcommand)
             .arg("--config")
             .arg(config)
             .env(

@@ -74,6 +74,102 @@ pub struct Run {
     /// node-join only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub watch_bytes_per_event: Option<f64>,
+    /// What an idle-connection flood did (conn-flood only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flood: Option<Flood>,
+}
+
+/// An idle-connection flood and what Bulwark and its other clients went through.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Flood {
+    /// Flood connections attempted.
+    pub connections: u64,
+    /// Loopback source addresses they came from.
+    pub sources: u64,
+    /// Connection attempts in flight at once.
+    pub concurrency: u64,
+    /// Served: TLS and HTTP/2 set up and the request answered 401.
+    pub accepted: u64,
+    /// Reset or closed during the TCP, TLS or HTTP/2 handshake or the request.
+    pub refused: u64,
+    /// No answer within the attempt's 10 s.
+    pub timed_out: u64,
+    /// An answer other than 401.
+    pub other: u64,
+    /// Attempts never started (the flood's opening ran out of time).
+    pub not_attempted: u64,
+    /// Seconds from the first attempt until the last had ended.
+    pub opened_in_s: f64,
+    /// Accepted connections that Bulwark closed while the client still held them.
+    pub closed_by_bulwark: u64,
+    /// Seconds from the flood's start to its end: Bulwark had closed every accepted
+    /// connection, or the client let go of the rest after the hold.
+    pub lasted_s: f64,
+    /// Bulwark's open-file limit (soft).
+    pub fd_limit: u64,
+    /// Bulwark's open file descriptors.
+    pub fds: Phases,
+    /// Bulwark's resident memory (`VmRSS`).
+    pub rss_bytes: Phases,
+    /// The authenticated client's GETs before the flood.
+    pub gets_before: FloodLatency,
+    /// The authenticated client's GETs during the flood.
+    pub gets_during: FloodLatency,
+    /// `/readyz` polls on the admin listener during the flood.
+    pub readyz_during: FloodLatency,
+    /// A new authenticated client connecting once the flood is open.
+    pub new_client: NewClient,
+    /// `bulwark_connections_refused_total` by reason at the flood's end (empty where
+    /// Bulwark has no such metric).
+    pub bulwark_refused: BTreeMap<String, u64>,
+    /// `bulwark_connections_closed_total` by reason at the flood's end.
+    pub bulwark_closed: BTreeMap<String, u64>,
+    /// The first failed flood connection's error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
+}
+
+/// A figure before the flood, at its peak, and a while after it ended.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Phases {
+    /// Before the flood.
+    pub idle: u64,
+    /// The highest while the flood was open.
+    pub peak: u64,
+    /// `--settle` after the flood ended.
+    pub after: u64,
+}
+
+/// Requests of one kind in one phase.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FloodLatency {
+    /// Requests sent.
+    pub requests: u64,
+    /// Answered with success.
+    pub ok: u64,
+    /// Failed: another status, an error, no answer in time.
+    pub failed: u64,
+    /// Latency of the successful ones, milliseconds.
+    pub p50_ms: f64,
+    /// See `p50_ms`.
+    pub p99_ms: f64,
+    /// See `p50_ms`.
+    pub max_ms: f64,
+    /// Why the first failure failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_failure: Option<String>,
+}
+
+/// A new client's attempt to connect during the flood.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NewClient {
+    /// Whether it connected and its first GET succeeded.
+    pub connected: bool,
+    /// How long that took (or until it gave up), milliseconds.
+    pub ms: f64,
+    /// Why it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// The simulated apiserver fleet's figures for one run.
@@ -169,6 +265,76 @@ fn list(values: &[u64]) -> String {
     format!("[{}]", parts.join(", "))
 }
 
+/// The conn-flood rows: the flood, Bulwark's descriptors and memory, and what the other
+/// clients saw.
+fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    let cells = |f: &dyn Fn(&Flood) -> String| -> Vec<String> {
+        runs.iter()
+            .map(|r| r.flood.as_ref().map_or_else(|| "-".to_string(), f))
+            .collect()
+    };
+    rows.push(("flood".to_string(), vec![String::new(); runs.len()]));
+    let mut add = |label: &str, f: &dyn Fn(&Flood) -> String| {
+        rows.push((format!("  {label}"), cells(f)));
+    };
+    let phases = |p: &Phases, show: &dyn Fn(u64) -> String| {
+        format!("{} / {} / {}", show(p.idle), show(p.peak), show(p.after))
+    };
+    let latency = |l: &FloodLatency| format!("{:.1} / {:.1} / {:.1}", l.p50_ms, l.p99_ms, l.max_ms);
+    let counts = |l: &FloodLatency| format!("{} / {}", l.ok, l.failed);
+    let reasons = |m: &BTreeMap<String, u64>| {
+        if m.is_empty() {
+            return "-".to_string();
+        }
+        let parts: Vec<String> = m.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        parts.join(", ")
+    };
+    add("connections (sources x in flight)", &|f| {
+        format!("{} ({} x {})", f.connections, f.sources, f.concurrency)
+    });
+    add("accepted / refused / timed out / other", &|f| {
+        format!(
+            "{} / {} / {} / {}",
+            f.accepted,
+            f.refused,
+            f.timed_out,
+            f.other + f.not_attempted
+        )
+    });
+    add("opened in", &|f| format!("{:.1} s", f.opened_in_s));
+    add("closed by Bulwark", &|f| f.closed_by_bulwark.to_string());
+    add("lasted", &|f| format!("{:.1} s", f.lasted_s));
+    add("Bulwark's refusals", &|f| reasons(&f.bulwark_refused));
+    add("Bulwark's closes", &|f| reasons(&f.bulwark_closed));
+    add("fd limit", &|f| f.fd_limit.to_string());
+    add("fds idle / peak / after", &|f| {
+        phases(&f.fds, &|n| n.to_string())
+    });
+    add("RSS idle / peak / after", &|f| {
+        phases(&f.rss_bytes, &human_bytes)
+    });
+    add("GETs before: ok / failed", &|f| counts(&f.gets_before));
+    add("GETs before: p50 / p99 / max ms", &|f| {
+        latency(&f.gets_before)
+    });
+    add("GETs during: ok / failed", &|f| counts(&f.gets_during));
+    add("GETs during: p50 / p99 / max ms", &|f| {
+        latency(&f.gets_during)
+    });
+    add("/readyz during: ok / failed", &|f| counts(&f.readyz_during));
+    add("/readyz during: p50 / p99 / max ms", &|f| {
+        latency(&f.readyz_during)
+    });
+    add("new client", &|f| {
+        let n = &f.new_client;
+        if n.connected {
+            format!("connected in {:.1} ms", n.ms)
+        } else {
+            format!("failed after {:.1} s", n.ms / 1000.0)
+        }
+    });
+}
+
 /// The comparison table: one column per run, one row per figure, grouped by apiserver,
 /// proxy and each class.
 pub fn table(report: &Report) -> String {
@@ -251,6 +417,10 @@ pub fn table(report: &Report) -> String {
                 None => "-".into(),
             },
         ));
+    }
+
+    if runs.iter().any(|r| r.flood.is_some()) {
+        flood_rows(&mut rows, &runs);
     }
 
     let mut classes: Vec<&String> = runs.iter().flat_map(|r| r.classes.keys()).collect();

@@ -5,6 +5,7 @@
 //! A scenario only says what its clients do; the same loops run against both targets and
 //! only the address and CA differ.
 
+pub mod conn_flood;
 pub mod demo;
 pub mod events_poll;
 pub mod informers;
@@ -397,6 +398,7 @@ impl Env {
             classes,
             event_delivery_p99_ms: driven.event_delivery_p99_ms,
             watch_bytes_per_event: driven.watch_bytes_per_event,
+            flood: None,
         })
     }
 

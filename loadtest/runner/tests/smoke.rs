@@ -294,3 +294,77 @@ fn passthrough_measures_bulwark_with_h2load_without_its_limits() {
             > 0.0
     );
 }
+
+#[test]
+fn conn_flood_is_closed_for_not_authenticating_while_the_other_clients_are_served() {
+    let json = std::env::temp_dir().join(format!(
+        "bulwark-loadtest-smoke-conn-flood-{}.json",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
+        .args(["conn-flood", "--connections", "200", "--sources", "4"])
+        .args(["--unauthenticated-timeout", "2s", "--hold", "20s"])
+        .args(["--settle", "3s", "--json"])
+        .arg(&json)
+        .output()
+        .expect("the binary runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "conn-flood failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    for row in [
+        "accepted / refused / timed out / other",
+        "fds idle / peak / after",
+        "RSS idle / peak / after",
+        "GETs during: p50 / p99 / max ms",
+        "/readyz during: ok / failed",
+        "new client",
+    ] {
+        assert!(stdout.contains(row), "the table has {row:?}:\n{stdout}");
+    }
+    let text = std::fs::read_to_string(&json).expect("the JSON report is written");
+    let _ = std::fs::remove_file(&json);
+    let report: Value = serde_json::from_str(&text).expect("the report is JSON");
+    assert_eq!(report["scenario"], "conn-flood");
+    let run = &report["runs"]["bulwark"];
+    assert!(run["proxy"]["peak_rss_bytes"].as_u64().unwrap() > 1 << 20);
+    let f = &run["flood"];
+    let n = |v: &Value| v.as_u64().unwrap_or_else(|| panic!("a count: {f}"));
+
+    // Every flood connection was served its 401, then sent away for not authenticating
+    // while the client still held it.
+    assert_eq!(n(&f["accepted"]), 200, "{f}");
+    assert_eq!(
+        n(&f["refused"]) + n(&f["timed_out"]) + n(&f["other"]),
+        0,
+        "{f}"
+    );
+    assert_eq!(n(&f["closed_by_bulwark"]), 200, "{f}");
+    assert!(
+        n(&f["bulwark_closed"]["unauthenticated_timeout"]) >= 200,
+        "{f}"
+    );
+
+    // Bulwark held a descriptor per flood connection, and gave them back.
+    let fds = &f["fds"];
+    assert!(n(&fds["peak"]) >= n(&fds["idle"]) + 150, "{fds}");
+    assert!(n(&fds["after"]) <= n(&fds["idle"]) + 10, "{fds}");
+    for key in ["idle", "peak", "after"] {
+        assert!(n(&f["rss_bytes"][key]) > 1 << 20, "{f}");
+    }
+
+    // The authenticated client, the admin listener and a newcomer were served throughout.
+    for phase in ["gets_before", "gets_during", "readyz_during"] {
+        let l = &f[phase];
+        assert!(n(&l["ok"]) > 0, "{phase}: {l}");
+        assert_eq!(n(&l["failed"]), 0, "{phase}: {l}");
+        for key in ["p50_ms", "p99_ms", "max_ms"] {
+            assert!(l[key].as_f64().unwrap() > 0.0, "{phase}.{key}: {l}");
+        }
+    }
+    assert_eq!(f["new_client"]["connected"], true, "{f}");
+    let class = &run["classes"]["authenticated"];
+    assert_eq!(class["errors"], 0, "{class}");
+}

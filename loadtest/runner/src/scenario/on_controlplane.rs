@@ -270,6 +270,7 @@ async fn one_run(
             .collect(),
         event_delivery_p99_ms,
         watch_bytes_per_event,
+        flood: None,
     })
 }
 

@@ -409,6 +409,7 @@ impl<'a> Bench<'a> {
             .into(),
             event_delivery_p99_ms: None,
             watch_bytes_per_event: None,
+            flood: None,
         })
     }
 

@@ -12,7 +12,10 @@ use cli::{CertsCommand, Cli, Command, LogFormat, RulesCommand};
 
 /// mimalloc rather than glibc's malloc: a proxy allocates and frees small buffers for every
 /// request, and glibc's arenas spent about 15% of a saturated core on it (`_int_malloc`,
-/// `_int_free`, `malloc_consolidate`, `unlink_chunk` in the pass-through profile).
+/// `_int_free`, `malloc_consolidate`, `unlink_chunk` in the pass-through profile). Version 2
+/// (the workspace's `v2` feature): version 3 kept what thousands of closed connections had
+/// held resident in idle worker threads' heaps (178 MiB of 140 MiB used after a 3,000
+/// connection flood, against 4 MiB with version 2; `loadtest/runner/results/`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

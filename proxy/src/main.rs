@@ -14,8 +14,8 @@ use cli::{CertsCommand, Cli, Command, LogFormat, RulesCommand};
 /// request, and glibc's arenas spent about 15% of a saturated core on it (`_int_malloc`,
 /// `_int_free`, `malloc_consolidate`, `unlink_chunk` in the pass-through profile). Version 2
 /// (the workspace's `v2` feature): version 3 kept what thousands of closed connections had
-/// held resident in idle worker threads' heaps (178 MiB of 140 MiB used after a 3,000
-/// connection flood, against 4 MiB with version 2; `loadtest/runner/results/`).
+/// held resident in idle worker threads' heaps (after a 3,000-connection flood had closed,
+/// 178 MiB resident against 40 MiB idle; version 2: 42 MiB; `loadtest/runner/results/`).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

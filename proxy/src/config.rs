@@ -178,12 +178,15 @@ pub struct ListenLimits {
     /// connections, the admin listener, the audit log and certificate reloads.
     pub reserved_file_descriptors: usize,
     /// A connection that has not authenticated a request (certificate or accepted token)
-    /// within this time after its handshake is closed: a client that only collects 401s
-    /// holds no connection. Requests on the anonymous allowlist do not count.
+    /// within this time after it was accepted is closed: a client that only collects 401s
+    /// holds no connection. Requests on the anonymous allowlist do not count. A connection
+    /// whose token is still being reviewed, or could not be reviewed through no fault of its
+    /// own (the review failed, or Bulwark's budget of reviews for everyone was spent), gets
+    /// up to two more periods.
     #[serde(with = "humantime_serde")]
     pub unauthenticated_timeout: Duration,
     /// A connection whose requests are refused this many times in a row for their
-    /// credentials (401, or a token review refused with 429) is closed.
+    /// credentials (401, or 429 because its own address's review bucket is empty) is closed.
     pub max_unauthenticated_requests: u32,
 }
 
@@ -502,10 +505,10 @@ pub struct TokenReview {
     /// is below half full, each client prefix gets a fair share of it: the rate divided
     /// among the prefixes active in the last second, and one more.
     pub rate: ReviewRate,
-    /// Reviews of unknown tokens Bulwark makes for one client prefix (IPv4 /24, IPv6 /48).
+    /// Reviews of unknown tokens Bulwark makes for one client address (IPv6 by its /64).
     pub per_source: ReviewRate,
-    /// Client prefixes whose review rate is remembered; the least recently seen beyond
-    /// this starts again with a full bucket.
+    /// Client addresses (and prefixes, for the fair share) whose review rate is remembered;
+    /// the least recently seen beyond this start again with a full bucket.
     pub max_sources: usize,
     /// Re-reviews of accepted tokens, apart from `rate` and `perSource` so that unknown
     /// tokens cannot spend them.

@@ -64,6 +64,12 @@ pub struct ConnAuth {
     refused_in_a_row: AtomicU32,
     max_refused: u32,
     give_up: Notify,
+    /// Requests of a not yet authenticated connection still being identified (a token
+    /// review can take seconds).
+    identifying: AtomicU32,
+    /// Whether a request could not be identified through no fault of the client's (no
+    /// review could be made) since the last look.
+    excused: AtomicBool,
 }
 
 impl ConnAuth {
@@ -74,7 +80,31 @@ impl ConnAuth {
             refused_in_a_row: AtomicU32::new(0),
             max_refused,
             give_up: Notify::new(),
+            identifying: AtomicU32::new(0),
+            excused: AtomicBool::new(false),
         }
+    }
+
+    /// Counts a request of a connection that has not authenticated yet as being identified
+    /// until the guard drops; `None` once the connection has authenticated.
+    pub fn identifying(self: &Arc<Self>) -> Option<Identifying> {
+        if self.authenticated() {
+            return None;
+        }
+        self.identifying.fetch_add(1, Ordering::Relaxed);
+        Some(Identifying(self.clone()))
+    }
+
+    /// A request could not be identified through no fault of the client's: the review
+    /// failed, or Bulwark's own review budget (all clients', in flight) said not now.
+    pub fn excused(&self) {
+        self.excused.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the connection deserves more time: a request is still being identified,
+    /// or one was excused since the last look.
+    fn deserves_more_time(&self) -> bool {
+        self.identifying.load(Ordering::Relaxed) > 0 || self.excused.swap(false, Ordering::Relaxed)
     }
 
     /// A request on the connection authenticated.
@@ -101,6 +131,16 @@ impl ConnAuth {
         self.authenticated.load(Ordering::Relaxed)
     }
 }
+/// One request of a not yet authenticated connection being identified.
+#[derive(Debug)]
+pub struct Identifying(Arc<ConnAuth>);
+
+impl Drop for Identifying {
+    fn drop(&mut self) {
+        self.0.identifying.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// Drain phases driven by the SIGTERM handler, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum DrainPhase {

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::limits::Bound;
 use super::{Credential, Identity, IdentityError, TokenCache};
 use crate::call::{Answered, Call, Classified, Identified, Next, Stage};
 use crate::listen::ConnInfo;
@@ -30,6 +31,7 @@ impl<B: Send + 'static> Stage<B> for Identify {
     type Out = Identified;
 
     async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
+        let identifying = call.conn.as_ref().and_then(|c| c.auth.identifying());
         let identity = identify(
             call.request.headers(),
             call.conn.as_ref(),
@@ -41,6 +43,7 @@ impl<B: Send + 'static> Stage<B> for Identify {
         if let Some(conn) = &call.conn {
             tell_connection(conn, &identity);
         }
+        drop(identifying);
         let identity = identity?;
         let _ = call.report.who.set(identity.name().to_string());
         let info = call.facts.info.clone();
@@ -49,12 +52,17 @@ impl<B: Send + 'static> Stage<B> for Identify {
 }
 
 /// Tells the connection whether its client authenticates, so that one that never does (or
-/// keeps failing) is closed. A review that could not be made is not the client's fault, and
-/// an anonymous request on the allowlist (a balancer's `/readyz`) proves nothing either way.
+/// keeps failing) is closed. A review that could not be made (it failed, or Bulwark's own
+/// budget of reviews for everyone said not now) is not the client's fault, and an anonymous
+/// request on the allowlist (a balancer's `/readyz`) proves nothing either way.
 fn tell_connection(conn: &ConnInfo, identity: &Result<Identity, IdentityError>) {
     match identity {
         Ok(Identity::User { .. }) => conn.auth.accepted(),
-        Ok(Identity::Anonymous) | Err(IdentityError::ReviewFailed(_)) => {}
+        Ok(Identity::Anonymous) => {}
+        Err(IdentityError::ReviewFailed(_)) => conn.auth.excused(),
+        Err(IdentityError::ReviewLimited(limited)) if limited.bound != Bound::Source => {
+            conn.auth.excused()
+        }
         Err(_) => conn.auth.refused(),
     }
 }

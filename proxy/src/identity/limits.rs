@@ -1,17 +1,18 @@
-//! How many TokenReviews Bulwark may make: per client prefix, for everyone (shared fairly
+//! How many TokenReviews Bulwark may make: per client address, for everyone (shared fairly
 //! between prefixes), at once, and apart from these for re-reviews of accepted tokens.
 //!
 //! A token neither cache knows costs an upstream review before any rule applies, so an
 //! unbounded stream of made-up tokens would be an unbounded stream of reviews. Each review
-//! takes a token from its source's bucket and from the global bucket, then a slot among
-//! the reviews in flight. A source is a prefix (IPv4 /24, IPv6 /48) rather than an address,
-//! because whoever holds one address commonly holds its neighbours too. Its bucket lives in
-//! an LRU of `maxSources` prefixes, so however many come by, memory stays bounded; a prefix
-//! pushed out starts again with a full bucket, which the global bucket still bounds.
+//! takes a token from its source address's bucket (IPv6 by /64) and from the global bucket,
+//! then a slot among the reviews in flight. Buckets live in LRUs of `maxSources` entries,
+//! so however many addresses come by, memory stays bounded; one pushed out starts again
+//! with a full bucket, which the global bucket still bounds.
 //!
-//! Once the global bucket is below half full, a prefix takes from it only within its fair
+//! Once the global bucket is below half full, a prefix (IPv4 /24, IPv6 /48: whoever holds
+//! one address commonly holds its neighbours too) takes from it only within its fair
 //! share: the global rate divided among the prefixes active in the last second and one
-//! more for a newcomer. Many prefixes flooding together then leave the bucket's lower part,
+//! more for a newcomer. The per-address bucket stays per address: the nodes of one /24
+//! subnet each re-review their own tokens after a Bulwark restart. Many prefixes flooding together then leave the bucket's lower part,
 //! and a share of its refill, to the others.
 //!
 //! Re-reviews of tokens already accepted have a bucket and in-flight slots of their own,
@@ -53,7 +54,7 @@ pub enum Bound {
 impl std::fmt::Display for Bound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Bound::Source => "this client address range makes too many token reviews",
+            Bound::Source => "this client address makes too many token reviews",
             Bound::Global => "too many token reviews",
             Bound::InFlight => "too many token reviews in flight",
             Bound::Refresh => "too many token re-reviews",
@@ -61,8 +62,22 @@ impl std::fmt::Display for Bound {
     }
 }
 
-/// A client address as its review bucket is keyed: IPv4 by its /24, IPv6 by its /48 (a
-/// site's usual allocation), IPv4-mapped IPv6 as the IPv4 address.
+/// A client address as its own review bucket is keyed: IPv4 as is, IPv6 by its /64 (one
+/// host commonly holds a whole /64), IPv4-mapped IPv6 as the IPv4 address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Source(IpAddr);
+
+impl From<IpAddr> for Source {
+    fn from(ip: IpAddr) -> Self {
+        match ip.to_canonical() {
+            IpAddr::V6(v6) => Source(IpAddr::V6((u128::from(v6) & !(u128::MAX >> 64)).into())),
+            v4 => Source(v4),
+        }
+    }
+}
+
+/// A client address as its fair share of the global bucket is keyed: IPv4 by its /24, IPv6
+/// by its /48 (a site's usual allocation), IPv4-mapped IPv6 as the IPv4 address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Prefix(IpAddr);
 
@@ -103,8 +118,6 @@ impl Bucket {
 
 /// What is remembered of one prefix.
 struct PrefixState {
-    /// Its own bucket (`perSource`).
-    own: Bucket,
     /// Its fair share of the global bucket, spent only while that is below half full.
     share: Bucket,
     /// The last activity window it was counted in.
@@ -147,6 +160,8 @@ impl Activity {
 /// The buckets of unknown tokens' reviews, under one lock.
 struct Buckets {
     global: Bucket,
+    /// Each address's own bucket (`perSource`).
+    sources: LruCache<Source, Bucket>,
     prefixes: LruCache<Prefix, PrefixState>,
     activity: Activity,
 }
@@ -187,6 +202,7 @@ impl ReviewLimits {
         Self {
             buckets: Mutex::new(Buckets {
                 global: Bucket::holding(f64::from(rate.burst), now),
+                sources: LruCache::new(prefixes),
                 prefixes: LruCache::new(prefixes),
                 activity: Activity {
                     window: 0,
@@ -205,8 +221,8 @@ impl ReviewLimits {
         }
     }
 
-    /// Takes one review of an unknown token from the source prefix's bucket, then from
-    /// everyone's within the prefix's fair share. Nothing is taken when either refuses. A
+    /// Takes one review of an unknown token from the source address's bucket, then from
+    /// everyone's within the source prefix's fair share. Nothing is taken when either refuses. A
     /// request without a known address (none reaches here from the listener) counts against
     /// everyone's only.
     pub fn take(&self, source: Option<IpAddr>) -> Result<(), Limited> {
@@ -214,6 +230,7 @@ impl ReviewLimits {
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         let Buckets {
             global,
+            sources,
             prefixes,
             activity,
         } = &mut *buckets;
@@ -224,8 +241,17 @@ impl ReviewLimits {
             return take_global(global, global_qps);
         };
         let per_source = self.per_source;
+        let own = sources.get_or_insert_mut(Source::from(ip), || {
+            Bucket::holding(f64::from(per_source.burst), now)
+        });
+        own.refill(per_source.qps, f64::from(per_source.burst), now);
+        if own.tokens < 1.0 {
+            return Err(Limited {
+                bound: Bound::Source,
+                retry_after: own.wait(per_source.qps),
+            });
+        }
         let state = prefixes.get_or_insert_mut(Prefix::from(ip), || PrefixState {
-            own: Bucket::holding(f64::from(per_source.burst), now),
             // Refilled to the share's capacity below, whatever that is now.
             share: Bucket::holding(f64::INFINITY, now),
             window: u64::MAX,
@@ -233,15 +259,6 @@ impl ReviewLimits {
         if state.window != activity.window {
             state.window = activity.window;
             activity.current += 1;
-        }
-        state
-            .own
-            .refill(per_source.qps, f64::from(per_source.burst), now);
-        if state.own.tokens < 1.0 {
-            return Err(Limited {
-                bound: Bound::Source,
-                retry_after: state.own.wait(per_source.qps),
-            });
         }
         // The active prefixes and one more, for whoever comes next.
         let shares = (activity.active() + 1) as f64;
@@ -259,7 +276,9 @@ impl ReviewLimits {
         if contended {
             state.share.tokens -= 1.0;
         }
-        state.own.tokens -= 1.0;
+        if let Some(own) = sources.get_mut(&Source::from(ip)) {
+            own.tokens -= 1.0;
+        }
         Ok(())
     }
 
@@ -329,7 +348,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_prefix_gets_its_burst_then_its_rate() {
+    async fn an_address_gets_its_burst_then_its_rate() {
         let limits = limits(|s| {
             s.per_source = config::ReviewRate { qps: 2.0, burst: 3 };
         });
@@ -339,35 +358,41 @@ mod tests {
         let refused = limits.take(ip("10.0.0.1")).unwrap_err();
         assert_eq!(refused.bound, Bound::Source);
         assert_eq!(refused.retry_after, Duration::from_millis(500));
-        // Another /24 has a bucket of its own; the same /24 and the same /48 do not.
-        assert!(limits.take(ip("10.0.0.2")).is_err());
-        limits.take(ip("10.0.1.1")).unwrap();
-        limits.take(ip("2001:db8::1")).unwrap();
-        limits.take(ip("2001:db8:0:1::2")).unwrap();
-        limits.take(ip("2001:db8:0:ffff::3")).unwrap();
+        // Another address, even of the same /24, has a bucket of its own; so has another
+        // IPv6 /64, but not another address of the same /64.
+        limits.take(ip("10.0.0.2")).unwrap();
+        for _ in 0..3 {
+            limits.take(ip("2001:db8::1")).unwrap();
+        }
         assert!(limits.take(ip("2001:db8::ffff:1")).is_err());
-        limits.take(ip("2001:db8:1::1")).unwrap();
+        limits.take(ip("2001:db8:0:1::2")).unwrap();
         // IPv4-mapped IPv6 is the IPv4 address.
-        assert!(limits.take(ip("::ffff:10.0.0.9")).is_err());
+        assert!(limits.take(ip("::ffff:10.0.0.1")).is_err());
         tokio::time::advance(Duration::from_millis(500)).await;
         limits.take(ip("10.0.0.1")).unwrap();
-        assert!(limits.take(ip("10.0.0.200")).is_err());
     }
 
     #[tokio::test(start_paused = true)]
-    async fn two_hundred_addresses_in_one_slash_24_share_one_bucket() {
+    async fn the_nodes_of_one_slash_24_each_get_their_own_bucket() {
+        // After a Bulwark restart every node of a node subnet has its tokens reviewed anew:
+        // 200 nodes of one /24, five tokens each, well within the global rate.
         let limits = limits(|s| {
-            s.per_source = config::ReviewRate {
-                qps: 1.0,
-                burst: 10,
+            s.per_source = config::ReviewRate { qps: 1.0, burst: 5 };
+            s.rate = config::ReviewRate {
+                qps: 500.0,
+                burst: 2000,
             };
         });
         let taken = (1..=200)
+            .flat_map(|host| std::iter::repeat_n(host, 5))
             .filter(|host| limits.take(ip(&format!("10.0.0.{host}"))).is_ok())
             .count();
-        assert_eq!(taken, 10);
-        // Another /24 is untouched.
-        limits.take(ip("10.0.1.1")).unwrap();
+        assert_eq!(taken, 1000);
+        // A sixth from one node is its own bucket's to refuse.
+        assert_eq!(
+            limits.take(ip("10.0.0.7")).unwrap_err().bound,
+            Bound::Source
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -466,6 +491,7 @@ mod tests {
         }
         let buckets = limits.buckets.into_inner().unwrap();
         assert_eq!(buckets.prefixes.len(), 100);
+        assert_eq!(buckets.sources.len(), 100);
     }
 
     #[tokio::test(start_paused = true)]

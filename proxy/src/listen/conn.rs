@@ -30,6 +30,10 @@ use super::{ConnAuth, ConnInfo, DrainPhase};
 use crate::metrics::Metrics;
 use crate::{Body, BoxError, config};
 
+/// How many more `unauthenticatedTimeout` periods a connection gets whose requests could
+/// not be identified through no fault of its own.
+const MAX_EXTENSIONS: u32 = 2;
+
 /// How long a connection closed for not authenticating has to flush its last answers.
 const LAST_WORDS: Duration = Duration::from_secs(1);
 
@@ -187,6 +191,7 @@ pub(super) async fn serve<S>(
     let auth_deadline = tokio::time::sleep_until(started + settings.unauthenticated_timeout);
     tokio::pin!(auth_deadline);
     let mut auth_pending = true;
+    let mut extensions = 0;
     let hard_close = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(hard_close);
     let mut closing = false;
@@ -220,6 +225,16 @@ pub(super) async fn serve<S>(
                 shutting_down = true;
             }
             () = &mut auth_deadline, if auth_pending => {
+                if extensions < MAX_EXTENSIONS && auth.deserves_more_time() {
+                    // A review still running or refused by Bulwark's own budget (an
+                    // apiserver outage, a restart's backlog) is not the client's fault; a
+                    // flood that keeps the budget spent gets no more than a few periods.
+                    extensions += 1;
+                    auth_deadline
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + settings.unauthenticated_timeout);
+                    continue;
+                }
                 auth_pending = false;
                 if !auth.authenticated() {
                     tracing::debug!(%peer, "closing a connection that never authenticated");

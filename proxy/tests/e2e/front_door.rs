@@ -378,3 +378,38 @@ async fn a_connection_that_keeps_collecting_401s_is_closed_and_one_that_authenti
         "alice's connection was closed as unauthenticated"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_whose_token_review_is_slow_keeps_its_connection() {
+    // The apiserver answers everything, its TokenReview included, in 1.6 s: longer than the
+    // unauthenticated timeout. A client waiting on its review is not a client that never
+    // authenticates.
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        settings: vec![("listen.limits.unauthenticatedTimeout", "1s")],
+        ..Setup::default()
+    })
+    .await
+    .ready()
+    .await;
+    cluster
+        .fleet
+        .replica(0)
+        .set_delay(Duration::from_millis(1600));
+    let mut tina = cluster.anonymous_client().await;
+    let answer = tina
+        .try_send(bulwark_testkit::with_token(
+            bulwark_testkit::get("/api/v1/namespaces/team/configmaps"),
+            bulwark_testkit::GOOD_TOKEN,
+        ))
+        .await
+        .expect("the connection was closed while its token was being reviewed");
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        metric(
+            &cluster,
+            r#"bulwark_connections_closed_total{reason="unauthenticated_timeout"}"#
+        ),
+        0.0
+    );
+}

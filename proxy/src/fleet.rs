@@ -223,6 +223,9 @@ struct Seen {
     renewed: Option<SystemTime>,
     /// The last failure, if the last round failed.
     error: Option<String>,
+    /// The demand this replica's Lease carried before the last renewal: what the others
+    /// may still be splitting with.
+    published: Option<Demand>,
 }
 
 /// The running fleet membership of this replica.
@@ -321,6 +324,22 @@ impl Fleet {
         let statics = self.local.statics();
         let shares = split(&me.identity, &leases, now, &statics, s.bulwark_replicas);
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        // The others split with the demand this replica published a round ago (their list
+        // may precede this write). A share grows only once they can have seen the demand
+        // behind it: otherwise replicas whose demand rises together would each take most of
+        // a budget from the others' old, idle Leases, and together more than the whole.
+        let shares = match seen.published.replace(me.demand.clone()) {
+            Some(before) if before != me.demand => {
+                let mut as_seen = leases.clone();
+                if let Some(mine) = as_seen.iter_mut().find(|m| m.identity == me.identity) {
+                    mine.demand = before;
+                }
+                let seen_by_others =
+                    split(&me.identity, &as_seen, now, &statics, s.bulwark_replicas);
+                at_most(shares, &seen_by_others)
+            }
+            _ => shares,
+        };
         seen.leases = leases;
         seen.renewed = Some(me.renewed);
         seen.error = None;
@@ -403,6 +422,21 @@ impl Fleet {
             "shares": &*shares,
         })
     }
+}
+
+/// `shares`, each no larger than in `other` (the same split with other demand).
+fn at_most(mut shares: Shares, other: &Shares) -> Shares {
+    for (mine, theirs) in [
+        (&mut shares.list_bytes, &other.list_bytes),
+        (&mut shares.seats, &other.seats),
+    ] {
+        for (name, held) in mine.iter_mut() {
+            if let Some(bound) = theirs.get(name) {
+                held.share = held.share.min(bound.share);
+            }
+        }
+    }
+    shares
 }
 
 /// The shares of `me` given every Lease seen (`leases`, `me`'s included) at `now`.

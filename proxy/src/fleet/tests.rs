@@ -177,6 +177,8 @@ async fn a_replica_alone_gets_the_whole_and_members_split_by_demand_above_a_floo
         );
         assert_eq!(r.metrics.fleet_members.get(), 2);
     }
+    // A's share grows once B can have seen A's demand: a round later.
+    tokio::time::sleep(RENEW).await;
     // B asks nothing: 10% of an equal share (15 bytes); A the rest.
     assert_eq!(b.bytes(), Some(15));
     assert_eq!(a.bytes(), Some(285));
@@ -201,6 +203,36 @@ async fn a_replica_alone_gets_the_whole_and_members_split_by_demand_above_a_floo
     let (sa, sb) = (a.bytes().unwrap(), b.bytes().unwrap());
     assert_eq!((sa, sb), (15 + 67, 15 + 202));
     assert!(sa + sb <= 300);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn demand_rising_on_every_replica_at_once_never_shares_out_more_than_the_whole() {
+    // An apiserver restart: every Bulwark's relists begin in the same renew period. Each
+    // sees the others' Leases from before it, still idle; taking its split from those
+    // would give each most of the budget, and the fleet several budgets at once.
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start(id, &memory))
+        .collect();
+    tokio::time::sleep(RENEW * 2).await;
+    let total = |replicas: &[Replica]| replicas.iter().map(|r| r.bytes().unwrap()).sum::<u64>();
+    assert_eq!(total(&replicas), 300, "idle: equal thirds");
+    for (r, wants) in replicas.iter().zip([5000u64, 3000, 1000]) {
+        r.wants.bytes.store(wants, Ordering::SeqCst);
+        r.wants.seats.store(wants / 100, Ordering::SeqCst);
+    }
+    // Every sample of every round while the demand spreads through the Leases.
+    for _ in 0..40 {
+        tokio::time::sleep(RENEW / 8).await;
+        let bytes = total(&replicas);
+        let seats: u32 = replicas.iter().map(|r| r.seats().unwrap()).sum();
+        assert!(bytes <= 300, "{bytes} of 300 bytes shared out");
+        assert!(seats <= 30, "{seats} of 30 seats shared out");
+    }
+    // Once everyone has seen everyone's demand, the split follows it.
+    let shares: Vec<u64> = replicas.iter().map(|r| r.bytes().unwrap()).collect();
+    assert!(shares[0] > shares[1] && shares[1] > shares[2], "{shares:?}");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -1218,13 +1218,16 @@ impl Timeouts {
     }
 
     /// The limit on one try of a request until its response head ([`Timeouts::attempt`]):
-    /// reads that are not lists, watches' starts included; `None` for lists, writes and
-    /// the long-running requests whose head waits on something other than the apiserver
+    /// resource reads that are not lists, watches' starts included; `None` for lists,
+    /// writes, non-resource reads (`/openapi/v2`, discovery) and the long-running requests whose head waits on something other than the apiserver
     /// (a pod's proxy, `log?follow`, a profile).
     pub fn attempt_for(&self, info: &crate::classify::RequestInfo) -> Option<Duration> {
         use crate::classify::Verb;
         let head_from_apiserver = !info.is_long_running() || info.verb == Verb::Watch;
-        (info.is_read() && !info.is_list() && head_from_apiserver).then_some(self.attempt)
+        // Non-resource reads (`/openapi/v2` of a cluster with many CRDs, discovery) can be
+        // slow on every replica: sending them again would triple the work for a 504.
+        (info.resource_request && info.is_read() && !info.is_list() && head_from_apiserver)
+            .then_some(self.attempt)
     }
 }
 

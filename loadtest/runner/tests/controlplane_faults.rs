@@ -433,7 +433,8 @@ async fn slow_bodies_hold_bounded_memory_and_leave_other_levels_served() {
 /// etcd is stopped (SIGSTOP) for [`FREEZE_FOR`], then continued. Meanwhile a
 /// write and a consistent read, each asking the apiserver for a 4 s `timeout`, get the
 /// apiserver's own answer (its 504 timeout `Status`, no `X-Bulwark-Reason`; for the read,
-/// a 502 where the apiserver reset the stream instead) within 10 s, not a hang; cached
+/// Bulwark's 504 where the apiserver reset the stream at the timeout instead) within 10 s,
+/// not a hang; cached
 /// reads (Secrets at resourceVersion 0) keep being answered 200 by Bulwark's cache. Afterwards
 /// a Secret written straight to the apiserver reaches Bulwark's cache within 30 s,
 /// `bulwark_cache_relists_total` rises by at most one per cached resource, and the
@@ -533,11 +534,13 @@ async fn etcd_frozen_for_15_s() {
             answer.summary()
         );
         // The apiserver times a consistent read out either with its 504 Status or, when
-        // the handler has begun, with a reset of the stream (INTERNAL_ERROR), which
-        // Bulwark can only tell as its own 502. A write always gets the Status.
+        // the handler has begun, with a reset of the stream (INTERNAL_ERROR): past the
+        // read's own `timeout` Bulwark answers that with its own 504, and sends nothing
+        // again (a retry once made it take twice the timeout). A write always gets the
+        // Status.
         let reset = what == "consistent read"
-            && answer.status == 502
-            && answer.bulwark_reason.as_deref() == Some("upstream_error");
+            && answer.status == 504
+            && answer.bulwark_reason.as_deref() == Some("upstream_timeout");
         if !reset {
             assert_eq!(
                 answer.bulwark_reason,

@@ -27,6 +27,9 @@ const MAX_HEADER: usize = 4096;
 /// A v2 header's fixed part: signature, version and command, family, length.
 const V2_FIXED: usize = 16;
 
+/// The longest v1 header, CR LF included.
+const V1_MAX: usize = 107;
+
 /// The v1 header's first bytes.
 const V1_SIGNATURE: &[u8] = b"PROXY ";
 
@@ -176,18 +179,32 @@ fn header(buf: &[u8]) -> Result<Option<(usize, Option<SocketAddr>)>, Refused> {
             return Err(Refused::TooLong);
         }
     }
-    // ppp takes a v1 line with fields missing for one still arriving; once its CR LF is in,
-    // nothing more can complete it.
-    let v1_line = buf.starts_with(V1_SIGNATURE).then(|| {
-        buf.windows(2)
-            .position(|w| w == b"\r\n")
-            .map(|end| &buf[..end + 2])
-    });
-    let parsed = HeaderResult::parse(v1_line.flatten().unwrap_or(buf));
+    // ppp takes a v1 line with fields missing for one still arriving, and an UNKNOWN line
+    // without its CR LF for a whole one: a v1 header is read up to its first CR, which must
+    // be followed by LF (within 107 bytes), and once that is in nothing more can complete it.
+    let v1_line = if buf.starts_with(V1_SIGNATURE) {
+        match buf.iter().position(|&b| b == b'\r') {
+            Some(cr) if cr + 2 > V1_MAX => {
+                return Err(Refused::Malformed(format!("no CR LF within {V1_MAX} bytes")));
+            }
+            Some(cr) if cr + 1 == buf.len() => return Ok(None),
+            Some(cr) if buf[cr + 1] != b'\n' => {
+                return Err(Refused::Malformed("a CR without its LF".into()));
+            }
+            Some(cr) => Some(&buf[..cr + 2]),
+            None if buf.len() >= V1_MAX => {
+                return Err(Refused::Malformed(format!("no CR LF within {V1_MAX} bytes")));
+            }
+            None => return Ok(None),
+        }
+    } else {
+        None
+    };
+    let parsed = HeaderResult::parse(v1_line.unwrap_or(buf));
     if parsed.is_incomplete() {
         return match v1_line {
-            Some(Some(_)) => Err(Refused::Malformed("the v1 line lacks fields".into())),
-            _ => Ok(None),
+            Some(_) => Err(Refused::Malformed("the v1 line lacks fields".into())),
+            None => Ok(None),
         };
     }
     match parsed {
@@ -424,6 +441,13 @@ mod tests {
         huge.extend_from_slice(&[0x21, 0x11, 0xff, 0xff]);
         let refused = run(huge, 100, balancer(), Some(&trust(true))).await;
         assert!(matches!(refused, Err(Refused::TooLong)), "{refused:?}");
+
+        // An UNKNOWN line without its CR LF is no header, whatever follows it.
+        let mut bare = b"PROXY UNKNOWN \n".to_vec();
+        bare.extend_from_slice(TLS_START);
+        let refused = run(bare, 100, balancer(), Some(&trust(true))).await;
+        assert!(matches!(refused, Err(Refused::Silent)), "{refused:?}");
+        assert_eq!(at_start(b"PROXY UNKNOWN \n"), Ok(None));
 
         let endless = vec![b'P', b'R', b'O', b'X', b'Y', b' ']
             .into_iter()

@@ -185,7 +185,9 @@ fn header(buf: &[u8]) -> Result<Option<(usize, Option<SocketAddr>)>, Refused> {
     let v1_line = if buf.starts_with(V1_SIGNATURE) {
         match buf.iter().position(|&b| b == b'\r') {
             Some(cr) if cr + 2 > V1_MAX => {
-                return Err(Refused::Malformed(format!("no CR LF within {V1_MAX} bytes")));
+                return Err(Refused::Malformed(format!(
+                    "no CR LF within {V1_MAX} bytes"
+                )));
             }
             Some(cr) if cr + 1 == buf.len() => return Ok(None),
             Some(cr) if buf[cr + 1] != b'\n' => {
@@ -193,7 +195,9 @@ fn header(buf: &[u8]) -> Result<Option<(usize, Option<SocketAddr>)>, Refused> {
             }
             Some(cr) => Some(&buf[..cr + 2]),
             None if buf.len() >= V1_MAX => {
-                return Err(Refused::Malformed(format!("no CR LF within {V1_MAX} bytes")));
+                return Err(Refused::Malformed(format!(
+                    "no CR LF within {V1_MAX} bytes"
+                )));
             }
             None => return Ok(None),
         }

@@ -1082,19 +1082,18 @@ mod tests {
         assert!(!wants_upgrade(&headers));
     }
 
-    /// A config whose CA is a freshly minted one in a temp folder.
-    fn config(replicas: &[&str]) -> (config::Upstream, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!("bulwark-upstream-{}", rand::random::<u64>()));
-        std::fs::create_dir_all(&dir).unwrap();
+    /// A config whose CA is a freshly minted one in a temp folder (removed when dropped).
+    fn config(replicas: &[&str]) -> (config::Upstream, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
         let key = rcgen::KeyPair::generate().unwrap();
         let ca = params.self_signed(&key).unwrap();
-        std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
         let yaml = format!(
             "replicas: {replicas:?}\nca: {}\nself: {{tokenFile: {}}}\n",
-            dir.join("ca.pem").display(),
-            dir.join("token").display()
+            dir.path().join("ca.pem").display(),
+            dir.path().join("token").display()
         );
         (serde_norway::from_str(&yaml).unwrap(), dir)
     }
@@ -1102,11 +1101,11 @@ mod tests {
     #[test]
     fn tls_settings_fail_with_the_file_named() {
         let (mut cfg, dir) = config(&["a:1"]);
-        cfg.ca = dir.join("missing.pem");
+        cfg.ca = dir.path().join("missing.pem");
         let err = UpstreamTls::from_config(&cfg).unwrap_err().to_string();
         assert!(err.contains("missing.pem"), "{err}");
-        std::fs::write(dir.join("empty.pem"), "").unwrap();
-        cfg.ca = dir.join("empty.pem");
+        std::fs::write(dir.path().join("empty.pem"), "").unwrap();
+        cfg.ca = dir.path().join("empty.pem");
         let err = UpstreamTls::from_config(&cfg).unwrap_err().to_string();
         assert!(err.contains("no CA certificate"), "{err}");
     }
@@ -1133,11 +1132,11 @@ mod tests {
         let (cfg, dir) = config(&["a:1"]);
         let tls = UpstreamTls::from_config(&cfg).unwrap();
         assert!(tls.own_bearer().is_err(), "token file missing");
-        std::fs::write(dir.join("token"), "first\n").unwrap();
+        std::fs::write(dir.path().join("token"), "first\n").unwrap();
         assert_eq!(tls.own_bearer().unwrap().unwrap(), "Bearer first");
         // Rotation writes a new file; its modification time changes.
         std::thread::sleep(Duration::from_millis(20));
-        std::fs::write(dir.join("token"), "second").unwrap();
+        std::fs::write(dir.path().join("token"), "second").unwrap();
         assert_eq!(tls.own_bearer().unwrap().unwrap(), "Bearer second");
     }
 

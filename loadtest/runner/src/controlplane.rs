@@ -767,25 +767,20 @@ impl ControlPlane {
     /// (`verb="LIST"`, `resource="secrets"`), each replica's own count from its `/metrics`;
     /// a replica that does not answer counts none.
     pub async fn apiserver_requests(&self, labels: &[&str]) -> u64 {
-        let mut sum = 0;
-        for i in 0..self.replicas.len() {
-            let Ok(admin) = self.admin_client(i).await else {
-                continue;
-            };
-            let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
-                continue;
-            };
-            if let Ok(text) = admin.request_text(request).await {
-                sum += request_total(&text, labels);
-            }
-        }
-        sum
+        self.sum_over_metrics(|text| request_total(text, labels))
+            .await
     }
 
     /// Watches open on the replicas, as each counts them on its own `/metrics`
     /// (`apiserver_longrunning_requests{verb="WATCH"}`), summed; a replica that does not
     /// answer counts none.
     pub async fn open_watches(&self) -> u64 {
+        self.sum_over_metrics(longrunning_watches).await
+    }
+
+    /// `count` of each replica's own `/metrics`, summed; a replica that does not answer
+    /// counts none.
+    async fn sum_over_metrics(&self, count: impl Fn(&str) -> u64) -> u64 {
         let mut sum = 0;
         for i in 0..self.replicas.len() {
             let Ok(admin) = self.admin_client(i).await else {
@@ -795,7 +790,7 @@ impl ControlPlane {
                 continue;
             };
             if let Ok(text) = admin.request_text(request).await {
-                sum += longrunning_watches(&text);
+                sum += count(&text);
             }
         }
         sum

@@ -18,7 +18,6 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 /// kubelet's `Accept` (protobuf, JSON for what has no protobuf).
 const KUBELET_ACCEPT: &str = "application/vnd.kubernetes.protobuf,application/json";
@@ -86,13 +85,9 @@ async fn apiserver_answers_nobody(direct: &Client, path: &str) -> Result<String,
 /// `/metrics`.
 async fn requests_total(cp: &ControlPlane, labels: &[&str]) -> f64 {
     let admin = cp.bulwark_admin_addr().expect("Bulwark runs");
-    let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: bulwark\r\n\r\n")
+    let (_, text) = bulwark_testkit::admin_get(admin, "/metrics")
         .await
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.unwrap();
+        .expect("Bulwark's admin listener answers");
     text.lines()
         .filter(|l| l.starts_with("bulwark_requests_total{"))
         .filter(|l| labels.iter().all(|label| l.contains(label)))

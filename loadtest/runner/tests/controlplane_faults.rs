@@ -940,13 +940,9 @@ fn mib(bytes: u64) -> String {
 /// Bulwark's admin `/metrics`.
 async fn bulwark_metrics(cp: &ControlPlane) -> String {
     let addr = cp.bulwark_admin_addr().expect("Bulwark runs");
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: bulwark\r\n\r\n")
+    let (_, text) = bulwark_testkit::admin_get(addr, "/metrics")
         .await
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.unwrap();
+        .expect("Bulwark's admin listener answers");
     text
 }
 

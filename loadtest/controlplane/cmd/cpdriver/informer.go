@@ -272,23 +272,9 @@ func churnNamespace(ctx context.Context, client kubernetes.Interface, namespace 
 // expected records the resulting state of each object.
 func doChurn(ctx context.Context, client kubernetes.Interface, resource, ns string, n int, expected map[string]string) error {
 	for i := 0; i < n; i++ {
-		k := i / 3
-		name := fmt.Sprintf("churn-%d", k)
-		key := ns + "/" + name
-		phase := i % 3
-		del := phase == 2 && k%2 == 0
-		var rv string
-		var err error
-		switch resource {
-		case "secrets":
-			rv, err = churnSecret(ctx, client, ns, name, i, phase == 0, del)
-		case "endpointslices":
-			rv, err = churnSlice(ctx, client, ns, name, i, phase == 0, del)
+		if err := churnOne(ctx, client, resource, ns, i, expected); err != nil {
+			return fmt.Errorf("write %d on %s/churn-%d: %w", i, ns, i/3, err)
 		}
-		if err != nil {
-			return fmt.Errorf("write %d on %s: %w", i, key, err)
-		}
-		expected[key] = rv
 	}
 	return nil
 }

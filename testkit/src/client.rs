@@ -66,15 +66,9 @@ impl Client {
         pki: &Pki,
         cert: Option<&CertKey>,
     ) -> Client {
-        let socket = match from {
-            std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
-            std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
-        }
-        .expect("socket");
-        socket
-            .bind(SocketAddr::new(from, 0))
-            .expect("bind the client address");
-        let tcp = socket.connect(addr).await.expect("connect");
+        let tcp = tcp_from(from, addr)
+            .await
+            .expect("connect from the client address");
         Client::over(tcp, pki, cert)
             .await
             .expect("TLS and HTTP/2 handshakes")
@@ -151,6 +145,20 @@ impl Client {
     pub async fn get_with_token(&mut self, path: &str, token: &str) -> Answer {
         self.send(with_token(get(path), token)).await
     }
+}
+
+/// A TCP connection to `to` from the local address `from` (any of 127.0.0.0/8 reaches a
+/// listener on 127.0.0.1).
+pub async fn tcp_from(
+    from: std::net::IpAddr,
+    to: SocketAddr,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let socket = match from {
+        std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }?;
+    socket.bind(SocketAddr::new(from, 0))?;
+    socket.connect(to).await
 }
 
 /// A GET request for `path` on Bulwark.

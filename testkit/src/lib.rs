@@ -18,7 +18,7 @@ pub mod client;
 pub mod cluster;
 pub mod config;
 
-pub use client::{Answer, Client, admin_get, get, post_json, tls_config, with_token};
+pub use client::{Answer, Client, admin_get, get, post_json, tcp_from, tls_config, with_token};
 pub use cluster::{
     ALICE_LISTS_RULES, BAD_TOKEN, BulwarkProcess, Cluster, GOOD_TOKEN, Setup, UNLIMITED_RULES,
     fleet_config, free_port, grant, kube_client, policy, start_fleet,

@@ -8,15 +8,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::TcpStream;
 
 use bulwark_testkit::{Client, Cluster, Setup, UNLIMITED_RULES, metric_sum};
 
 /// A TCP connection to `to` from the loopback address `from` (any of 127.0.0.0/8 is ours).
 async fn connect_from(from: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
-    let socket = TcpSocket::new_v4()?;
-    socket.bind(SocketAddr::from((from, 0)))?;
-    socket.connect(to).await
+    bulwark_testkit::tcp_from(from.into(), to).await
 }
 
 /// A TLS and HTTP/2 client without a certificate, connected from `from`.

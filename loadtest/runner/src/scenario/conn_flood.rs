@@ -28,7 +28,6 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpSocket;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
@@ -561,7 +560,7 @@ async fn flood_connection(
     closed_by_bulwark: Arc<AtomicU64>,
     letting_go: Arc<AtomicBool>,
 ) -> Attempt {
-    let tcp = match connect_from(source, to).await {
+    let tcp = match bulwark_testkit::tcp_from(IpAddr::V4(source), to).await {
         Ok(tcp) => tcp,
         Err(e) => return Attempt::Refused(format!("TCP: {e}")),
     };
@@ -601,13 +600,6 @@ async fn flood_connection(
         Ok(status) => Attempt::Other(format!("status {status}")),
         Err(e) => Attempt::Refused(format!("request: {e}")),
     }
-}
-
-/// A TCP connection to `to` from the loopback address `from`.
-async fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
-    let socket = TcpSocket::new_v4()?;
-    socket.bind(SocketAddr::new(IpAddr::V4(from), 0))?;
-    socket.connect(to).await
 }
 
 /// TLS to the target with its CA and no client certificate, offering HTTP/2.

@@ -276,9 +276,7 @@ impl ReviewLimits {
         if contended {
             state.share.tokens -= 1.0;
         }
-        if let Some(own) = sources.get_mut(&Source::from(ip)) {
-            own.tokens -= 1.0;
-        }
+        own.tokens -= 1.0;
         Ok(())
     }
 

@@ -253,7 +253,6 @@ pub struct Listener {
     settings: Arc<conn::Settings>,
     file_check_interval: Duration,
     connections: Connections,
-    metrics: Metrics,
 }
 
 impl Listener {
@@ -283,7 +282,6 @@ impl Listener {
             settings: Arc::new(conn::Settings::new(cfg, metrics)),
             file_check_interval: cfg.limits.file_check_interval,
             connections,
-            metrics: metrics.clone(),
         })
     }
 
@@ -333,7 +331,6 @@ impl Listener {
             tls,
             settings,
             connections,
-            metrics,
             ..
         } = self;
         let mut tasks = JoinSet::new();
@@ -350,7 +347,7 @@ impl Listener {
                         let guard = match connections.admit() {
                             Ok(guard) => guard,
                             Err(full) => {
-                                refuse(stream, full.reason(), &metrics);
+                                refuse(stream, full.reason(), &settings);
                                 continue;
                             }
                         };
@@ -408,15 +405,16 @@ impl Listener {
 /// Closes a connection Bulwark will not serve, with a reset so that the client fails at
 /// once (and a balancer tries another replica) instead of waiting on a handshake that will
 /// never come.
-fn refuse(stream: tokio::net::TcpStream, reason: &'static str, metrics: &Metrics) {
-    metrics
-        .connections_refused_total
-        .with_label_values(&[reason])
-        .inc();
-    if let Err(error) = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO)) {
+fn refuse(stream: tokio::net::TcpStream, reason: &'static str, settings: &conn::Settings) {
+    settings.refused(reason);
+    reset_on_close(&stream);
+}
+
+/// Makes closing `stream` send a reset (SO_LINGER 0) rather than a FIN.
+fn reset_on_close(stream: &tokio::net::TcpStream) {
+    if let Err(error) = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO)) {
         tracing::debug!(%error, "cannot set SO_LINGER");
     }
-    drop(stream);
 }
 
 /// How the accept loop reacts to an error from `accept`.

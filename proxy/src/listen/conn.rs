@@ -85,7 +85,8 @@ impl Settings {
         }
     }
 
-    fn refused(&self, reason: &'static str) {
+    /// Counts a connection refused before its handshake.
+    pub(super) fn refused(&self, reason: &'static str) {
         self.metrics
             .connections_refused_total
             .with_label_values(&[reason])
@@ -140,6 +141,7 @@ pub(super) async fn serve<S>(
         Err(full) => {
             tracing::debug!(%peer, "connection refused: too many from this source");
             settings.refused(full.reason());
+            super::reset_on_close(tcp.get_ref());
             return;
         }
     };

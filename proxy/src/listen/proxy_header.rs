@@ -261,6 +261,11 @@ impl<S> Rewind<S> {
     fn new(prefix: BytesMut, inner: S) -> Self {
         Rewind { prefix, inner }
     }
+
+    /// The stream underneath.
+    pub(super) fn get_ref(&self) -> &S {
+        &self.inner
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {

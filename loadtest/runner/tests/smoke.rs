@@ -13,6 +13,18 @@ fn run_scenario(scenario: &str, extra: &[&str]) -> Value {
 }
 
 fn run_with(scenario: &str, sizing: &[&str], extra: &[&str]) -> Value {
+    let (report, stdout) = run_table(scenario, sizing, extra);
+    if extra.is_empty() {
+        assert!(
+            stdout.contains("direct") && stdout.contains("bulwark"),
+            "the table compares both runs:\n{stdout}"
+        );
+    }
+    report
+}
+
+/// Runs `scenario` and returns its JSON report and the table it printed.
+fn run_table(scenario: &str, sizing: &[&str], extra: &[&str]) -> (Value, String) {
     let json = std::env::temp_dir().join(format!(
         "bulwark-loadtest-smoke-{scenario}-{}.json",
         std::process::id()
@@ -31,15 +43,10 @@ fn run_with(scenario: &str, sizing: &[&str], extra: &[&str]) -> Value {
         out.status.success(),
         "{scenario} failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
     );
-    if extra.is_empty() {
-        assert!(
-            stdout.contains("direct") && stdout.contains("bulwark"),
-            "the table compares both runs:\n{stdout}"
-        );
-    }
     let text = std::fs::read_to_string(&json).expect("the JSON report is written");
     let _ = std::fs::remove_file(&json);
-    serde_json::from_str(&text).expect("the report is JSON")
+    let report = serde_json::from_str(&text).expect("the report is JSON");
+    (report, stdout.into_owned())
 }
 
 fn check_run(run: &Value, classes: &[&str], proxy: bool) {
@@ -297,22 +304,17 @@ fn passthrough_measures_bulwark_with_h2load_without_its_limits() {
 
 #[test]
 fn conn_flood_is_closed_for_not_authenticating_while_the_other_clients_are_served() {
-    let json = std::env::temp_dir().join(format!(
-        "bulwark-loadtest-smoke-conn-flood-{}.json",
-        std::process::id()
-    ));
-    let out = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
-        .args(["conn-flood", "--connections", "200", "--sources", "4"])
-        .args(["--unauthenticated-timeout", "2s", "--hold", "20s"])
-        .args(["--settle", "3s", "--json"])
-        .arg(&json)
-        .output()
-        .expect("the binary runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "conn-flood failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    let (report, stdout) = run_table(
+        "conn-flood",
+        &["--connections", "200", "--sources", "4"],
+        &[
+            "--unauthenticated-timeout",
+            "2s",
+            "--hold",
+            "20s",
+            "--settle",
+            "3s",
+        ],
     );
     for row in [
         "accepted / refused / timed out / other",
@@ -324,9 +326,6 @@ fn conn_flood_is_closed_for_not_authenticating_while_the_other_clients_are_serve
     ] {
         assert!(stdout.contains(row), "the table has {row:?}:\n{stdout}");
     }
-    let text = std::fs::read_to_string(&json).expect("the JSON report is written");
-    let _ = std::fs::remove_file(&json);
-    let report: Value = serde_json::from_str(&text).expect("the report is JSON");
     assert_eq!(report["scenario"], "conn-flood");
     let run = &report["runs"]["bulwark"];
     assert!(run["proxy"]["peak_rss_bytes"].as_u64().unwrap() > 1 << 20);

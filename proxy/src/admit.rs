@@ -23,7 +23,7 @@
 
 mod budget;
 mod cost;
-mod flows;
+pub(crate) mod flows;
 pub mod layer;
 pub mod measure;
 mod queue;
@@ -377,7 +377,22 @@ impl Admission {
         shared.flows.maybe_sweep(now);
         let level = self.level(&m.level);
         let hash = flow_hash(&m.flow);
-        if let Err(wait) = shared.flows.check_rate(&m.flow, hash, rate, now) {
+        let share = shared.budget.rate_share(&m.flow);
+        if let Err(wait) = shared.flows.check_rate(&m.flow, hash, rate, share, now) {
+            let held = flows::scaled(rate, share);
+            let message = if held == rate {
+                format!(
+                    "flow {} is over its rate of {} requests per second (burst {})",
+                    m.flow, rate.qps, rate.burst
+                )
+            } else {
+                format!(
+                    "flow {} is over its rate of {} requests per second (burst {}) across the \
+                     Bulwark fleet; this replica holds {:.3} of it (burst {}) for the flow's \
+                     requests it sees",
+                    m.flow, rate.qps, rate.burst, held.qps, held.burst
+                )
+            };
             self.verdict(
                 m,
                 &level,
@@ -386,10 +401,7 @@ impl Admission {
                 now,
                 Verdict {
                     reason: Reason::RateLimited,
-                    message: format!(
-                        "flow {} is over its rate of {} requests per second (burst {})",
-                        m.flow, rate.qps, rate.burst
-                    ),
+                    message,
                     at_least: wait,
                 },
             )?;
@@ -634,6 +646,17 @@ impl Admission {
             *demand.seats.entry(level.spec.name.clone()).or_default() += seats;
         }
         demand
+    }
+
+    /// The flows asking for a notable part of their rule's rate since the last call, in
+    /// thousandths of a request per second: what this Bulwark tells its fleet so that the
+    /// rate holds across replicas.
+    pub fn rate_demand(&self) -> std::collections::BTreeMap<String, u64> {
+        self.shared
+            .flows
+            .take_rate_demand(Instant::now())
+            .into_iter()
+            .collect()
     }
 
     /// Each level's configured seats (not exempt ones): its static share of the fleet's.

@@ -56,6 +56,9 @@ pub struct Shares {
     pub list_bytes: BTreeMap<String, Held>,
     /// Per level: this replica's seats.
     pub seats: BTreeMap<String, Held>,
+    /// Per flow another member also serves: this replica's share of the rule's rate, in
+    /// millionths ([`share::RATE_WHOLE`]). A flow not here may use its whole rule.
+    pub rates: BTreeMap<String, Held>,
 }
 
 impl Shares {
@@ -81,6 +84,10 @@ impl Shares {
                 .iter()
                 .map(|(k, v)| (k.clone(), held(v)))
                 .collect(),
+            // Rates are about fairness between clients, not the apiservers' memory: a
+            // replica that cannot see its fleet gives each flow its whole rule, as a
+            // Bulwark alone does, rather than throttle a client pinned to it to a third.
+            rates: BTreeMap::new(),
         }
     }
 }
@@ -98,6 +105,7 @@ impl FleetShares {
             members: Vec::new(),
             list_bytes: BTreeMap::new(),
             seats: BTreeMap::new(),
+            rates: BTreeMap::new(),
         })))
     }
 
@@ -114,6 +122,15 @@ impl FleetShares {
             .seats
             .get(level)
             .map(|h| u32::try_from(h.share).unwrap_or(u32::MAX))
+    }
+
+    /// The fraction of its rule's rate `flow` may use on this replica; `None`: all of it.
+    pub fn rate_share(&self, flow: &str) -> Option<f64> {
+        self.0
+            .load()
+            .rates
+            .get(flow)
+            .map(|h| h.share as f64 / share::RATE_WHOLE as f64)
     }
 
     /// The whole snapshot.
@@ -144,8 +161,13 @@ pub struct Statics {
 
 /// What the fleet reads of this replica.
 pub trait Local: Send + Sync + 'static {
-    /// Its demand now.
+    /// Its demand now: LIST bytes and seats, sampled a few times per renewal.
     fn demand(&self) -> Demand;
+    /// The rates its flows asked for since the last call, once per renewal (see
+    /// [`Demand::rates`]).
+    fn rate_demand(&self) -> BTreeMap<String, u64> {
+        BTreeMap::new()
+    }
     /// Its static shares now (levels come and go with rule reloads).
     fn statics(&self) -> Statics;
     /// The shares changed: waiting requests may go now.
@@ -285,7 +307,8 @@ impl Fleet {
             if samples != 1 && samples % SAMPLES_PER_RENEWAL != 1 {
                 continue;
             }
-            let demand = std::mem::take(&mut peak);
+            let mut demand = std::mem::take(&mut peak);
+            demand.rates = self.local.rate_demand();
             let deadline = Instant::now() + self.settings.renew_interval;
             let round = tokio::time::timeout_at(deadline, self.round(demand)).await;
             let shares = match round {
@@ -366,6 +389,7 @@ impl Fleet {
         m.fleet_static
             .set(i64::from(shares.standing == Standing::Static));
         let old = self.shares.current();
+        m.fleet_rate_flows.set(shares.rates.len() as i64);
         for (kind, old_map, new_map) in [
             ("list_bytes", &old.list_bytes, &shares.list_bytes),
             ("seats", &old.seats, &shares.seats),
@@ -429,6 +453,7 @@ fn at_most(mut shares: Shares, other: &Shares) -> Shares {
     for (mine, theirs) in [
         (&mut shares.list_bytes, &other.list_bytes),
         (&mut shares.seats, &other.seats),
+        (&mut shares.rates, &other.rates),
     ] {
         for (name, held) in mine.iter_mut() {
             if let Some(bound) = theirs.get(name) {
@@ -461,6 +486,7 @@ pub fn split(
     let seats = share::shares_of(me, &live, &wholes(&statics.seats), |d, l| {
         d.seats.get(l).copied().unwrap_or(0)
     });
+    let rates = share::rate_shares(me, &live);
     let members: Vec<String> = live.iter().map(|m| m.identity.clone()).collect();
     let (standing, reason) = match members.len() {
         1 => (
@@ -478,6 +504,7 @@ pub fn split(
         members,
         list_bytes,
         seats,
+        rates,
     }
 }
 
@@ -519,6 +546,10 @@ impl Local for ProxyLocal {
                 .collect(),
             seats: self.admission.configured_seats(),
         }
+    }
+
+    fn rate_demand(&self) -> BTreeMap<String, u64> {
+        self.admission.rate_demand()
     }
 
     fn shares_changed(&self) {

@@ -240,6 +240,9 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_static`: 1 while this replica holds the static split because it
     /// cannot renew or read the fleet's Leases.
     pub fleet_static: IntGauge,
+    /// `bulwark_fleet_rate_flows`: flows whose rate this replica shares with other members
+    /// (each holds part of its rule; `/debug/fleet` lists them).
+    pub fleet_rate_flows: IntGauge,
     /// `bulwark_fleet_share{kind, name}`: what this replica holds of the fleet's budget:
     /// `list_bytes` per apiserver replica, `seats` per level.
     pub fleet_share: IntGaugeVec,
@@ -345,6 +348,10 @@ impl Metrics {
         let fleet_static = plain_gauge(
             "fleet_static",
             "1 while this replica holds the static split because it cannot renew or read the fleet's Leases.",
+        );
+        let fleet_rate_flows = plain_gauge(
+            "fleet_rate_flows",
+            "Flows whose rate this replica shares with other members of its fleet (see /debug/fleet).",
         );
         let connections_open = plain_gauge(
             "connections_open",
@@ -498,6 +505,7 @@ impl Metrics {
             connections_closed_total,
             fleet_members,
             fleet_static,
+            fleet_rate_flows,
             fleet_share,
             fleet_renewals_total,
         }))

@@ -87,6 +87,13 @@ pub trait ByteBudget: Send + Sync {
         let _ = level;
         configured
     }
+
+    /// The fraction of its rule's rate `flow` may use here; `None`: all of it (no other
+    /// replica of the fleet sees it).
+    fn rate_share(&self, flow: &str) -> Option<f64> {
+        let _ = flow;
+        None
+    }
 }
 
 /// Whether `bytes` may join `in_flight` on a replica with budget `budget`.
@@ -188,6 +195,10 @@ impl ByteBudget for UpstreamBudget {
             .as_ref()
             .and_then(|f| f.seats(level))
             .unwrap_or(configured)
+    }
+
+    fn rate_share(&self, flow: &str) -> Option<f64> {
+        self.fleet.as_ref().and_then(|f| f.rate_share(flow))
     }
 }
 

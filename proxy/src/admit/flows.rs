@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use governor::clock::Clock;
-use governor::middleware::NoOpMiddleware;
+use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 use tokio::time::Instant;
@@ -46,6 +46,30 @@ impl Clock for TokioClock {
 
 /// A token bucket on tokio time.
 pub(crate) type Bucket = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Duration>>;
+
+/// A flow's token bucket, which says how many tokens it has left after each take, so that a
+/// bucket rebuilt for a new rate (a new fleet share) starts as full as the old one was.
+type FlowBucket = RateLimiter<NotKeyed, InMemoryState, TokioClock, StateInformationMiddleware>;
+
+/// At most this many flows are reported to the fleet per renewal (the busiest, for their
+/// rate); the Lease stays a few KiB.
+pub(crate) const MAX_RATE_FLOWS: usize = 128;
+
+/// A flow is reported to the fleet once it asks for at least this fraction of its rule's
+/// rate: the flows that are not all stay well inside their rule together.
+pub(crate) const RATE_REPORT_FRACTION: f64 = 0.1;
+
+/// `rate` times `share` (a fraction of the rule's rate this Bulwark holds in its fleet):
+/// the burst scales too, never below one request.
+pub(crate) fn scaled(rate: Rate, share: Option<f64>) -> Rate {
+    match share {
+        Some(share) if share.is_finite() && (0.0..1.0).contains(&share) => Rate {
+            qps: rate.qps * share,
+            burst: ((f64::from(rate.burst) * share).round() as u32).clamp(1, rate.burst.max(1)),
+        },
+        _ => rate,
+    }
+}
 
 /// The quota of a rate, or `None` when it limits nothing (a non-positive or non-finite
 /// rate cannot come from validated rules; it is treated as no limit rather than a panic).
@@ -112,9 +136,69 @@ impl Backoff {
     }
 }
 
+/// One flow's token bucket: the rate it enforces, the rule's own rate, and what it held
+/// after its last take.
+struct Limit {
+    /// The rate enforced (the rule's, or this Bulwark's share of it).
+    rate: Rate,
+    /// The rule's rate.
+    rule: Rate,
+    bucket: FlowBucket,
+    /// Tokens left after the last take, and when.
+    left: (u32, Instant),
+    /// The part of a token a rebuild could not carry (a bucket holds whole tokens), added
+    /// at the next: without it every fleet share change would lose one on average.
+    fraction: f64,
+    /// Requests that asked for a token since the fleet last read them.
+    attempts: u64,
+}
+
+impl Limit {
+    /// A bucket for `rate` holding what the bucket it replaces would hold now (`left`
+    /// tokens at its last take, refilled since at the new rate); a new flow's is full.
+    fn new(
+        rate: Rate,
+        rule: Rate,
+        clock: &TokioClock,
+        old: Option<&Limit>,
+        now: Instant,
+    ) -> Option<Self> {
+        let bucket = RateLimiter::direct_with_clock(quota(rate)?, clock.clone())
+            .with_middleware::<StateInformationMiddleware>();
+        let burst = rate.burst.max(1);
+        let mut left = burst;
+        let mut fraction = 0.0;
+        if let Some(old) = old {
+            // The bucket reports whole tokens: what it held lies within the next one, half
+            // of one on average.
+            let (had, at) = old.left;
+            let had = if had >= old.rate.burst {
+                f64::from(had)
+            } else {
+                f64::from(had) + 0.5
+            };
+            let refilled = now.saturating_duration_since(at).as_secs_f64() * rate.qps;
+            let exact = (had + refilled + old.fraction).min(f64::from(burst));
+            left = exact as u32;
+            fraction = exact - f64::from(left);
+            if let Some(take) = NonZeroU32::new(burst - left) {
+                let _ = bucket.check_n(take);
+            }
+        }
+        Some(Self {
+            rate,
+            rule,
+            bucket,
+            left: (left, now),
+            fraction,
+            attempts: old.map_or(0, |l| l.attempts),
+        })
+    }
+}
+
 /// One flow's state.
 struct Flow {
-    bucket: Option<(Rate, Bucket)>,
+    limit: Option<Limit>,
     backoff: Backoff,
     watches: u32,
     last_seen: Instant,
@@ -123,7 +207,7 @@ struct Flow {
 impl Flow {
     fn new(now: Instant) -> Self {
         Self {
-            bucket: None,
+            limit: None,
             backoff: Backoff::default(),
             watches: 0,
             last_seen: now,
@@ -149,6 +233,8 @@ pub(crate) struct Flows {
     /// The next sweep's time in nanoseconds, read without the lock on every request.
     next_sweep: AtomicU64,
     len: AtomicUsize,
+    /// When the fleet last read the flows' attempts ([`Flows::take_rate_demand`]).
+    rates_read: Mutex<Option<Instant>>,
 }
 
 impl Flows {
@@ -163,6 +249,7 @@ impl Flows {
             sweep: Mutex::new((Duration::ZERO, 0)),
             next_sweep: AtomicU64::new(0),
             len: AtomicUsize::new(0),
+            rates_read: Mutex::new(None),
         }
     }
 
@@ -195,28 +282,77 @@ impl Flows {
         f(flow)
     }
 
-    /// Takes a token from the flow's bucket, or says how long until one is there.
+    /// Takes a token from the flow's bucket, or says how long until one is there. `rule`
+    /// is the rule's rate, `share` the fraction of it this Bulwark holds in its fleet
+    /// (`None`: all of it).
     pub(crate) fn check_rate(
         &self,
         key: &str,
         hash: u64,
-        rate: Rate,
+        rule: Rate,
+        share: Option<f64>,
         now: Instant,
     ) -> Result<(), Duration> {
         let clock = &self.clock;
+        let rate = scaled(rule, share);
         self.with(key, hash, now, |flow| {
-            if flow.bucket.as_ref().is_none_or(|(r, _)| *r != rate) {
-                // A new flow, or its rule's rate changed on reload: a fresh bucket.
-                flow.bucket =
-                    quota(rate).map(|q| (rate, RateLimiter::direct_with_clock(q, clock.clone())));
+            match &flow.limit {
+                Some(limit) if limit.rate == rate && limit.rule == rule => {}
+                // A new flow, its rule's rate changed on reload, or its fleet share moved:
+                // a bucket as full as the old one is now.
+                old => flow.limit = Limit::new(rate, rule, clock, old.as_ref(), now),
             }
-            match &flow.bucket {
-                Some((_, bucket)) => bucket
-                    .check()
-                    .map_err(|not_until| not_until.wait_time_from(clock.now())),
-                None => Ok(()),
+            let Some(limit) = &mut flow.limit else {
+                return Ok(());
+            };
+            limit.attempts += 1;
+            match limit.bucket.check() {
+                Ok(state) => {
+                    limit.left = (state.remaining_burst_capacity(), now);
+                    Ok(())
+                }
+                Err(not_until) => {
+                    limit.left = (0, now);
+                    Err(not_until.wait_time_from(clock.now()))
+                }
             }
         })
+    }
+
+    /// The flows that asked for at least [`RATE_REPORT_FRACTION`] of their rule's rate
+    /// since the last call, with the rate they asked for in thousandths of a request per
+    /// second: at most [`MAX_RATE_FLOWS`], the busiest for their rule. What this Bulwark
+    /// tells its fleet, so that each flow's rate holds across all replicas.
+    pub(crate) fn take_rate_demand(&self, now: Instant) -> Vec<(String, u64)> {
+        let since = {
+            let mut read = self.rates_read.lock().unwrap_or_else(|p| p.into_inner());
+            read.replace(now)
+        };
+        let elapsed = since.map_or(Duration::ZERO, |s| now.saturating_duration_since(s));
+        let mut asked: Vec<(f64, String, u64)> = Vec::new();
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            for (key, flow) in shard.iter_mut() {
+                let Some(limit) = &mut flow.limit else {
+                    continue;
+                };
+                let attempts = std::mem::take(&mut limit.attempts);
+                if elapsed.is_zero() || attempts == 0 {
+                    continue;
+                }
+                let per_second = attempts as f64 / elapsed.as_secs_f64();
+                let of_rule = per_second / limit.rule.qps;
+                if of_rule >= RATE_REPORT_FRACTION {
+                    asked.push((of_rule, key.clone(), (per_second * 1000.0).round() as u64));
+                }
+            }
+        }
+        asked.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        asked.truncate(MAX_RATE_FLOWS);
+        asked
+            .into_iter()
+            .map(|(_, key, milli)| (key, milli))
+            .collect()
     }
 
     /// Records a refusal of the flow and returns its `Retry-After`.
@@ -353,15 +489,97 @@ mod tests {
         let flows = Flows::new(4, secs(60));
         let rate = Rate { qps: 2.0, burst: 2 };
         let now = Instant::now();
-        assert!(flows.check_rate("r/a", 1, rate, now).is_ok());
-        assert!(flows.check_rate("r/a", 1, rate, now).is_ok());
-        let wait = flows.check_rate("r/a", 1, rate, now).unwrap_err();
+        assert!(flows.check_rate("r/a", 1, rate, None, now).is_ok());
+        assert!(flows.check_rate("r/a", 1, rate, None, now).is_ok());
+        let wait = flows.check_rate("r/a", 1, rate, None, now).unwrap_err();
         assert_eq!(wait, Duration::from_millis(500));
         assert!(
-            flows.check_rate("r/b", 2, rate, now).is_ok(),
+            flows.check_rate("r/b", 2, rate, None, now).is_ok(),
             "buckets are per flow"
         );
         tokio::time::advance(Duration::from_millis(500)).await;
-        assert!(flows.check_rate("r/a", 1, rate, Instant::now()).is_ok());
+        assert!(
+            flows
+                .check_rate("r/a", 1, rate, None, Instant::now())
+                .is_ok()
+        );
+    }
+
+    #[tokio::test(start_paused = true, flavor = "current_thread")]
+    async fn a_new_fleet_share_scales_the_bucket_without_refilling_it() {
+        let flows = Flows::new(4, secs(60));
+        let rule = Rate {
+            qps: 10.0,
+            burst: 10,
+        };
+        let take = |share: Option<f64>| {
+            (0..100)
+                .take_while(|_| {
+                    flows
+                        .check_rate("r/a", 1, rule, share, Instant::now())
+                        .is_ok()
+                })
+                .count()
+        };
+        assert_eq!(take(None), 10, "the whole burst");
+        // A share arrives while the bucket is empty: it stays empty, no fresh burst.
+        assert_eq!(take(Some(0.5)), 0);
+        tokio::time::advance(secs(1)).await;
+        assert_eq!(
+            take(Some(0.5)),
+            5,
+            "refilled at half the rate, up to half the burst"
+        );
+        tokio::time::advance(secs(10)).await;
+        assert_eq!(
+            take(Some(0.2)),
+            2,
+            "a full bucket scaled to a fifth of the rule"
+        );
+        assert_eq!(
+            scaled(rule, Some(0.01)),
+            Rate { qps: 0.1, burst: 1 },
+            "never below one request of burst"
+        );
+        assert_eq!(scaled(rule, Some(1.0)), rule);
+        assert_eq!(scaled(rule, Some(f64::NAN)), rule);
+    }
+
+    #[tokio::test(start_paused = true, flavor = "current_thread")]
+    async fn the_fleet_hears_of_the_flows_near_their_rate_and_only_the_busiest() {
+        let flows = Flows::new(4, secs(600));
+        let rule = Rate {
+            qps: 10.0,
+            burst: 1000,
+        };
+        assert!(flows.take_rate_demand(Instant::now()).is_empty());
+        // Over two seconds: flow `busy` asks 8 per second, `quiet` 0.5 (5% of its rule),
+        // refused requests counted too.
+        for n in 0..16 {
+            let _ = flows.check_rate("r/busy", 1, rule, Some(0.01), Instant::now());
+            if n == 0 {
+                let _ = flows.check_rate("r/quiet", 2, rule, None, Instant::now());
+            }
+        }
+        tokio::time::advance(secs(2)).await;
+        assert_eq!(
+            flows.take_rate_demand(Instant::now()),
+            vec![("r/busy".to_string(), 8000)]
+        );
+        tokio::time::advance(secs(2)).await;
+        assert!(
+            flows.take_rate_demand(Instant::now()).is_empty(),
+            "each read counts from the last"
+        );
+        for i in 0..(MAX_RATE_FLOWS + 50) {
+            for _ in 0..=(i / 10) {
+                let _ = flows.check_rate(&format!("r/{i}"), i as u64, rule, None, Instant::now());
+            }
+        }
+        tokio::time::advance(secs(1)).await;
+        let heard = flows.take_rate_demand(Instant::now());
+        assert_eq!(heard.len(), MAX_RATE_FLOWS);
+        assert_eq!(heard[0], ("r/170".to_string(), 18_000), "the busiest first");
+        assert!(heard.iter().all(|(_, milli)| *milli >= 1_000));
     }
 }

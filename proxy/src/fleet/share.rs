@@ -22,6 +22,10 @@ pub struct Demand {
     /// renew period.
     #[serde(default, rename = "s", skip_serializing_if = "BTreeMap::is_empty")]
     pub seats: BTreeMap<String, u64>,
+    /// Per flow asking for a notable part of its rule's rate: the requests it asked for
+    /// over the last renew period, in thousandths of a request per second.
+    #[serde(default, rename = "r", skip_serializing_if = "BTreeMap::is_empty")]
+    pub rates: BTreeMap<String, u64>,
 }
 
 /// LIST bytes one member wants of one apiserver replica.
@@ -46,6 +50,10 @@ impl Demand {
         for (level, &seats) in &other.seats {
             let mine = self.seats.entry(level.clone()).or_default();
             *mine = (*mine).max(seats);
+        }
+        for (flow, &asked) in &other.rates {
+            let mine = self.rates.entry(flow.clone()).or_default();
+            *mine = (*mine).max(asked);
         }
     }
 }
@@ -108,6 +116,40 @@ pub fn split(whole: u64, demands: &[u64]) -> Vec<u64> {
             }
             let part = u128::from(rest) * u128::from(d) / total;
             floor + u64::try_from(part).unwrap_or(rest)
+        })
+        .collect()
+}
+
+/// The whole of a flow's rate in [`Held`]: shares of a rule's rate are in millionths.
+pub const RATE_WHOLE: u64 = 1_000_000;
+
+/// Each flow's share of its rule's rate for member `me` (in millionths, [`RATE_WHOLE`]),
+/// for the flows another live member reports: split among the members that report it (and
+/// `me`, which may not yet) by the rate each saw asked. A flow no other member reports is
+/// not in the map: `me` may use all of its rule.
+pub fn rate_shares(me: &str, members: &[&Member]) -> BTreeMap<String, Held> {
+    let Some(mine) = members.iter().find(|m| m.identity == me) else {
+        return BTreeMap::new();
+    };
+    let mut flows: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for other in members.iter().filter(|m| m.identity != me) {
+        for (flow, &asked) in &other.demand.rates {
+            flows.entry(flow).or_default().push(asked);
+        }
+    }
+    flows
+        .into_iter()
+        .map(|(flow, mut demands)| {
+            let asked = mine.demand.rates.get(flow).copied().unwrap_or(0);
+            demands.push(asked);
+            let shares = split(RATE_WHOLE, &demands);
+            let held = Held {
+                share: shares[demands.len() - 1],
+                whole: RATE_WHOLE,
+                demand: asked,
+                fleet_demand: demands.iter().sum(),
+            };
+            (flow.to_string(), held)
         })
         .collect()
 }
@@ -259,6 +301,35 @@ mod tests {
             shares_of("c", &live, &wholes, bytes).is_empty(),
             "not a member: no share"
         );
+    }
+
+    #[test]
+    fn a_flow_s_rate_is_split_among_the_members_that_see_it() {
+        let with_rates = |id: &str, rates: &[(&str, u64)]| {
+            let mut m = member(id, 100, 0);
+            m.demand.rates = rates.iter().map(|(f, r)| (f.to_string(), *r)).collect();
+            m
+        };
+        let a = with_rates("a", &[("f", 7000), ("g", 500)]);
+        let b = with_rates("b", &[("f", 2000)]);
+        let c = with_rates("c", &[("f", 1000), ("h", 300)]);
+        let members = [&a, &b, &c];
+        let shares: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|me| rate_shares(me, &members))
+            .collect();
+        // `f`: a floor of a thirtieth each, the rest 70/20/10.
+        let f: Vec<u64> = shares.iter().map(|s| s["f"].share).collect();
+        assert_eq!(f, vec![33_333 + 630_000, 33_333 + 180_000, 33_333 + 90_000]);
+        assert!(f.iter().sum::<u64>() <= RATE_WHOLE);
+        // `g` only A sees: A may use its whole rule (no entry); B and C get a floor of the
+        // share of a flow A reports, ready for the requests they may get.
+        assert!(!shares[0].contains_key("g"));
+        assert_eq!(shares[1]["g"].share, 50_000, "a tenth of half");
+        assert_eq!(shares[1]["g"].demand, 0);
+        assert!(!shares[2].contains_key("h"));
+        assert_eq!(shares[0]["h"].share, 50_000);
+        assert_eq!(shares[0]["h"].fleet_demand, 300);
     }
 
     #[test]

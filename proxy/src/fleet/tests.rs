@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::lease::LeaseError;
 use super::share::Bytes;
 use super::*;
+use crate::admit::flows::Flows;
+use crate::rules::Rate;
 
 /// Every replica's Lease, shared like the apiservers' store; each replica reaches it
 /// through a [`Reach`] of its own.
@@ -58,10 +60,21 @@ impl LeaseStore for Arc<Reach> {
 
 /// A replica's demand as the test sets it; static shares of 100 bytes on `r0` and 10
 /// seats in `lists`.
-#[derive(Default)]
 struct Wants {
     bytes: std::sync::atomic::AtomicU64,
     seats: std::sync::atomic::AtomicU64,
+    /// The replica's flows (token buckets), whose demand the fleet reads.
+    flows: Flows,
+}
+
+impl Default for Wants {
+    fn default() -> Self {
+        Self {
+            bytes: Default::default(),
+            seats: Default::default(),
+            flows: Flows::new(4, Duration::from_secs(300)),
+        }
+    }
 }
 
 impl Local for Wants {
@@ -86,6 +99,13 @@ impl Local for Wants {
             list_bytes: [("r0".to_string(), 100)].into(),
             seats: [("lists".to_string(), 10)].into(),
         }
+    }
+
+    fn rate_demand(&self) -> BTreeMap<String, u64> {
+        self.flows
+            .take_rate_demand(Instant::now())
+            .into_iter()
+            .collect()
     }
 }
 
@@ -147,6 +167,114 @@ impl Replica {
     fn standing(&self) -> Standing {
         self.fleet.shares().current().standing
     }
+
+    /// One request of flow `f` under `rule` at this replica: whether its bucket let it go.
+    fn request(&self, rule: Rate) -> bool {
+        let share = self.fleet.shares().rate_share("f");
+        self.wants
+            .flows
+            .check_rate("f", 7, rule, share, Instant::now())
+            .is_ok()
+    }
+}
+
+/// Flow `f`'s requests admitted over `measure` across `replicas`, each sent requests
+/// at its own steady rate (per second), after `warm` to let the fleet see the demand.
+async fn admitted(
+    replicas: &[Replica],
+    offered: &[f64],
+    rule: Rate,
+    warm: Duration,
+    measure: Duration,
+) -> u64 {
+    let tick = Duration::from_millis(5);
+    let mut due: Vec<f64> = vec![0.0; replicas.len()];
+    let mut ok = 0;
+    let start = Instant::now();
+    while start.elapsed() < warm + measure {
+        let counting = start.elapsed() >= warm;
+        for ((r, &rate), due) in replicas.iter().zip(offered).zip(due.iter_mut()) {
+            *due += rate * tick.as_secs_f64();
+            while *due >= 1.0 {
+                *due -= 1.0;
+                if r.request(rule) && counting {
+                    ok += 1;
+                }
+            }
+        }
+        tokio::time::sleep(tick).await;
+    }
+    ok
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_flow_s_rate_holds_across_the_fleet_whether_its_clients_are_pinned_or_spread() {
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start(id, &memory))
+        .collect();
+    let rule = Rate {
+        qps: 10.0,
+        burst: 10,
+    };
+    let minute = Duration::from_secs(60);
+    let within = |ok: u64, what: &str| {
+        let rate = ok as f64 / 60.0;
+        eprintln!("{what}: {rate:.2} per second");
+        assert!(
+            (rate - rule.qps).abs() <= rule.qps * 0.15,
+            "{what}: {rate:.2} requests per second admitted over the fleet, rule {}",
+            rule.qps
+        );
+    };
+    // Three times the rule, pinned 70/20/10 over the three replicas.
+    let ok = admitted(&replicas, &[21.0, 6.0, 3.0], rule, RENEW * 5, minute).await;
+    within(ok, "pinned 70/20/10");
+    // Spread evenly.
+    let ok = admitted(&replicas, &[10.0, 10.0, 10.0], rule, RENEW * 5, minute).await;
+    within(ok, "spread evenly");
+    // All on one replica: it holds the whole rule once the others stop reporting the flow.
+    let ok = admitted(&replicas, &[30.0, 0.0, 0.0], rule, RENEW * 5, minute).await;
+    within(ok, "on one replica");
+    assert_eq!(replicas[0].fleet.shares().rate_share("f"), None);
+    // Just above the rule, pinned: what each replica asks for is nearly what it may use.
+    let ok = admitted(&replicas, &[8.4, 2.4, 1.2], rule, RENEW * 5, minute).await;
+    within(ok, "1.2 times the rule, pinned 70/20/10");
+    let debug = replicas[1].fleet.debug_json();
+    assert!(
+        debug["shares"]["rates"]["f"]["share"].as_u64().is_some(),
+        "{debug}"
+    );
+    assert_eq!(replicas[1].metrics.fleet_rate_flows.get(), 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_the_fleet_each_replica_gives_the_whole_rule() {
+    // What the test above guards against: the same pinned load on three replicas that do
+    // not share the flow's rate admits nearly twice the rule.
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start(id, &memory))
+        .collect();
+    let rule = Rate {
+        qps: 10.0,
+        burst: 10,
+    };
+    for r in &replicas {
+        r.task.abort();
+    }
+    let ok = admitted(
+        &replicas,
+        &[21.0, 6.0, 3.0],
+        rule,
+        RENEW,
+        Duration::from_secs(60),
+    )
+    .await;
+    let rate = ok as f64 / 60.0;
+    assert!(rate > 18.0, "{rate:.2}");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -35,6 +35,7 @@ pub use cgroup::{CgroupError, MemoryCgroup};
 pub use pki::FRONT_PROXY_NAME;
 pub use seed::{BULWARK_GROUP, BULWARK_USER, NAMESPACES, SECRETS_PER_NAMESPACE};
 
+use crate::balancer::{Balancer, Pick};
 use crate::child;
 use crate::proxy_process::{ProxyProcess, Upstream};
 use crate::sandbox::{Servers, kubeconfigs};
@@ -182,7 +183,25 @@ pub struct Options {
     pub open_rbac: bool,
     /// Bulwark's `identity.mode`; `None` is `front-proxy`.
     pub identity_mode: Option<String>,
+    /// Bulwark replicas. More than one run behind a TCP balancer (round robin per
+    /// connection, as a cloud load balancer), which the kubeconfigs point at, with
+    /// `upstream.bulwarkReplicas` set to their number.
+    pub bulwarks: usize,
+    /// How several Bulwarks keep one budget.
+    pub fleet: FleetMode,
 }
+
+/// How several Bulwark replicas share the apiservers' budgets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FleetMode {
+    /// Through Leases in namespace `bulwark` (`fleet:` in their config), by demand.
+    Leases,
+    /// Each a static 1/`bulwarkReplicas` of every budget (no `fleet:`).
+    Static,
+}
+
+/// The namespace of the fleet's Leases.
+pub const FLEET_NAMESPACE: &str = "bulwark";
 
 impl Options {
     /// Three replicas without a memory limit, the binaries located, this binary as Bulwark.
@@ -199,6 +218,8 @@ impl Options {
             seed: Vec::new(),
             open_rbac: false,
             identity_mode: None,
+            bulwarks: 1,
+            fleet: FleetMode::Leases,
         }
     }
 }
@@ -212,11 +233,23 @@ pub struct ControlPlane {
     ready_timeout: Duration,
     etcd: Option<Etcd>,
     replicas: Vec<Replica>,
-    proxy: Option<ProxyProcess>,
+    /// Each Bulwark replica: how it is started, and its process while it runs.
+    bulwarks: Vec<BulwarkSlot>,
+    /// The balancer in front of several Bulwarks.
+    balancer: Option<Balancer>,
     /// The binary Bulwark runs from, for a restart.
     bulwark_exe: Option<PathBuf>,
     started_in: Duration,
     stopped: bool,
+}
+
+/// One Bulwark replica: its folder (configuration, certificates, log), addresses, and
+/// its process while it runs.
+struct BulwarkSlot {
+    dir: PathBuf,
+    target: crate::client::Target,
+    admin: SocketAddr,
+    process: Option<ProxyProcess>,
 }
 
 /// One etcd member on 127.0.0.1.
@@ -315,7 +348,8 @@ impl ControlPlane {
             ready_timeout: opts.ready_timeout,
             etcd: None,
             replicas: Vec::new(),
-            proxy: None,
+            bulwarks: Vec::new(),
+            balancer: None,
             bulwark_exe: None,
             started_in: Duration::ZERO,
             stopped: false,
@@ -335,7 +369,10 @@ impl ControlPlane {
             let client = cp.admin_client(i).await?;
             seed::wait_for_rbac(&client, cp.ready_timeout).await?;
         }
-        cp.start_bulwark(&opts).await?;
+        if opts.bulwarks > 1 {
+            seed::fleet_rbac(&admin).await?;
+        }
+        cp.start_bulwarks(&opts).await?;
         cp.write_kubeconfigs()?;
         let bulwark = cp.bulwark_addr();
         std::fs::write(&ready, format!("bulwark https://{bulwark}\n")).map_err(|source| {
@@ -373,22 +410,37 @@ impl ControlPlane {
         self.etcd.as_ref().map(|e| e.client)
     }
 
-    /// Bulwark's address, where every kubeconfig but `direct-admin` points (127.0.0.1:0
-    /// only while the control plane is still starting).
+    /// Bulwark's address, where every kubeconfig but `direct-admin` points: the balancer's
+    /// with several Bulwarks (127.0.0.1:0 only while the control plane is still starting).
     pub fn bulwark_addr(&self) -> SocketAddr {
-        self.proxy
-            .as_ref()
-            .map_or(SocketAddr::from(([127, 0, 0, 1], 0)), |p| p.target.addr)
+        match (&self.balancer, self.bulwarks.first()) {
+            (Some(balancer), _) => balancer.addr,
+            (None, Some(slot)) => slot.target.addr,
+            (None, None) => SocketAddr::from(([127, 0, 0, 1], 0)),
+        }
     }
 
-    /// Bulwark's admin listener (`/metrics`, `/readyz`).
+    /// Each Bulwark replica's own address, by index.
+    pub fn bulwark_addrs(&self) -> Vec<SocketAddr> {
+        self.bulwarks.iter().map(|b| b.target.addr).collect()
+    }
+
+    /// Each Bulwark replica's admin listener (`/metrics`, `/debug/fleet`), by index.
+    pub fn bulwark_admin_addrs(&self) -> Vec<SocketAddr> {
+        self.bulwarks.iter().map(|b| b.admin).collect()
+    }
+
+    /// The first Bulwark's admin listener (`/metrics`, `/readyz`).
     pub fn bulwark_admin_addr(&self) -> Option<SocketAddr> {
-        self.proxy.as_ref().map(|p| p.admin)
+        self.bulwarks.first().map(|b| b.admin)
     }
 
-    /// Bulwark's process id, while it runs (for `/proc` figures).
+    /// The first Bulwark's process id, while it runs (for `/proc` figures).
     pub fn bulwark_pid(&self) -> Option<u32> {
-        self.proxy.as_ref().and_then(ProxyProcess::pid)
+        self.bulwarks
+            .first()
+            .and_then(|b| b.process.as_ref())
+            .and_then(ProxyProcess::pid)
     }
 
     /// etcd's process id, while it runs (for faults such as SIGSTOP).
@@ -396,14 +448,56 @@ impl ControlPlane {
         self.etcd.as_ref().and_then(|e| e.child.id())
     }
 
-    /// Bulwark's peak RSS and CPU time so far.
+    /// The Bulwarks' peak RSS (the highest of them) and CPU time (all together) so far,
+    /// of those running.
     pub fn bulwark_cost(&self) -> Option<crate::report::ProxyCost> {
-        self.proxy.as_ref().and_then(|p| p.cost().ok())
+        let costs: Vec<_> = self
+            .bulwarks
+            .iter()
+            .filter_map(|b| b.process.as_ref()?.cost().ok())
+            .collect();
+        (!costs.is_empty()).then(|| crate::report::ProxyCost {
+            peak_rss_bytes: costs.iter().map(|c| c.peak_rss_bytes).max().unwrap_or(0),
+            cpu_seconds: costs.iter().map(|c| c.cpu_seconds).sum(),
+        })
+    }
+
+    /// Kills Bulwark replica `i` with SIGKILL (a node lost): no drain, and its Lease is left
+    /// to expire.
+    pub async fn kill_bulwark(&mut self, i: usize) -> Result<(), Error> {
+        let slot = self.bulwarks.get_mut(i).ok_or(Error::NoReplica(i))?;
+        let process = slot.process.take().ok_or(Error::NotRunning(i))?;
+        process.kill().await.map_err(Error::Proxy)
+    }
+
+    /// Starts Bulwark replica `i` again on its addresses with its configuration, after
+    /// [`ControlPlane::kill_bulwark`]; waits until it is ready.
+    pub async fn start_bulwark(&mut self, i: usize) -> Result<(), Error> {
+        let exe = self
+            .bulwark_exe
+            .clone()
+            .ok_or_else(|| Error::Proxy(anyhow::anyhow!("Bulwark never ran")))?;
+        let slot = self.bulwarks.get_mut(i).ok_or(Error::NoReplica(i))?;
+        if slot.process.is_some() {
+            return Err(Error::AlreadyRunning(i));
+        }
+        let config = slot.dir.join("bulwark.yaml");
+        let process = ProxyProcess::launch(
+            crate::child::command(&exe),
+            &config,
+            slot.target.clone(),
+            slot.admin,
+            &slot.dir,
+        )
+        .await
+        .map_err(Error::Proxy)?;
+        slot.process = Some(process);
+        Ok(())
     }
 
     /// The PEM of the CA that signed Bulwark's serving certificate.
     pub fn bulwark_ca_pem(&self) -> Option<&str> {
-        self.proxy.as_ref().map(|p| p.target.ca_pem.as_str())
+        self.bulwarks.first().map(|b| b.target.ca_pem.as_str())
     }
 
     /// The path of a kubeconfig: `admin`, `operator`, `node-1`, `nobody` (through Bulwark) or
@@ -535,10 +629,10 @@ impl ControlPlane {
         self.stopped = true;
         let _ = std::fs::remove_file(self.dir.join("ready"));
         let mut first_error = None;
-        if let Some(proxy) = self.proxy.take()
-            && let Err(e) = proxy.stop().await
-        {
-            first_error.get_or_insert(Error::Proxy(e));
+        for proxy in self.bulwarks.iter_mut().filter_map(|b| b.process.take()) {
+            if let Err(e) = proxy.stop().await {
+                first_error.get_or_insert(Error::Proxy(e));
+            }
         }
         for replica in &self.replicas {
             replica.stop().await;
@@ -691,18 +785,7 @@ impl ControlPlane {
         }
     }
 
-    async fn start_bulwark(&mut self, opts: &Options) -> Result<(), Error> {
-        let upstream = Upstream {
-            replicas: self.replica_addrs(),
-            pki: &self.pki.pki,
-            front_proxy_user: FRONT_PROXY_NAME,
-            own_user: BULWARK_USER,
-            own_group: BULWARK_GROUP,
-            heap_headroom: self.heap_headroom(),
-            rules: opts.rules.clone(),
-            identity_mode: opts.identity_mode.as_deref(),
-        };
-        let dir = self.dir.join("bulwark");
+    async fn start_bulwarks(&mut self, opts: &Options) -> Result<(), Error> {
         let exe = match &opts.bulwark_exe {
             Some(exe) => exe.clone(),
             None => std::env::current_exe().map_err(|source| Error::Io {
@@ -710,11 +793,52 @@ impl ControlPlane {
                 source,
             })?,
         };
-        let proxy = ProxyProcess::start_exe(&exe, &dir, &upstream)
-            .await
-            .map_err(Error::Proxy)?;
-        self.proxy = Some(proxy);
-        self.bulwark_exe = Some(exe);
+        self.bulwark_exe = Some(exe.clone());
+        let serving_ca = bulwark_sim::pki::Ca::new("bulwark-serving-ca");
+        let n = opts.bulwarks.max(1);
+        for i in 0..n {
+            let mut settings = Vec::new();
+            if n > 1 {
+                settings.push(("upstream.bulwarkReplicas".to_string(), n.to_string()));
+                if opts.fleet == FleetMode::Leases {
+                    settings.push((
+                        "fleet".to_string(),
+                        format!("{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}}}"),
+                    ));
+                }
+            }
+            let upstream = Upstream {
+                replicas: self.replica_addrs(),
+                pki: &self.pki.pki,
+                front_proxy_user: FRONT_PROXY_NAME,
+                own_user: BULWARK_USER,
+                own_group: BULWARK_GROUP,
+                heap_headroom: self.heap_headroom(),
+                rules: opts.rules.clone(),
+                identity_mode: opts.identity_mode.as_deref(),
+                serving_ca: Some(&serving_ca),
+                settings,
+            };
+            let dir = match n {
+                1 => self.dir.join("bulwark"),
+                _ => self.dir.join(format!("bulwark-{i}")),
+            };
+            let process = ProxyProcess::start_exe(&exe, &dir, &upstream)
+                .await
+                .map_err(Error::Proxy)?;
+            self.bulwarks.push(BulwarkSlot {
+                dir,
+                target: process.target.clone(),
+                admin: process.admin,
+                process: Some(process),
+            });
+        }
+        if n > 1 {
+            let balancer = Balancer::start(self.bulwark_addrs(), Pick::RoundRobin)
+                .await
+                .map_err(Error::Proxy)?;
+            self.balancer = Some(balancer);
+        }
         Ok(())
     }
 
@@ -749,18 +873,10 @@ impl ControlPlane {
     /// addresses with the same configuration and certificates, as a rollout does: its cache
     /// starts empty while the clients' kubeconfigs stay valid. Waits until it is ready.
     pub async fn restart_bulwark(&mut self) -> Result<(), Error> {
-        let (Some(proxy), Some(exe)) = (self.proxy.take(), self.bulwark_exe.clone()) else {
-            return Err(Error::Proxy(anyhow::anyhow!("Bulwark does not run")));
-        };
-        let (target, admin) = (proxy.target.clone(), proxy.admin);
+        let slot = self.bulwarks.first_mut().ok_or(Error::NoReplica(0))?;
+        let proxy = slot.process.take().ok_or(Error::NotRunning(0))?;
         proxy.stop().await.map_err(Error::Proxy)?;
-        let dir = self.dir.join("bulwark");
-        let config = dir.join("bulwark.yaml");
-        let proxy = ProxyProcess::launch(crate::child::command(&exe), &config, target, admin, &dir)
-            .await
-            .map_err(Error::Proxy)?;
-        self.proxy = Some(proxy);
-        Ok(())
+        self.start_bulwark(0).await
     }
 
     /// The sum over the replicas of `apiserver_request_total` samples with all of `labels`

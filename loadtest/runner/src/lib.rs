@@ -1,6 +1,7 @@
 //! bulwark-loadtest as a library: the scenarios, the sandbox and the real control plane,
 //! so that the binary and the integration tests in `tests/` share one copy.
 
+pub mod balancer;
 pub mod child;
 pub mod client;
 pub mod controlplane;

@@ -142,6 +142,14 @@ enum Command {
         /// Bulwark's rules folder (default: the shipped `rules/examples`, built in).
         #[arg(long)]
         rules: Option<PathBuf>,
+        /// Bulwark replicas; more than one run behind a TCP balancer that the kubeconfigs
+        /// point at, keeping one budget through Leases in namespace `bulwark`.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+        bulwark_replicas: u16,
+        /// With several Bulwarks: each takes a static 1/N of every budget instead of
+        /// sharing through Leases.
+        #[arg(long)]
+        static_split: bool,
     },
     /// Runs Bulwark itself (used by the scenarios, which start it as its own process).
     #[command(name = "__bulwark", hide = true)]
@@ -202,11 +210,17 @@ async fn run(command: Command) -> anyhow::Result<()> {
             replicas,
             apiserver_memory_limit,
             rules,
+            bulwark_replicas,
+            static_split,
         } => {
             let mut opts = controlplane::Options::new(dir);
             opts.replicas = usize::from(replicas);
             opts.apiserver_memory_limit = apiserver_memory_limit;
             opts.rules = rules;
+            opts.bulwarks = usize::from(bulwark_replicas);
+            if static_split {
+                opts.fleet = controlplane::FleetMode::Static;
+            }
             return run_controlplane(opts).await;
         }
         Command::ListStorm(a) if a.controlplane => {
@@ -292,10 +306,26 @@ async fn run_controlplane(opts: controlplane::Options) -> anyhow::Result<()> {
     println!(
         "  {k} --kubeconfig {d}/kubeconfig-direct-admin get --raw /readyz   # straight to replica 0"
     );
-    if let Some(admin) = cp.bulwark_admin_addr() {
+    let admins = cp.bulwark_admin_addrs();
+    if admins.len() > 1 {
+        println!(
+            "  {} Bulwarks {:?} behind the TCP balancer on {}",
+            admins.len(),
+            cp.bulwark_addrs(),
+            cp.bulwark_addr()
+        );
+        for admin in &admins {
+            println!(
+                "  Bulwark metrics: http://{admin}/metrics, its fleet: http://{admin}/debug/fleet"
+            );
+        }
+    } else if let Some(admin) = cp.bulwark_admin_addr() {
         println!("  Bulwark metrics: http://{admin}/metrics");
     }
-    println!("  Logs: {d}/apiserver-N.log, {d}/etcd.log, {d}/bulwark/bulwark.log");
+    match admins.len() {
+        1 => println!("  Logs: {d}/apiserver-N.log, {d}/etcd.log, {d}/bulwark/bulwark.log"),
+        _ => println!("  Logs: {d}/apiserver-N.log, {d}/etcd.log, {d}/bulwark-N/bulwark.log"),
+    }
     println!("Ctrl-C to stop.");
     sandbox::wait_for_signal().await;
     let report = cp.report();

@@ -91,6 +91,11 @@ pub struct Upstream<'a> {
     pub rules: Option<PathBuf>,
     /// Bulwark's `identity.mode`; `None` is `front-proxy`.
     pub identity_mode: Option<&'a str>,
+    /// The CA Bulwark's serving certificate comes from; `None` mints one. Replicas of a
+    /// fleet behind one balancer share one, so that one kubeconfig trusts them all.
+    pub serving_ca: Option<&'a Ca>,
+    /// More settings, as `BulwarkConfig::set` takes them (`upstream.bulwarkReplicas`, `3`).
+    pub settings: Vec<(String, String)>,
 }
 
 /// A running Bulwark process.
@@ -118,13 +123,20 @@ pub fn write_config(
     upstream: &Upstream<'_>,
 ) -> anyhow::Result<(PathBuf, Target, SocketAddr)> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let serving_ca = Ca::new("bulwark-serving-ca");
+    let minted;
+    let serving_ca = match upstream.serving_ca {
+        Some(ca) => ca,
+        None => {
+            minted = Ca::new("bulwark-serving-ca");
+            &minted
+        }
+    };
     let names = Names {
         front_proxy: upstream.front_proxy_user,
         own_user: upstream.own_user,
         own_group: upstream.own_group,
     };
-    let credentials = Credentials::mint(dir, upstream.pki, &serving_ca, names)
+    let credentials = Credentials::mint(dir, upstream.pki, serving_ca, names)
         .with_context(|| format!("writing certificates into {}", dir.display()))?;
     let mut config = BulwarkConfig::new(credentials, upstream.replicas.clone())
         .set("upstream.probeInterval", "1s");
@@ -132,6 +144,9 @@ pub fn write_config(
     config.admin = free_port()?;
     config.shutdown = (Duration::ZERO, Duration::from_secs(2));
     config.heap_headroom = upstream.heap_headroom;
+    for (path, yaml) in &upstream.settings {
+        config = config.set(path, yaml);
+    }
     if let Some(mode) = upstream.identity_mode {
         config.identity =
             serde_norway::from_str(mode).with_context(|| format!("identity mode {mode:?}"))?;
@@ -269,6 +284,12 @@ impl ProxyProcess {
         cost_of(&self.child)
     }
 
+    /// Kills it with SIGKILL, as a node failure or an OOM kill does: no drain, no goodbye
+    /// to its clients or its Lease.
+    pub async fn kill(mut self) -> anyhow::Result<()> {
+        self.child.kill().await.context("killing Bulwark")
+    }
+
     /// Measures the process, then stops it with SIGTERM (its drain is configured short) and
     /// waits for it to exit.
     pub async fn stop(mut self) -> anyhow::Result<ProxyCost> {
@@ -394,6 +415,8 @@ mod tests {
             heap_headroom: None,
             rules: None,
             identity_mode: None,
+            serving_ca: None,
+            settings: Vec::new(),
         };
         let (path, _, _) = write_config(dir.path(), &upstream).unwrap();
         let config = bulwark::config::Config::load(&path).unwrap();

@@ -332,6 +332,8 @@ impl Env {
                     heap_headroom: headroom,
                     rules,
                     identity_mode: None,
+                    serving_ca: None,
+                    settings: Vec::new(),
                 };
                 let proxy = ProxyProcess::start(&dir, &upstream).await?;
                 (proxy.target.clone(), Some(proxy))

@@ -181,17 +181,43 @@ async fn rbac(admin: &Client) -> Result<(), Error> {
 
 /// The ClusterRole of `deploy/base/rbac.yaml`.
 fn shipped_cluster_role() -> Result<Value, Error> {
+    shipped("ClusterRole")
+}
+
+/// The first object of `kind` in `deploy/base/rbac.yaml`.
+fn shipped(kind: &str) -> Result<Value, Error> {
     use serde::Deserialize as _;
     for doc in serde_norway::Deserializer::from_str(DEPLOY_RBAC) {
         let value = Value::deserialize(doc)
             .map_err(|e| Error::Seed(format!("deploy/base/rbac.yaml: {e}")))?;
-        if value["kind"] == "ClusterRole" {
+        if value["kind"] == kind {
             return Ok(value);
         }
     }
-    Err(Error::Seed(
-        "deploy/base/rbac.yaml has no ClusterRole".into(),
-    ))
+    Err(Error::Seed(format!("deploy/base/rbac.yaml has no {kind}")))
+}
+
+/// What a fleet of Bulwarks needs: namespace `bulwark`, and there the shipped Role on
+/// Leases bound to Bulwark's own user (the shipped RoleBinding names its ServiceAccount).
+pub async fn fleet_rbac(admin: &Client) -> Result<(), Error> {
+    let namespace = super::FLEET_NAMESPACE;
+    create(
+        &Api::<Namespace>::all(admin.clone()),
+        json!({"metadata": {"name": namespace}}),
+    )
+    .await?;
+    let role = shipped("Role")?;
+    let name = role["metadata"]["name"].clone();
+    create(&Api::<Role>::namespaced(admin.clone(), namespace), role).await?;
+    create(
+        &Api::<RoleBinding>::namespaced(admin.clone(), namespace),
+        json!({
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": BULWARK_USER}],
+        }),
+    )
+    .await
 }
 
 /// Waits until `admin`'s replica authorizes Bulwark to list Secrets: each apiserver's RBAC

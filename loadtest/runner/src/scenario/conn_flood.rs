@@ -194,6 +194,8 @@ async fn start_bulwark(
         heap_headroom: None,
         rules: None,
         identity_mode: None,
+        serving_ca: None,
+        settings: Vec::new(),
     };
     let (config, target, admin) = proxy_process::write_config(dir, &upstream)?;
     if legacy {

@@ -8,18 +8,17 @@
 //! `informers --controlplane` runs the informers scenario the same way; its figures are
 //! the watches the replicas count open on their own `/metrics` and event delivery.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::list_storm::{self, Sizes};
 use super::{Classes, Mode, Options, informers, spawn_loads};
+use crate::balancer::{Balancer, Pick};
 use crate::client::Target;
 use crate::controlplane::{self, ControlPlane};
 use crate::report::{self, Report, Run};
@@ -152,13 +151,13 @@ async fn one_run(
             None,
         ),
         _ => {
-            let (addr, task) = tcp_balancer(cp.replica_addrs()).await?;
+            let balancer = Balancer::start(cp.replica_addrs(), Pick::RoundRobin).await?;
             (
                 Target {
-                    addr,
+                    addr: balancer.addr,
                     ca_pem: cp.pki().server_ca.cert_pem(),
                 },
-                Some(task),
+                Some(balancer),
             )
         }
     };
@@ -224,9 +223,7 @@ async fn one_run(
         }
     };
     let elapsed = started.elapsed();
-    if let Some(task) = balancer {
-        task.abort();
-    }
+    drop(balancer);
     let proxy = match mode {
         Mode::Bulwark => cp.bulwark_cost(),
         _ => None,
@@ -295,36 +292,4 @@ fn progress(mode: Mode, classes: &Classes) -> JoinHandle<()> {
             eprintln!("{line}");
         }
     })
-}
-
-/// A TCP balancer on 127.0.0.1: each connection goes to the next replica that accepts it
-/// and stays there, as with a cloud load balancer in front of apiservers.
-async fn tcp_balancer(replicas: Vec<SocketAddr>) -> anyhow::Result<(SocketAddr, JoinHandle<()>)> {
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .context("binding the TCP balancer")?;
-    let addr = listener.local_addr()?;
-    let next = Arc::new(AtomicUsize::new(0));
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((client, _)) = listener.accept().await else {
-                continue;
-            };
-            let _ = client.set_nodelay(true);
-            let replicas = replicas.clone();
-            let first = next.fetch_add(1, Ordering::Relaxed);
-            tokio::spawn(async move {
-                for k in 0..replicas.len() {
-                    let replica = replicas[(first + k) % replicas.len()];
-                    if let Ok(upstream) = TcpStream::connect(replica).await {
-                        let _ = upstream.set_nodelay(true);
-                        let (mut c, mut u) = (client, upstream);
-                        let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    Ok((addr, task))
 }

@@ -252,29 +252,25 @@ impl Cluster {
     /// Waits (up to 20 s) until Bulwark is ready: a replica healthy and, with the cache on,
     /// the cache's first sync done.
     pub async fn ready(self) -> Cluster {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        loop {
-            let why = match self.bulwark.admin.ready() {
-                Err(why) => why,
-                // Readiness gives up on the cache after its sync cap; a test waits for it.
-                Ok(())
-                    if self
-                        .bulwark
-                        .admin
-                        .cache
-                        .as_ref()
-                        .is_some_and(|c| !c.synced()) =>
-                {
-                    bulwark::admin::NotReady::CacheNotSynced
-                }
-                Ok(()) => return self,
-            };
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "bulwark never became ready: {why}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        until_ready(&self.bulwark).await;
+        self
+    }
+
+    /// Starts another Bulwark in front of this cluster's fleet with this cluster's
+    /// configuration (the same certificates, rules and cache; not [`Setup::tweak`]) and
+    /// `settings` on top, its audit log `audit-{name}.jsonl` beside the first's, and waits
+    /// as [`Cluster::ready`] does until it is ready.
+    pub async fn start_another(&self, name: &str, settings: &[(&str, &str)]) -> Running {
+        let mut config = self.config.clone();
+        config.audit = Some(self.dir.join(format!("audit-{name}.jsonl")));
+        for (at, yaml) in settings {
+            config = config.set(at, yaml);
         }
+        let bulwark = Running::start(config.config())
+            .await
+            .unwrap_or_else(|e| panic!("bulwark {name} starts: {e}"));
+        until_ready(&bulwark).await;
+        bulwark
     }
 
     /// Bulwark's watch-fed cache (the cluster runs with `cache: true`).
@@ -391,6 +387,27 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         BulwarkProcess { child, addr }
+    }
+}
+
+/// Waits (up to 20 s) until `bulwark` is ready: a replica healthy and, with the cache on,
+/// the cache's first sync done.
+async fn until_ready(bulwark: &Running) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let why = match bulwark.admin.ready() {
+            Err(why) => why,
+            // Readiness gives up on the cache after its sync cap; a test waits for it.
+            Ok(()) if bulwark.admin.cache.as_ref().is_some_and(|c| !c.synced()) => {
+                bulwark::admin::NotReady::CacheNotSynced
+            }
+            Ok(()) => return,
+        };
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "bulwark never became ready: {why}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -90,6 +90,8 @@ pub enum Outcome {
     Rejected {
         /// How long to wait before the next request.
         retry_after: Duration,
+        /// Bulwark's `X-Bulwark-Reason` (`rate_limited`, `queue_full`, ...), if it sent one.
+        reason: Option<String>,
     },
     /// Anything else: another status, a reset, a timeout, a connection failure.
     Error(String),
@@ -238,9 +240,13 @@ impl Client {
             let status = response.status();
             if status == StatusCode::TOO_MANY_REQUESTS {
                 let retry_after = retry_after(response.headers());
+                let reason = bulwark_reason(response.headers());
                 // Drain the Status body so the stream closes cleanly.
                 let _ = response.into_body().collect().await;
-                return Ok(Outcome::Rejected { retry_after });
+                return Ok(Outcome::Rejected {
+                    retry_after,
+                    reason,
+                });
             }
             let mut body = response.into_body();
             let mut bytes = 0u64;
@@ -288,6 +294,7 @@ impl Client {
         if status == StatusCode::TOO_MANY_REQUESTS {
             return Err(Outcome::Rejected {
                 retry_after: retry_after(response.headers()),
+                reason: bulwark_reason(response.headers()),
             });
         }
         if !status.is_success() {
@@ -309,6 +316,14 @@ impl Client {
             bytes: 0,
         })
     }
+}
+
+/// Bulwark's reason for answering by itself (`X-Bulwark-Reason`).
+fn bulwark_reason(headers: &http::HeaderMap) -> Option<String> {
+    headers
+        .get("x-bulwark-reason")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }
 
 /// The wait a 429 asks for, as client-go reads `Retry-After` (whole seconds), bounded.
@@ -441,7 +456,7 @@ impl Tally {
                 self.failures = 0;
                 Duration::ZERO
             }
-            Outcome::Rejected { retry_after } => {
+            Outcome::Rejected { retry_after, .. } => {
                 self.rejected += 1;
                 self.live.rejected.fetch_add(1, Ordering::Relaxed);
                 *retry_after
@@ -676,7 +691,9 @@ mod tests {
             other => panic!("{other:?}"),
         }
         match c.call(Method::GET, "/busy", None, Read::Count, t).await {
-            Outcome::Rejected { retry_after } => assert_eq!(retry_after, Duration::from_secs(3)),
+            Outcome::Rejected { retry_after, .. } => {
+                assert_eq!(retry_after, Duration::from_secs(3))
+            }
             other => panic!("{other:?}"),
         }
         match c.call(Method::GET, "/missing", None, Read::Count, t).await {
@@ -763,7 +780,8 @@ mod tests {
         }
         assert_eq!(
             b.record(&Outcome::Rejected {
-                retry_after: Duration::from_secs(2)
+                retry_after: Duration::from_secs(2),
+                reason: None,
             }),
             Duration::from_secs(2)
         );

@@ -189,6 +189,9 @@ pub struct Options {
     pub bulwarks: usize,
     /// How several Bulwarks keep one budget.
     pub fleet: FleetMode,
+    /// More Bulwark settings, as `BulwarkConfig::set` takes them (`cache.resources`,
+    /// `[endpoints]`).
+    pub bulwark_settings: Vec<(String, String)>,
 }
 
 /// How several Bulwark replicas share the apiservers' budgets.
@@ -202,6 +205,12 @@ pub enum FleetMode {
 
 /// The namespace of the fleet's Leases.
 pub const FLEET_NAMESPACE: &str = "bulwark";
+
+/// The `fleet:` setting of Bulwark `i` of several: Leases in [`FLEET_NAMESPACE`], named by
+/// its index.
+pub fn fleet_setting(i: usize) -> String {
+    format!("{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}}}")
+}
 
 impl Options {
     /// Three replicas without a memory limit, the binaries located, this binary as Bulwark.
@@ -220,6 +229,7 @@ impl Options {
             identity_mode: None,
             bulwarks: 1,
             fleet: FleetMode::Leases,
+            bulwark_settings: Vec::new(),
         }
     }
 }
@@ -239,6 +249,8 @@ pub struct ControlPlane {
     balancer: Option<Balancer>,
     /// The binary Bulwark runs from, for a restart.
     bulwark_exe: Option<PathBuf>,
+    /// The heap headroom Bulwark was configured with (`None`: its default).
+    heap_headroom: Option<u64>,
     started_in: Duration,
     stopped: bool,
 }
@@ -351,6 +363,7 @@ impl ControlPlane {
             bulwarks: Vec::new(),
             balancer: None,
             bulwark_exe: None,
+            heap_headroom: None,
             started_in: Duration::ZERO,
             stopped: false,
         };
@@ -418,6 +431,12 @@ impl ControlPlane {
             (None, Some(slot)) => slot.target.addr,
             (None, None) => SocketAddr::from(([127, 0, 0, 1], 0)),
         }
+    }
+
+    /// The heap headroom per apiserver replica the Bulwarks were configured with; each
+    /// apiserver's in-flight LIST byte budget is a fifth of it (`None`: Bulwark's default).
+    pub fn bulwark_heap_headroom(&self) -> Option<u64> {
+        self.heap_headroom
     }
 
     /// Each Bulwark replica's own address, by index.
@@ -796,15 +815,13 @@ impl ControlPlane {
         self.bulwark_exe = Some(exe.clone());
         let serving_ca = bulwark_sim::pki::Ca::new("bulwark-serving-ca");
         let n = opts.bulwarks.max(1);
+        self.heap_headroom = self.heap_headroom();
         for i in 0..n {
-            let mut settings = Vec::new();
+            let mut settings = opts.bulwark_settings.clone();
             if n > 1 {
                 settings.push(("upstream.bulwarkReplicas".to_string(), n.to_string()));
                 if opts.fleet == FleetMode::Leases {
-                    settings.push((
-                        "fleet".to_string(),
-                        format!("{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}}}"),
-                    ));
+                    settings.push(("fleet".to_string(), fleet_setting(i)));
                 }
             }
             let upstream = Upstream {
@@ -813,7 +830,7 @@ impl ControlPlane {
                 front_proxy_user: FRONT_PROXY_NAME,
                 own_user: BULWARK_USER,
                 own_group: BULWARK_GROUP,
-                heap_headroom: self.heap_headroom(),
+                heap_headroom: self.heap_headroom,
                 rules: opts.rules.clone(),
                 identity_mode: opts.identity_mode.as_deref(),
                 serving_ca: Some(&serving_ca),
@@ -910,6 +927,15 @@ impl ControlPlane {
             }
         }
         sum
+    }
+
+    /// A `system:masters` client straight to each replica, by index (for its `/metrics`).
+    pub async fn admin_clients(&self) -> Result<Vec<Client>, Error> {
+        let mut clients = Vec::new();
+        for i in 0..self.replicas.len() {
+            clients.push(self.admin_client(i).await?);
+        }
+        Ok(clients)
     }
 
     /// A `system:masters` client straight to replica `i`.

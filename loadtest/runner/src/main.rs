@@ -61,6 +61,19 @@ struct OnControlPlaneArgs {
     apiserver_memory_limit: u64,
 }
 
+/// `fleet`'s options: a real control plane always.
+#[derive(Args, Debug, Clone)]
+struct FleetArgs {
+    #[command(flatten)]
+    common: Common,
+    /// kube-apiserver replicas.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=16))]
+    replicas: u16,
+    /// Each kube-apiserver's memory limit: bytes, or with Ki, Mi, Gi.
+    #[arg(long, value_parser = bytes, default_value = "1200Mi")]
+    apiserver_memory_limit: u64,
+}
+
 /// `conn-flood`'s options.
 #[derive(Args, Debug, Clone)]
 struct ConnFloodArgs {
@@ -102,6 +115,9 @@ enum Command {
     /// Many identities LIST all large Secrets in a loop; innocent clients and heartbeats
     /// carry on beside them.
     ListStorm(OnControlPlaneArgs),
+    /// The list storm on a real control plane through three Bulwarks with clients pinned
+    /// 70/20/10: direct, static split and Lease shares; one Bulwark killed and restarted.
+    Fleet(FleetArgs),
     /// Long-lived HTTP/2 clients while one replica restarts.
     Skew(Common),
     /// Per-node informers on EndpointSlices and their own Secrets under churn.
@@ -125,6 +141,10 @@ enum Command {
         /// Bulwark's rules folder (default: the shipped `rules/examples`, built in).
         #[arg(long)]
         rules: Option<PathBuf>,
+        /// Bulwark replicas; more than one run behind a TCP balancer that the kubeconfigs
+        /// point at, keeping one budget through Leases in namespace `bulwark`.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+        bulwark_replicas: u16,
     },
     /// A real control plane (etcd and kube-apiservers built from Kubernetes' Go modules,
     /// seeded with RBAC and objects) with Bulwark in front, and kubeconfigs to try it with.
@@ -204,7 +224,11 @@ async fn run(command: Command) -> anyhow::Result<()> {
     };
     let (report, common) = match command {
         Command::Bulwark { .. } => unreachable!("main runs Bulwark on its own runtime"),
-        Command::Sandbox { dir, rules } => return sandbox::run(&dir, rules).await,
+        Command::Sandbox {
+            dir,
+            rules,
+            bulwark_replicas,
+        } => return sandbox::run(&dir, rules, usize::from(bulwark_replicas)).await,
         Command::Controlplane {
             dir,
             replicas,
@@ -232,6 +256,14 @@ async fn run(command: Command) -> anyhow::Result<()> {
             (report, a.common)
         }
         Command::ListStorm(a) => (scenario::run(&ListStorm, &opts(&a.common)).await?, a.common),
+        Command::Fleet(a) => {
+            let cp = scenario::on_controlplane::ControlPlaneOptions {
+                replicas: usize::from(a.replicas),
+                memory_limit: a.apiserver_memory_limit,
+            };
+            let report = scenario::fleet::run(&opts(&a.common), &cp).await?;
+            (report, a.common)
+        }
         Command::Skew(c) => (scenario::run(&Skew, &opts(&c)).await?, c),
         Command::Informers(a) if a.controlplane => {
             let cp = scenario::on_controlplane::ControlPlaneOptions {

@@ -372,6 +372,21 @@ pub async fn admin_get(admin: SocketAddr, path: &str) -> anyhow::Result<u16> {
     Ok(code)
 }
 
+/// A plain HTTP/1.1 GET on the admin listener; the body.
+pub async fn admin_text(admin: SocketAddr, path: &str) -> anyhow::Result<String> {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(admin).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut text = Vec::new();
+        stream.read_to_end(&mut text).await?;
+        anyhow::Ok(String::from_utf8_lossy(&text).into_owned())
+    };
+    let text = tokio::time::timeout(Duration::from_secs(5), exchange).await??;
+    let (_, body) = text.split_once("\r\n\r\n").context("not an HTTP answer")?;
+    Ok(body.to_string())
+}
+
 /// The body of the hidden subcommand: load the config and serve until SIGTERM.
 pub async fn serve(config: &Path) -> anyhow::Result<()> {
     let config = bulwark::config::Config::load(config)?;

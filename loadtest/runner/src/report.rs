@@ -77,6 +77,49 @@ pub struct Run {
     /// What an idle-connection flood did (conn-flood only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flood: Option<Flood>,
+    /// How a fleet of Bulwarks kept the apiservers' budget (fleet only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<FleetFigures>,
+}
+
+/// The fleet scenario's figures: the apiservers' LIST bytes against their budget, each
+/// storm identity's rate against its rule, and a Bulwark's death and return.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FleetFigures {
+    /// Each apiserver's in-flight LIST byte budget (heap headroom ÷ 5): the fleet's whole.
+    pub list_bytes_budget: u64,
+    /// Per apiserver: the most storm LIST bytes it executed at once, by its own metrics
+    /// (`apiserver_flowcontrol_current_executing_requests` of the storm's FlowSchema,
+    /// sampled every second, times the bytes one LIST reads).
+    pub peak_list_bytes: Vec<u64>,
+    /// Per apiserver: samples with more than the budget executing.
+    pub samples_over_budget: Vec<u64>,
+    /// Samples taken per apiserver.
+    pub samples: u64,
+    /// The storm rule's rate, requests per second.
+    pub storm_rule_qps: f64,
+    /// Per storm identity: requests per second that passed its token buckets (every
+    /// answer but a 429 `rate_limited`), over the whole run, all Bulwarks together.
+    pub storm_rates: Vec<f64>,
+    /// Per storm identity: 429s, and of those `rate_limited`.
+    pub storm_429s: Vec<(u64, u64)>,
+    /// Seconds into the run a Bulwark was killed, and started again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub killed_at_s: Option<f64>,
+    /// See `killed_at_s`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restarted_at_s: Option<f64>,
+    /// Seconds from the kill until every survivor saw two members and held the whole
+    /// budget between them; `None`: not within the wait (the static split never does).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub takeover_s: Option<f64>,
+    /// Seconds from the restart until every Bulwark saw three members.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rejoin_s: Option<f64>,
+    /// What the survivors held of each apiserver's budget together once they took over
+    /// (or at the end of the wait).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub survivors_share: Option<u64>,
 }
 
 /// An idle-connection flood and what Bulwark and its other clients went through.
@@ -265,6 +308,68 @@ fn list(values: &[u64]) -> String {
     format!("[{}]", parts.join(", "))
 }
 
+/// The fleet rows: LIST bytes on each apiserver against its budget, the storm identities'
+/// rates against their rule, and the takeover of a killed Bulwark's share.
+fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    let cells = |f: &dyn Fn(&FleetFigures) -> String| -> Vec<String> {
+        runs.iter()
+            .map(|r| r.fleet.as_ref().map_or_else(|| "-".to_string(), f))
+            .collect()
+    };
+    rows.push(("fleet".to_string(), vec![String::new(); runs.len()]));
+    let mut add = |label: &str, f: &dyn Fn(&FleetFigures) -> String| {
+        rows.push((format!("  {label}"), cells(f)));
+    };
+    let seconds = |s: Option<f64>| s.map_or_else(|| "never".to_string(), |s| format!("{s:.1} s"));
+    add("LIST bytes budget / apiserver", &|f| {
+        human_bytes(f.list_bytes_budget)
+    });
+    add("peak LIST bytes per apiserver", &|f| {
+        let peaks: Vec<String> = f.peak_list_bytes.iter().map(|b| human_bytes(*b)).collect();
+        peaks.join(", ")
+    });
+    add("samples over budget", &|f| {
+        format!("{} of {}", list(&f.samples_over_budget), f.samples)
+    });
+    add("storm rule (req/s)", &|f| {
+        format!("{:.2}", f.storm_rule_qps)
+    });
+    add("storm rate per identity", &|f| {
+        let rates: Vec<String> = f.storm_rates.iter().map(|r| format!("{r:.2}")).collect();
+        rates.join(", ")
+    });
+    add("storm rate max / rule", &|f| {
+        let max = f.storm_rates.iter().copied().fold(0.0, f64::max);
+        format!("{:.2}", max / f.storm_rule_qps)
+    });
+    add("storm 429s (rate) per identity", &|f| {
+        let v: Vec<String> = f
+            .storm_429s
+            .iter()
+            .map(|(all, rate)| format!("{all} ({rate})"))
+            .collect();
+        v.join(", ")
+    });
+    add(
+        "Bulwark killed / restarted at",
+        &|f| match (f.killed_at_s, f.restarted_at_s) {
+            (Some(k), Some(r)) => format!("{k:.0} s / {r:.0} s"),
+            _ => "-".into(),
+        },
+    );
+    add("survivors took over in", &|f| match f.killed_at_s {
+        Some(_) => seconds(f.takeover_s),
+        None => "-".into(),
+    });
+    add("survivors' share / apiserver", &|f| {
+        f.survivors_share.map_or_else(|| "-".into(), human_bytes)
+    });
+    add("restarted one rejoined in", &|f| match f.restarted_at_s {
+        Some(_) => seconds(f.rejoin_s),
+        None => "-".into(),
+    });
+}
+
 /// The conn-flood rows: the flood, Bulwark's descriptors and memory, and what the other
 /// clients saw.
 fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
@@ -421,6 +526,9 @@ pub fn table(report: &Report) -> String {
 
     if runs.iter().any(|r| r.flood.is_some()) {
         flood_rows(&mut rows, &runs);
+    }
+    if runs.iter().any(|r| r.fleet.is_some()) {
+        fleet_rows(&mut rows, &runs);
     }
 
     let mut classes: Vec<&String> = runs.iter().flat_map(|r| r.classes.keys()).collect();

@@ -1,6 +1,7 @@
 //! `sandbox --dir DIR`: a 3-replica simulated fleet with Bulwark in front, freshly minted
 //! certificates, and kubeconfigs for a few typical identities, so that a person can point
-//! kubectl at Bulwark at once. Runs until interrupted.
+//! kubectl at Bulwark at once. With `--bulwark-replicas N`, N Bulwarks sharing one budget
+//! through Leases behind an L4 balancer. Runs until interrupted.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -8,10 +9,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use base64::Engine as _;
+use bulwark::serve::Running;
 use bulwark_sim::pki::Ca;
 use bulwark_sim::policy::{Policy, PolicyRule};
 use bulwark_testkit::{Cluster, Setup};
 
+use crate::balancer::{Balancer, Pick};
 use crate::proxy_process::write_example_rules;
 
 /// The node whose kubeconfig the sandbox writes.
@@ -29,7 +32,8 @@ fn strings(v: &[&str]) -> Vec<String> {
 
 /// Who may do what in the sandbox: masters everything (built into the simulator), the
 /// operator reads secrets and configmaps everywhere, the node reads its own two secrets,
-/// Bulwark reviews and reads, everyone authenticated may read discovery.
+/// Bulwark reviews, reads and keeps its fleet's Leases, everyone authenticated may read
+/// discovery.
 fn policy() -> Policy {
     let rule = |groups: &[&str], users: &[&str], verbs: &[&str], resources: &[&str]| PolicyRule {
         groups: strings(groups),
@@ -79,6 +83,12 @@ fn policy() -> Policy {
                 ],
             ),
             bulwark_reads,
+            rule(
+                &["bulwark:proxies"],
+                &[],
+                &["create", "update"],
+                &["leases.coordination.k8s.io"],
+            ),
             discovery,
         ],
     }
@@ -158,9 +168,11 @@ pub fn kubeconfigs(servers: &Servers<'_>, client_ca: &Ca) -> Vec<(&'static str, 
 }
 
 /// Runs the sandbox until Ctrl-C or SIGTERM: the test kit's cluster (a simulated fleet with
-/// Bulwark in front, in this process) with the sandbox's policy and objects.
+/// Bulwark in front, in this process) with the sandbox's policy and objects; with
+/// `bulwarks` > 1, that many Bulwarks sharing one budget through Leases behind a
+/// round-robin L4 balancer, all serving with certificates from the replicas' CA.
 /// Bulwark loads the rules in `rules`, or the built-in copy of `rules/examples` without it.
-pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
+pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let ready = dir.join("ready");
     let _ = std::fs::remove_file(&ready);
@@ -169,6 +181,14 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
         Some(folder) => std::path::absolute(&folder)
             .with_context(|| format!("locating the rules folder {}", folder.display()))?,
         None => write_example_rules(&bulwark_dir.join("rules"))?,
+    };
+    let settings: Vec<(&'static str, &'static str)> = match bulwarks {
+        0 | 1 => Vec::new(),
+        // Leaked once: the settings live as long as the sandbox, which is the process.
+        n => vec![
+            ("upstream.bulwarkReplicas", n.to_string().leak()),
+            ("fleet", crate::controlplane::fleet_setting(0).leak()),
+        ],
     };
     let cluster = Cluster::start(Setup {
         replicas: 3,
@@ -182,6 +202,7 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
         policy: policy(),
         bookmark_interval: Duration::from_secs(60),
         dir: Some(bulwark_dir),
+        settings,
         ..Setup::default()
     })
     .await;
@@ -200,13 +221,30 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("creating secret {name}: {e}"))?;
     }
     let cluster = cluster.ready().await;
-    let server = cluster.bulwark.addr;
+    // The others run with the first one's configuration and certificates, as themselves.
+    let mut others = Vec::new();
+    for i in 1..bulwarks {
+        let name = format!("bulwark-{i}");
+        others.push(
+            cluster
+                .start_another(&name, &[("fleet", &crate::controlplane::fleet_setting(i))])
+                .await,
+        );
+    }
+    let all: Vec<&Running> = std::iter::once(&cluster.bulwark).chain(&others).collect();
+    let balancer = if others.is_empty() {
+        None
+    } else {
+        let backends = all.iter().map(|b| b.addr).collect();
+        Some(Balancer::start(backends, Pick::RoundRobin).await?)
+    };
+    let server = balancer.as_ref().map_or(cluster.bulwark.addr, |b| b.addr);
     let replica = *cluster
         .fleet
         .addrs()
         .first()
         .context("the fleet has no replica")?;
-    // Bulwark serves with a certificate from the replicas' CA.
+    // Every Bulwark serves with a certificate from the replicas' CA.
     let ca_pem = cluster.pki.server_ca.cert_pem();
     let servers = Servers {
         bulwark: server,
@@ -218,12 +256,28 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
         let path = dir.join(file);
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     }
+    let listing: String = all
+        .iter()
+        .map(|b| format!("https://{} http://{}\n", b.addr, b.admin_addr))
+        .collect();
+    let listing_path = dir.join("bulwarks");
+    std::fs::write(&listing_path, listing)
+        .with_context(|| format!("writing {}", listing_path.display()))?;
     std::fs::write(&ready, format!("bulwark https://{server}\n"))?;
     let d = dir.display();
-    println!(
-        "Sandbox ready: Bulwark on https://{server}, apiserver replicas {:?}",
-        cluster.fleet.addrs()
-    );
+    if others.is_empty() {
+        println!(
+            "Sandbox ready: Bulwark on https://{server}, apiserver replicas {:?}",
+            cluster.fleet.addrs()
+        );
+    } else {
+        println!(
+            "Sandbox ready: {} Bulwarks behind the balancer on https://{server}, \
+             apiserver replicas {:?}",
+            all.len(),
+            cluster.fleet.addrs()
+        );
+    }
     println!("  kubectl --kubeconfig {d}/kubeconfig-admin get secrets -A");
     println!("  kubectl --kubeconfig {d}/kubeconfig-operator get configmaps -A");
     println!(
@@ -234,15 +288,29 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>) -> anyhow::Result<()> {
     println!(
         "  kubectl --kubeconfig {d}/kubeconfig-direct-admin get secrets -A   # straight to a replica"
     );
-    println!(
-        "  Bulwark metrics: http://{}/metrics",
-        cluster.bulwark.admin_addr
-    );
+    match all.as_slice() {
+        [one] => println!("  Bulwark metrics: http://{}/metrics", one.admin_addr),
+        several => {
+            for (i, b) in several.iter().enumerate() {
+                let admin = b.admin_addr;
+                println!(
+                    "  bulwark-{i} on https://{}: metrics http://{admin}/metrics, \
+                     its fleet http://{admin}/debug/fleet",
+                    b.addr
+                );
+            }
+        }
+    }
     println!("Ctrl-C to stop.");
     wait_for_signal().await;
     let _ = std::fs::remove_file(&ready);
-    // Bulwark drains first; the fleet stops when it goes out of scope.
-    cluster.stop().await;
+    let _ = std::fs::remove_file(&listing_path);
+    drop(balancer);
+    // The Bulwarks drain first; the fleet stops when it goes out of scope.
+    futures::join!(
+        cluster.stop(),
+        futures::future::join_all(others.into_iter().map(Running::drain)),
+    );
     Ok(())
 }
 

@@ -8,6 +8,7 @@
 pub mod conn_flood;
 pub mod demo;
 pub mod events_poll;
+pub mod fleet;
 pub mod informers;
 pub mod list_storm;
 pub mod on_controlplane;
@@ -401,6 +402,7 @@ impl Env {
             event_delivery_p99_ms: driven.event_delivery_p99_ms,
             watch_bytes_per_event: driven.watch_bytes_per_event,
             flood: None,
+            fleet: None,
         })
     }
 
@@ -527,16 +529,33 @@ pub fn spawn_loads(
     loads: Vec<Load>,
     deadline: Instant,
 ) -> anyhow::Result<(Classes, JoinHandle<()>)> {
+    spawn_loads_at(loads, deadline, |_, _| target.clone(), None)
+}
+
+/// What a scenario hears of every outcome: the class, the identity's index in its load,
+/// and the outcome.
+pub type Observer = Arc<dyn Fn(&str, usize, &Outcome) + Send + Sync>;
+
+/// Like [`spawn_loads`], with each identity's own target (`target_of(class, index)`: one
+/// Bulwark of several, as a balancer pins connections) and an `observer` of every outcome.
+pub fn spawn_loads_at(
+    loads: Vec<Load>,
+    deadline: Instant,
+    target_of: impl Fn(&str, usize) -> Target,
+    observer: Option<Observer>,
+) -> anyhow::Result<(Classes, JoinHandle<()>)> {
     let mut classes = Vec::new();
     let mut tasks = Vec::new();
     for load in loads {
         let stats = ClassStats::new();
         classes.push((load.class.clone(), stats.clone()));
         for (i, identity) in load.identities.iter().enumerate() {
-            let mut client = Client::new(target, identity)?;
+            let mut client = Client::new(&target_of(&load.class, i), identity)?;
             let stats = stats.clone();
             let next = load.next.clone();
             let think = load.think;
+            let observer = observer.clone();
+            let class = load.class.clone();
             tasks.push(tokio::spawn(async move {
                 let mut tally = stats.tally();
                 // Spread the first requests so that identities do not start in lockstep.
@@ -551,6 +570,9 @@ pub fn spawn_loads(
                         o = client.call(req.method, &req.path, req.body, req.read, req.timeout) => o,
                         _ = tokio::time::sleep_until(deadline) => break,
                     };
+                    if let Some(observe) = &observer {
+                        observe(&class, i, &outcome);
+                    }
                     // `think` paces request starts (a fixed rate per identity); a 429's
                     // Retry-After or an error's back-off counts from now.
                     let resume = (sent + think).max(Instant::now() + tally.record(&outcome));

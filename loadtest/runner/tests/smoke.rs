@@ -240,6 +240,117 @@ fn sandbox_serves_kubectl_with_each_identity() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Kills the sandbox if a test fails before stopping it.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn sandbox_runs_three_bulwarks_behind_a_balancer_sharing_one_budget() {
+    let dir = std::env::temp_dir().join(format!(
+        "bulwark-sandbox-fleet-smoke-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut sandbox = Running(
+        Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
+            .arg("sandbox")
+            .arg("--dir")
+            .arg(&dir)
+            .args(["--bulwark-replicas", "3"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !dir.join("ready").exists() {
+        assert!(Instant::now() < deadline, "the sandbox became ready");
+        assert!(
+            sandbox.0.try_wait().unwrap().is_none(),
+            "the sandbox exited early"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Each line: a Bulwark's address and its admin address.
+    let listing = std::fs::read_to_string(dir.join("bulwarks")).unwrap();
+    let bulwarks: Vec<(&str, &str)> = listing
+        .lines()
+        .map(|l| l.split_once(' ').expect("address and admin address"))
+        .collect();
+    assert_eq!(bulwarks.len(), 3, "{listing}");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        use k8s_openapi::api::core::v1::Secret;
+        use kube::api::{Api, ListParams};
+        use kube::config::{KubeConfigOptions, Kubeconfig};
+
+        // One client per Bulwark: the balancer sends each new connection to the next.
+        for _ in 0..bulwarks.len() {
+            let kubeconfig = Kubeconfig::read_from(dir.join("kubeconfig-admin")).unwrap();
+            let config =
+                kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                    .await
+                    .unwrap();
+            let server = config.cluster_url.to_string();
+            assert!(
+                bulwarks.iter().all(|(addr, _)| !server.starts_with(addr)),
+                "the kubeconfig points at the balancer, not at a Bulwark: {server}"
+            );
+            let secrets: Api<Secret> = Api::all(kube::Client::try_from(config).unwrap());
+            let list = secrets.list(&ListParams::default()).await.unwrap();
+            let names: Vec<_> = list
+                .iter()
+                .filter_map(|s| s.metadata.name.clone())
+                .collect();
+            assert!(
+                names.iter().any(|n| n == "secret-0")
+                    && names.iter().any(|n| n == "node-1-kubelet-config"),
+                "{names:?}"
+            );
+        }
+
+        let all = ["bulwark-0", "bulwark-1", "bulwark-2"];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        for (_, admin) in &bulwarks {
+            let admin = admin.strip_prefix("http://").unwrap().parse().unwrap();
+            loop {
+                let (status, body) = bulwark_testkit::admin_get(admin, "/debug/fleet")
+                    .await
+                    .expect("the admin listener answers");
+                assert_eq!(status, 200, "{body}");
+                let debug: Value = serde_json::from_str(&body).unwrap();
+                let shares = &debug["shares"];
+                if shares["standing"] == "shared" && shares["members"] == serde_json::json!(all) {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{admin} never saw all three live: {debug}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    });
+
+    let pid = rustix::process::Pid::from_raw(sandbox.0.id() as i32).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::INT).unwrap();
+    let status = sandbox.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "the sandbox stops cleanly on SIGINT: {status}"
+    );
+    assert!(
+        !dir.join("ready").exists(),
+        "ready is removed when it stops"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Whether `program` is installed (on `PATH` or in Debian's sbin).
 fn installed(program: &str) -> bool {
     let path = std::env::var_os("PATH").unwrap_or_default();

@@ -59,13 +59,15 @@ pub(crate) const MAX_RATE_FLOWS: usize = 128;
 /// rate: the flows that are not all stay well inside their rule together.
 pub(crate) const RATE_REPORT_FRACTION: f64 = 0.1;
 
-/// `rate` times `share` (a fraction of the rule's rate this Bulwark holds in its fleet):
-/// the burst scales too, never below one request.
+/// `rate` times `share` (a fraction of the rule's rate this Bulwark holds in its fleet).
+/// The burst stays the rule's: it bounds how far ahead of the rate a flow may get, not the
+/// rate, and a burst cut to a share's fraction (one request) would refuse a flow that asks
+/// for no more than its share whenever two requests came close together.
 pub(crate) fn scaled(rate: Rate, share: Option<f64>) -> Rate {
     match share {
         Some(share) if share.is_finite() && (0.0..1.0).contains(&share) => Rate {
             qps: rate.qps * share,
-            burst: ((f64::from(rate.burst) * share).round() as u32).clamp(1, rate.burst.max(1)),
+            burst: rate.burst,
         },
         _ => rate,
     }
@@ -525,21 +527,24 @@ mod tests {
         // A share arrives while the bucket is empty: it stays empty, no fresh burst.
         assert_eq!(take(Some(0.5)), 0);
         tokio::time::advance(secs(1)).await;
-        assert_eq!(
-            take(Some(0.5)),
-            5,
-            "refilled at half the rate, up to half the burst"
+        assert_eq!(take(Some(0.5)), 5, "refilled at half the rate");
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        // 1.5 s at 2 per second, and the half token a rebuild credits on average for what
+        // a bucket holds between whole tokens.
+        let refilled = take(Some(0.2));
+        assert!(
+            (3..=4).contains(&refilled),
+            "refilled at a fifth of the rate: {refilled}"
         );
-        tokio::time::advance(secs(10)).await;
-        assert_eq!(
-            take(Some(0.2)),
-            2,
-            "a full bucket scaled to a fifth of the rule"
-        );
+        tokio::time::advance(secs(100)).await;
+        assert_eq!(take(Some(0.2)), 10, "up to the rule's whole burst");
         assert_eq!(
             scaled(rule, Some(0.01)),
-            Rate { qps: 0.1, burst: 1 },
-            "never below one request of burst"
+            Rate {
+                qps: 0.1,
+                burst: 10
+            },
+            "the burst stays the rule's"
         );
         assert_eq!(scaled(rule, Some(1.0)), rule);
         assert_eq!(scaled(rule, Some(f64::NAN)), rule);

@@ -27,7 +27,6 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
@@ -296,7 +295,7 @@ async fn measure(
     }
     let closed_by_bulwark = opened.closed_by_bulwark.load(Ordering::Relaxed);
     let flood_end = Instant::now();
-    let metrics = admin_text(proxy.admin, "/metrics")
+    let metrics = proxy_process::admin_text(proxy.admin, "/metrics")
         .await
         .unwrap_or_default();
     opened.letting_go.store(true, Ordering::Relaxed);
@@ -374,6 +373,7 @@ async fn measure(
         },
         classes,
         flood: Some(report),
+        fleet: None,
         ..Run::default()
     })
 }
@@ -699,21 +699,6 @@ fn class(log: &[(Instant, Result<Duration, String>)], elapsed: Duration) -> repo
     c.rps = c.ok as f64 / elapsed.as_secs_f64().max(1e-9);
     c.per_identity_ok = vec![c.ok];
     c
-}
-
-/// A plain HTTP/1.1 GET on the admin listener; the body.
-async fn admin_text(admin: SocketAddr, path: &str) -> anyhow::Result<String> {
-    let exchange = async {
-        let mut stream = tokio::net::TcpStream::connect(admin).await?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await?;
-        let mut text = Vec::new();
-        stream.read_to_end(&mut text).await?;
-        anyhow::Ok(String::from_utf8_lossy(&text).into_owned())
-    };
-    let text = tokio::time::timeout(REQUEST_TIMEOUT, exchange).await??;
-    let (_, body) = text.split_once("\r\n\r\n").context("not an HTTP answer")?;
-    Ok(body.to_string())
 }
 
 /// The samples of the counter `name` by their `reason` label, from Prometheus text.

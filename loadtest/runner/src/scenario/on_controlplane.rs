@@ -35,15 +35,17 @@ pub struct ControlPlaneOptions {
 /// Bytes of each seeded Secret: fewer, larger objects than the simulated storm's, so that
 /// seeding a real apiserver takes seconds.
 const SECRET_BYTES: &str = "100KiB";
+/// [`SECRET_BYTES`] in bytes.
+pub(crate) const SECRET_BYTES_N: u64 = 100 << 10;
 
 /// Seeded Secrets per simulated one: three times the simulated storm's bytes (150 MB at
 /// scale 1) in 100 KiB Secrets.
-fn secrets(sizes: &Sizes) -> usize {
+pub(crate) fn secrets(sizes: &Sizes) -> usize {
     (sizes.secrets * 3 / 10).max(10)
 }
 
 /// The seeds: the list storm's Secrets, ConfigMaps and Leases.
-fn seeds(sizes: &Sizes) -> anyhow::Result<Vec<bulwark_sim::Seed>> {
+pub(crate) fn seeds(sizes: &Sizes) -> anyhow::Result<Vec<bulwark_sim::Seed>> {
     let secrets = secrets(sizes);
     [
         format!("secrets={secrets}x{SECRET_BYTES}"),
@@ -167,7 +169,7 @@ async fn one_run(
         Work::ListStorm(sizes) => {
             let loads = list_storm::loads(cp.pki(), sizes);
             let (classes, all) = spawn_loads(&target, loads, started + duration)?;
-            let progress = progress(mode, &classes);
+            let progress = progress(mode.name(), &classes);
             all.await.context("a client loop panicked")?;
             progress.abort();
             (classes, None, None, 0)
@@ -192,7 +194,7 @@ async fn one_run(
                 let window = Duration::from_secs(5).min(duration / 4);
                 let nodes = informers::drive_nodes(
                     &target,
-                    |c| progress(mode, c),
+                    |c| progress(mode.name(), c),
                     cp.pki(),
                     sizes,
                     duration,
@@ -268,13 +270,13 @@ async fn one_run(
         event_delivery_p99_ms,
         watch_bytes_per_event,
         flood: None,
+        fleet: None,
     })
 }
 
-/// Prints each class's counts every five seconds.
-fn progress(mode: Mode, classes: &Classes) -> JoinHandle<()> {
+/// Prints each class's counts every five seconds, the lines headed by `mode`.
+pub(crate) fn progress(mode: &'static str, classes: &Classes) -> JoinHandle<()> {
     let classes = classes.clone();
-    let mode = mode.name();
     let started = Instant::now();
     tokio::spawn(async move {
         loop {

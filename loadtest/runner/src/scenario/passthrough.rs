@@ -410,6 +410,7 @@ impl<'a> Bench<'a> {
             event_delivery_p99_ms: None,
             watch_bytes_per_event: None,
             flood: None,
+            fleet: None,
         })
     }
 

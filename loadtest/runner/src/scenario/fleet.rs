@@ -1,0 +1,467 @@
+//! `fleet`: the list storm on a real control plane through a fleet of three Bulwarks, the
+//! way they are deployed: behind a load balancer that pins long-lived connections, here
+//! 70/20/10 over the three. Each run gets a fresh control plane:
+//!
+//! - `direct`: every client through a TCP balancer straight to the apiservers;
+//! - `static`: three Bulwarks, each a static third of every budget (no `fleet:`);
+//! - `leases`: three Bulwarks sharing the budgets by demand through their Leases.
+//!
+//! A third of the way in, the Bulwark with 70% of the clients is killed (SIGKILL); its
+//! clients' front door moves them to the next, as a balancer's health check does. Two
+//! thirds of the way in it is started again. The figures: each apiserver's storm LISTs in
+//! flight by its own metrics against its budget, OOM kills, each storm identity's rate over
+//! all Bulwarks against its rule, and how long the survivors took to hold the whole budget.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::time::Instant;
+
+use super::list_storm::{self, Sizes};
+use super::on_controlplane::{self, ControlPlaneOptions};
+use super::{Observer, Options, spawn_loads_at};
+use crate::balancer::{Balancer, Pick};
+use crate::client::{Outcome, Target};
+use crate::controlplane::{self, ControlPlane, FleetMode};
+use crate::proxy_process::admin_text;
+use crate::report::{self, FleetFigures, Report, Run};
+
+/// Bulwark replicas in the fleet runs.
+pub const BULWARKS: usize = 3;
+/// Storm identities at scale 1: fewer than `list-storm`'s, each with many connections, so
+/// that each asks for more than its rule even while its connections wait out the
+/// `Retry-After` of their 429s (up to 32 s), as client-go does.
+const STORM_IDENTITIES: usize = 8;
+/// Connections each storm identity holds, pinned like every client.
+const STORM_CONNECTIONS: usize = 60;
+/// The shipped storm rule's rate (`rules/examples/secret-lists.yaml`, checked by a test).
+pub const STORM_RULE_QPS: f64 = 1.0;
+/// The storm identities' FlowSchema on the apiservers: they are ServiceAccounts.
+const STORM_FLOW_SCHEMA: &str = "service-accounts";
+/// How often the apiservers' metrics are read.
+const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+/// The Bulwark that is killed: the one with 70% of the clients.
+const VICTIM: usize = 0;
+
+/// How the runs reach the apiservers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    /// Straight, through a TCP balancer.
+    Direct,
+    /// Three Bulwarks, each a static third.
+    Static,
+    /// Three Bulwarks sharing through Leases.
+    Leases,
+}
+
+impl Split {
+    /// The run's name in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Direct => "direct",
+            Split::Static => "static",
+            Split::Leases => "leases",
+        }
+    }
+}
+
+/// The Bulwark client `i` of a class is pinned to: 7 in 10 to the first, 2 to the second,
+/// 1 to the third.
+pub fn pinned(i: usize) -> usize {
+    match i % 10 {
+        0..=6 => 0,
+        7 | 8 => 1,
+        _ => 2,
+    }
+}
+
+/// Runs `direct`, `static` and `leases` (those `--only` names), each on a fresh control
+/// plane.
+pub async fn run(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Result<Report> {
+    let mut sizes = Sizes::at(opts);
+    sizes.storm = opts.scaled(STORM_IDENTITIES, 1);
+    let seeds = on_controlplane::seeds(&sizes)?;
+    sizes.secrets = on_controlplane::secrets(&sizes);
+    let mut runs = Vec::new();
+    for split in [Split::Direct, Split::Static, Split::Leases] {
+        if opts
+            .only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|o| o == split.name()))
+        {
+            continue;
+        }
+        eprintln!("== fleet on a control plane ({}): starting", split.name());
+        let run = one_run(split, opts, cp, &sizes, &seeds).await?;
+        eprintln!("== fleet on a control plane ({}): done", split.name());
+        runs.push((split.name().to_string(), run));
+    }
+    Ok(Report::new("fleet-controlplane", opts.scale, runs))
+}
+
+/// One storm identity's answers, all Bulwarks together.
+#[derive(Default)]
+struct StormCount {
+    /// Answers other than a 429 `rate_limited`: requests its token buckets let through.
+    passed: AtomicU64,
+    rejected: AtomicU64,
+    rate_limited: AtomicU64,
+}
+
+/// What the sampler saw of the apiservers.
+#[derive(Default)]
+struct Samples {
+    peak: Vec<u64>,
+    over: Vec<u64>,
+    taken: u64,
+}
+
+async fn one_run(
+    split: Split,
+    opts: &Options,
+    cp_opts: &ControlPlaneOptions,
+    sizes: &Sizes,
+    seeds: &[bulwark_sim::Seed],
+) -> anyhow::Result<Run> {
+    let dir = std::env::temp_dir().join(format!(
+        "bulwark-loadtest-fleet-{}-{}",
+        std::process::id(),
+        split.name()
+    ));
+    let mut options = controlplane::Options::new(&dir);
+    options.replicas = cp_opts.replicas;
+    options.apiserver_memory_limit = Some(cp_opts.memory_limit);
+    options.seed = seeds.to_vec();
+    options.open_rbac = true;
+    // Secrets stay out of Bulwark's cache here: every storm LIST reaches the apiservers,
+    // and the byte budget is what protects them (`list-storm` shows the cache answering).
+    options.bulwark_settings = vec![(
+        "cache.resources".to_string(),
+        "[endpoints, endpointslices.discovery.k8s.io]".to_string(),
+    )];
+    if split != Split::Direct {
+        options.bulwarks = BULWARKS;
+        options.fleet = match split {
+            Split::Leases => FleetMode::Leases,
+            _ => FleetMode::Static,
+        };
+    }
+    let began = Instant::now();
+    let mut cp = ControlPlane::start(options)
+        .await
+        .context("starting the control plane")?;
+    eprintln!(
+        "  control plane seeded and ready in {:.1} s",
+        began.elapsed().as_secs_f64()
+    );
+    let headroom = cp
+        .bulwark_heap_headroom()
+        .context("the apiservers have no memory limit")?;
+    let budget = headroom / 5;
+    let list_bytes = sizes.secrets as u64 * on_controlplane::SECRET_BYTES_N;
+
+    // The front doors: one balancer straight to the apiservers, or one per Bulwark that
+    // prefers it and moves its clients to the next while it is down.
+    let mut doors = Vec::new();
+    let targets: Vec<Target> = match split {
+        Split::Direct => {
+            let door = Balancer::start(cp.replica_addrs(), Pick::RoundRobin).await?;
+            let target = Target {
+                addr: door.addr,
+                ca_pem: cp.pki().server_ca.cert_pem(),
+            };
+            doors.push(door);
+            vec![target]
+        }
+        _ => {
+            let bulwarks = cp.bulwark_addrs();
+            let ca_pem = cp.bulwark_ca_pem().unwrap_or_default().to_string();
+            let mut targets = Vec::new();
+            for first in 0..bulwarks.len() {
+                let mut order = bulwarks.clone();
+                order.rotate_left(first);
+                let door = Balancer::start(order, Pick::Preferring).await?;
+                targets.push(Target {
+                    addr: door.addr,
+                    ca_pem: ca_pem.clone(),
+                });
+                doors.push(door);
+            }
+            targets
+        }
+    };
+
+    let mut loads = list_storm::loads(cp.pki(), sizes);
+    let storm = loads
+        .iter_mut()
+        .find(|l| l.class == "storm")
+        .context("the list storm has a storm class")?;
+    storm.identities = storm
+        .identities
+        .iter()
+        .flat_map(|id| std::iter::repeat_n(id.clone(), STORM_CONNECTIONS))
+        .collect();
+    let counts: Arc<Vec<StormCount>> =
+        Arc::new((0..sizes.storm).map(|_| StormCount::default()).collect());
+    let observer: Observer = {
+        let counts = counts.clone();
+        Arc::new(move |class: &str, i: usize, outcome: &Outcome| {
+            if class != "storm" {
+                return;
+            }
+            let Some(c) = counts.get(i / STORM_CONNECTIONS) else {
+                return;
+            };
+            match outcome {
+                Outcome::Rejected { reason, .. } => {
+                    c.rejected.fetch_add(1, Ordering::Relaxed);
+                    if reason.as_deref() == Some("rate_limited") {
+                        c.rate_limited.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                Outcome::Error(_) => return,
+                Outcome::Ok { .. } => {}
+            }
+            c.passed.fetch_add(1, Ordering::Relaxed);
+        })
+    };
+
+    let duration = opts.duration_or(Duration::from_secs(90));
+    let started = Instant::now();
+    let target_of = |_: &str, i: usize| targets[pinned(i).min(targets.len() - 1)].clone();
+    let (classes, all) = spawn_loads_at(loads, started + duration, target_of, Some(observer))?;
+    let progress = on_controlplane::progress(split.name(), &classes);
+    let samples = Arc::new(Mutex::new(Samples {
+        peak: vec![0; cp_opts.replicas],
+        over: vec![0; cp_opts.replicas],
+        taken: 0,
+    }));
+    let sampler = {
+        let admins = cp.admin_clients().await?;
+        let samples = samples.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SAMPLE_EVERY).await;
+                // Every replica at once, each given a second: an overloaded one that
+                // does not answer in time is left out of this sample.
+                let reads = admins.iter().map(|admin| async move {
+                    let request = http::Request::get("/metrics").body(Vec::new()).ok()?;
+                    let text = tokio::time::timeout(SAMPLE_EVERY, admin.request_text(request))
+                        .await
+                        .ok()?
+                        .ok()?;
+                    Some(storm_lists_executing(&text))
+                });
+                let executing = futures::future::join_all(reads).await;
+                let mut s = samples.lock().unwrap_or_else(|p| p.into_inner());
+                s.taken += 1;
+                for (i, n) in executing.into_iter().enumerate() {
+                    let Some(n) = n else { continue };
+                    let bytes = n * list_bytes;
+                    s.peak[i] = s.peak[i].max(bytes);
+                    if bytes > budget {
+                        s.over[i] += 1;
+                    }
+                }
+            }
+        })
+    };
+
+    let mut figures = FleetFigures {
+        list_bytes_budget: budget,
+        storm_rule_qps: STORM_RULE_QPS,
+        ..FleetFigures::default()
+    };
+    if split != Split::Direct {
+        tokio::time::sleep_until(started + duration / 3).await;
+        cp.kill_bulwark(VICTIM).await?;
+        let killed = Instant::now();
+        figures.killed_at_s = Some((killed - started).as_secs_f64());
+        let admins = cp.bulwark_admin_addrs();
+        let survivors: Vec<_> = (0..admins.len())
+            .filter(|&i| i != VICTIM)
+            .map(|i| admins[i])
+            .collect();
+        let restart_at = started + duration * 2 / 3;
+        // Taken over: every survivor sees two members and they hold the whole of every
+        // apiserver's budget between them (less a byte per member of rounding).
+        let whole = budget * cp_opts.replicas as u64;
+        let (took, held) = wait_for(&survivors, restart_at, |members, held| {
+            members.iter().all(|&m| m == BULWARKS as u64 - 1) && held + 16 >= whole
+        })
+        .await;
+        figures.takeover_s = took.map(|t| (t - killed).as_secs_f64());
+        figures.survivors_share = Some(held / cp_opts.replicas as u64);
+        eprintln!(
+            "  killed bulwark-{VICTIM} at {:.0} s; survivors took over: {}",
+            figures.killed_at_s.unwrap_or(0.0),
+            figures
+                .takeover_s
+                .map_or_else(|| "never".to_string(), |s| format!("in {s:.1} s"))
+        );
+        tokio::time::sleep_until(restart_at).await;
+        cp.start_bulwark(VICTIM).await?;
+        let restarted = Instant::now();
+        figures.restarted_at_s = Some((restarted - started).as_secs_f64());
+        if split == Split::Leases {
+            let (back, _) = wait_for(&admins, started + duration, |members, _| {
+                members.iter().all(|&m| m == BULWARKS as u64)
+            })
+            .await;
+            figures.rejoin_s = back.map(|t| (t - restarted).as_secs_f64());
+        }
+    }
+    all.await.context("a client loop panicked")?;
+    let elapsed = started.elapsed();
+    progress.abort();
+    sampler.abort();
+    drop(doors);
+
+    let proxy = cp.bulwark_cost();
+    let replicas = cp.report();
+    cp.stop().await.context("stopping the control plane")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    for (name, stats) in &classes {
+        if let Some(e) = stats.sample_error() {
+            eprintln!("  {} {name}: errors such as: {e}", split.name());
+        }
+    }
+    {
+        let s = samples.lock().unwrap_or_else(|p| p.into_inner());
+        figures.peak_list_bytes = s.peak.clone();
+        figures.samples_over_budget = s.over.clone();
+        figures.samples = s.taken;
+    }
+    let seconds = elapsed.as_secs_f64().max(1.0);
+    figures.storm_rates = counts
+        .iter()
+        .map(|c| c.passed.load(Ordering::Relaxed) as f64 / seconds)
+        .collect();
+    figures.storm_429s = counts
+        .iter()
+        .map(|c| {
+            (
+                c.rejected.load(Ordering::Relaxed),
+                c.rate_limited.load(Ordering::Relaxed),
+            )
+        })
+        .collect();
+    let peaks: Vec<u64> = replicas
+        .iter()
+        .map(|r| r.peak_memory_bytes.unwrap_or(0))
+        .collect();
+    let apiserver = report::Apiserver {
+        heap_limit_bytes: cp_opts.memory_limit,
+        peak_heap_bytes: peaks.iter().copied().max().unwrap_or(0),
+        ooms: replicas.iter().map(|r| r.oom_kills).sum(),
+        replica_peak_memory_bytes: peaks,
+        replica_oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
+        ..report::Apiserver::default()
+    };
+    Ok(Run {
+        apiserver,
+        proxy,
+        classes: classes
+            .iter()
+            .map(|(name, stats)| (name.clone(), stats.summary(elapsed)))
+            .collect(),
+        event_delivery_p99_ms: None,
+        watch_bytes_per_event: None,
+        flood: None,
+        fleet: Some(figures),
+    })
+}
+
+/// Polls the Bulwarks at `admins` every 250 ms until `done(members each sees, LIST bytes
+/// budget they hold together)` or `until`; returns when it was done (`None`: never) and
+/// the budget held at the last poll.
+async fn wait_for(
+    admins: &[std::net::SocketAddr],
+    until: Instant,
+    done: impl Fn(&[u64], u64) -> bool,
+) -> (Option<Instant>, u64) {
+    let mut held = 0;
+    while Instant::now() < until {
+        let mut members = Vec::new();
+        held = 0;
+        for &admin in admins {
+            let text = admin_text(admin, "/metrics").await.unwrap_or_default();
+            members.push(metric_sum(&text, "bulwark_fleet_members") as u64);
+            held += metric_sum(&text, "bulwark_list_bytes_budget") as u64;
+        }
+        if done(&members, held) {
+            return (Some(Instant::now()), held);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    (None, held)
+}
+
+/// The sum of every sample of `name` in Prometheus text.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// The storm's LISTs an apiserver executes now, by its own metrics.
+fn storm_lists_executing(metrics: &str) -> u64 {
+    let schema = format!("flow_schema=\"{STORM_FLOW_SCHEMA}\"");
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("apiserver_flowcontrol_current_executing_requests{")
+                && l.contains(&schema)
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clients_are_pinned_70_20_10() {
+        let mut per = [0; 3];
+        for i in 0..100 {
+            per[pinned(i)] += 1;
+        }
+        assert_eq!(per, [70, 20, 10]);
+    }
+
+    #[test]
+    fn the_storm_rule_is_the_shipped_one() {
+        let (_, text) = crate::proxy_process::EXAMPLE_RULES
+            .iter()
+            .find(|(name, _)| *name == "secret-lists.yaml")
+            .unwrap();
+        assert!(
+            text.contains(&format!("rate: {{qps: {STORM_RULE_QPS}, burst: 2}}")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn metrics_are_read_by_name_and_flow_schema() {
+        let text = "\
+# HELP bulwark_fleet_members x
+bulwark_fleet_members 2
+bulwark_fleet_members_other 7
+bulwark_list_bytes_budget{replica=\"a\"} 100
+bulwark_list_bytes_budget{replica=\"b\"} 50
+apiserver_flowcontrol_current_executing_requests{flow_schema=\"service-accounts\",priority_level=\"workload-low\"} 3
+apiserver_flowcontrol_current_executing_requests{flow_schema=\"global-default\",priority_level=\"global-default\"} 5
+";
+        assert_eq!(metric_sum(text, "bulwark_fleet_members"), 2.0);
+        assert_eq!(metric_sum(text, "bulwark_list_bytes_budget"), 150.0);
+        assert_eq!(storm_lists_executing(text), 3);
+    }
+}

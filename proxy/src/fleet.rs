@@ -245,9 +245,10 @@ struct Seen {
     renewed: Option<SystemTime>,
     /// The last failure, if the last round failed.
     error: Option<String>,
-    /// The demand this replica's Lease carried before the last renewal: what the others
-    /// may still be splitting with.
+    /// The demand this replica's Lease carries since the last renewal.
     published: Option<Demand>,
+    /// The demand it carried before: what the others may still be splitting with.
+    before: Option<Demand>,
 }
 
 /// The running fleet membership of this replica.
@@ -299,7 +300,18 @@ impl Fleet {
         let mut peak = Demand::default();
         let mut samples = 0;
         loop {
-            tick.tick().await;
+            // Between renewals, the moment another member's Lease runs out: its share
+            // comes back then, not at the next renewal.
+            let expiry = self.next_expiry();
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = sleep_until_some(expiry) => {
+                    if let Some(shares) = self.without_expired() {
+                        self.publish(shares);
+                    }
+                    continue;
+                }
+            }
             peak.peak(&self.local.demand());
             samples += 1;
             // The first round goes at once, so a replica starting alone gets the whole
@@ -318,6 +330,36 @@ impl Fleet {
             };
             self.publish(shares);
         }
+    }
+
+    /// When the first of the other members' Leases seen in the last round runs out, while
+    /// this replica shares with them.
+    fn next_expiry(&self) -> Option<Instant> {
+        if self.shares.current().standing != Standing::Shared {
+            return None;
+        }
+        let now = (self.settings.clock)();
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        seen.leases
+            .iter()
+            .filter(|m| m.identity != self.settings.identity && m.live(now))
+            .filter_map(|m| m.renewed.checked_add(m.duration))
+            .min()
+            .map(|until| Instant::now() + until.duration_since(now).unwrap_or_default())
+    }
+
+    /// The shares once the Leases that have run out since the last round are dropped,
+    /// from that round's Leases; `None` when none has.
+    fn without_expired(&self) -> Option<Shares> {
+        let s = &self.settings;
+        let now = (s.clock)();
+        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let members = self.shares.current().members.len();
+        if share::live(&seen.leases, now).len() >= members {
+            return None;
+        }
+        let statics = self.local.statics();
+        Some(self.split_as_seen(&seen.leases, seen.before.as_ref(), now, &statics))
     }
 
     /// Renews this replica's Lease, reads everyone's and splits.
@@ -345,28 +387,43 @@ impl Fleet {
         leases.push(me.clone());
         let now = (s.clock)();
         let statics = self.local.statics();
-        let shares = split(&me.identity, &leases, now, &statics, s.bulwark_replicas);
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        // The others split with the demand this replica published a round ago (their list
-        // may precede this write). A share grows only once they can have seen the demand
-        // behind it: otherwise replicas whose demand rises together would each take most of
-        // a budget from the others' old, idle Leases, and together more than the whole.
-        let shares = match seen.published.replace(me.demand.clone()) {
-            Some(before) if before != me.demand => {
-                let mut as_seen = leases.clone();
-                if let Some(mine) = as_seen.iter_mut().find(|m| m.identity == me.identity) {
-                    mine.demand = before;
-                }
-                let seen_by_others =
-                    split(&me.identity, &as_seen, now, &statics, s.bulwark_replicas);
-                at_most(shares, &seen_by_others)
-            }
-            _ => shares,
-        };
+        seen.before = seen.published.replace(me.demand.clone());
+        let shares = self.split_as_seen(&leases, seen.before.as_ref(), now, &statics);
         seen.leases = leases;
         seen.renewed = Some(me.renewed);
         seen.error = None;
         Ok(shares)
+    }
+
+    /// This replica's shares from `leases` (its own among them, with the demand it just
+    /// published). The others split with the demand it published a round before (`before`;
+    /// their list may precede its write): a share grows only once they can have seen the
+    /// demand behind it. Otherwise replicas whose demand rises together would each take
+    /// most of a budget from the others' old, idle Leases, and together more than the whole.
+    fn split_as_seen(
+        &self,
+        leases: &[Member],
+        before: Option<&Demand>,
+        now: SystemTime,
+        statics: &Statics,
+    ) -> Shares {
+        let s = &self.settings;
+        let shares = split(&s.identity, leases, now, statics, s.bulwark_replicas);
+        let mut as_seen = leases.to_vec();
+        let Some(mine) = as_seen.iter_mut().find(|m| m.identity == s.identity) else {
+            return shares;
+        };
+        match before {
+            Some(before) if *before != mine.demand => {
+                mine.demand = before.clone();
+                at_most(
+                    shares,
+                    &split(&s.identity, &as_seen, now, statics, s.bulwark_replicas),
+                )
+            }
+            _ => shares,
+        }
     }
 
     fn failed(&self, why: String) -> Shares {
@@ -445,6 +502,14 @@ impl Fleet {
             "leases": leases,
             "shares": &*shares,
         })
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

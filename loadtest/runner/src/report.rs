@@ -101,6 +101,11 @@ pub struct FleetFigures {
     /// Per storm identity: requests per second that passed its token buckets (every
     /// answer but a 429 `rate_limited`), over the whole run, all Bulwarks together.
     pub storm_rates: Vec<f64>,
+    /// The same while every Bulwark runs and has run for 10 s: from 10 s to the kill, and
+    /// from 10 s after the restart to the end (the whole run from 10 s without a kill).
+    pub storm_steady_rates: Vec<f64>,
+    /// The same from the kill to the restart.
+    pub storm_outage_rates: Vec<f64>,
     /// Per storm identity: 429s, and of those `rate_limited`.
     pub storm_429s: Vec<(u64, u64)>,
     /// Seconds into the run a Bulwark was killed, and started again.
@@ -334,14 +339,29 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
     add("storm rule (req/s)", &|f| {
         format!("{:.2}", f.storm_rule_qps)
     });
-    add("storm rate per identity", &|f| {
-        let rates: Vec<String> = f.storm_rates.iter().map(|r| format!("{r:.2}")).collect();
-        rates.join(", ")
+    let rates = |v: &[f64]| -> String {
+        let v: Vec<String> = v.iter().map(|r| format!("{r:.2}")).collect();
+        v.join(", ")
+    };
+    let range = |v: &[f64], rule: f64| -> String {
+        let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = v.iter().copied().fold(0.0, f64::max);
+        if v.is_empty() {
+            "-".into()
+        } else {
+            format!("{:.2} – {:.2}", min / rule, max / rule)
+        }
+    };
+    add("storm rate per identity, steady", &|f| {
+        rates(&f.storm_steady_rates)
     });
-    add("storm rate max / rule", &|f| {
-        let max = f.storm_rates.iter().copied().fold(0.0, f64::max);
-        format!("{:.2}", max / f.storm_rule_qps)
+    add("  steady ÷ rule (min – max)", &|f| {
+        range(&f.storm_steady_rates, f.storm_rule_qps)
     });
+    add("storm rate, one Bulwark dead", &|f| {
+        rates(&f.storm_outage_rates)
+    });
+    add("storm rate, whole run", &|f| rates(&f.storm_rates));
     add("storm 429s (rate) per identity", &|f| {
         let v: Vec<String> = f
             .storm_429s

@@ -16,6 +16,8 @@ struct Memory {
     leases: Mutex<BTreeMap<String, Member>>,
     writes: std::sync::atomic::AtomicU64,
     lists: std::sync::atomic::AtomicU64,
+    /// The moment every replica's wall clock counts from: they agree on the time.
+    origin: std::sync::OnceLock<Instant>,
 }
 
 /// One replica's way to the store, which a test can cut.
@@ -126,7 +128,7 @@ impl Replica {
     fn start(identity: &str, memory: &Arc<Memory>) -> Replica {
         // Wall time that follows tokio's paused clock.
         let base = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let start = Instant::now();
+        let start = *memory.origin.get_or_init(Instant::now);
         let settings = Settings {
             identity: identity.into(),
             renew_interval: RENEW,
@@ -398,6 +400,34 @@ async fn a_stopped_member_gives_its_share_back_within_the_lease_duration() {
     assert_eq!(a.standing(), Standing::Alone);
     assert_eq!(a.bytes(), Some(300));
     assert_eq!(a.fleet.shares().current().members, vec!["a".to_string()]);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_dead_member_s_share_comes_back_the_moment_its_lease_runs_out() {
+    let memory = Arc::new(Memory::default());
+    let a = Replica::start("a", &memory);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // B renews at 1 s, 3 s, ...; A at 0 s, 2 s, ...
+    let b = Replica::start("b", &memory);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(a.bytes(), Some(150));
+    // Killed at 3.5 s: its last renewal at 3 s runs out at 13 s, between A's renewals at
+    // 12 s and 14 s.
+    b.task.abort();
+    tokio::time::sleep_until(Instant::now() + Duration::from_millis(9_490)).await;
+    assert_eq!(
+        a.standing(),
+        Standing::Shared,
+        "B's Lease still counts at 12.99 s"
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(
+        a.standing(),
+        Standing::Alone,
+        "gone at 13 s, not at A's next renewal"
+    );
+    assert_eq!(a.bytes(), Some(300));
+    assert_eq!(a.metrics.fleet_members.get(), 1);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

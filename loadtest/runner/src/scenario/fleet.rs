@@ -42,6 +42,8 @@ pub const STORM_RULE_QPS: f64 = 1.0;
 const STORM_FLOW_SCHEMA: &str = "service-accounts";
 /// How often the apiservers' metrics are read.
 const SAMPLE_EVERY: Duration = Duration::from_secs(1);
+/// How long an apiserver may take to answer for its metrics.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The Bulwark that is killed: the one with 70% of the clients.
 const VICTIM: usize = 0;
 
@@ -102,13 +104,44 @@ pub async fn run(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Result<Rep
 }
 
 /// One storm identity's answers, all Bulwarks together.
-#[derive(Default)]
 struct StormCount {
-    /// Answers other than a 429 `rate_limited`: requests its token buckets let through.
-    passed: AtomicU64,
+    /// Answers other than a 429 `rate_limited` (requests its token buckets let through),
+    /// per second of the run.
+    passed: Vec<AtomicU64>,
     rejected: AtomicU64,
     rate_limited: AtomicU64,
 }
+
+impl StormCount {
+    fn new(seconds: usize) -> Self {
+        Self {
+            passed: (0..seconds).map(|_| AtomicU64::new(0)).collect(),
+            rejected: AtomicU64::new(0),
+            rate_limited: AtomicU64::new(0),
+        }
+    }
+
+    /// Requests per second passed over the seconds in `windows` (`[from, to)` each).
+    fn rate(&self, windows: &[(usize, usize)]) -> f64 {
+        let (mut n, mut secs) = (0, 0);
+        for &(from, to) in windows {
+            let to = to.min(self.passed.len());
+            for c in self.passed.get(from..to).into_iter().flatten() {
+                n += c.load(Ordering::Relaxed);
+                secs += 1;
+            }
+        }
+        if secs == 0 {
+            0.0
+        } else {
+            n as f64 / secs as f64
+        }
+    }
+}
+
+/// Seconds after a start (the run's, or a Bulwark's) before rates count as steady: the
+/// fleet has seen the flows by then.
+const SETTLE_S: usize = 10;
 
 /// What the sampler saw of the apiservers.
 #[derive(Default)]
@@ -203,8 +236,11 @@ async fn one_run(
         .iter()
         .flat_map(|id| std::iter::repeat_n(id.clone(), STORM_CONNECTIONS))
         .collect();
+    let duration = opts.duration_or(Duration::from_secs(90));
+    let seconds = duration.as_secs() as usize + 2;
     let counts: Arc<Vec<StormCount>> =
-        Arc::new((0..sizes.storm).map(|_| StormCount::default()).collect());
+        Arc::new((0..sizes.storm).map(|_| StormCount::new(seconds)).collect());
+    let started = Instant::now();
     let observer: Observer = {
         let counts = counts.clone();
         Arc::new(move |class: &str, i: usize, outcome: &Outcome| {
@@ -225,12 +261,13 @@ async fn one_run(
                 Outcome::Error(_) => return,
                 Outcome::Ok { .. } => {}
             }
-            c.passed.fetch_add(1, Ordering::Relaxed);
+            let second = started.elapsed().as_secs() as usize;
+            if let Some(slot) = c.passed.get(second) {
+                slot.fetch_add(1, Ordering::Relaxed);
+            }
         })
     };
 
-    let duration = opts.duration_or(Duration::from_secs(90));
-    let started = Instant::now();
     let target_of = |_: &str, i: usize| targets[pinned(i).min(targets.len() - 1)].clone();
     let (classes, all) = spawn_loads_at(loads, started + duration, target_of, Some(observer))?;
     let progress = on_controlplane::progress(split.name(), &classes);
@@ -245,11 +282,11 @@ async fn one_run(
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(SAMPLE_EVERY).await;
-                // Every replica at once, each given a second: an overloaded one that
-                // does not answer in time is left out of this sample.
+                // Every replica at once: one that does not answer in time is left out of
+                // this sample.
                 let reads = admins.iter().map(|admin| async move {
                     let request = http::Request::get("/metrics").body(Vec::new()).ok()?;
-                    let text = tokio::time::timeout(SAMPLE_EVERY, admin.request_text(request))
+                    let text = tokio::time::timeout(SCRAPE_TIMEOUT, admin.request_text(request))
                         .await
                         .ok()?
                         .ok()?;
@@ -335,11 +372,20 @@ async fn one_run(
         figures.samples_over_budget = s.over.clone();
         figures.samples = s.taken;
     }
-    let seconds = elapsed.as_secs_f64().max(1.0);
-    figures.storm_rates = counts
-        .iter()
-        .map(|c| c.passed.load(Ordering::Relaxed) as f64 / seconds)
-        .collect();
+    let end = elapsed.as_secs() as usize;
+    let whole = [(0, end)];
+    let (steady, outage) = match (figures.killed_at_s, figures.restarted_at_s) {
+        (Some(k), Some(r)) => {
+            let (k, r) = (k as usize, r as usize);
+            (vec![(SETTLE_S, k), (r + SETTLE_S, end)], vec![(k, r)])
+        }
+        _ => (vec![(SETTLE_S, end)], Vec::new()),
+    };
+    figures.storm_rates = counts.iter().map(|c| c.rate(&whole)).collect();
+    figures.storm_steady_rates = counts.iter().map(|c| c.rate(&steady)).collect();
+    if !outage.is_empty() {
+        figures.storm_outage_rates = counts.iter().map(|c| c.rate(&outage)).collect();
+    }
     figures.storm_429s = counts
         .iter()
         .map(|c| {

@@ -578,11 +578,16 @@ impl Admission {
             }
             return Ok(());
         }
-        let retry_after = shared
-            .flows
-            .refuse(&m.flow, hash, now)
-            .max(verdict.at_least)
-            .min(flows::RETRY_MAX);
+        let retry_after = match verdict.reason {
+            // The bucket says when it next admits: backing off further would only leave
+            // its tokens unused while every client of the flow waits.
+            Reason::RateLimited => flows::bucket_retry_after(verdict.at_least, rand::random()),
+            _ => shared
+                .flows
+                .refuse(&m.flow, hash, now)
+                .max(verdict.at_least)
+                .min(flows::RETRY_MAX),
+        };
         tracing::debug!(
             rule = %m.rule,
             level = level_name,

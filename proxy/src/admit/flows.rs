@@ -84,7 +84,17 @@ fn quota(rate: Rate) -> Option<Quota> {
     Some(Quota::with_period(period.max(Duration::from_nanos(1)))?.allow_burst(burst))
 }
 
-/// The per-flow `Retry-After`: 1 s on a first refusal, doubling once per advised wait while
+/// The `Retry-After` of a refusal by a flow's token bucket: when the bucket next admits, in
+/// whole seconds (a 1/s bucket says 1 s), plus up to a quarter more picked by `spread`
+/// (uniform in [0, 1)) so that a flow's clients refused together do not all come back in
+/// the same second; at most [`RETRY_MAX`].
+pub(crate) fn bucket_retry_after(wait: Duration, spread: f64) -> Duration {
+    let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+    let jitter = ((secs / 4) as f64 * (spread.clamp(0.0, 1.0) * 1.25)).floor() as u64;
+    Duration::from_secs(secs + jitter.min(secs / 4)).min(RETRY_MAX)
+}
+
+/// The per-flow `Retry-After` for refusals other than the token bucket's: 1 s on a first refusal, doubling once per advised wait while
 /// the flow keeps being refused, up to 32 s; each quiet stretch as long as the current
 /// value (beyond the advised wait) halves it again.
 #[derive(Debug, Clone, Copy, Default)]
@@ -505,6 +515,24 @@ mod tests {
                 .check_rate("r/a", 1, rate, None, Instant::now())
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn a_bucket_s_retry_after_is_when_it_next_admits_jittered_and_capped() {
+        let ms = Duration::from_millis;
+        for spread in [0.0, 0.5, 0.999] {
+            assert_eq!(bucket_retry_after(ms(300), spread), secs(1), "a 1/s bucket says 1 s");
+            assert_eq!(bucket_retry_after(ms(1000), spread), secs(1));
+            assert_eq!(bucket_retry_after(ms(1001), spread), secs(2));
+        }
+        assert_eq!(bucket_retry_after(secs(8), 0.0), secs(8));
+        assert_eq!(bucket_retry_after(secs(8), 0.5), secs(9));
+        assert_eq!(bucket_retry_after(secs(8), 0.999), secs(10), "at most a quarter more");
+        assert_eq!(bucket_retry_after(secs(300), 0.5), RETRY_MAX);
+        let heard: std::collections::BTreeSet<_> = (0..100)
+            .map(|i| bucket_retry_after(secs(20), f64::from(i) / 100.0))
+            .collect();
+        assert_eq!(heard.len(), 6, "20 to 25 s: {heard:?}");
     }
 
     #[tokio::test(start_paused = true, flavor = "current_thread")]

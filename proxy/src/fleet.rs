@@ -59,6 +59,11 @@ pub struct Shares {
     /// Per flow another member also serves: this replica's share of the rule's rate, in
     /// millionths ([`share::RATE_WHOLE`]). A flow not here may use its whole rule.
     pub rates: BTreeMap<String, Held>,
+    /// The apiserver replicas where this replica may run a LIST bigger than its share
+    /// alone. Shared: those where it wants the most of the fleet (one member each), so
+    /// that the fleet runs one such LIST per apiserver, not one per member. Alone or
+    /// static: every one.
+    pub alone: std::collections::BTreeSet<String>,
 }
 
 impl Shares {
@@ -88,6 +93,7 @@ impl Shares {
             // replica that cannot see its fleet gives each flow its whole rule, as a
             // Bulwark alone does, rather than throttle a client pinned to it to a third.
             rates: BTreeMap::new(),
+            alone: statics.list_bytes.keys().cloned().collect(),
         }
     }
 }
@@ -106,6 +112,7 @@ impl FleetShares {
             list_bytes: BTreeMap::new(),
             seats: BTreeMap::new(),
             rates: BTreeMap::new(),
+            alone: Default::default(),
         })))
     }
 
@@ -122,6 +129,14 @@ impl FleetShares {
             .seats
             .get(level)
             .map(|h| u32::try_from(h.share).unwrap_or(u32::MAX))
+    }
+
+    /// Whether this replica may run a LIST bigger than its share of `replica`'s bytes when
+    /// it has nothing else in flight there: outside a shared fleet always (before the
+    /// first renewal, alone, or on the static split).
+    pub fn may_run_alone(&self, replica: &str) -> bool {
+        let shares = self.0.load();
+        shares.standing != Standing::Shared || shares.alone.contains(replica)
     }
 
     /// The fraction of its rule's rate `flow` may use on this replica; `None`: all of it.
@@ -299,15 +314,23 @@ impl Fleet {
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut peak = Demand::default();
         let mut samples = 0;
+        // Set when an expiry timer found nothing to drop: wait for the tick then, rather
+        // than fire again at once.
+        let mut idle_expiry = false;
         loop {
             // Between renewals, the moment another member's Lease runs out: its share
             // comes back then, not at the next renewal.
-            let expiry = self.next_expiry();
+            let expiry = if idle_expiry {
+                None
+            } else {
+                self.next_expiry()
+            };
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = tick.tick() => idle_expiry = false,
                 () = sleep_until_some(expiry) => {
-                    if let Some(shares) = self.without_expired() {
-                        self.publish(shares);
+                    match self.without_expired() {
+                        Some(shares) => self.publish(shares),
+                        None => idle_expiry = true,
                     }
                     continue;
                 }
@@ -335,14 +358,19 @@ impl Fleet {
     /// When the first of the other members' Leases seen in the last round runs out, while
     /// this replica shares with them.
     fn next_expiry(&self) -> Option<Instant> {
-        if self.shares.current().standing != Standing::Shared {
+        let shares = self.shares.current();
+        if shares.standing != Standing::Shared {
             return None;
         }
         let now = (self.settings.clock)();
         let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        // Every other member the shares count, even one whose Lease ran out a moment ago
+        // (its timer then fires at once).
         seen.leases
             .iter()
-            .filter(|m| m.identity != self.settings.identity && m.live(now))
+            .filter(|m| {
+                m.identity != self.settings.identity && shares.members.contains(&m.identity)
+            })
             .filter_map(|m| m.renewed.checked_add(m.duration))
             .min()
             .map(|until| Instant::now() + until.duration_since(now).unwrap_or_default())
@@ -552,6 +580,12 @@ pub fn split(
         d.seats.get(l).copied().unwrap_or(0)
     });
     let rates = share::rate_shares(me, &live);
+    let alone = statics
+        .list_bytes
+        .keys()
+        .filter(|r| share::wants_most(me, &live, |d| d.bytes.get(*r).map_or(0, |b| b.wanted)))
+        .cloned()
+        .collect();
     let members: Vec<String> = live.iter().map(|m| m.identity.clone()).collect();
     let (standing, reason) = match members.len() {
         1 => (
@@ -570,6 +604,7 @@ pub fn split(
         list_bytes,
         seats,
         rates,
+        alone,
     }
 }
 

@@ -96,9 +96,10 @@ pub trait ByteBudget: Send + Sync {
     }
 }
 
-/// Whether `bytes` may join `in_flight` on a replica with budget `budget`.
-fn fits(in_flight: u64, bytes: u64, budget: u64) -> bool {
-    in_flight.saturating_add(bytes) <= budget || (in_flight == 0 && bytes > budget)
+/// Whether `bytes` may join `in_flight` on a replica with budget `budget`; a LIST bigger
+/// than the budget runs alone where `alone` allows it.
+fn fits(in_flight: u64, bytes: u64, budget: u64, alone: bool) -> bool {
+    in_flight.saturating_add(bytes) <= budget || (alone && in_flight == 0 && bytes > budget)
 }
 
 /// The byte budget over the real upstream pool (in a fleet: this Bulwark's share of each
@@ -156,7 +157,8 @@ impl UpstreamBudget {
     fn reserve(&self, bytes: u64, check: bool) -> Option<Reservation> {
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let held = self.upstream.hold_list_bytes(bytes, |replica, in_flight| {
-            !check || fits(in_flight, bytes, self.budget_of(replica))
+            let alone = self.fleet.as_ref().is_none_or(|f| f.may_run_alone(replica));
+            !check || fits(in_flight, bytes, self.budget_of(replica), alone)
         })?;
         let replica = held.replica().clone();
         let gauge = self.in_flight.get(&*replica).cloned();
@@ -251,7 +253,7 @@ impl LocalBudget {
         let (name, counter) = usable
             .iter()
             .min_by_key(|(_, b)| b.load(Ordering::Relaxed))?;
-        if check && !fits(counter.load(Ordering::Relaxed), bytes, self.budget) {
+        if check && !fits(counter.load(Ordering::Relaxed), bytes, self.budget, true) {
             return None;
         }
         counter.fetch_add(bytes, Ordering::Relaxed);

@@ -521,13 +521,21 @@ mod tests {
     fn a_bucket_s_retry_after_is_when_it_next_admits_jittered_and_capped() {
         let ms = Duration::from_millis;
         for spread in [0.0, 0.5, 0.999] {
-            assert_eq!(bucket_retry_after(ms(300), spread), secs(1), "a 1/s bucket says 1 s");
+            assert_eq!(
+                bucket_retry_after(ms(300), spread),
+                secs(1),
+                "a 1/s bucket says 1 s"
+            );
             assert_eq!(bucket_retry_after(ms(1000), spread), secs(1));
             assert_eq!(bucket_retry_after(ms(1001), spread), secs(2));
         }
         assert_eq!(bucket_retry_after(secs(8), 0.0), secs(8));
         assert_eq!(bucket_retry_after(secs(8), 0.5), secs(9));
-        assert_eq!(bucket_retry_after(secs(8), 0.999), secs(10), "at most a quarter more");
+        assert_eq!(
+            bucket_retry_after(secs(8), 0.999),
+            secs(10),
+            "at most a quarter more"
+        );
         assert_eq!(bucket_retry_after(secs(300), 0.5), RETRY_MAX);
         let heard: std::collections::BTreeSet<_> = (0..100)
             .map(|i| bucket_retry_after(secs(20), f64::from(i) / 100.0))

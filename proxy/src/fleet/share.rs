@@ -154,6 +154,19 @@ pub fn rate_shares(me: &str, members: &[&Member]) -> BTreeMap<String, Held> {
         .collect()
 }
 
+/// Whether `me` wants the most of one budget among `members` (by `demand_of`), the first
+/// identity winning a tie: exactly one member does, as every member computes.
+pub fn wants_most(me: &str, members: &[&Member], demand_of: impl Fn(&Demand) -> u64) -> bool {
+    members
+        .iter()
+        .max_by(|a, b| {
+            demand_of(&a.demand)
+                .cmp(&demand_of(&b.demand))
+                .then_with(|| b.identity.cmp(&a.identity))
+        })
+        .is_some_and(|m| m.identity == me)
+}
+
 /// What this replica holds of one budget, and how it got there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]

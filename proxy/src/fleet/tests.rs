@@ -366,6 +366,49 @@ async fn demand_rising_on_every_replica_at_once_never_shares_out_more_than_the_w
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn one_member_per_apiserver_may_run_a_list_bigger_than_its_share() {
+    // Each member may run a LIST bigger than its share alone: three members would put three
+    // such LISTs on one apiserver. Only the member that wants the most of it may.
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start(id, &memory))
+        .collect();
+    let alone = |replicas: &[Replica]| -> Vec<bool> {
+        replicas
+            .iter()
+            .map(|r| r.fleet.shares().may_run_alone("r0"))
+            .collect()
+    };
+    assert_eq!(
+        alone(&replicas),
+        vec![true; 3],
+        "before the first renewal: each its own"
+    );
+    tokio::time::sleep(RENEW + Duration::from_millis(10)).await;
+    assert_eq!(
+        alone(&replicas),
+        vec![true, false, false],
+        "nobody asks: the first identity"
+    );
+    replicas[2].wants.bytes.store(500, Ordering::SeqCst);
+    replicas[1].wants.bytes.store(200, Ordering::SeqCst);
+    tokio::time::sleep(RENEW * 2).await;
+    assert_eq!(
+        alone(&replicas),
+        vec![false, false, true],
+        "c wants the most"
+    );
+    replicas[2].reach.down.store(true, Ordering::SeqCst);
+    tokio::time::sleep(RENEW).await;
+    assert_eq!(replicas[2].standing(), Standing::Static);
+    assert!(
+        replicas[2].fleet.shares().may_run_alone("r0"),
+        "on the static split, as without a fleet"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn lease_traffic_is_one_write_and_one_list_per_replica_per_renew_period() {
     let memory = Arc::new(Memory::default());
     let replicas: Vec<_> = ["a", "b", "c"]

@@ -30,12 +30,12 @@ use crate::report::{self, FleetFigures, Report, Run};
 
 /// Bulwark replicas in the fleet runs.
 pub const BULWARKS: usize = 3;
-/// Storm identities at scale 1: fewer than `list-storm`'s, each with many connections, so
-/// that each asks for more than its rule even while its connections wait out the
-/// `Retry-After` of their 429s (up to 32 s), as client-go does.
-const STORM_IDENTITIES: usize = 8;
+/// Storm identities, whatever the scale (which sizes the objects): fewer than
+/// `list-storm`'s, each with many connections, so that each asks for more than its rule
+/// while its connections wait out the `Retry-After` of their 429s, as client-go does.
+const STORM_IDENTITIES: usize = 6;
 /// Connections each storm identity holds, pinned like every client.
-const STORM_CONNECTIONS: usize = 60;
+const STORM_CONNECTIONS: usize = 40;
 /// The shipped storm rule's rate (`rules/examples/secret-lists.yaml`, checked by a test).
 pub const STORM_RULE_QPS: f64 = 1.0;
 /// The storm identities' FlowSchema on the apiservers: they are ServiceAccounts.
@@ -83,7 +83,7 @@ pub fn pinned(i: usize) -> usize {
 /// plane.
 pub async fn run(opts: &Options, cp: &ControlPlaneOptions) -> anyhow::Result<Report> {
     let mut sizes = Sizes::at(opts);
-    sizes.storm = opts.scaled(STORM_IDENTITIES, 1);
+    sizes.storm = STORM_IDENTITIES;
     let seeds = on_controlplane::seeds(&sizes)?;
     sizes.secrets = on_controlplane::secrets(&sizes);
     let mut runs = Vec::new();
@@ -421,7 +421,7 @@ async fn one_run(
     })
 }
 
-/// Polls the Bulwarks at `admins` every 250 ms until `done(members each sees, LIST bytes
+/// Polls the Bulwarks at `admins` every 50 ms until `done(members each sees, LIST bytes
 /// budget they hold together)` or `until`; returns when it was done (`None`: never) and
 /// the budget held at the last poll.
 async fn wait_for(
@@ -441,7 +441,7 @@ async fn wait_for(
         if done(&members, held) {
             return (Some(Instant::now()), held);
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     (None, held)
 }

@@ -581,7 +581,9 @@ impl Admission {
         let retry_after = match verdict.reason {
             // The bucket says when it next admits: backing off further would only leave
             // its tokens unused while every client of the flow waits.
-            Reason::RateLimited => flows::bucket_retry_after(verdict.at_least, rand::random()),
+            Reason::RateLimited => {
+                flows::bucket_retry_after(verdict.at_least, |max| rand::random_range(0..=max))
+            }
             _ => shared
                 .flows
                 .refuse(&m.flow, hash, now)

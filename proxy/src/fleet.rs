@@ -60,9 +60,9 @@ pub struct Shares {
     /// millionths ([`share::RATE_WHOLE`]). A flow not here may use its whole rule.
     pub rates: BTreeMap<String, Held>,
     /// The apiserver replicas where this replica may run a LIST bigger than its share
-    /// alone. Shared: those where it wants the most of the fleet (one member each), so
-    /// that the fleet runs one such LIST per apiserver, not one per member. Alone or
-    /// static: every one.
+    /// alone. Shared: those where it has the turn ([`share::may_run_alone`]: one member at a
+    /// time, and none while another runs one), so that the fleet runs one such LIST per
+    /// apiserver, not one per member. Alone or static: every one.
     pub alone: std::collections::BTreeSet<String>,
 }
 
@@ -541,8 +541,10 @@ async fn sleep_until_some(at: Option<Instant>) {
     }
 }
 
-/// `shares`, each no larger than in `other` (the same split with other demand).
+/// `shares`, each no larger than in `other` (the same split with other demand), and
+/// running a LIST alone only where both allow it.
 fn at_most(mut shares: Shares, other: &Shares) -> Shares {
+    shares.alone.retain(|r| other.alone.contains(r));
     for (mine, theirs) in [
         (&mut shares.list_bytes, &other.list_bytes),
         (&mut shares.seats, &other.seats),
@@ -582,9 +584,17 @@ pub fn split(
     let rates = share::rate_shares(me, &live);
     let alone = statics
         .list_bytes
-        .keys()
-        .filter(|r| share::wants_most(me, &live, |d| d.bytes.get(*r).map_or(0, |b| b.wanted)))
-        .cloned()
+        .iter()
+        .filter(|(r, static_share)| {
+            let bytes: Vec<share::Bytes> = live
+                .iter()
+                .map(|m| m.demand.bytes.get(*r).copied().unwrap_or_default())
+                .collect();
+            let wanted: Vec<u64> = bytes.iter().map(|b| b.wanted).collect();
+            let shares = share::split(static_share.saturating_mul(replicas), &wanted);
+            share::may_run_alone(me, &live, &shares, &bytes, now)
+        })
+        .map(|(r, _)| r.clone())
         .collect();
     let members: Vec<String> = live.iter().map(|m| m.identity.clone()).collect();
     let (standing, reason) = match members.len() {

@@ -44,6 +44,8 @@ impl Balancer {
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
+                    // Out of descriptors, say: wait rather than spin on the error.
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                     continue;
                 };
                 let _ = client.set_nodelay(true);

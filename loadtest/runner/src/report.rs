@@ -114,14 +114,14 @@ pub struct FleetFigures {
     /// See `killed_at_s`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub restarted_at_s: Option<f64>,
-    /// Seconds from the kill until every survivor saw two members and held the whole
-    /// budget between them; `None`: not within the wait (the static split never does).
+    /// Seconds from the kill until every survivor saw two members; `None`: not within the
+    /// wait (the static split never does).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub takeover_s: Option<f64>,
     /// Seconds from the restart until every Bulwark saw three members.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rejoin_s: Option<f64>,
-    /// What the survivors held of each apiserver's budget together once they took over
+    /// What the survivors held of each apiserver's budget together when they took over
     /// (or at the end of the wait).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub survivors_share: Option<u64>,

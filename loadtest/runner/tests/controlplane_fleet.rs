@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use bulwark_loadtest::controlplane::{ControlPlane, FLEET_NAMESPACE, Options};
 use bulwark_loadtest::proxy_process::admin_text;
 use bulwark_loadtest::sandbox;
+use bulwark_testkit::metric_sum;
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::Value;
@@ -50,17 +51,6 @@ async fn until_members(admins: &[SocketAddr], members: &[&str], within: Duration
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-}
-
-/// The sum of every sample of `name` in Prometheus text.
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
 }
 
 /// A client of `user` to the Bulwark at `addr`, without retries.

@@ -56,7 +56,8 @@ type FlowBucket = RateLimiter<NotKeyed, InMemoryState, TokioClock, StateInformat
 pub(crate) const MAX_RATE_FLOWS: usize = 128;
 
 /// A flow is reported to the fleet once it asks for at least this fraction of its rule's
-/// rate: the flows that are not all stay well inside their rule together.
+/// rate, or for anything while its bucket holds a share (others report it): a flow no
+/// replica reports asks each for under a tenth of its rule, N tenths over N replicas.
 pub(crate) const RATE_REPORT_FRACTION: f64 = 0.1;
 
 /// `rate` times `share` (a fraction of the rule's rate this Bulwark holds in its fleet).
@@ -85,13 +86,15 @@ fn quota(rate: Rate) -> Option<Quota> {
 }
 
 /// The `Retry-After` of a refusal by a flow's token bucket: when the bucket next admits, in
-/// whole seconds (a 1/s bucket says 1 s), plus up to a quarter more picked by `spread`
-/// (uniform in [0, 1)) so that a flow's clients refused together do not all come back in
-/// the same second; at most [`RETRY_MAX`].
-pub(crate) fn bucket_retry_after(wait: Duration, spread: f64) -> Duration {
+/// whole seconds (a 1/s bucket says 1 s), plus `pick(max)` more (the caller picks uniformly
+/// in `0..=max`, a quarter of the wait) so that a flow's clients refused together do not all
+/// come back in the same second; at most [`RETRY_MAX`]. Below 4 s whole seconds leave no
+/// room for a quarter: the wait is said as it is.
+pub(crate) fn bucket_retry_after(wait: Duration, pick: impl FnOnce(u64) -> u64) -> Duration {
     let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
-    let jitter = ((secs / 4) as f64 * (spread.clamp(0.0, 1.0) * 1.25)).floor() as u64;
-    Duration::from_secs(secs + jitter.min(secs / 4)).min(RETRY_MAX)
+    let max = secs / 4;
+    let jitter = if max == 0 { 0 } else { pick(max).min(max) };
+    Duration::from_secs(secs + jitter).min(RETRY_MAX)
 }
 
 /// The per-flow `Retry-After` for refusals other than the token bucket's: 1 s on a first refusal, doubling once per advised wait while
@@ -354,7 +357,9 @@ impl Flows {
                 }
                 let per_second = attempts as f64 / elapsed.as_secs_f64();
                 let of_rule = per_second / limit.rule.qps;
-                if of_rule >= RATE_REPORT_FRACTION {
+                // A bucket on a share reports whatever it sees, or a replica holding a
+                // floor below the threshold would never get more than the floor.
+                if of_rule >= RATE_REPORT_FRACTION || limit.rate != limit.rule {
                     asked.push((of_rule, key.clone(), (per_second * 1000.0).round() as u64));
                 }
             }
@@ -520,27 +525,30 @@ mod tests {
     #[test]
     fn a_bucket_s_retry_after_is_when_it_next_admits_jittered_and_capped() {
         let ms = Duration::from_millis;
-        for spread in [0.0, 0.5, 0.999] {
+        let most = |max: u64| max;
+        let none = |_: u64| 0;
+        for pick in [none, most] {
             assert_eq!(
-                bucket_retry_after(ms(300), spread),
+                bucket_retry_after(ms(300), pick),
                 secs(1),
                 "a 1/s bucket says 1 s"
             );
-            assert_eq!(bucket_retry_after(ms(1000), spread), secs(1));
-            assert_eq!(bucket_retry_after(ms(1001), spread), secs(2));
+            assert_eq!(bucket_retry_after(ms(1000), pick), secs(1));
+            assert_eq!(bucket_retry_after(ms(1001), pick), secs(2));
         }
-        assert_eq!(bucket_retry_after(secs(8), 0.0), secs(8));
-        assert_eq!(bucket_retry_after(secs(8), 0.5), secs(9));
+        assert_eq!(bucket_retry_after(secs(8), none), secs(8));
+        assert_eq!(bucket_retry_after(secs(8), |_| 1), secs(9));
         assert_eq!(
-            bucket_retry_after(secs(8), 0.999),
+            bucket_retry_after(secs(8), most),
             secs(10),
             "at most a quarter more"
         );
-        assert_eq!(bucket_retry_after(secs(300), 0.5), RETRY_MAX);
-        let heard: std::collections::BTreeSet<_> = (0..100)
-            .map(|i| bucket_retry_after(secs(20), f64::from(i) / 100.0))
-            .collect();
-        assert_eq!(heard.len(), 6, "20 to 25 s: {heard:?}");
+        assert_eq!(
+            bucket_retry_after(secs(8), |_| 99),
+            secs(10),
+            "a pick is capped"
+        );
+        assert_eq!(bucket_retry_after(secs(300), none), RETRY_MAX);
     }
 
     #[tokio::test(start_paused = true, flavor = "current_thread")]

@@ -154,17 +154,39 @@ pub fn rate_shares(me: &str, members: &[&Member]) -> BTreeMap<String, Held> {
         .collect()
 }
 
-/// Whether `me` wants the most of one budget among `members` (by `demand_of`), the first
-/// identity winning a tie: exactly one member does, as every member computes.
-pub fn wants_most(me: &str, members: &[&Member], demand_of: impl Fn(&Demand) -> u64) -> bool {
-    members
-        .iter()
-        .max_by(|a, b| {
-            demand_of(&a.demand)
-                .cmp(&demand_of(&b.demand))
-                .then_with(|| b.identity.cmp(&a.identity))
-        })
-        .is_some_and(|m| m.identity == me)
+/// How long one member at a time may run LISTs bigger than its share of an apiserver.
+pub const ALONE_TURN: Duration = Duration::from_secs(10);
+
+/// Whether `me` may run a LIST bigger than its share of one apiserver (alone there, as
+/// far as it is concerned): it is this turn's member of those asking for bytes of it (in
+/// identity order, [`ALONE_TURN`] each, by the wall clock the Leases share; all members
+/// when none asks), and no other member has such a LIST running (more in flight than its
+/// share). `members` are the live ones by identity, `shares` theirs of the apiserver's
+/// bytes, `bytes` what each asked.
+pub fn may_run_alone(
+    me: &str,
+    members: &[&Member],
+    shares: &[u64],
+    bytes: &[Bytes],
+    now: SystemTime,
+) -> bool {
+    let asking: Vec<usize> = (0..members.len())
+        .filter(|&i| bytes[i].wanted > 0)
+        .collect();
+    let turns = if asking.is_empty() {
+        (0..members.len()).collect()
+    } else {
+        asking
+    };
+    let turn = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / ALONE_TURN.as_secs());
+    let Some(&holder) = turns.get((turn % turns.len().max(1) as u64) as usize) else {
+        return false;
+    };
+    let others_running =
+        (0..members.len()).any(|i| members[i].identity != me && bytes[i].in_flight > shares[i]);
+    members[holder].identity == me && !others_running
 }
 
 /// What this replica holds of one budget, and how it got there.

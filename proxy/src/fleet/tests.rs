@@ -64,6 +64,8 @@ impl LeaseStore for Arc<Reach> {
 /// seats in `lists`.
 struct Wants {
     bytes: std::sync::atomic::AtomicU64,
+    /// Bytes in flight, when set apart from `bytes` (0: as many as wanted).
+    in_flight: std::sync::atomic::AtomicU64,
     seats: std::sync::atomic::AtomicU64,
     /// The replica's flows (token buckets), whose demand the fleet reads.
     flows: Flows,
@@ -73,6 +75,7 @@ impl Default for Wants {
     fn default() -> Self {
         Self {
             bytes: Default::default(),
+            in_flight: Default::default(),
             seats: Default::default(),
             flows: Flows::new(4, Duration::from_secs(300)),
         }
@@ -83,13 +86,13 @@ impl Local for Wants {
     fn demand(&self) -> Demand {
         let mut demand = Demand::default();
         let wanted = self.bytes.load(Ordering::SeqCst);
-        demand.bytes.insert(
-            "r0".into(),
-            Bytes {
-                wanted,
-                in_flight: wanted,
-            },
-        );
+        let in_flight = match self.in_flight.load(Ordering::SeqCst) {
+            0 => wanted,
+            n => n,
+        };
+        demand
+            .bytes
+            .insert("r0".into(), Bytes { wanted, in_flight });
         demand
             .seats
             .insert("lists".into(), self.seats.load(Ordering::SeqCst));
@@ -368,7 +371,8 @@ async fn demand_rising_on_every_replica_at_once_never_shares_out_more_than_the_w
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn one_member_per_apiserver_may_run_a_list_bigger_than_its_share() {
     // Each member may run a LIST bigger than its share alone: three members would put three
-    // such LISTs on one apiserver. Only the member that wants the most of it may.
+    // such LISTs on one apiserver. In a fleet the members that ask take turns of 10 s, and
+    // none starts one while another runs one.
     let memory = Arc::new(Memory::default());
     let replicas: Vec<_> = ["a", "b", "c"]
         .iter()
@@ -385,20 +389,35 @@ async fn one_member_per_apiserver_may_run_a_list_bigger_than_its_share() {
         vec![true; 3],
         "before the first renewal: each its own"
     );
-    tokio::time::sleep(RENEW + Duration::from_millis(10)).await;
-    assert_eq!(
-        alone(&replicas),
-        vec![true, false, false],
-        "nobody asks: the first identity"
+    // B and C ask; none runs one yet (in flight within their shares).
+    for r in &replicas[1..] {
+        r.wants.bytes.store(500, Ordering::SeqCst);
+        r.wants.in_flight.store(1, Ordering::SeqCst);
+    }
+    let mut holders = Vec::new();
+    for _ in 0..6 {
+        tokio::time::sleep(share::ALONE_TURN / 2).await;
+        let now = alone(&replicas);
+        assert_eq!(
+            now.iter().filter(|a| **a).count(),
+            1,
+            "one at a time: {now:?}"
+        );
+        assert!(!now[0], "A asks for nothing: {now:?}");
+        holders.push(now.iter().position(|a| *a).unwrap());
+    }
+    holders.dedup();
+    assert!(
+        holders.len() >= 2,
+        "the turn moves between B and C: {holders:?}"
     );
-    replicas[2].wants.bytes.store(500, Ordering::SeqCst);
-    replicas[1].wants.bytes.store(200, Ordering::SeqCst);
+    // C runs one (more in flight than its share): nobody else may start one.
+    replicas[2].wants.in_flight.store(400, Ordering::SeqCst);
     tokio::time::sleep(RENEW * 2).await;
-    assert_eq!(
-        alone(&replicas),
-        vec![false, false, true],
-        "c wants the most"
-    );
+    for _ in 0..4 {
+        assert!(!alone(&replicas)[1], "B waits while C runs one");
+        tokio::time::sleep(share::ALONE_TURN / 2).await;
+    }
     replicas[2].reach.down.store(true, Ordering::SeqCst);
     tokio::time::sleep(RENEW).await;
     assert_eq!(replicas[2].standing(), Standing::Static);

@@ -92,8 +92,15 @@ pub struct FleetFigures {
     /// (`apiserver_flowcontrol_current_executing_requests` of the storm's FlowSchema,
     /// sampled every second, times the bytes one LIST reads).
     pub peak_list_bytes: Vec<u64>,
-    /// Per apiserver: samples with more than the budget executing.
+    /// Per apiserver: samples with more than the budget executing (more than one LIST,
+    /// when one is bigger than the budget: one such runs alone, as the budget allows).
     pub samples_over_budget: Vec<u64>,
+    /// The same two while every Bulwark runs and has run for 10 s (the steady windows).
+    pub steady_peak_list_bytes: Vec<u64>,
+    /// See `steady_peak_list_bytes`.
+    pub steady_samples_over_budget: Vec<u64>,
+    /// The bytes one storm LIST reads.
+    pub list_bytes: u64,
     /// Samples taken per apiserver.
     pub samples: u64,
     /// The storm rule's rate, requests per second.
@@ -333,8 +340,20 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
         let peaks: Vec<String> = f.peak_list_bytes.iter().map(|b| human_bytes(*b)).collect();
         peaks.join(", ")
     });
+    add("bytes one storm LIST reads", &|f| human_bytes(f.list_bytes));
     add("samples over budget", &|f| {
         format!("{} of {}", list(&f.samples_over_budget), f.samples)
+    });
+    add("peak LIST bytes, steady", &|f| {
+        let peaks: Vec<String> = f
+            .steady_peak_list_bytes
+            .iter()
+            .map(|b| human_bytes(*b))
+            .collect();
+        peaks.join(", ")
+    });
+    add("samples over budget, steady", &|f| {
+        list(&f.steady_samples_over_budget)
     });
     add("storm rule (req/s)", &|f| {
         format!("{:.2}", f.storm_rule_qps)

@@ -127,6 +127,20 @@ struct Replica {
     metrics: Metrics,
 }
 
+/// Replicas `a`, `b` and `c` over `memory`.
+fn three(memory: &Arc<Memory>) -> Vec<Replica> {
+    ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start(id, memory))
+        .collect()
+}
+
+/// The flow rule of the rate tests: 10 per second, a burst of 10.
+const RULE: Rate = Rate {
+    qps: 10.0,
+    burst: 10,
+};
+
 impl Replica {
     fn start(identity: &str, memory: &Arc<Memory>) -> Replica {
         // Wall time that follows tokio's paused clock.
@@ -215,14 +229,8 @@ async fn admitted(
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_flow_s_rate_holds_across_the_fleet_whether_its_clients_are_pinned_or_spread() {
     let memory = Arc::new(Memory::default());
-    let replicas: Vec<_> = ["a", "b", "c"]
-        .iter()
-        .map(|id| Replica::start(id, &memory))
-        .collect();
-    let rule = Rate {
-        qps: 10.0,
-        burst: 10,
-    };
+    let replicas = three(&memory);
+    let rule = RULE;
     let minute = Duration::from_secs(60);
     let within = |ok: u64, what: &str| {
         let rate = ok as f64 / 60.0;
@@ -259,14 +267,8 @@ async fn without_the_fleet_each_replica_gives_the_whole_rule() {
     // What the test above guards against: the same pinned load on three replicas that do
     // not share the flow's rate admits nearly twice the rule.
     let memory = Arc::new(Memory::default());
-    let replicas: Vec<_> = ["a", "b", "c"]
-        .iter()
-        .map(|id| Replica::start(id, &memory))
-        .collect();
-    let rule = Rate {
-        qps: 10.0,
-        burst: 10,
-    };
+    let replicas = three(&memory);
+    let rule = RULE;
     for r in &replicas {
         r.task.abort();
     }
@@ -344,10 +346,7 @@ async fn demand_rising_on_every_replica_at_once_never_shares_out_more_than_the_w
     // sees the others' Leases from before it, still idle; taking its split from those
     // would give each most of the budget, and the fleet several budgets at once.
     let memory = Arc::new(Memory::default());
-    let replicas: Vec<_> = ["a", "b", "c"]
-        .iter()
-        .map(|id| Replica::start(id, &memory))
-        .collect();
+    let replicas = three(&memory);
     tokio::time::sleep(RENEW * 2).await;
     let total = |replicas: &[Replica]| replicas.iter().map(|r| r.bytes().unwrap()).sum::<u64>();
     assert_eq!(total(&replicas), 300, "idle: equal thirds");
@@ -374,10 +373,7 @@ async fn one_member_per_apiserver_may_run_a_list_bigger_than_its_share() {
     // such LISTs on one apiserver. In a fleet the members that ask take turns of 10 s, and
     // none starts one while another runs one.
     let memory = Arc::new(Memory::default());
-    let replicas: Vec<_> = ["a", "b", "c"]
-        .iter()
-        .map(|id| Replica::start(id, &memory))
-        .collect();
+    let replicas = three(&memory);
     let alone = |replicas: &[Replica]| -> Vec<bool> {
         replicas
             .iter()
@@ -430,10 +426,7 @@ async fn one_member_per_apiserver_may_run_a_list_bigger_than_its_share() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn lease_traffic_is_one_write_and_one_list_per_replica_per_renew_period() {
     let memory = Arc::new(Memory::default());
-    let replicas: Vec<_> = ["a", "b", "c"]
-        .iter()
-        .map(|id| Replica::start(id, &memory))
-        .collect();
+    let replicas = three(&memory);
     for r in &replicas {
         r.wants.bytes.store(5000, Ordering::SeqCst);
     }

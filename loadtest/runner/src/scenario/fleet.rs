@@ -24,9 +24,9 @@ use super::on_controlplane::{self, ControlPlaneOptions};
 use super::{Observer, Options, spawn_loads_at};
 use crate::balancer::{Balancer, Pick};
 use crate::client::{Outcome, Target};
-use crate::controlplane::{self, ControlPlane, FleetMode};
+use crate::controlplane::{ControlPlane, FleetMode};
 use crate::proxy_process::admin_text;
-use crate::report::{self, FleetFigures, Report, Run};
+use crate::report::{FleetFigures, Report, Run};
 use bulwark_testkit::metric_sum;
 
 /// Bulwark replicas in the fleet runs.
@@ -190,11 +190,7 @@ async fn one_run(
         std::process::id(),
         split.name()
     ));
-    let mut options = controlplane::Options::new(&dir);
-    options.replicas = cp_opts.replicas;
-    options.apiserver_memory_limit = Some(cp_opts.memory_limit);
-    options.seed = seeds.to_vec();
-    options.open_rbac = true;
+    let mut options = cp_opts.options(&dir, seeds);
     // Secrets stay out of Bulwark's cache here: every storm LIST reaches the apiservers,
     // and the byte budget is what protects them (`list-storm` shows the cache answering).
     options.bulwark_settings = vec![(
@@ -424,18 +420,7 @@ async fn one_run(
             )
         })
         .collect();
-    let peaks: Vec<u64> = replicas
-        .iter()
-        .map(|r| r.peak_memory_bytes.unwrap_or(0))
-        .collect();
-    let apiserver = report::Apiserver {
-        heap_limit_bytes: cp_opts.memory_limit,
-        peak_heap_bytes: peaks.iter().copied().max().unwrap_or(0),
-        ooms: replicas.iter().map(|r| r.oom_kills).sum(),
-        replica_peak_memory_bytes: peaks,
-        replica_oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
-        ..report::Apiserver::default()
-    };
+    let apiserver = cp_opts.apiserver(&replicas);
     Ok(Run {
         apiserver,
         proxy,

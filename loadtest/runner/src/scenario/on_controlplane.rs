@@ -32,6 +32,40 @@ pub struct ControlPlaneOptions {
     pub memory_limit: u64,
 }
 
+impl ControlPlaneOptions {
+    /// The control plane of one run in `dir`: these replicas and memory limit, `seeds`
+    /// created first, every authenticated user allowed everything (as the simulated fleet).
+    pub(crate) fn options(
+        &self,
+        dir: &std::path::Path,
+        seeds: &[bulwark_sim::Seed],
+    ) -> controlplane::Options {
+        let mut options = controlplane::Options::new(dir);
+        options.replicas = self.replicas;
+        options.apiserver_memory_limit = Some(self.memory_limit);
+        options.seed = seeds.to_vec();
+        options.open_rbac = true;
+        options
+    }
+
+    /// The apiservers' figures from the control plane's `report` at the end of a run: the
+    /// kernel's peak memory and OOM kills per replica.
+    pub(crate) fn apiserver(&self, replicas: &[controlplane::ReplicaReport]) -> report::Apiserver {
+        let peaks: Vec<u64> = replicas
+            .iter()
+            .map(|r| r.peak_memory_bytes.unwrap_or(0))
+            .collect();
+        report::Apiserver {
+            heap_limit_bytes: self.memory_limit,
+            peak_heap_bytes: peaks.iter().copied().max().unwrap_or(0),
+            ooms: replicas.iter().map(|r| r.oom_kills).sum(),
+            replica_peak_memory_bytes: peaks,
+            replica_oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
+            ..report::Apiserver::default()
+        }
+    }
+}
+
 /// Bytes of each seeded Secret: fewer, larger objects than the simulated storm's, so that
 /// seeding a real apiserver takes seconds.
 const SECRET_BYTES: &str = "100KiB";
@@ -124,11 +158,7 @@ async fn one_run(
         std::process::id(),
         mode.name()
     ));
-    let mut options = controlplane::Options::new(&dir);
-    options.replicas = cp_opts.replicas;
-    options.apiserver_memory_limit = Some(cp_opts.memory_limit);
-    options.seed = seeds.to_vec();
-    options.open_rbac = true;
+    let options = cp_opts.options(&dir, seeds);
     let began = Instant::now();
     let cp = ControlPlane::start(options)
         .await
@@ -247,18 +277,9 @@ async fn one_run(
             eprintln!("  {} {name}: errors such as: {e}", mode.name());
         }
     }
-    let peaks: Vec<u64> = replicas
-        .iter()
-        .map(|r| r.peak_memory_bytes.unwrap_or(0))
-        .collect();
     let apiserver = report::Apiserver {
-        heap_limit_bytes: cp_opts.memory_limit,
-        peak_heap_bytes: peaks.iter().copied().max().unwrap_or(0),
-        ooms: replicas.iter().map(|r| r.oom_kills).sum(),
-        replica_peak_memory_bytes: peaks,
-        replica_oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
         upstream_watches,
-        ..report::Apiserver::default()
+        ..cp_opts.apiserver(&replicas)
     };
     Ok(Run {
         apiserver,

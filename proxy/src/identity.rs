@@ -111,6 +111,13 @@ pub enum IdentityError {
     /// The verified certificate has no usable subject (no CN, or more than one).
     #[error("the client certificate has no usable common name: {0}")]
     BadCertificate(String),
+    /// The connection's credentials were refused this many times in a row and it is
+    /// closing: a request that crossed its GOAWAY is refused without another review.
+    #[error(
+        "this connection's credentials were refused {0} times in a row and it is closing; \
+         reconnect with valid credentials"
+    )]
+    ConnectionClosing(u32),
 }
 
 /// The user named by a verified client certificate: CN is the user, each O a group.

@@ -126,6 +126,13 @@ impl ConnAuth {
         }
     }
 
+    /// `Some(refusals)` once the connection has been refused its credentials
+    /// `max_refused` times in a row and is closing.
+    pub fn given_up(&self) -> Option<u32> {
+        let refused = self.refused_in_a_row.load(Ordering::Relaxed);
+        (refused >= self.max_refused).then_some(refused)
+    }
+
     /// Whether any request on the connection has authenticated.
     pub fn authenticated(&self) -> bool {
         self.authenticated.load(Ordering::Relaxed)
@@ -432,5 +439,27 @@ fn accept_error(error: &std::io::Error) -> AcceptError {
         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => AcceptError::Exhausted,
         Some(libc::EBADF | libc::EINVAL | libc::ENOTSOCK | libc::EOPNOTSUPP) => AcceptError::Fatal,
         _ => AcceptError::Transient,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ConnAuth;
+
+    #[test]
+    fn a_connection_gives_up_after_its_refusals_in_a_row_and_an_acceptance_resets_them() {
+        let auth = ConnAuth::new(3);
+        auth.refused();
+        auth.refused();
+        auth.accepted();
+        auth.refused();
+        auth.refused();
+        assert_eq!(
+            auth.given_up(),
+            None,
+            "an acceptance starts the count again"
+        );
+        auth.refused();
+        assert_eq!(auth.given_up(), Some(3));
     }
 }

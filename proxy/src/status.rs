@@ -562,6 +562,7 @@ mod tests {
             IdentityError::MalformedAuthorization,
             IdentityError::TokenRejected("token expired".into()),
             IdentityError::BadCertificate("more than one CN".into()),
+            IdentityError::ConnectionClosing(16),
         ] {
             let (status, body) = answer(ProxyError::Identity(error)).await;
             assert_eq!(status, StatusCode::UNAUTHORIZED);

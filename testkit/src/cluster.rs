@@ -359,8 +359,8 @@ impl Cluster {
     /// an audit log of its own.
     pub fn process_config(&self) -> BulwarkConfig {
         let mut config = self.config.clone();
-        config.listen = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        config.admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        config.listen = crate::free_addr();
+        config.admin = crate::free_addr();
         config.audit = Some(self.dir.join("process-audit.jsonl"));
         config
     }
@@ -444,15 +444,6 @@ pub async fn kube_client(
         .await
         .expect("kube config");
     kube::Client::try_from(config).expect("kube client")
-}
-
-/// A port that was free a moment ago.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("local address")
-        .port()
 }
 
 /// Bulwark running as a child process.

@@ -17,13 +17,15 @@
 pub mod client;
 pub mod cluster;
 pub mod config;
+pub mod ports;
 
 pub use client::{Answer, Client, admin_get, get, post_json, tcp_from, tls_config, with_token};
 pub use cluster::{
     ALICE_LISTS_RULES, BAD_TOKEN, BulwarkProcess, Cluster, GOOD_TOKEN, Setup, UNLIMITED_RULES,
-    fleet_config, free_port, grant, kube_client, policy, start_fleet,
+    fleet_config, grant, kube_client, policy, start_fleet,
 };
 pub use config::{BulwarkConfig, Credentials, FRONT_PROXY_CN, Names, OWN_GROUP, OWN_USER};
+pub use ports::{free_addr, free_port};
 
 /// The sum of the samples of metric `family` in a Prometheus text exposition.
 pub fn metric_sum(exposition: &str, family: &str) -> f64 {

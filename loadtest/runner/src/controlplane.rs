@@ -14,7 +14,9 @@ mod pki;
 mod seed;
 
 use std::ffi::OsString;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
+
+use bulwark_testkit::free_addr;
 use std::os::unix::process::ExitStatusExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -92,9 +94,6 @@ pub enum Error {
     /// A certificate or key could not be loaded or made.
     #[error("certificates: {0}")]
     Pki(String),
-    /// No port could be had on 127.0.0.1.
-    #[error("finding a free port on 127.0.0.1: {0}")]
-    Port(std::io::Error),
     /// A process could not be started.
     #[error("starting {what}: {source}")]
     Spawn {
@@ -680,8 +679,8 @@ impl ControlPlane {
                 source,
             })?;
         }
-        let client = free_port()?;
-        let peer = free_port()?;
+        let client = free_addr();
+        let peer = free_addr();
         let log = self.dir.join("etcd.log");
         let url = |addr: SocketAddr| format!("http://{addr}");
         let args: Vec<OsString> = vec![
@@ -738,7 +737,7 @@ impl ControlPlane {
                 Some(limit) => Some(MemoryCgroup::create(&opts.cgroup_root, index, limit)?),
                 None => None,
             };
-            let addr = free_port()?;
+            let addr = free_addr();
             let cert_dir = self.dir.join(format!("apiserver-{index}"));
             create_dir(&cert_dir)?;
             let spec = Spec {
@@ -1243,12 +1242,6 @@ fn flag(name: &str, path: &Path) -> OsString {
     f.push("=");
     f.push(path);
     f
-}
-
-/// A free port on 127.0.0.1: bound, then released for the child to bind.
-fn free_port() -> Result<SocketAddr, Error> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(Error::Port)?;
-    listener.local_addr().map_err(Error::Port)
 }
 
 fn create_dir(dir: &Path) -> Result<(), Error> {

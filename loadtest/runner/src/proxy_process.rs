@@ -2,7 +2,7 @@
 //! subcommand, so that Bulwark's memory and CPU are the operating system's figures and
 //! `cargo run -p bulwark-loadtest` needs nothing else built.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -108,11 +108,10 @@ pub struct ProxyProcess {
     log: PathBuf,
 }
 
-/// A free port on 127.0.0.1: bound, then released for the child to bind. Another process
-/// could take it in between; the child then fails to start and says so.
+/// A free port on 127.0.0.1 for a child to bind, from below the ephemeral range (see
+/// [`bulwark_testkit::ports`]).
 pub fn free_port() -> anyhow::Result<SocketAddr> {
-    let listener = TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?)
+    Ok(bulwark_testkit::free_addr())
 }
 
 /// Writes the PEM files and the YAML config of a Bulwark in front of `upstream` into `dir`

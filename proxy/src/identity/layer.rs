@@ -31,6 +31,11 @@ impl<B: Send + 'static> Stage<B> for Identify {
     type Out = Identified;
 
     async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
+        if let Some(refused) = call.conn.as_ref().and_then(|c| c.auth.given_up()) {
+            // A request that crossed the GOAWAY of a connection closed for its refusals
+            // (HTTP/2 lets it in until the client reads the GOAWAY) costs no review.
+            return Err(IdentityError::ConnectionClosing(refused).into());
+        }
         let identifying = call.conn.as_ref().and_then(|c| c.auth.identifying());
         let identity = identify(
             call.request.headers(),

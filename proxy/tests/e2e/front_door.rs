@@ -343,9 +343,11 @@ async fn a_connection_that_keeps_collecting_401s_is_closed_and_one_that_authenti
             Err(_) => break,
         }
     }
-    assert_eq!(
-        answered, 5,
-        "the connection was not closed after 5 refusals in a row"
+    // The fifth refusal closes the connection with a GOAWAY; a request the client sent
+    // before it read the GOAWAY is still answered (refused, without a review), never more.
+    assert!(
+        (5..=6).contains(&answered),
+        "the connection was not closed after 5 refusals in a row: {answered} answers"
     );
     assert_eq!(
         metric(

@@ -4,8 +4,10 @@
 #   OUT/bin/etcd            (go.etcd.io/etcd/server/v3, the version k/k requires)
 #   OUT/bin/kubectl         (k8s.io/kubectl)
 #   OUT/bin/cpdriver        (this module's client-go driver)
+#   OUT/bin/helm            (helm.sh/helm/v3/cmd/helm, in its own module: helm/go.mod)
 #
-# Usage: build.sh [OUT]      OUT defaults to target/controlplane in the repo.
+# Usage: build.sh [OUT [NAME...]]   OUT defaults to target/controlplane in the repo;
+#                                   NAMEs pick some of the binaries (default: all).
 #
 # The Go build cache lives in OUT/gocache so a warm rebuild is fast; the module
 # cache is Go's default. A binary is skipped when it is newer than go.mod,
@@ -17,6 +19,13 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 out="${1:-$repo/target/controlplane}"
+shift $(( $# > 0 ? 1 : 0 ))
+all=(kube-apiserver kubectl etcd cpdriver helm)
+wanted=("${@:-${all[@]}}")
+for name in "${wanted[@]}"; do
+  [[ " ${all[*]} " == *" $name "* ]] || { echo "build.sh: no binary '$name' (${all[*]})" >&2; exit 2; }
+done
+want() { [[ " ${wanted[*]} " == *" $1 "* ]]; }
 
 if ! command -v go >/dev/null 2>&1; then
   cat >&2 <<'EOF'
@@ -63,18 +72,21 @@ done
 # version, and versions are fixed by go.mod/go.sum).
 stamp="$have CGO_ENABLED=$CGO_ENABLED $ldflags"
 
-up_to_date() { # $1 = binary path
-  local bin="$1"
+up_to_date() { # $1 = binary path, $2 = its stamp, $3 = its module folder
+  local bin="$1" stamp="$2" module="$3"
   [[ "${FORCE:-0}" != 1 && -x "$bin" && -f "$bin.stamp" ]] || return 1
   [[ "$(cat "$bin.stamp")" == "$stamp" ]] || return 1
-  [[ -z "$(find "$here" \( -name '*.go' -o -name go.mod -o -name go.sum -o -name build.sh \) -newer "$bin" -print -quit)" ]]
+  # helm/ is a module of its own: its files never make the control plane stale.
+  [[ -z "$(find "$module" "$here/build.sh" \( -path "$here/helm" -a ! -path "$module" \) -prune \
+    -o \( -name '*.go' -o -name go.mod -o -name go.sum -o -name build.sh \) -newer "$bin" -print -quit)" ]]
 }
 
 total_start=$SECONDS
 # kube-apiserver first: it compiles most of what the others share.
 for name in kube-apiserver kubectl etcd cpdriver; do
+  want "$name" || continue
   bin="$out/bin/$name"
-  if up_to_date "$bin"; then
+  if up_to_date "$bin" "$stamp" "$here"; then
     echo "$name: up to date ($bin)"
     continue
   fi
@@ -85,4 +97,32 @@ for name in kube-apiserver kubectl etcd cpdriver; do
   end=$(date +%s.%N)
   awk -v n="$name" -v s="$start" -v e="$end" -v b="$bin" 'BEGIN { printf "%s: built in %.1fs (%s)\n", n, e - s, b }'
 done
+# helm, for the chart in deploy/helm: its own module graph (helm/go.mod), because helm
+# v3.22 needs the k8s.io v0.37 modules where the control plane above pins v0.36.5. The
+# -X flags are the ones helm's Makefile sets: its version, and the Kubernetes version that
+# `helm template` and `helm lint` assume (from the k8s.io/client-go it is built with).
+if want helm; then
+  bin="$out/bin/helm"
+  cd "$here/helm"
+  hver="$(go list -m -f '{{.Version}}' helm.sh/helm/v3)"
+  cver="$(go list -m -f '{{.Version}}' k8s.io/client-go)"   # v0.37.0 = Kubernetes 1.37
+  cminor="$(echo "$cver" | sed -E 's/^v0\.([0-9]+)\..*/\1/')"
+  hldflags="-s -w -X helm.sh/helm/v3/internal/version.version=$hver"
+  hldflags+=" -X helm.sh/helm/v3/internal/version.gitTreeState=archive"
+  for pkg in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    hldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$cminor"
+  done
+  hstamp="$have CGO_ENABLED=$CGO_ENABLED $hldflags"
+  if up_to_date "$bin" "$hstamp" "$here/helm"; then
+    echo "helm: up to date ($bin)"
+  else
+    start=$(date +%s.%N)
+    go build -trimpath -ldflags "$hldflags" -o "$bin.tmp" helm.sh/helm/v3/cmd/helm
+    mv -f "$bin.tmp" "$bin"
+    echo "$hstamp" > "$bin.stamp"
+    end=$(date +%s.%N)
+    awk -v s="$start" -v e="$end" -v b="$bin" 'BEGIN { printf "helm: built in %.1fs (%s)\n", e - s, b }'
+  fi
+  cd "$here"
+fi
 echo "controlplane: done in $((SECONDS - total_start))s; binaries in $out/bin"

@@ -445,6 +445,9 @@ async fn serve(
         ));
     }
     if !ri.resource_request {
+        if crate::openapi::handles(path) && req.method() == Method::GET {
+            return crate::openapi::serve(path, q, req.headers());
+        }
         return non_resource(rep, path, req.method());
     }
     let Some(def) = discovery::find(&ri.group, &ri.version, &ri.resource) else {
@@ -507,16 +510,20 @@ async fn serve(
         .get_all(header::ACCEPT_ENCODING)
         .iter()
         .any(|v| v.to_str().is_ok_and(|s| s.contains("gzip")));
+    let dry_run = match dry_run(q, &ri.verb) {
+        Ok(d) => d,
+        Err(e) => return status_response(&e),
+    };
     let r = match ri.verb.as_str() {
         "get" | "list" if repr.is_none() => Err(not_acceptable()),
         "get" => get(rep, def, ri, repr.unwrap_or(As::Plain)),
         "list" => list(rep, def, ri, q, accept_gzip, repr.unwrap_or(As::Plain)).await,
         "watch" => return watch(rep, def, ri, q, fields).await,
-        "create" => create(rep, def, ri, req).await,
-        "update" => update(rep, def, ri, req).await,
-        "patch" => patch(rep, def, ri, req).await,
-        "delete" => delete(rep, def, ri, req).await,
-        "deletecollection" => delete_collection(rep, def, ri, q).await,
+        "create" => create(rep, def, ri, req, dry_run).await,
+        "update" => update(rep, def, ri, req, dry_run).await,
+        "patch" => patch(rep, def, ri, req, dry_run).await,
+        "delete" => delete(rep, def, ri, req, dry_run).await,
+        "deletecollection" => delete_collection(rep, def, ri, q, dry_run).await,
         _ => Err(status::method_not_allowed()),
     };
     let resp = r.unwrap_or_else(|e| status_response(&e));
@@ -828,6 +835,43 @@ async fn list(
     Ok(Response::from_parts(parts, body.hold(guard)))
 }
 
+/// Whether a write is a dry run: `dryRun=All` (every value of it), as the apiserver's
+/// options validation has it; any other value is its 422. Reads ignore the parameter.
+fn dry_run(q: &Query, verb: &str) -> Result<bool, ApiError> {
+    let options = match verb {
+        "create" => "CreateOptions",
+        "update" => "UpdateOptions",
+        "patch" => "PatchOptions",
+        "delete" | "deletecollection" => "DeleteOptions",
+        _ => return Ok(false),
+    };
+    let values: Vec<&str> = q
+        .iter()
+        .filter(|(k, _)| k == "dryRun")
+        .map(|(_, v)| v.as_str())
+        .collect();
+    if values.iter().all(|v| *v == "All") {
+        return Ok(!values.is_empty());
+    }
+    let detail = format!(
+        "Unsupported value: {}: supported values: \"All\"",
+        serde_json::to_string(&values).unwrap_or_default()
+    );
+    Err(ApiError::new(
+        422,
+        "Invalid",
+        format!("{options}.meta.k8s.io \"\" is invalid: dryRun: {detail}"),
+        Some(apimachinery::status::Details {
+            causes: vec![apimachinery::status::Cause {
+                reason: "FieldValueNotSupported".into(),
+                message: detail,
+                field: "dryRun".into(),
+            }],
+            ..status::details("", "meta.k8s.io", options)
+        }),
+    ))
+}
+
 fn invalid_list_options(field: &str, reason: &str, detail: &str) -> ApiError {
     ApiError::new(
         422,
@@ -983,6 +1027,7 @@ async fn create(
     def: &'static ResourceDef,
     ri: &RequestInfo,
     req: Request<Incoming>,
+    dry_run: bool,
 ) -> Result<Response<SimBody>, ApiError> {
     if !ri.name.is_empty() {
         return Err(status::method_not_allowed());
@@ -994,7 +1039,7 @@ async fn create(
     let o = rep
         .shared
         .store
-        .create_obj(def, &ri.namespace, v)
+        .create_obj(def, &ri.namespace, v, dry_run)
         .map_err(|e| store_error(def, e))?;
     Ok(object_response(201, o.with_kind(def)))
 }
@@ -1004,6 +1049,7 @@ async fn update(
     def: &'static ResourceDef,
     ri: &RequestInfo,
     req: Request<Incoming>,
+    dry_run: bool,
 ) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     need_json(&h)?;
@@ -1022,7 +1068,7 @@ async fn update(
     let o = rep
         .shared
         .store
-        .update_obj(def, &ri.namespace, Some(&ri.name), v)
+        .update_obj(def, &ri.namespace, Some(&ri.name), v, dry_run)
         .map_err(|e| store_error(def, e))?;
     Ok(object_response(200, o.with_kind(def)))
 }
@@ -1032,6 +1078,7 @@ async fn patch(
     def: &'static ResourceDef,
     ri: &RequestInfo,
     req: Request<Incoming>,
+    dry_run: bool,
 ) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     let kind = match content_type(&h).as_str() {
@@ -1045,7 +1092,7 @@ async fn patch(
     let o = rep
         .shared
         .store
-        .patch_obj(def, &ri.namespace, &ri.name, kind, &p)
+        .patch_obj(def, &ri.namespace, &ri.name, kind, &p, dry_run)
         .map_err(|e| store_error(def, e))?;
     Ok(object_response(200, o.with_kind(def)))
 }
@@ -1055,6 +1102,7 @@ async fn delete(
     def: &'static ResourceDef,
     ri: &RequestInfo,
     req: Request<Incoming>,
+    dry_run: bool,
 ) -> Result<Response<SimBody>, ApiError> {
     let (h, b) = read_body(req).await?;
     // DeleteOptions in protobuf carry nothing the simulator acts on but preconditions,
@@ -1071,7 +1119,7 @@ async fn delete(
     let o = rep
         .shared
         .store
-        .delete_obj(def, &ri.namespace, &ri.name, want.as_deref())
+        .delete_obj(def, &ri.namespace, &ri.name, want.as_deref(), dry_run)
         .map_err(|e| store_error(def, e))?;
     // The apiserver answers a delete that completes at once with a success Status; only
     // what deletes gracefully (pods) answers with the object.
@@ -1090,6 +1138,7 @@ async fn delete_collection(
     def: &'static ResourceDef,
     ri: &RequestInfo,
     q: &Query,
+    dry_run: bool,
 ) -> Result<Response<SimBody>, ApiError> {
     let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
         .map_err(|e| status::bad_request(e.to_string()))?;
@@ -1105,7 +1154,7 @@ async fn delete_collection(
         .iter()
         .filter(|o| labels.matches(&o.labels) && fields.matches(&o.namespace, &o.name))
     {
-        if let Ok(d) = store.delete_obj(def, &o.namespace, &o.name, None) {
+        if let Ok(d) = store.delete_obj(def, &o.namespace, &o.name, None, dry_run) {
             deleted.push(d.body.clone());
         }
     }

@@ -13,6 +13,7 @@ pub mod faults;
 pub mod heap;
 pub mod l4;
 pub mod metrics;
+pub mod openapi;
 pub mod pki;
 pub mod policy;
 pub mod proto;

@@ -177,6 +177,7 @@ fn builtin_allows(a: &Attributes) -> bool {
                 || a.path.starts_with("/api/")
                 || a.path == "/apis"
                 || a.path.starts_with("/apis/")
+                || a.path == "/openapi"
                 || a.path.starts_with("/openapi/"));
     }
     // system:basic-user

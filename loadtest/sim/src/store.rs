@@ -370,7 +370,8 @@ fn write_ordered(out: &mut Vec<u8>, map: &Map<String, Value>, order: &[&str], la
     out.push(b'}');
 }
 
-/// Encodes a complete object (metadata filled in) into its stored form.
+/// Encodes a complete object (metadata filled in) into its stored form; at `rv` 0 (a
+/// dry-run create, never stored) without a resourceVersion, as the apiserver answers one.
 fn encode(mut v: Map<String, Value>, rv: u64) -> Obj {
     v.remove("kind");
     v.remove("apiVersion");
@@ -379,7 +380,11 @@ fn encode(mut v: Map<String, Value>, rv: u64) -> Obj {
         _ => Map::new(),
     };
     let mut meta = meta;
-    meta.insert("resourceVersion".into(), json!(rv.to_string()));
+    if rv == 0 {
+        meta.remove("resourceVersion");
+    } else {
+        meta.insert("resourceVersion".into(), json!(rv.to_string()));
+    }
     let s = |k: &str| {
         meta.get(k)
             .and_then(Value::as_str)
@@ -692,16 +697,18 @@ impl Store {
     /// for cluster-scoped resources); returns the stored object.
     pub fn create(&self, resource: &str, namespace: &str, obj: Value) -> Result<Value, StoreError> {
         let def = def_of(resource)?;
-        let o = self.create_obj(def, namespace, obj)?;
+        let o = self.create_obj(def, namespace, obj, false)?;
         Ok(o.to_value(def))
     }
 
-    /// As [`Store::create`], returning the stored object.
+    /// As [`Store::create`], returning the stored object. A `dry_run` checks and answers
+    /// as the create would, without a resourceVersion, and stores nothing.
     pub fn create_obj(
         &self,
         def: &ResourceDef,
         namespace: &str,
         obj: Value,
+        dry_run: bool,
     ) -> Result<Arc<Obj>, StoreError> {
         let mut v = as_object(obj, "")?;
         let meta = v.entry("metadata").or_insert_with(|| json!({}));
@@ -759,6 +766,9 @@ impl Store {
                 name,
             });
         }
+        if dry_run {
+            return Ok(Arc::new(encode(v, 0)));
+        }
         g.rv += 1;
         let obj = Arc::new(encode(v, g.rv));
         self.commit(&mut g, EventType::Added, &def.key(), obj.clone(), None);
@@ -769,17 +779,20 @@ impl Store {
     /// stored one (else `Conflict`); without it the update is unconditional.
     pub fn update(&self, resource: &str, namespace: &str, obj: Value) -> Result<Value, StoreError> {
         let def = def_of(resource)?;
-        let o = self.update_obj(def, namespace, None, obj)?;
+        let o = self.update_obj(def, namespace, None, obj, false)?;
         Ok(o.to_value(def))
     }
 
-    /// As [`Store::update`]; `path_name` (from the URL) must match the body's name.
+    /// As [`Store::update`]; `path_name` (from the URL) must match the body's name. A
+    /// `dry_run` answers the object as it would be stored, at its current resourceVersion,
+    /// and stores nothing.
     pub fn update_obj(
         &self,
         def: &ResourceDef,
         namespace: &str,
         path_name: Option<&str>,
         obj: Value,
+        dry_run: bool,
     ) -> Result<Arc<Obj>, StoreError> {
         let mut v = as_object(obj, path_name.unwrap_or_default())?;
         apply_defaults(def, &mut v);
@@ -795,7 +808,7 @@ impl Store {
             });
         }
         let want_rv = meta_str(&v, "resourceVersion").map(str::to_string);
-        self.replace(def, namespace, &name, want_rv.as_deref(), |_| {
+        self.replace(def, namespace, &name, want_rv.as_deref(), dry_run, |_| {
             Ok(Value::Object(v))
         })
     }
@@ -809,11 +822,12 @@ impl Store {
         patch: &Value,
     ) -> Result<Value, StoreError> {
         let def = def_of(resource)?;
-        let o = self.patch_obj(def, namespace, name, PatchKind::Merge, patch)?;
+        let o = self.patch_obj(def, namespace, name, PatchKind::Merge, patch, false)?;
         Ok(o.to_value(def))
     }
 
-    /// Applies a merge or JSON patch to the stored object.
+    /// Applies a merge or JSON patch to the stored object (only to the answer when
+    /// `dry_run`, as [`Store::update_obj`]).
     pub fn patch_obj(
         &self,
         def: &ResourceDef,
@@ -821,13 +835,14 @@ impl Store {
         name: &str,
         kind: PatchKind,
         patch: &Value,
+        dry_run: bool,
     ) -> Result<Arc<Obj>, StoreError> {
         let want_rv = patch
             .get("metadata")
             .and_then(|m| m.get("resourceVersion"))
             .and_then(Value::as_str)
             .map(str::to_string);
-        self.replace(def, namespace, name, want_rv.as_deref(), |old| {
+        self.replace(def, namespace, name, want_rv.as_deref(), dry_run, |old| {
             let mut cur = old;
             match kind {
                 PatchKind::Merge => merge_patch(&mut cur, patch),
@@ -851,6 +866,7 @@ impl Store {
         namespace: &str,
         name: &str,
         want_rv: Option<&str>,
+        dry_run: bool,
         f: impl FnOnce(Value) -> Result<Value, StoreError>,
     ) -> Result<Arc<Obj>, StoreError> {
         let ns = if def.namespaced { namespace } else { "" };
@@ -891,6 +907,9 @@ impl Store {
         if same.body == old.body {
             return Ok(old);
         }
+        if dry_run {
+            return Ok(Arc::new(same));
+        }
         g.rv += 1;
         let obj = Arc::new(encode(new_v, g.rv));
         self.commit(&mut g, EventType::Modified, &rk, obj.clone(), Some(old));
@@ -900,18 +919,20 @@ impl Store {
     /// Deletes an object and returns it as last stored.
     pub fn delete(&self, resource: &str, namespace: &str, name: &str) -> Result<Value, StoreError> {
         let def = def_of(resource)?;
-        let o = self.delete_obj(def, namespace, name, None)?;
+        let o = self.delete_obj(def, namespace, name, None, false)?;
         Ok(o.to_value(def))
     }
 
     /// Deletes an object, with an optional resourceVersion precondition; returns the
-    /// deleted object at the delete's revision.
+    /// deleted object at the delete's revision. A `dry_run` checks the same and returns the
+    /// object as stored, deleting nothing.
     pub fn delete_obj(
         &self,
         def: &ResourceDef,
         namespace: &str,
         name: &str,
         want_rv: Option<&str>,
+        dry_run: bool,
     ) -> Result<Arc<Obj>, StoreError> {
         let ns = if def.namespaced { namespace } else { "" };
         let rk = def.key();
@@ -934,6 +955,9 @@ impl Store {
                 resource: rk,
                 name: name.to_string(),
             });
+        }
+        if dry_run {
+            return Ok(old);
         }
         g.rv += 1;
         let v = serde_json::from_slice::<Value>(&old.body)

@@ -661,3 +661,192 @@ async fn logs_follow_streams_lines() {
     }
     assert!(got.contains("p log line 2"));
 }
+
+#[tokio::test]
+async fn dry_run_writes_answer_as_the_write_would_and_change_nothing() {
+    let fleet = fleet("secrets=2x64B@d").await;
+    let store = fleet.store();
+    let rv = store.resource_version();
+    let writes = store.applied_writes();
+    let ns = "/api/v1/namespaces/d/secrets";
+    let json = "application/json";
+    let created = send(
+        &fleet,
+        "POST",
+        &format!("{ns}?dryRun=All"),
+        json,
+        json!({"metadata": {"name": "new"}, "data": {"k": "dg=="}}),
+    )
+    .await;
+    assert_eq!(created.status, 201, "{:?}", created.json());
+    let c = created.json();
+    // Defaulted and given identity as a create would, but never stored: no resourceVersion.
+    assert_eq!(c["type"], "Opaque");
+    assert_eq!(c["metadata"]["namespace"], "d");
+    assert!(c["metadata"]["uid"].is_string() && c["metadata"]["creationTimestamp"].is_string());
+    assert!(c["metadata"].get("resourceVersion").is_none(), "{c}");
+    assert!(store.get("secrets", "d", "new").is_none());
+    let dup = send(
+        &fleet,
+        "POST",
+        &format!("{ns}?dryRun=All"),
+        json,
+        json!({"metadata": {"name": "secret-0"}}),
+    )
+    .await;
+    assert_eq!(dup.status, 409);
+
+    let before = store.get("secrets", "d", "secret-0").unwrap();
+    let stored_rv = before["metadata"]["resourceVersion"].clone();
+    let updated = send(
+        &fleet,
+        "PUT",
+        &format!("{ns}/secret-0?dryRun=All"),
+        json,
+        json!({"metadata": {"name": "secret-0"}, "data": {"k": "eA=="}}),
+    )
+    .await;
+    assert_eq!(updated.status, 200);
+    assert_eq!(updated.json()["data"]["k"], "eA==");
+    // The answer carries the version the object is stored at: none was taken.
+    assert_eq!(updated.json()["metadata"]["resourceVersion"], stored_rv);
+    let patched = send(
+        &fleet,
+        "PATCH",
+        &format!("{ns}/secret-0?dryRun=All"),
+        "application/merge-patch+json",
+        json!({"metadata": {"labels": {"dry": "run"}}}),
+    )
+    .await;
+    assert_eq!(patched.status, 200);
+    assert_eq!(patched.json()["metadata"]["labels"]["dry"], "run");
+    assert_eq!(patched.json()["metadata"]["resourceVersion"], stored_rv);
+    let deleted = send(
+        &fleet,
+        "DELETE",
+        &format!("{ns}/secret-0?dryRun=All"),
+        json,
+        json!({}),
+    )
+    .await;
+    assert_eq!(deleted.status, 200);
+    assert_eq!(deleted.json()["status"], "Success");
+    let collection = send(
+        &fleet,
+        "DELETE",
+        &format!("{ns}?dryRun=All"),
+        json,
+        json!({}),
+    )
+    .await;
+    assert_eq!(collection.status, 200);
+    assert_eq!(names(&collection), ["secret-0", "secret-1"]);
+    assert_eq!(store.get("secrets", "d", "secret-0").unwrap(), before);
+    assert_eq!(store.len("secrets"), 2);
+    assert_eq!(
+        (store.resource_version(), store.applied_writes()),
+        (rv, writes)
+    );
+
+    // An unknown value is the options' 422, for every write.
+    for (method, path, options) in [
+        ("POST", ns.to_string(), "CreateOptions"),
+        ("PUT", format!("{ns}/secret-0"), "UpdateOptions"),
+        ("PATCH", format!("{ns}/secret-0"), "PatchOptions"),
+        ("DELETE", format!("{ns}/secret-0"), "DeleteOptions"),
+        ("DELETE", ns.to_string(), "DeleteOptions"),
+    ] {
+        let r = send(
+            &fleet,
+            method,
+            &format!("{path}?dryRun=All&dryRun=foo"),
+            "application/merge-patch+json",
+            json!({"metadata": {"name": "secret-0"}}),
+        )
+        .await;
+        assert_eq!(r.status, 422, "{method} {path}");
+        assert_eq!(
+            r.json()["message"],
+            format!(
+                "{options}.meta.k8s.io \"\" is invalid: dryRun: Unsupported value: [\"All\",\"foo\"]: supported values: \"All\""
+            )
+        );
+        assert_eq!(
+            r.json()["details"]["causes"][0]["reason"],
+            "FieldValueNotSupported"
+        );
+    }
+
+    // A watch from before the dry runs sees only the real write after them.
+    send(
+        &fleet,
+        "POST",
+        ns,
+        json,
+        json!({"metadata": {"name": "real"}}),
+    )
+    .await;
+    let w = get(
+        &fleet,
+        &format!("{ns}?watch=1&resourceVersion={rv}&timeoutSeconds=1"),
+        &[],
+    )
+    .await;
+    let events: Vec<Value> = w
+        .body
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).unwrap())
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["object"]["metadata"]["name"], "real");
+}
+
+#[tokio::test]
+async fn openapi_is_served_from_the_recorded_documents() {
+    let fleet = fleet("secrets=1x64B@o").await;
+    let v2 = get(&fleet, "/openapi/v2", &[]).await;
+    assert_eq!(v2.status, 200);
+    assert_eq!(v2.headers["content-type"], "application/json");
+    assert_eq!(v2.json()["swagger"], "2.0");
+    assert!(v2.json()["definitions"]["io.k8s.api.core.v1.Secret"].is_object());
+    let pb = get(
+        &fleet,
+        "/openapi/v2",
+        &[(
+            "accept",
+            "application/com.github.proto-openapi.spec.v2@v1.0+protobuf",
+        )],
+    )
+    .await;
+    assert_eq!(pb.status, 200);
+    assert_eq!(
+        pb.headers["content-type"],
+        "application/com.github.proto-openapi.spec.v2.v1.0+protobuf"
+    );
+    assert_eq!(pb.headers["etag"], v2.headers["etag"]);
+    let yaml = get(&fleet, "/openapi/v2", &[("accept", "application/yaml")]).await;
+    assert_eq!(yaml.status, 406);
+
+    let index = get(&fleet, "/openapi/v3", &[]).await;
+    assert_eq!(index.status, 200);
+    let url = index.json()["paths"]["api/v1"]["serverRelativeURL"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let doc = get(&fleet, &url, &[("accept-encoding", "gzip")]).await;
+    assert_eq!(doc.status, 200);
+    assert_eq!(doc.headers["cache-control"], "public, immutable");
+    assert_eq!(doc.headers["content-encoding"], "gzip");
+    let plain = get(&fleet, "/openapi/v3/api/v1", &[]).await;
+    assert_eq!(plain.json()["openapi"], "3.0.0");
+    assert!(plain.json()["paths"]["/api/v1/namespaces/{namespace}/secrets"].is_object());
+    let stale = get(&fleet, "/openapi/v3/api/v1?hash=0", &[]).await;
+    assert_eq!(stale.status, 301);
+    assert_eq!(stale.headers["location"], url.as_str());
+    // Only the groups the simulator serves are indexed.
+    assert_eq!(
+        get(&fleet, "/openapi/v3/apis/apps/v1", &[]).await.status,
+        404
+    );
+}

@@ -33,7 +33,8 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Check a configuration file and print every problem.
+    /// Check a configuration file and every file it names (certificates, keys, CAs, token
+    /// files, the rules folder); print every problem and exit 2 when there is any.
     CheckConfig {
         /// The configuration file.
         config: PathBuf,
@@ -53,11 +54,18 @@ pub enum Command {
 /// `bulwark rules ...` subcommands.
 #[derive(Subcommand)]
 pub enum RulesCommand {
-    /// Exit 0 when the folder is valid; else print every problem as `file:line:column:
-    /// message` and exit 1.
+    /// Print every problem of every file as `file:line:column: message` and exit 1 when
+    /// there is any; print warnings (`file:line:column: warning: message`) on rules that
+    /// load but cannot do what they say, and exit 0 unless `--strict`.
     Check {
         /// The folder of rule files.
         dir: PathBuf,
+        /// Bulwark's configuration, for its `cache.maxStaleness` (default: the built-in cap).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Exit 1 on warnings too.
+        #[arg(long)]
+        strict: bool,
     },
     /// Print the rule a request matches, its level and flow, and why each rule of lower
     /// precedence did not match.

@@ -73,19 +73,36 @@ fn main() -> ExitCode {
             }
         },
         Command::Rules {
-            command: RulesCommand::Check { dir },
-        } => match bulwark::rules::check(&dir) {
-            Ok(summary) => {
+            command:
+                RulesCommand::Check {
+                    dir,
+                    config,
+                    strict,
+                },
+        } => {
+            let max_staleness = match &config {
+                None => bulwark::config::Cache::default().max_staleness,
+                Some(path) => match load(path) {
+                    Some(config) => config.cache.max_staleness,
+                    None => return ExitCode::from(2),
+                },
+            };
+            let checked = bulwark::rules::check(&dir, max_staleness);
+            for problem in &checked.errors {
+                eprintln!("{problem}");
+            }
+            for warning in &checked.warnings {
+                eprintln!("{}", warning.warning_line());
+            }
+            if let Some(summary) = &checked.summary {
                 print!("{summary}");
+            }
+            if !checked.errors.is_empty() || (strict && !checked.warnings.is_empty()) {
+                ExitCode::from(1)
+            } else {
                 ExitCode::SUCCESS
             }
-            Err(problems) => {
-                for problem in problems {
-                    eprintln!("{problem}");
-                }
-                ExitCode::from(1)
-            }
-        },
+        }
         Command::Rules {
             command:
                 RulesCommand::Explain {

@@ -10,8 +10,11 @@
 //! message`, `matcher` decides matches, `reload` watches the folder.
 
 mod builtin;
+mod discovery;
+mod lint;
 pub mod load;
 mod matcher;
+mod parse;
 mod reload;
 mod schema;
 mod spans;
@@ -59,6 +62,23 @@ impl fmt::Display for RuleProblem {
             write!(
                 f,
                 "{}:{}:{}: {}",
+                self.file.display(),
+                self.line,
+                self.column,
+                self.message
+            )
+        }
+    }
+}
+
+impl RuleProblem {
+    /// The problem as a warning line: `file:line:column: warning: message`.
+    pub fn warning_line(&self) -> String {
+        if self.line == 0 {
+            format!("{}: warning: {}", self.file.display(), self.message)
+        } else {
+            format!(
+                "{}:{}:{}: warning: {}",
                 self.file.display(),
                 self.line,
                 self.column,
@@ -232,15 +252,16 @@ impl RuleSet {
 
     /// Parses and validates rule files already read (no I/O); every problem at once.
     pub fn from_sources(sources: &[Source]) -> Result<RuleSet, Vec<RuleProblem>> {
-        let mut problems = Vec::new();
-        let mut parsed = vec![validate::builtin_file()];
-        for source in sources {
-            match validate::parse(source) {
-                Ok(p) => parsed.push(p),
-                Err(problem) => problems.push(problem),
-            }
-        }
-        match validate::build(&parsed, !problems.is_empty()) {
+        RuleSet::from_parsed(sources, parse_sources(sources))
+    }
+
+    fn from_parsed(sources: &[Source], parsed: ParsedSources) -> Result<RuleSet, Vec<RuleProblem>> {
+        let ParsedSources {
+            files: parsed,
+            mut problems,
+            levels_lost,
+        } = parsed;
+        match validate::build(&parsed, levels_lost) {
             Ok(_) if !problems.is_empty() => Err(problems),
             Ok((levels, rules)) => Ok(RuleSet::new(
                 levels,
@@ -513,17 +534,70 @@ pub enum ExplainError {
     Request(#[from] RequestError),
 }
 
-/// `bulwark rules check DIR`: a one-line summary of a valid folder, or every problem.
-pub fn check(dir: &Path) -> Result<String, Vec<RuleProblem>> {
-    let set = RuleSet::load_dir(dir)?;
-    Ok(format!(
-        "{}: {} files, {} levels, {} rules, hash {}\n",
-        dir.display(),
-        set.files.len(),
-        set.levels.len(),
-        set.rules.len() + 1,
-        set.hash
-    ))
+/// Every file parsed, the built-in rules first: what validation takes.
+struct ParsedSources {
+    files: Vec<validate::Parsed>,
+    problems: Vec<RuleProblem>,
+    /// Some levels may be missing (a file or a level entry did not parse).
+    levels_lost: bool,
+}
+
+fn parse_sources(sources: &[Source]) -> ParsedSources {
+    let mut out = ParsedSources {
+        files: vec![validate::builtin_file()],
+        problems: Vec::new(),
+        levels_lost: false,
+    };
+    for source in sources {
+        let outcome = parse::parse(source);
+        out.files.extend(outcome.parsed);
+        out.problems.extend(outcome.problems);
+        out.levels_lost |= outcome.levels_lost;
+    }
+    out
+}
+
+/// What `bulwark rules check DIR` found: every error of every file, and the warnings.
+#[derive(Debug)]
+pub struct Checked {
+    /// A one-line summary when the folder is valid (warnings or not).
+    pub summary: Option<String>,
+    /// Every problem that refuses the folder, in file order.
+    pub errors: Vec<RuleProblem>,
+    /// Rules that load but cannot do what they say: unreachable ones, groups and resources
+    /// no apiserver serves, staleness above `max_staleness`, shadow rules without limits.
+    pub warnings: Vec<RuleProblem>,
+}
+
+/// `bulwark rules check DIR`: reads and validates the folder as `serve` would, and warns on
+/// what loads but cannot work. `max_staleness` is the cache's cap (`cache.maxStaleness`).
+pub fn check(dir: &Path, max_staleness: Duration) -> Checked {
+    let (sources, read_problems) = load::read_folder(dir);
+    let parsed = parse_sources(&sources);
+    let warnings = lint::warnings(&parsed.files, max_staleness);
+    let result = RuleSet::from_parsed(&sources, parsed);
+    let mut errors = read_problems;
+    let summary = match result {
+        Ok(set) if errors.is_empty() => Some(format!(
+            "{}: {} files, {} levels, {} rules, hash {}\n",
+            dir.display(),
+            set.files.len(),
+            set.levels.len(),
+            set.rules.len() + 1,
+            set.hash
+        )),
+        Ok(_) => None,
+        Err(more) => {
+            errors.extend(more);
+            None
+        }
+    };
+    errors.sort_by(|a, b| (&a.file, a.line, a.column).cmp(&(&b.file, b.line, b.column)));
+    Checked {
+        summary,
+        errors,
+        warnings,
+    }
 }
 
 /// `bulwark rules explain DIR --user U [--group G]... VERB PATH`. The user gets

@@ -52,3 +52,78 @@ fn a_missing_config_file_is_an_error_naming_it() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.yaml"));
 }
+
+#[test]
+fn rules_check_reports_every_mistake_of_a_folder_in_one_run() {
+    let dir = bulwark_testkit::repo_path("rules/testdata/mistakes");
+    let out = bulwark(&["rules", "check", dir.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for message in [
+        "a-levels-and-rules.yaml:13:17: warning: rule team-lists is unreachable",
+        "\"core\" is not an API group",
+        "did you mean \"pods\"?",
+        "unknown resource \"deploymnets\" in group \"apps\", did you mean \"deployments\"?",
+        "unknown API group \"aps\", did you mean \"apps\"?",
+        "warning: rule too-stale: staleness 1m is above cache.maxStaleness (10s)",
+        "warning: rule shadow-nothing: mode shadow with no rate and no watches",
+        "level: \"list-hevy\" is not defined, did you mean \"list-heavy\"?",
+        "a-levels-and-rules.yaml:55:17: rules[7].precedence: invalid type",
+        "a-levels-and-rules.yaml:63:17: rule zero-rate: rate.qps: must be above 0",
+        "b-tabs.yaml:3:1: tabs are not allowed for indentation in YAML; use spaces",
+        "c-syntax.yaml:6:10: rules[0]: did not find expected ',' or ']'",
+        "c-syntax.yaml:9:5: rules[1]: unknown field `levle`",
+    ] {
+        assert!(
+            stderr.contains(message),
+            "missing {message:?} in:\n{stderr}"
+        );
+    }
+    assert!(!stderr.contains("cannot start any token"), "{stderr}");
+}
+
+#[test]
+fn rules_check_warnings_alone_exit_0_unless_strict() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("r.yaml"),
+        "rules:\n  - name: stale\n    precedence: 5\n    level: catch-all\n    staleness: 30s\n",
+    )
+    .unwrap();
+    let path = dir.path().to_str().unwrap();
+    let out = bulwark(&["rules", "check", path]);
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: rule stale: staleness 30s"),
+        "{stderr}"
+    );
+    assert_eq!(
+        bulwark(&["rules", "check", "--strict", path]).status.code(),
+        Some(1)
+    );
+    // The configuration's cap is used when given.
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("bulwark.yaml");
+    std::fs::write(
+        &config,
+        "listen:\n  address: 127.0.0.1:0\n  cert: a.crt\n  key: a.key\n\
+         upstream:\n  replicas: [\"127.0.0.1:6443\"]\n  ca: ca.crt\n  self: {tokenFile: t}\n\
+         identity:\n  mode: impersonate\ncache:\n  maxStaleness: 1m\n",
+    )
+    .unwrap();
+    let out = bulwark(&[
+        "rules",
+        "check",
+        "--strict",
+        "--config",
+        config.to_str().unwrap(),
+        path,
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -17,6 +17,9 @@ fn examples() -> PathBuf {
     bulwark_testkit::repo_path("rules/examples")
 }
 
+/// `cache.maxStaleness` when the configuration does not set it.
+const DEFAULT_MAX_STALENESS: Duration = Duration::from_secs(10);
+
 /// Rule folders good and bad, with their expected output.
 fn testdata() -> PathBuf {
     bulwark_testkit::repo_path("rules/testdata")
@@ -24,9 +27,10 @@ fn testdata() -> PathBuf {
 
 /// `check`'s output with the test data folder taken off the paths.
 fn check_output(dir: &Path, base: &Path) -> (u8, String) {
-    let (code, out) = match rules::check(dir) {
-        Ok(summary) => (0, summary),
-        Err(problems) => (1, problems.iter().map(|p| format!("{p}\n")).collect()),
+    let checked = rules::check(dir, DEFAULT_MAX_STALENESS);
+    let (code, out) = match checked.summary {
+        Some(summary) if checked.errors.is_empty() => (0, summary),
+        _ => (1, checked.errors.iter().map(|p| format!("{p}\n")).collect()),
     };
     (code, out.replace(&format!("{}/", base.display()), ""))
 }
@@ -496,10 +500,13 @@ fn explain_refuses_a_bad_request_and_a_bad_folder() {
 
 #[test]
 fn check_summarises_a_good_folder() {
-    let out = rules::check(&examples()).unwrap();
+    let checked = rules::check(&examples(), DEFAULT_MAX_STALENESS);
+    // CI runs `rules check` on the examples: they must load with no warning either.
+    assert!(checked.errors.is_empty(), "{:?}", checked.errors);
+    assert!(checked.warnings.is_empty(), "{:?}", checked.warnings);
     let set = RuleSet::load_dir(&examples()).unwrap();
     assert_eq!(
-        out,
+        checked.summary.unwrap(),
         format!(
             "{}: 11 files, 6 levels, 12 rules, hash {}\n",
             examples().display(),
@@ -540,6 +547,7 @@ fn a_bad_reload_keeps_the_running_rules_and_is_counted() {
     );
     let running = rules.current().hash().to_owned();
     assert_eq!(loaded_hash(&metrics), vec![running.clone()]);
+    assert_eq!(metrics.rules_stale.get(), 0);
 
     for (n, case) in BAD_CASES.iter().enumerate() {
         replace_files(&testdata().join(case), dir.path());
@@ -548,6 +556,8 @@ fn a_bad_reload_keeps_the_running_rules_and_is_counted() {
         assert_eq!(rules.current().hash(), running, "{case} replaced the rules");
         assert_eq!(reloads(&metrics, "error"), n as u64 + 1);
         assert_eq!(loaded_hash(&metrics), vec![running.clone()]);
+        // The files on disk are not the rules in force, for as long as they stay bad.
+        assert_eq!(metrics.rules_stale.get(), 1, "{case}");
     }
     // A 10 MB file and an emptied folder, too.
     replace_files(&examples(), dir.path());
@@ -571,6 +581,7 @@ fn a_bad_reload_keeps_the_running_rules_and_is_counted() {
     assert_ne!(rules.current().hash(), running);
     assert!(!rules.current().rule_names().contains(&"monitoring"));
     assert_eq!(reloads(&metrics, "success"), 1);
+    assert_eq!(metrics.rules_stale.get(), 0);
     assert_eq!(loaded_hash(&metrics), [rules.current().hash().to_owned()]);
     assert!(changes.has_changed().unwrap());
     assert_eq!(changes.borrow_and_update().hash(), rules.current().hash());
@@ -682,4 +693,53 @@ fn send_sighup_to_self() -> i32 {
         .status()
         .map(|s| s.code().unwrap_or(-1))
         .unwrap_or(-1)
+}
+
+#[test]
+fn every_mistake_of_a_folder_is_reported_in_one_check() {
+    let dir = testdata().join("mistakes");
+    let checked = rules::check(&dir, DEFAULT_MAX_STALENESS);
+    let strip = |p: &rules::RuleProblem| {
+        p.to_string()
+            .replace(&format!("{}/", testdata().display()), "")
+    };
+    let errors: Vec<String> = checked.errors.iter().map(strip).collect();
+    let warnings: Vec<String> = checked.warnings.iter().map(strip).collect();
+    assert!(checked.summary.is_none());
+    let expect_errors = [
+        "mistakes/a-levels-and-rules.yaml:53:12: rule misspelt-level: level: \"list-hevy\" is not defined, did you mean \"list-heavy\"?",
+        "mistakes/a-levels-and-rules.yaml:55:17: rules[7].precedence: invalid type: string \"high\", expected an integer",
+        "mistakes/a-levels-and-rules.yaml:63:17: rule zero-rate: rate.qps: must be above 0, got 0",
+        "mistakes/b-tabs.yaml:3:1: tabs are not allowed for indentation in YAML; use spaces",
+        "mistakes/c-syntax.yaml:6:10: rules[0]: did not find expected ',' or ']'",
+        "mistakes/c-syntax.yaml:9:5: rules[1]: unknown field `levle`",
+    ];
+    assert_eq!(errors.len(), expect_errors.len(), "{errors:#?}");
+    for (got, want) in errors.iter().zip(expect_errors) {
+        assert!(got.starts_with(want), "{got}\nwanted {want}");
+    }
+    let expect_warnings = [
+        "a-levels-and-rules.yaml:13:17: rule team-lists is unreachable: rule everyone-reads (",
+        "a-levels-and-rules.yaml:23:27: rule core-group: match.resources[0].group: \"core\" is not an API group",
+        "a-levels-and-rules.yaml:31:33: rule names: match.resources[0].resource: resource names are plural: \"pod\" in group \"\" is never requested, did you mean \"pods\"?",
+        "a-levels-and-rules.yaml:32:35: rule names: match.resources[1].resource: unknown resource \"deploymnets\" in group \"apps\", did you mean \"deployments\"?",
+        "a-levels-and-rules.yaml:33:19: rule names: match.resources[2].group: unknown API group \"aps\", did you mean \"apps\"?",
+        "a-levels-and-rules.yaml:41:16: rule too-stale: staleness 1m is above cache.maxStaleness (10s)",
+        "a-levels-and-rules.yaml:48:11: rule shadow-nothing: mode shadow with no rate and no watches",
+    ];
+    assert_eq!(warnings.len(), expect_warnings.len(), "{warnings:#?}");
+    for (got, want) in warnings.iter().zip(expect_warnings) {
+        assert!(
+            got.starts_with(&format!("mistakes/{want}")),
+            "{got}\nwanted {want}"
+        );
+    }
+    // A larger cap from the configuration silences the staleness warning.
+    let relaxed = rules::check(&dir, Duration::from_secs(120));
+    assert!(
+        !relaxed
+            .warnings
+            .iter()
+            .any(|w| w.message.contains("staleness"))
+    );
 }

@@ -141,6 +141,18 @@ impl ResourcePattern {
         names(&self.group, &other.group) && names(&self.resource, &other.resource) && subs
     }
 
+    /// Whether every request this pattern of `other` takes, this one takes too.
+    fn covers(&self, other: &ResourcePattern) -> bool {
+        let names = |a: &Name, b: &Name| *a == Name::Any || a == b;
+        let subs = match (&self.sub, &other.sub) {
+            (Sub::Either, _) | (Sub::None, Sub::None) => true,
+            (Sub::Any, Sub::Any | Sub::Exact(_)) => true,
+            (Sub::Exact(a), Sub::Exact(b)) => a == b,
+            _ => false,
+        };
+        names(&self.group, &other.group) && names(&self.resource, &other.resource) && subs
+    }
+
     /// The resource as written: `pods`, `pods/log`, `*/status`, `*`.
     fn resource_text(&self) -> String {
         match &self.sub {
@@ -226,6 +238,21 @@ impl UrlPattern {
     }
 }
 
+impl UrlPattern {
+    /// Whether every path `other` takes, this one takes too.
+    fn covers(&self, other: &UrlPattern) -> bool {
+        match (self, other) {
+            (UrlPattern::Any, _) => true,
+            (_, UrlPattern::Any) => false,
+            (UrlPattern::Prefix(p), UrlPattern::Prefix(q) | UrlPattern::Exact(q)) => {
+                q.starts_with(p.as_str())
+            }
+            (UrlPattern::Exact(a), UrlPattern::Exact(b)) => a == b,
+            (UrlPattern::Exact(_), UrlPattern::Prefix(_)) => false,
+        }
+    }
+}
+
 impl fmt::Display for UrlPattern {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -284,6 +311,34 @@ impl Subjects {
     }
 }
 
+impl Subjects {
+    /// Whether every user `other` takes, this one takes too. Every user has the group
+    /// `system:authenticated`, so that group (or `*`) takes everyone.
+    fn covers(&self, other: &Subjects) -> bool {
+        let everyone = self
+            .groups
+            .iter()
+            .any(|g| g.matches(crate::identity::AUTHENTICATED));
+        if everyone || self.users.contains(&Name::Any) {
+            return true;
+        }
+        let user = |name: &str| {
+            self.users.iter().any(|u| u.matches(name))
+                || self.service_accounts.iter().any(|sa| sa.matches(name))
+        };
+        other.users.iter().all(|u| match u {
+            Name::Any => false,
+            Name::Exact(name) => user(name),
+        }) && other.groups.iter().all(|g| self.groups.contains(g))
+            && other.service_accounts.iter().all(|sa| match sa {
+                ServiceAccount::Exact { user: name, .. } => user(name),
+                ServiceAccount::Namespace { prefix, .. } => self.service_accounts.iter().any(
+                    |mine| matches!(mine, ServiceAccount::Namespace { prefix: p, .. } if p == prefix),
+                ),
+            })
+    }
+}
+
 impl fmt::Display for Subjects {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut parts = Vec::new();
@@ -323,6 +378,19 @@ fn join<T: fmt::Display>(items: &[T]) -> String {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// Whether every pattern of `theirs` is covered by one of `mine` (`None`: anything).
+fn every_covered<T>(
+    mine: &Option<Vec<T>>,
+    theirs: &Option<Vec<T>>,
+    covers: impl Fn(&T, &T) -> bool,
+) -> bool {
+    match (mine, theirs) {
+        (None, _) => true,
+        (Some(_), None) => false,
+        (Some(a), Some(b)) => b.iter().all(|y| a.iter().any(|x| covers(x, y))),
+    }
 }
 
 /// A compiled `match`.
@@ -503,6 +571,32 @@ impl Matcher {
         let non_resource_requests =
             self.takes_non_resource_requests() && other.takes_non_resource_requests() && urls;
         subjects && verbs && (resource_requests || non_resource_requests)
+    }
+
+    /// Whether every request that matches `other` also matches `self`, judged strictly:
+    /// `false` whenever some request might match `other` alone. A rule after one that
+    /// covers it can never be chosen.
+    pub fn covers(&self, other: &Matcher) -> bool {
+        let subjects = match (&self.subjects, &other.subjects) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(a), Some(b)) => a.covers(b),
+        };
+        let verbs = match (&self.verbs, &other.verbs) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(a), Some(b)) => b.iter().all(|v| a.contains(v)),
+        };
+        let resource_requests = !other.takes_resource_requests()
+            || (self.takes_resource_requests()
+                && every_covered(&self.resources, &other.resources, ResourcePattern::covers)
+                && every_covered(&self.namespaces, &other.namespaces, |x, y| {
+                    *x == NamespacePattern::Any || x == y
+                }));
+        let non_resource_requests = !other.takes_non_resource_requests()
+            || (self.takes_non_resource_requests()
+                && every_covered(&self.urls, &other.urls, UrlPattern::covers));
+        subjects && verbs && resource_requests && non_resource_requests
     }
 
     /// The match as JSON, in the file's schema.

@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::builtin::{self, BUILTIN_SOURCE, CATCH_ALL, EXEMPT};
+use super::discovery;
 use super::matcher::{self, Matcher};
 use super::schema::{FlowDoc, LevelDoc, ModeDoc, RuleDoc, RuleFile};
 use super::spans::{Pos, Spans};
 use super::types::{FlowBy, LevelSpec, Mode, Rate};
-use super::{CompiledRule, RuleProblem, Source};
+use super::{CompiledRule, RuleProblem};
 
 /// Highest precedence a file may give.
 pub(crate) const MAX_PRECEDENCE: i64 = 10_000;
@@ -32,11 +33,32 @@ pub(crate) struct Parsed {
     pub file: RuleFile,
     /// Positions of its values.
     pub spans: Spans,
+    /// Where each level of `file` sits among the file's written levels, when some could
+    /// not be parsed and were left out (empty: every level, in order).
+    pub level_at: Vec<usize>,
+    /// The same for rules.
+    pub rule_at: Vec<usize>,
 }
 
 impl Parsed {
-    fn problem<S: AsRef<str>>(&self, path: &[S], message: String) -> RuleProblem {
-        let Pos { line, column } = self.spans.find(path);
+    /// The position of `path`, a path in `file` (indexes among the parsed entries).
+    fn find<S: AsRef<str>>(&self, path: &[S]) -> Pos {
+        let mut written: Vec<String> = path.iter().map(|p| p.as_ref().to_owned()).collect();
+        if let [section, index, ..] = written.as_mut_slice() {
+            let at = match section.as_str() {
+                "levels" => &self.level_at,
+                "rules" => &self.rule_at,
+                _ => &Vec::new(),
+            };
+            if let Some(original) = index.parse::<usize>().ok().and_then(|i| at.get(i)) {
+                *index = original.to_string();
+            }
+        }
+        self.spans.find(&written)
+    }
+
+    pub(crate) fn problem<S: AsRef<str>>(&self, path: &[S], message: String) -> RuleProblem {
+        let Pos { line, column } = self.find(path);
         RuleProblem {
             file: self.path.clone(),
             line,
@@ -45,11 +67,11 @@ impl Parsed {
         }
     }
 
-    fn location<S: AsRef<str>>(&self, path: &[S]) -> String {
+    pub(crate) fn location<S: AsRef<str>>(&self, path: &[S]) -> String {
         if self.builtin {
             return BUILTIN_SOURCE.to_owned();
         }
-        let Pos { line, column } = self.spans.find(path);
+        let Pos { line, column } = self.find(path);
         format!("{}:{line}:{column}", self.path.display())
     }
 }
@@ -249,7 +271,7 @@ pub(crate) fn build(files: &[Parsed], incomplete: bool) -> Result<Built, Vec<Rul
                     matcher,
                     compiled: CompiledRule {
                         source: (!parsed.builtin).then(|| {
-                            let pos = parsed.spans.find(&at(&["name"]));
+                            let pos = parsed.find(&at(&["name"]));
                             (parsed.path.clone(), pos.line)
                         }),
                         ..compiled
@@ -309,10 +331,13 @@ fn rule(
     }
     let level = level_by_name(&doc.level);
     if level.is_none() && report_missing {
+        let hint = discovery::closest(&doc.level, level_names.iter().copied())
+            .map(|name| format!(", did you mean {name:?}?"))
+            .unwrap_or_default();
         add(
             &["level"],
             format!(
-                "level: {:?} is not defined (levels: {})",
+                "level: {:?} is not defined{hint} (levels: {})",
                 doc.level,
                 level_names.join(", ")
             ),
@@ -443,48 +468,13 @@ pub(crate) fn builtin_file() -> Parsed {
         builtin: true,
         file,
         spans: Spans::parse(builtin::HEARTBEAT_RULES),
+        level_at: Vec::new(),
+        rule_at: Vec::new(),
     }
-}
-
-/// Parses one file's text into a [`Parsed`], or its syntax, type or unknown-field error.
-pub(crate) fn parse(source: &Source) -> Result<Parsed, RuleProblem> {
-    let problem = |line: usize, column: usize, message: String| RuleProblem {
-        file: source.path.clone(),
-        line,
-        column,
-        message,
-    };
-    let file: RuleFile = serde_norway::from_str(&source.text).map_err(|e| {
-        let (line, column) = e
-            .location()
-            .map(|l| (l.line(), l.column()))
-            .unwrap_or((1, 1));
-        let message = e.to_string();
-        // The position goes in front; drop the parser's own copy of it.
-        let suffix = format!(" at line {line} column {column}");
-        let message = match message.find(&suffix) {
-            Some(at) => format!("{}{}", &message[..at], &message[at + suffix.len()..]),
-            None => message,
-        };
-        problem(line, column, friendly(&message))
-    })?;
-    if file.levels.is_empty() && file.rules.is_empty() {
-        return Err(problem(
-            1,
-            1,
-            "the file defines no levels and no rules".into(),
-        ));
-    }
-    Ok(Parsed {
-        path: source.path.clone(),
-        builtin: false,
-        spans: Spans::parse(&source.text),
-        file,
-    })
 }
 
 /// Says what the parser's Rust type names stand for.
-fn friendly(message: &str) -> String {
+pub(crate) fn friendly(message: &str) -> String {
     const NAMES: [(&str, &str); 8] = [
         (
             "expected struct RuleFile",

@@ -639,11 +639,38 @@ impl Default for Cache {
 }
 
 /// The audit log.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Audit {
     /// File that audit events are appended to, as JSON lines.
     pub path: Option<PathBuf>,
+    /// Bytes per file: the file is rotated (`path` → `path.1` …) before a line that would
+    /// take it past this, so no line is split across files. At least 64Ki.
+    pub max_size: Quantity,
+    /// Rotated files kept beside `path` (`path.1` … `path.N`), the oldest deleted; the log
+    /// takes at most `maxSize × (maxFiles + 1)` on disk. At least 1.
+    pub max_files: u32,
+}
+
+impl Default for Audit {
+    fn default() -> Self {
+        Audit {
+            path: None,
+            // 600 MiB on disk at most: about 3 hours of 100 cached Secret reads a second
+            // (600-byte lines) for the node's log agent to ship.
+            max_size: Quantity(100 * 1024 * 1024),
+            max_files: 5,
+        }
+    }
+}
+
+impl Audit {
+    /// The bytes the log may take on disk: `maxSize × (maxFiles + 1)`.
+    pub fn max_disk_bytes(&self) -> u64 {
+        self.max_size
+            .0
+            .saturating_mul(u64::from(self.max_files) + 1)
+    }
 }
 
 /// A byte count written as a plain number or a Kubernetes quantity (`512Mi`, `8Gi`, `2G`).
@@ -909,6 +936,18 @@ impl Config {
         self.validate_cache(&mut p);
         if let Some(path) = &self.audit.path {
             p.path("audit.path", path);
+        }
+        if self.audit.max_size.0 < 64 * 1024 {
+            p.add(
+                "audit.maxSize",
+                "must be at least 64Ki (each file holds whole lines)",
+            );
+        }
+        if self.audit.max_files == 0 {
+            p.add(
+                "audit.maxFiles",
+                "must be at least 1 (0 would delete the log at each rotation)",
+            );
         }
         if let Some(fleet) = &self.fleet {
             validate_fleet(fleet, &mut p);

@@ -5,6 +5,11 @@
 //! A line carries the identity's user name, rule, level, reason, the detail the client is not
 //! told (which replica failed, why a token was rejected) and how many refusals were left
 //! unlogged since the last line — never a token, a header or a body.
+//!
+//! File logs (the audit log, an access log) are written through [`rotate`], which keeps each
+//! to a bounded number of bounded files.
+
+pub mod rotate;
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -249,6 +249,9 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_renewals_total{result}`: rounds of the fleet's Lease renewal
     /// (`success` or `error`).
     pub fleet_renewals_total: IntCounterVec,
+    /// `bulwark_log_lines_dropped_total{log, reason}`: lines of a file log (`audit`) never
+    /// written: `queue_full` (the writer fell behind) or `write_failed` (the disk refused).
+    pub log_lines_dropped_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -332,6 +335,11 @@ impl Metrics {
             "fleet_renewals_total",
             "Rounds of the fleet's Lease renewal and read, by result (success, error); an error falls back to the static split.",
             &["result"],
+        );
+        let log_lines_dropped_total = counter(
+            "log_lines_dropped_total",
+            "Lines of a file log never written, by log (audit) and reason: queue_full (the writer thread fell behind), write_failed (the file could not be written).",
+            &["log", "reason"],
         );
         let plain_gauge = |name: &str, help: &str| {
             let g =
@@ -508,6 +516,7 @@ impl Metrics {
             fleet_rate_flows,
             fleet_share,
             fleet_renewals_total,
+            log_lines_dropped_total,
         }))
     }
 

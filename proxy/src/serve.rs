@@ -31,6 +31,7 @@ use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::layer::Identify;
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, ListenError, Listener};
+use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
 use crate::rescue::RescueLayer;
 use crate::rules::{RuleProblem, RuleSet, Rules};
@@ -100,6 +101,8 @@ pub struct Running {
     drain: watch::Sender<DrainPhase>,
     shutdown: config::Shutdown,
     tasks: Vec<JoinHandle<()>>,
+    /// The file logs (audit), reopened on SIGHUP and flushed at the end of the drain.
+    files: Vec<LineFile>,
 }
 
 impl Running {
@@ -131,8 +134,9 @@ impl Running {
             Arc::new(forwarding),
             config.upstream.timeouts.clone(),
         );
+        let audit_limits = Limits::new(config.audit.max_size.0, config.audit.max_files);
         let audit = match &config.audit.path {
-            Some(path) => Some(AuditLog::open(path).map_err(|e| {
+            Some(path) => Some(AuditLog::open(path, audit_limits, &metrics).map_err(|e| {
                 StartError::Admin(std::io::Error::new(
                     e.kind(),
                     format!("audit log {}: {e}", path.display()),
@@ -140,6 +144,7 @@ impl Running {
             })?),
             None => None,
         };
+        let files: Vec<LineFile> = audit.iter().map(|a| a.file().clone()).collect();
         let cache = config.cache.enabled.then(|| {
             Cache::start(
                 &config.cache,
@@ -241,6 +246,7 @@ impl Running {
             draining: AtomicBool::new(false),
         });
         let (admin_addr, admin_task) = admin::serve(config.admin.address, admin.clone()).await?;
+        let reopen = reopen_on_hangup(files.clone());
         tracing::info!(%addr, %admin_addr, "bulwark serving");
         Ok(Running {
             addr,
@@ -251,7 +257,9 @@ impl Running {
             tasks: [serving, admin_task, levels_follow]
                 .into_iter()
                 .chain(fleet_task)
+                .chain(reopen)
                 .collect(),
+            files,
         })
     }
 
@@ -268,7 +276,35 @@ impl Running {
         for task in self.tasks {
             task.abort();
         }
+        // The lines of the last requests are still queued for the logs' writer threads.
+        let files = self.files;
+        let _ = tokio::task::spawn_blocking(move || files.iter().for_each(LineFile::flush)).await;
     }
+}
+
+/// Reopens the file logs on every SIGHUP (logrotate moves a file, then sends it); the rules
+/// reload on the same signal. `None` without logs, or where signals cannot be had.
+fn reopen_on_hangup(files: Vec<LineFile>) -> Option<JoinHandle<()>> {
+    if files.is_empty() {
+        return None;
+    }
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(mut hangup) => Some(tokio::spawn(async move {
+                while hangup.recv().await.is_some() {
+                    tracing::info!("SIGHUP: reopening the log files");
+                    files.iter().for_each(LineFile::reopen);
+                }
+            })),
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGHUP, log files are not reopened: {e}");
+                None
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    None
 }
 
 /// The runtime Bulwark serves on: tokio's multi-threaded one, or with

@@ -299,6 +299,8 @@ const INVALID: &[(&str, &str, &str, &str)] = &[
     ("cache.listCacheBytes", "0", "cache.listCacheBytes", "greater than 0"),
     ("rules.folder", "\"\"", "rules.folder", "must not be empty"),
     ("audit.path", "\"\"", "audit.path", "must not be empty"),
+    ("audit.maxSize", "4Ki", "audit.maxSize", "at least 64Ki"),
+    ("audit.maxFiles", "0", "audit.maxFiles", "at least 1"),
 ];
 
 #[test]

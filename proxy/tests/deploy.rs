@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use bulwark::config::Config;
+use bulwark::config::{Config, Quantity};
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::io::AsyncReadExt;
@@ -376,6 +376,18 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         audit_volume.get("emptyDir").is_some() || audit_volume.get("hostPath").is_some(),
         "the audit log needs a writable volume"
     );
+    // The kubelet evicts the pod whose emptyDir passes its sizeLimit: the rotated logs in
+    // it must fit at their largest, with a quarter to spare.
+    if let Some(limit) = audit_volume["emptyDir"].get("sizeLimit") {
+        let limit: Quantity = serde_json::from_value(limit.clone()).expect("a quantity");
+        let logs = config.audit.max_disk_bytes();
+        assert!(
+            limit.0 >= logs + logs / 4,
+            "the audit volume's sizeLimit ({} bytes) does not hold audit.maxSize x \
+             (audit.maxFiles + 1) = {logs} bytes with 25% to spare",
+            limit.0
+        );
+    }
 
     // The ServiceAccount, its RBAC and its FlowSchema.
     let sa_name = pod["serviceAccountName"].as_str().unwrap();

@@ -3,20 +3,21 @@
 //! The apiserver never sees a read the cache answers, so its audit log cannot hold it;
 //! for Secrets that gap matters, and Bulwark writes the line the apiserver would have.
 
-use std::io::Write;
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use serde_json::json;
 
 use crate::identity::User;
+use crate::logs::rotate::{Limits, LineFile};
+use crate::metrics::Metrics;
 
-/// An append-only file of audit events, one JSON object per line. Cheap to clone.
+/// A file of audit events, one JSON object per line, rotated by size
+/// ([`crate::logs::rotate`]). Cheap to clone.
 #[derive(Clone)]
 pub struct AuditLog {
-    file: Arc<Mutex<std::fs::File>>,
+    file: LineFile,
 }
 
 /// One audited read.
@@ -49,26 +50,24 @@ pub struct Record<'a> {
 }
 
 impl AuditLog {
-    /// Opens (creating) the file for appending.
-    pub fn open(path: &Path) -> std::io::Result<AuditLog> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)?;
+    /// Opens (creating) the file for appending, rotated within `limits`; lines that cannot
+    /// be written are counted as `bulwark_log_lines_dropped_total{log="audit"}`.
+    pub fn open(path: &Path, limits: Limits, metrics: &Metrics) -> std::io::Result<AuditLog> {
         Ok(AuditLog {
-            file: Arc::new(Mutex::new(file)),
+            file: LineFile::open(path, limits, "audit", metrics)?,
         })
     }
 
-    /// Appends one event. A failure to write is logged, not returned: the read was
-    /// already authorized by the apiserver's own review.
+    /// Queues one event for the log's writer thread. A line that cannot be written is
+    /// counted and logged, not returned: the read was already authorized by the apiserver's
+    /// own review.
     pub fn write(&self, record: &Record<'_>) {
-        let line = event(record);
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        // One write per line, to a file opened for appending: lines never interleave.
-        if let Err(e) = file.write_all(&line) {
-            tracing::error!(error = %e, "writing the audit log");
-        }
+        self.file.write_line(event(record));
+    }
+
+    /// The file the events go to, for SIGHUP's reopen and for flushing at shutdown.
+    pub fn file(&self) -> &LineFile {
+        &self.file
     }
 }
 

@@ -89,6 +89,12 @@ fn setup_with(cfg: config::Cache, audit: Option<AuditLog>) -> Setup {
     }
 }
 
+/// An audit log at `path`; its lines are on disk once `file().flush()` returns.
+fn audit_log(path: &std::path::Path) -> AuditLog {
+    let limits = crate::logs::rotate::Limits::new(1 << 20, 1);
+    AuditLog::open(path, limits, &Metrics::new()).unwrap()
+}
+
 /// A reader whose address is not known (its audit lines name only what its headers give).
 fn reader<'a>(user: &'a User, headers: &'a HeaderMap) -> Reader<'a> {
     Reader {
@@ -1270,7 +1276,8 @@ async fn a_small_answer_to_a_gzip_reader_is_plain_every_time() {
 async fn secret_reads_are_audited() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let s = setup_with(config(), Some(AuditLog::open(&path).unwrap()));
+    let audit = audit_log(&path);
+    let s = setup_with(config(), Some(audit.clone()));
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     let mut headers = HeaderMap::new();
     headers.insert("audit-id", "given-id".parse().unwrap());
@@ -1289,6 +1296,7 @@ async fn secret_reads_are_audited() {
         .await
         .unwrap()
         .unwrap();
+    audit.file().flush();
     let text = std::fs::read_to_string(&path).unwrap();
     let events: Vec<Value> = text
         .lines()
@@ -1307,7 +1315,8 @@ async fn secret_reads_are_audited() {
 async fn refused_secret_reads_are_audited_with_the_clients_address() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let s = setup_with(config(), Some(AuditLog::open(&path).unwrap()));
+    let audit = audit_log(&path);
+    let s = setup_with(config(), Some(audit.clone()));
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     s.policy.denied.lock().unwrap().insert("mallory".into());
     let mut headers = HeaderMap::new();
@@ -1349,6 +1358,7 @@ async fn refused_secret_reads_are_audited_with_the_clients_address() {
         .await
         .unwrap()
         .unwrap();
+    audit.file().flush();
     let text = std::fs::read_to_string(&path).unwrap();
     let events: Vec<Value> = text
         .lines()
@@ -1655,7 +1665,8 @@ async fn a_protobuf_watch_list_sends_frames_and_ends_with_the_annotated_bookmark
 async fn a_cached_object_that_does_not_convert_is_a_500_audited_never_a_different_object() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
-    let s = setup_with(config(), Some(AuditLog::open(&path).unwrap()));
+    let audit = audit_log(&path);
+    let s = setup_with(config(), Some(audit.clone()));
     // The store reads only metadata; `data` that is not base64 is no Secret.
     let broken = br#"{"metadata":{"name":"bad","namespace":"ns-a","resourceVersion":"3"},"data":{"k":"not base64!"}}"#;
     s.store.replace(vec![Obj::parse(broken).unwrap()], 10);
@@ -1684,6 +1695,7 @@ async fn a_cached_object_that_does_not_convert_is_a_500_audited_never_a_differen
         );
         assert!(status.message.contains("Secret"), "{}", status.message);
     }
+    audit.file().flush();
     let text = std::fs::read_to_string(&path).unwrap();
     let codes: Vec<Value> = text
         .lines()

@@ -1,0 +1,339 @@
+//! The Helm chart (`deploy/helm/bulwark`) against the kustomize base (`deploy/base`): with
+//! default values `helm template` renders the same objects, field for field, as `kubectl
+//! kustomize`, and the values a platform team sets reach the objects and make a
+//! configuration Bulwark accepts. Both tools are the ones `loadtest/controlplane/build.sh`
+//! builds; without them (and without `BULWARK_CONTROLPLANE_BIN`, which CI sets) the tests
+//! are skipped with a note.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use bulwark::config::Config;
+use serde::Deserialize;
+use serde_json::Value;
+
+use bulwark_testkit::repo_path as repo;
+
+/// Labels Helm adds that the base has no counterpart for.
+const HELM_ONLY_LABELS: [&str; 3] = [
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/instance",
+    "helm.sh/chart",
+];
+
+/// The folder holding `helm` and `kubectl`: `BULWARK_CONTROLPLANE_BIN` (then they must be
+/// there), else `target/controlplane/bin` when build.sh has filled it.
+fn tools() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("BULWARK_CONTROLPLANE_BIN") {
+        let dir = PathBuf::from(dir);
+        for tool in ["helm", "kubectl"] {
+            assert!(
+                dir.join(tool).is_file(),
+                "{tool} is missing from BULWARK_CONTROLPLANE_BIN={} (loadtest/controlplane/build.sh builds it)",
+                dir.display()
+            );
+        }
+        return Some(dir);
+    }
+    let dir = repo("target/controlplane/bin");
+    if ["helm", "kubectl"].iter().all(|t| dir.join(t).is_file()) {
+        return Some(dir);
+    }
+    eprintln!(
+        "helm or kubectl not built: skipped (run loadtest/controlplane/build.sh, or set BULWARK_CONTROLPLANE_BIN)"
+    );
+    None
+}
+
+fn run(program: PathBuf, args: &[&str], stdin: &str) -> String {
+    use std::io::Write as _;
+    let mut child = Command::new(&program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{} {}: {}",
+        program.display(),
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8 output")
+}
+
+/// Every YAML document of a rendering, as JSON values.
+fn docs(text: &str) -> Vec<Value> {
+    serde_norway::Deserializer::from_str(text)
+        .map(|doc| Value::deserialize(doc).expect("rendered YAML parses"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// `helm template` of the chart as release "bulwark" in namespace "bulwark", with `values`
+/// (YAML) over the defaults.
+fn helm_template(dir: &std::path::Path, values: &str) -> Vec<Value> {
+    let chart = repo("deploy/helm/bulwark");
+    let all = [
+        "template",
+        "bulwark",
+        chart.to_str().unwrap(),
+        "--namespace",
+        "bulwark",
+        "--values",
+        "-",
+    ];
+    docs(&run(dir.join("helm"), &all, values))
+}
+
+fn kustomize(dir: &std::path::Path) -> Vec<Value> {
+    let base = repo("deploy/base");
+    docs(&run(
+        dir.join("kubectl"),
+        &["kustomize", base.to_str().unwrap()],
+        "",
+    ))
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// Replaces every string equal to `from` in `v` with `to`.
+fn rename(v: &mut Value, from: &str, to: &str) {
+    match v {
+        Value::String(s) if s == from => *s = to.to_string(),
+        Value::Array(a) => a.iter_mut().for_each(|v| rename(v, from, to)),
+        Value::Object(o) => o.values_mut().for_each(|v| rename(v, from, to)),
+        _ => {}
+    }
+}
+
+/// The first place where `a` and `b` differ, as a path, with both values.
+fn difference(path: &str, a: &Value, b: &Value) -> Option<String> {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<_> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                difference(
+                    &format!("{path}.{k}"),
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                )
+            })
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (a, b))| difference(&format!("{path}[{i}]"), a, b)),
+        _ if a == b => None,
+        _ => Some(format!("{path}: kustomize {a}, helm {b}")),
+    }
+}
+
+/// Kinds without a namespace. Kustomize's `namespace:` sets one on those it does not know
+/// (FlowSchema, PriorityLevelConfiguration); the apiserver drops it.
+const CLUSTER_SCOPED: [&str; 4] = [
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "FlowSchema",
+    "PriorityLevelConfiguration",
+];
+
+/// The base's objects by (kind, name), with the configuration ConfigMap's hash suffix taken
+/// off (Helm rolls the pods through a checksum annotation instead), no namespace on
+/// cluster-scoped objects, and bulwark.yaml parsed (the files differ in comments and key
+/// order, not in content).
+fn normalized_base(objects: Vec<Value>) -> BTreeMap<(String, String), Value> {
+    let hashed = objects
+        .iter()
+        .filter(|o| o["kind"] == "ConfigMap")
+        .filter_map(|o| o["metadata"]["name"].as_str())
+        .find(|n| n.starts_with("bulwark-config-"))
+        .expect("the base's bulwark-config ConfigMap has a hash suffix")
+        .to_string();
+    objects
+        .into_iter()
+        .map(|mut o| {
+            rename(&mut o, &hashed, "bulwark-config");
+            if CLUSTER_SCOPED.iter().any(|k| o["kind"] == *k) {
+                o["metadata"].as_object_mut().unwrap().remove("namespace");
+            }
+            parse_config(&mut o);
+            key(o)
+        })
+        .collect()
+}
+
+/// Helm's objects by (kind, name), without the labels and the annotation that only Helm sets.
+fn normalized_chart(objects: Vec<Value>) -> BTreeMap<(String, String), Value> {
+    objects
+        .into_iter()
+        .map(|mut o| {
+            if let Some(labels) = o
+                .pointer_mut("/metadata/labels")
+                .and_then(Value::as_object_mut)
+            {
+                HELM_ONLY_LABELS.iter().for_each(|l| {
+                    labels.remove(*l);
+                });
+            }
+            if let Some(annotations) = o
+                .pointer_mut("/spec/template/metadata/annotations")
+                .and_then(Value::as_object_mut)
+            {
+                assert!(
+                    annotations.remove("checksum/config").is_some(),
+                    "the pod template carries the configuration's checksum"
+                );
+            }
+            parse_config(&mut o);
+            key(o)
+        })
+        .collect()
+}
+
+fn parse_config(o: &mut Value) {
+    if let Some(text) = o["data"]["bulwark.yaml"].as_str() {
+        let parsed: Value = serde_norway::from_str(text).expect("bulwark.yaml parses");
+        o["data"]["bulwark.yaml"] = parsed;
+    }
+}
+
+fn key(o: Value) -> ((String, String), Value) {
+    let kind = o["kind"].as_str().expect("kind").to_string();
+    let name = o["metadata"]["name"].as_str().expect("name").to_string();
+    ((kind, name), o)
+}
+
+/// The configuration text the chart renders.
+fn rendered_config(objects: &[Value]) -> String {
+    find(objects, "ConfigMap", "bulwark-config")["data"]["bulwark.yaml"]
+        .as_str()
+        .expect("bulwark.yaml")
+        .to_string()
+}
+
+#[test]
+fn default_values_render_what_the_kustomize_base_does() {
+    let Some(dir) = tools() else { return };
+    let base = normalized_base(kustomize(&dir));
+    let chart = normalized_chart(helm_template(&dir, ""));
+    assert_eq!(
+        base.keys().collect::<Vec<_>>(),
+        chart.keys().collect::<Vec<_>>(),
+        "the same kinds and names"
+    );
+    for (k, b) in &base {
+        if let Some(d) = difference(&format!("{} {}", k.0, k.1), b, &chart[k]) {
+            panic!("the chart differs from deploy/base at {d}");
+        }
+    }
+}
+
+#[test]
+fn values_reach_the_objects_and_make_a_configuration_bulwark_accepts() {
+    let Some(dir) = tools() else { return };
+    let objects = helm_template(
+        &dir,
+        r#"
+image: {repository: registry.example/bulwark, tag: "1.2.3"}
+apiservers: [192.0.2.1:6443, "cp-2.example:6443"]
+listen: {port: 8443}
+admin: {address: 127.0.0.1, port: 9444}
+certificates:
+  servingSecret: my-serving
+  frontProxySecret: my-front-proxy
+  clientCASecret: my-client-ca
+rules:
+  files:
+    only.yaml: |
+      levels:
+        - name: tiny
+          seats: 1
+          queues: 1
+          handSize: 1
+          queueLength: 1
+          maxWait: 1s
+resources: {requests: {cpu: 100m, memory: 64Mi}, limits: {memory: 128Mi}}
+namespace: {create: false}
+config:
+  listen: {proxyProtocol: null}
+"#,
+    );
+
+    assert!(
+        !objects.iter().any(|o| o["kind"] == "Namespace"),
+        "namespace.create=false renders no Namespace"
+    );
+    let config: Config = rendered_config(&objects)
+        .parse()
+        .unwrap_or_else(|e| panic!("the rendered bulwark.yaml is not a valid configuration: {e}"));
+    assert_eq!(
+        config.upstream.replicas,
+        ["192.0.2.1:6443", "cp-2.example:6443"]
+    );
+    assert_eq!(config.listen.address.to_string(), "0.0.0.0:8443");
+    assert_eq!(config.admin.address.to_string(), "127.0.0.1:9444");
+    assert!(
+        config.listen.proxy_protocol.is_none(),
+        "a null value removes a block"
+    );
+
+    let ds = find(&objects, "DaemonSet", "bulwark");
+    let pod = &ds["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    assert_eq!(container["image"], "registry.example/bulwark:1.2.3");
+    assert_eq!(container["resources"]["limits"]["memory"], "128Mi");
+    let ports: BTreeMap<&str, (&Value, &Value)> = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap(),
+                (&p["containerPort"], &p["hostPort"]),
+            )
+        })
+        .collect();
+    assert_eq!(ports["https"], (&Value::from(8443), &Value::from(8443)));
+    assert_eq!(ports["admin"], (&Value::from(9444), &Value::from(9444)));
+    let service = find(&objects, "Service", "bulwark-metrics");
+    assert_eq!(service["spec"]["ports"][0]["port"], 9444);
+    let secrets: Vec<&str> = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v["secret"]["secretName"].as_str())
+        .collect();
+    assert_eq!(secrets, ["my-serving", "my-front-proxy", "my-client-ca"]);
+    let rules = &find(&objects, "ConfigMap", "bulwark-rules")["data"];
+    assert_eq!(
+        rules.as_object().unwrap().keys().collect::<Vec<_>>(),
+        ["only.yaml"],
+        "rule files replace the chart's"
+    );
+
+    // A changed configuration changes the pod template, so the DaemonSet rolls.
+    let default = helm_template(&dir, "");
+    let checksum = |objs: &[Value]| {
+        find(objs, "DaemonSet", "bulwark")["spec"]["template"]["metadata"]
+            ["annotations"]["checksum/config"]
+            .clone()
+    };
+    assert_ne!(checksum(&objects), checksum(&default));
+}

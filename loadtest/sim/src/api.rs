@@ -510,9 +510,17 @@ async fn serve(
         .get_all(header::ACCEPT_ENCODING)
         .iter()
         .any(|v| v.to_str().is_ok_and(|s| s.contains("gzip")));
-    let dry_run = match dry_run(q, &ri.verb) {
-        Ok(d) => d,
-        Err(e) => return status_response(&e),
+    // Deletes read their options from the body when there is one (see `delete`).
+    let options = match ri.verb.as_str() {
+        "create" => "CreateOptions",
+        "update" => "UpdateOptions",
+        "patch" => "PatchOptions",
+        _ => "",
+    };
+    let dry_run = match dry_run(&query_values(q, "dryRun"), options) {
+        Ok(d) => d && !options.is_empty(),
+        Err(e) if !options.is_empty() => return status_response(&e),
+        Err(_) => false,
     };
     let r = match ri.verb.as_str() {
         "get" | "list" if repr.is_none() => Err(not_acceptable()),
@@ -522,8 +530,8 @@ async fn serve(
         "create" => create(rep, def, ri, req, dry_run).await,
         "update" => update(rep, def, ri, req, dry_run).await,
         "patch" => patch(rep, def, ri, req, dry_run).await,
-        "delete" => delete(rep, def, ri, req, dry_run).await,
-        "deletecollection" => delete_collection(rep, def, ri, q, dry_run).await,
+        "delete" => delete(rep, def, ri, q, req).await,
+        "deletecollection" => delete_collection(rep, def, ri, q, req).await,
         _ => Err(status::method_not_allowed()),
     };
     let resp = r.unwrap_or_else(|e| status_response(&e));
@@ -835,21 +843,18 @@ async fn list(
     Ok(Response::from_parts(parts, body.hold(guard)))
 }
 
-/// Whether a write is a dry run: `dryRun=All` (every value of it), as the apiserver's
-/// options validation has it; any other value is its 422. Reads ignore the parameter.
-fn dry_run(q: &Query, verb: &str) -> Result<bool, ApiError> {
-    let options = match verb {
-        "create" => "CreateOptions",
-        "update" => "UpdateOptions",
-        "patch" => "PatchOptions",
-        "delete" | "deletecollection" => "DeleteOptions",
-        _ => return Ok(false),
-    };
-    let values: Vec<&str> = q
-        .iter()
-        .filter(|(k, _)| k == "dryRun")
+/// Every value of a query parameter, in order.
+fn query_values<'a>(q: &'a Query, name: &str) -> Vec<&'a str> {
+    q.iter()
+        .filter(|(k, _)| k == name)
         .map(|(_, v)| v.as_str())
-        .collect();
+        .collect()
+}
+
+/// Whether a write is a dry run: its `dryRun` values are all `All` (and there is one), as
+/// the apiserver's validation of `options` (`CreateOptions`, …) has it; any other value is
+/// that validation's 422.
+fn dry_run(values: &[&str], options: &str) -> Result<bool, ApiError> {
     if values.iter().all(|v| *v == "All") {
         return Ok(!values.is_empty());
     }
@@ -1101,21 +1106,10 @@ async fn delete(
     rep: &ReplicaInner,
     def: &'static ResourceDef,
     ri: &RequestInfo,
+    q: &Query,
     req: Request<Incoming>,
-    dry_run: bool,
 ) -> Result<Response<SimBody>, ApiError> {
-    let (h, b) = read_body(req).await?;
-    // DeleteOptions in protobuf carry nothing the simulator acts on but preconditions,
-    // which kubectl does not send that way.
-    let want = if b.is_empty() || content_type(&h) == crate::proto::PROTOBUF {
-        None
-    } else {
-        let opts = parse_json(&b)?;
-        opts.get("preconditions")
-            .and_then(|p| p.get("resourceVersion"))
-            .and_then(Value::as_str)
-            .map(str::to_string)
-    };
+    let (want, dry_run) = delete_options(q, req).await?;
     let o = rep
         .shared
         .store
@@ -1133,13 +1127,44 @@ async fn delete(
     Ok(json_response(200, SimBody::full(status.to_body())))
 }
 
+/// A delete's options, as the apiserver reads them: from the body when there is one (its
+/// query is then ignored, `dryRun` included), else from the query. Returns the
+/// resourceVersion precondition and whether it is a dry run.
+async fn delete_options(
+    q: &Query,
+    req: Request<Incoming>,
+) -> Result<(Option<String>, bool), ApiError> {
+    let (h, b) = read_body(req).await?;
+    if b.is_empty() {
+        return Ok((None, dry_run(&query_values(q, "dryRun"), "DeleteOptions")?));
+    }
+    // DeleteOptions in protobuf carry nothing the simulator acts on but preconditions and
+    // dry runs, which kubectl does not send that way.
+    if content_type(&h) == crate::proto::PROTOBUF {
+        return Ok((None, false));
+    }
+    let opts = parse_json(&b)?;
+    let want = opts
+        .get("preconditions")
+        .and_then(|p| p.get("resourceVersion"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let values: Vec<&str> = opts
+        .get("dryRun")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().map(|v| v.as_str().unwrap_or_default()).collect())
+        .unwrap_or_default();
+    Ok((want, dry_run(&values, "DeleteOptions")?))
+}
+
 async fn delete_collection(
     rep: &ReplicaInner,
     def: &'static ResourceDef,
     ri: &RequestInfo,
     q: &Query,
-    dry_run: bool,
+    req: Request<Incoming>,
 ) -> Result<Response<SimBody>, ApiError> {
+    let (_, dry_run) = delete_options(q, req).await?;
     let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
         .map_err(|e| status::bad_request(e.to_string()))?;
     let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default())

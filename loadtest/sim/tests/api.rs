@@ -721,24 +721,22 @@ async fn dry_run_writes_answer_as_the_write_would_and_change_nothing() {
     assert_eq!(patched.status, 200);
     assert_eq!(patched.json()["metadata"]["labels"]["dry"], "run");
     assert_eq!(patched.json()["metadata"]["resourceVersion"], stored_rv);
+    // A delete reads its options from the body when it has one, from the query otherwise.
     let deleted = send(
         &fleet,
         "DELETE",
-        &format!("{ns}/secret-0?dryRun=All"),
+        &format!("{ns}/secret-0?dryRun=bogus"),
         json,
-        json!({}),
+        json!({"kind": "DeleteOptions", "apiVersion": "v1", "dryRun": ["All"]}),
     )
     .await;
     assert_eq!(deleted.status, 200);
     assert_eq!(deleted.json()["status"], "Success");
-    let collection = send(
-        &fleet,
-        "DELETE",
-        &format!("{ns}?dryRun=All"),
-        json,
-        json!({}),
-    )
-    .await;
+    let tls = admin_tls(&fleet, &[b"h2"]);
+    let req = http::Request::delete(format!("https://localhost{ns}?dryRun=All"))
+        .body(Bytes::new())
+        .unwrap();
+    let collection = client::request(fleet.addrs()[0], &tls, req).await.unwrap();
     assert_eq!(collection.status, 200);
     assert_eq!(names(&collection), ["secret-0", "secret-1"]);
     assert_eq!(store.get("secrets", "d", "secret-0").unwrap(), before);
@@ -756,14 +754,21 @@ async fn dry_run_writes_answer_as_the_write_would_and_change_nothing() {
         ("DELETE", format!("{ns}/secret-0"), "DeleteOptions"),
         ("DELETE", ns.to_string(), "DeleteOptions"),
     ] {
-        let r = send(
-            &fleet,
-            method,
-            &format!("{path}?dryRun=All&dryRun=foo"),
-            "application/merge-patch+json",
-            json!({"metadata": {"name": "secret-0"}}),
-        )
-        .await;
+        // A delete's options come in its body.
+        let (path, body) = if method == "DELETE" {
+            (path, json!({"dryRun": ["All", "foo"]}))
+        } else {
+            (
+                format!("{path}?dryRun=All&dryRun=foo"),
+                json!({"metadata": {"name": "secret-0"}}),
+            )
+        };
+        let ct = if method == "PATCH" {
+            "application/merge-patch+json"
+        } else {
+            json
+        };
+        let r = send(&fleet, method, &path, ct, body).await;
         assert_eq!(r.status, 422, "{method} {path}");
         assert_eq!(
             r.json()["message"],

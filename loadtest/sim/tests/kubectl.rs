@@ -1,5 +1,6 @@
 //! kubectl against the fleet: typed creates (protobuf bodies), server-side tables,
-//! `auth can-i`/`whoami`, exec over WebSocket, namespaces. Skipped when no kubectl is on PATH.
+//! `auth can-i`/`whoami`, exec over WebSocket, namespaces, `apply` validated against the
+//! served OpenAPI, `diff` and server-side dry runs. Skipped when no kubectl is on PATH.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -149,9 +150,7 @@ async fn kubectl_works_against_the_sim() {
         "{out}"
     );
     let pod = r#"{"apiVersion":"v1","kind":"Pod","metadata":{"name":"p","namespace":"a"},"spec":{"containers":[{"name":"c","image":"i"}]}}"#;
-    let (ok, out) = k
-        .run(&["apply", "--validate=false", "-f", "-"], Some(pod))
-        .await;
+    let (ok, out) = k.run(&["apply", "-f", "-"], Some(pod)).await;
     assert!(ok, "{out}");
     let (ok, out) = k
         .run(
@@ -167,5 +166,89 @@ async fn kubectl_works_against_the_sim() {
         .await;
     assert!(ok, "{out}");
     assert!(fleet.store().get("configmaps", "a", "cm1").is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn kubectl_diff_and_server_dry_runs_change_nothing() {
+    let Some(bin) = kubectl_path() else {
+        eprintln!("kubectl not found on PATH; skipping");
+        return;
+    };
+    let fleet = Fleet::start(SimConfig::default()).await.unwrap();
+    let dir = std::env::temp_dir().join(format!("bulwark-sim-kubectl-dry-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let admin = fleet
+        .pki()
+        .client_ca
+        .client_cert("admin", &["system:masters"]);
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        bulwark_sim::client::kubeconfig(
+            fleet.pki(),
+            &format!("https://{}", fleet.addrs()[0]),
+            &admin,
+        ),
+    )
+    .unwrap();
+    let k = Kubectl { bin, kubeconfig };
+    let manifest = |value: &str| {
+        format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: settings\n  namespace: a\ndata:\n  k: {value}\n"
+        )
+    };
+    // Validated against the served OpenAPI (no --validate=false).
+    let (ok, out) = k.run(&["apply", "-f", "-"], Some(&manifest("v1"))).await;
+    assert!(ok && out.contains("configmap/settings created"), "{out}");
+    let store = fleet.store();
+    let stored = store.get("configmaps", "a", "settings").unwrap();
+    let rv = store.resource_version();
+
+    // diff: exit status 1 and the change shown, nothing written.
+    let (ok, out) = k.run(&["diff", "-f", "-"], Some(&manifest("v2"))).await;
+    assert!(
+        !ok && out.contains("-  k: v1") && out.contains("+  k: v2"),
+        "{out}"
+    );
+    let (ok, out) = k
+        .run(
+            &["apply", "--dry-run=server", "-f", "-"],
+            Some(&manifest("v2")),
+        )
+        .await;
+    assert!(ok && out.contains("configured (server dry run)"), "{out}");
+    let (ok, out) = k
+        .run(
+            &["apply", "--dry-run=server", "-f", "-"],
+            Some(&manifest("v2").replace("settings", "other")),
+        )
+        .await;
+    assert!(ok && out.contains("created (server dry run)"), "{out}");
+    let (ok, out) = k
+        .run(
+            &[
+                "delete",
+                "--dry-run=server",
+                "configmap",
+                "settings",
+                "-n",
+                "a",
+            ],
+            None,
+        )
+        .await;
+    assert!(ok && out.contains("deleted (server dry run)"), "{out}");
+    assert_eq!(store.get("configmaps", "a", "settings").unwrap(), stored);
+    assert!(store.get("configmaps", "a", "other").is_none());
+    assert_eq!(store.resource_version(), rv);
+
+    // And the real apply changes what the diff showed.
+    let (ok, out) = k.run(&["apply", "-f", "-"], Some(&manifest("v2"))).await;
+    assert!(ok && out.contains("configured"), "{out}");
+    assert_eq!(
+        store.get("configmaps", "a", "settings").unwrap()["data"]["k"],
+        "v2"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

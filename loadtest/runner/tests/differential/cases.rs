@@ -20,6 +20,9 @@ pub struct Case {
     pub watch: bool,
     /// `Accept`, when not `application/json`.
     pub accept: Option<&'static str>,
+    /// Compare only these JSON pointers of the body (a body that is not JSON: its length),
+    /// for documents too large to read in a difference.
+    pub fields: Option<&'static [&'static str]>,
 }
 
 fn case(id: &'static str, method: Method, path: impl Into<String>) -> Case {
@@ -31,6 +34,7 @@ fn case(id: &'static str, method: Method, path: impl Into<String>) -> Case {
         content_type: None,
         watch: false,
         accept: None,
+        fields: None,
     }
 }
 
@@ -48,6 +52,18 @@ fn watch(id: &'static str, path: impl Into<String>) -> Case {
 fn with_accept(mut c: Case, accept: &'static str) -> Case {
     c.accept = Some(accept);
     c
+}
+
+fn with_fields(mut c: Case, fields: &'static [&'static str]) -> Case {
+    c.fields = Some(fields);
+    c
+}
+
+fn merge_patch(c: Case, body: Value) -> Case {
+    Case {
+        content_type: Some("application/merge-patch+json"),
+        ..with_body(c, body)
+    }
 }
 
 fn with_body(mut c: Case, body: Value) -> Case {
@@ -213,6 +229,9 @@ pub fn all() -> Vec<Case> {
         },
         case("delete", Method::DELETE, format!("{secrets}/c")),
         case("delete-missing", Method::DELETE, format!("{secrets}/c")),
+    ]);
+    cases.extend(dry_run(&secrets));
+    cases.extend([
         watch(
             "watch-replay",
             format!("{secrets}?watch=1&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
@@ -262,8 +281,165 @@ pub fn all() -> Vec<Case> {
         with_accept(watch("watch-accept-empty-ranges", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1")), ","),
         watch("watch-rv-match-exact", format!("{secrets}?watch=1&resourceVersion=0&resourceVersionMatch=Exact&timeoutSeconds=1")),
         get("list-after-writes", &secrets),
+        watch(
+            "watch-after-dry-runs",
+            format!("{secrets}?watch=1&resourceVersion={{dry-run-list-before:/metadata/resourceVersion}}&timeoutSeconds=1"),
+        ),
         get("list-after-writes-limit", format!("{secrets}?limit=4")),
         get("list-after-writes-page-2", format!("{secrets}?limit=4&continue={{list-after-writes-limit:/metadata/continue}}")),
     ]);
+    cases.extend(openapi());
     cases
+}
+
+/// Server-side dry runs (`dryRun=All`): each answers as the write would, and nothing is
+/// stored (the GETs and lists after them, and the watches of the main sequence, which replay
+/// every change, would show it). A delete takes its options from its body when it has one.
+fn dry_run(secrets: &str) -> Vec<Case> {
+    vec![
+        get("dry-run-list-before", secrets),
+        with_body(
+            case(
+                "dry-run-create",
+                Method::POST,
+                format!("{secrets}?dryRun=All"),
+            ),
+            secret("dry", json!({"app": "dry"})),
+        ),
+        get("dry-run-create-not-stored", format!("{secrets}/dry")),
+        with_body(
+            case(
+                "dry-run-create-existing",
+                Method::POST,
+                format!("{secrets}?dryRun=All"),
+            ),
+            secret("a-0", json!({})),
+        ),
+        with_body(
+            case(
+                "dry-run-update",
+                Method::PUT,
+                format!("{secrets}/a-1?dryRun=All"),
+            ),
+            secret("a-1", json!({"app": "changed"})),
+        ),
+        merge_patch(
+            case(
+                "dry-run-patch",
+                Method::PATCH,
+                format!("{secrets}/a-1?dryRun=All"),
+            ),
+            json!({"data": {"k": null, "other": "eA=="}}),
+        ),
+        get("dry-run-update-not-stored", format!("{secrets}/a-1")),
+        case(
+            "dry-run-delete",
+            Method::DELETE,
+            format!("{secrets}/a-1?dryRun=All"),
+        ),
+        with_body(
+            case(
+                "dry-run-delete-options",
+                Method::DELETE,
+                format!("{secrets}/a-1?dryRun=bogus"),
+            ),
+            json!({"kind": "DeleteOptions", "apiVersion": "v1", "dryRun": ["All"]}),
+        ),
+        case(
+            "dry-run-delete-collection",
+            Method::DELETE,
+            format!("{secrets}?dryRun=All&labelSelector=app%3Da"),
+        ),
+        get("dry-run-delete-not-stored", format!("{secrets}/a-1")),
+        get("dry-run-list-after", secrets),
+        // Any value but All, even beside it, is the options' 422.
+        with_body(
+            case(
+                "dry-run-invalid-create",
+                Method::POST,
+                format!("{secrets}?dryRun=All&dryRun=Yes"),
+            ),
+            secret("dry", json!({})),
+        ),
+        with_body(
+            case(
+                "dry-run-invalid-update",
+                Method::PUT,
+                format!("{secrets}/a-1?dryRun=true"),
+            ),
+            secret("a-1", json!({})),
+        ),
+        merge_patch(
+            case(
+                "dry-run-invalid-patch",
+                Method::PATCH,
+                format!("{secrets}/a-1?dryRun="),
+            ),
+            json!({}),
+        ),
+        case(
+            "dry-run-invalid-delete",
+            Method::DELETE,
+            format!("{secrets}/a-1?dryRun=Server"),
+        ),
+        with_body(
+            case(
+                "dry-run-invalid-delete-options",
+                Method::DELETE,
+                format!("{secrets}/a-1"),
+            ),
+            json!({"kind": "DeleteOptions", "apiVersion": "v1", "dryRun": ["x"]}),
+        ),
+    ]
+}
+
+/// The OpenAPI documents, as served (the simulator's are recorded from the real one): a
+/// few stable fields of each, content types, and the v3 redirect of a stale hash.
+pub fn openapi() -> Vec<Case> {
+    vec![
+        with_fields(
+            get("openapi-v2", "/openapi/v2"),
+            &[
+                "/swagger",
+                "/info",
+                "/definitions/io.k8s.api.core.v1.Secret",
+            ],
+        ),
+        with_fields(
+            with_accept(
+                get("openapi-v2-protobuf", "/openapi/v2"),
+                "application/com.github.proto-openapi.spec.v2@v1.0+protobuf",
+            ),
+            &[],
+        ),
+        with_accept(get("openapi-v2-yaml", "/openapi/v2"), "application/yaml"),
+        with_fields(
+            get("openapi-v3-index", "/openapi/v3"),
+            &[
+                "/paths/api~1v1/serverRelativeURL",
+                "/paths/apis~1coordination.k8s.io~1v1/serverRelativeURL",
+            ],
+        ),
+        with_fields(
+            get("openapi-v3-core", "/openapi/v3/api/v1"),
+            &[
+                "/openapi",
+                "/info",
+                "/components/schemas/io.k8s.api.core.v1.Secret",
+                "/paths/~1api~1v1~1namespaces~1{namespace}~1secrets/post/parameters",
+            ],
+        ),
+        with_fields(
+            get(
+                "openapi-v3-leases",
+                "/openapi/v3/apis/coordination.k8s.io/v1",
+            ),
+            &[
+                "/openapi",
+                "/components/schemas/io.k8s.api.coordination.v1.Lease",
+            ],
+        ),
+        get("openapi-v3-stale-hash", "/openapi/v3/api/v1?hash=0"),
+        get("openapi-v3-unknown", "/openapi/v3/apis/example.com/v1"),
+    ]
 }

@@ -60,6 +60,27 @@ pub fn shape(status: u16, content_type: Option<&str>, body: &[u8], watch: bool) 
     }
 }
 
+/// The body reduced to `{pointer: value}` for each of `fields` (`null` where absent), or,
+/// when it is not JSON, to its length.
+pub fn pick(body: &[u8], fields: &[&str]) -> bytes::Bytes {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(v) => {
+            let picked: serde_json::Map<String, Value> = fields
+                .iter()
+                .map(|f| {
+                    (
+                        (*f).to_owned(),
+                        v.pointer(f).cloned().unwrap_or(Value::Null),
+                    )
+                })
+                .collect();
+            bytes::Bytes::from(Value::Object(picked).to_string())
+        }
+        Err(_) if body.is_empty() => bytes::Bytes::new(),
+        Err(_) => bytes::Bytes::from(format!("{} bytes", body.len())),
+    }
+}
+
 /// Replaces what legitimately differs between two apiservers with placeholders.
 pub fn normalize(mut value: Value) -> Value {
     walk(&mut value);

@@ -94,7 +94,11 @@ async fn ask(endpoint: &Endpoint, case: &Case, path: &str) -> (Shape, Value) {
                 .headers
                 .get(http::header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok());
-            let shape = normalize::shape(reply.status, content_type, &reply.body, case.watch);
+            let body = match case.fields {
+                Some(fields) => normalize::pick(&reply.body, fields),
+                None => reply.body.clone(),
+            };
+            let shape = normalize::shape(reply.status, content_type, &body, case.watch);
             (shape, reply.json())
         }
         Ok(Err(e)) => (

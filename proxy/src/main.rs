@@ -56,10 +56,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::CheckConfig { config } => match load(&config) {
-            Some(_) => ExitCode::SUCCESS,
-            None => ExitCode::from(2),
-        },
+        Command::CheckConfig { config } => check_config(&config),
         Command::Certs {
             command: CertsCommand::Init(args),
         } => match bulwark::certs::init(&args.into()) {
@@ -136,9 +133,68 @@ fn load(path: &std::path::Path) -> Option<Config> {
             None
         }
         Err(e) => {
-            eprintln!("bulwark: {}", Chain(&e));
+            eprintln!("{}", parse_error_line(path, &e));
             None
         }
+    }
+}
+
+/// `bulwark check-config FILE`: the schema, then every file the configuration names; one
+/// line per problem, with its file and line, and exit 2 when there is any.
+fn check_config(path: &std::path::Path) -> ExitCode {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!("bulwark: cannot read {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    };
+    let mut config = match text.parse::<Config>() {
+        Ok(config) => config,
+        Err(ConfigError::Invalid(problems)) => {
+            for problem in problems {
+                let line = bulwark::config::files::field_line(&text, &problem.field);
+                eprintln!("{}:{line}: {problem}", path.display());
+            }
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("{}", parse_error_line(path, &e));
+            return ExitCode::from(2);
+        }
+    };
+    if let Some(base) = path.parent() {
+        config.resolve_paths(base);
+    }
+    let problems = bulwark::config::files::check(&config, path, &text);
+    for problem in &problems {
+        eprintln!("{problem}");
+    }
+    if problems.is_empty() {
+        println!(
+            "{}: valid, and every file it names is usable",
+            path.display()
+        );
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    }
+}
+
+/// A configuration parse error as `file:line:column: message`, naming the file.
+fn parse_error_line(path: &std::path::Path, e: &ConfigError) -> String {
+    match e {
+        ConfigError::Parse {
+            line: Some(line),
+            column: Some(column),
+            message,
+        } => {
+            let suffix = format!(" at line {line} column {column}");
+            let message = message.replacen(&suffix, "", 1);
+            format!("{}:{line}:{column}: {message}", path.display())
+        }
+        ConfigError::Parse { message, .. } => format!("{}: {message}", path.display()),
+        other => format!("bulwark: {}", Chain(other)),
     }
 }
 

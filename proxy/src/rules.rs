@@ -17,7 +17,7 @@ mod matcher;
 mod parse;
 mod reload;
 mod schema;
-mod spans;
+pub(crate) mod spans;
 pub mod types;
 mod validate;
 

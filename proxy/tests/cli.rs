@@ -127,3 +127,127 @@ fn rules_check_warnings_alone_exit_0_unless_strict() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The shipped example configuration, copied to `root/proxy/` so that its relative paths
+/// (`../certs/dev/...`, `../rules/examples`, `../var/...`) land under `root`.
+fn example_under(root: &std::path::Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(root.join("proxy")).unwrap();
+    let path = root.join("proxy/bulwark.example.yaml");
+    std::fs::copy(
+        bulwark_testkit::repo_path("proxy/bulwark.example.yaml"),
+        &path,
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn check_config_names_every_missing_file_of_the_example_and_exits_2() {
+    let root = tempfile::tempdir().unwrap();
+    let config = example_under(root.path());
+    let out = bulwark(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for (line, field, file) in [
+        (15, "listen.cert", "certs/dev/bulwark.crt"),
+        (17, "listen.key", "certs/dev/bulwark.key"),
+        (20, "listen.clientCA", "certs/dev/client-ca.crt"),
+        (119, "upstream.ca", "certs/dev/apiserver-ca.crt"),
+        (
+            127,
+            "upstream.frontProxy.cert",
+            "certs/dev/front-proxy-client.crt",
+        ),
+        (
+            129,
+            "upstream.frontProxy.key",
+            "certs/dev/front-proxy-client.key",
+        ),
+        (144, "upstream.self.cert", "certs/dev/bulwark-client.crt"),
+        (146, "upstream.self.key", "certs/dev/bulwark-client.key"),
+    ] {
+        let want = format!("bulwark.example.yaml:{line}: {field}: cannot read ");
+        let found = stderr
+            .lines()
+            .any(|l| l.contains(&want) && l.contains(file));
+        assert!(found, "no line for {field} ({file}) in:\n{stderr}");
+    }
+    assert!(stderr.contains("rules.folder: "), "{stderr}");
+    assert!(stderr.contains("audit.path: the folder"), "{stderr}");
+}
+
+#[test]
+fn check_config_passes_the_example_with_its_files_and_finds_a_wrong_key() {
+    let root = tempfile::tempdir().unwrap();
+    let config = example_under(root.path());
+    let certs = root.path().join("certs/dev");
+    let out = bulwark(&[
+        "certs",
+        "init",
+        "--dir",
+        certs.to_str().unwrap(),
+        "--server-name",
+        "localhost",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::copy(certs.join("ca.crt"), certs.join("apiserver-ca.crt")).unwrap();
+    std::fs::create_dir_all(root.path().join("var")).unwrap();
+    let rules = root.path().join("rules/examples");
+    std::fs::create_dir_all(&rules).unwrap();
+    for entry in std::fs::read_dir(bulwark_testkit::repo_path("rules/examples")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), rules.join(entry.file_name())).unwrap();
+    }
+    let out = bulwark(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The serving key replaced by another key, a CA that is not PEM, a broken rule file.
+    std::fs::copy(
+        certs.join("front-proxy-client.key"),
+        certs.join("bulwark.key"),
+    )
+    .unwrap();
+    std::fs::write(certs.join("apiserver-ca.crt"), "not a certificate\n").unwrap();
+    std::fs::write(
+        rules.join("zz-broken.yaml"),
+        "rules:\n  - name: x\n    precedence: 0\n    level: catch-all\n",
+    )
+    .unwrap();
+    let out = bulwark(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bulwark.example.yaml:17: listen.key: ")
+            && stderr.contains("does not hold the private key of the certificate in"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("bulwark.example.yaml:119: upstream.ca: ")
+            && stderr.contains("no PEM certificate in the file"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("zz-broken.yaml:3:17: rule x: precedence: must be at least 1"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_config_names_the_file_of_a_yaml_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.yaml");
+    std::fs::write(&path, "listen:\n  address: [\n").unwrap();
+    let out = bulwark(&["check-config", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("broken.yaml:"), "{stderr}");
+}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # An alert that really fires: Prometheus scrapes a Bulwark (the load tester's sandbox: a
 # simulated 3-replica cluster with Bulwark in front) while a burst of LISTs makes it reject,
-# sees BulwarkRejectingRequests firing, then resolving after the burst.
+# sees BulwarkRejectingRequests firing, then resolving after the burst; runs every query of
+# the dashboard and the alerts on that Prometheus (proxy/tests/deploy.rs, none may error);
+# then stops Bulwark and sees BulwarkDown firing, with its runbook link.
 #
 # The rules Prometheus loads are a generated copy of bulwark.rules.yml with every window
 # and `for` scaled down to seconds; the shipped file is never changed for the test.
@@ -66,7 +68,8 @@ RULES
 
 echo "--- sandbox"
 "$loadtest" sandbox --dir "$work/sandbox" --rules "$work/rules" > "$work/sandbox.log" 2>&1 &
-pids+=($!)
+sandbox_pid=$!
+pids+=($sandbox_pid)
 for _ in $(seq 1 300); do
     [ -f "$work/sandbox/ready" ] && break
     sleep 0.2
@@ -119,6 +122,9 @@ firing() {
         | grep -q '"alertstate":"firing"'
 }
 
+# Builds the deploy tests now, so that the query check below runs at once.
+(cd "$root" && cargo test -q -p bulwark --test deploy --no-run 2>/dev/null)
+
 echo "--- burst: 8 clients LIST secrets in a loop"
 burst() {
     while true; do
@@ -147,4 +153,30 @@ while firing; do
     sleep 2
 done
 echo "resolved after the burst"
+
+echo "--- every dashboard panel, annotation and alert expression runs on this Prometheus"
+(cd "$root" && BULWARK_PROMETHEUS_URL="$prom" cargo test -q -p bulwark --test deploy \
+    -- --exact dashboard_and_alert_queries_run_on_a_live_prometheus --nocapture) \
+    || die "a dashboard or alert query failed on the live Prometheus"
+
+echo "--- Bulwark stops: BulwarkDown fires"
+kill "$sandbox_pid"
+wait "$sandbox_pid" 2>/dev/null || true
+down() {
+    curl -sfG "$prom/api/v1/query" \
+        --data-urlencode 'query=ALERTS{alertname="BulwarkDown",alertstate="firing",job="bulwark"}' \
+        | grep -q '"alertstate":"firing"'
+}
+deadline=$((SECONDS + 120))
+until down; do
+    [ $SECONDS -lt $deadline ] || die "BulwarkDown never fired"
+    sleep 2
+done
+echo "BulwarkDown firing:"
+curl -sfG "$prom/api/v1/alerts" | python3 -c '
+import json, sys
+for a in json.load(sys.stdin)["data"]["alerts"]:
+    if a["labels"]["alertname"] == "BulwarkDown":
+        print(json.dumps(a, indent=2))
+' 2>/dev/null || curl -sfG "$prom/api/v1/alerts"
 echo "fire-test: OK"

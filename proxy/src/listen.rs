@@ -267,7 +267,7 @@ impl Listener {
     /// binds the address; its connections are counted in `metrics`.
     pub async fn bind(cfg: &config::Listen, metrics: &Metrics) -> Result<Listener, ListenError> {
         // Three small files, read once at startup: not worth a blocking-pool hop.
-        let tls = tls::TlsState::load(tls::TlsFiles::from_config(cfg))?;
+        let tls = tls::TlsState::load(tls::TlsFiles::from_config(cfg), metrics.clone())?;
         let tcp = TcpListener::bind(cfg.address)
             .await
             .map_err(|source| ListenError::Bind {

@@ -13,9 +13,15 @@ use prometheus::{
     Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry, TextEncoder,
 };
+use rustls_pki_types::CertificateDer;
 
 use crate::classify::{RequestInfo, Verb};
 use crate::status::Reason;
+
+mod expiry;
+mod process;
+
+pub use expiry::earliest_not_after;
 
 /// Who produced a response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +214,12 @@ pub struct MetricFamilies {
     pub rules_reload_total: IntCounterVec,
     /// `bulwark_rules_loaded_info{hash}`: 1 for the content hash of the loaded rules.
     pub rules_loaded_info: IntGaugeVec,
+    /// `bulwark_rules_stale`: 1 while the last reload failed (the files on disk are not the
+    /// rules in force), 0 once one succeeds.
+    pub rules_stale: IntGauge,
+    /// `bulwark_certificate_expiry_timestamp_seconds{certificate}`: the notAfter of each
+    /// certificate (or the earliest of a bundle) Bulwark loaded.
+    pub certificate_expiry_timestamp_seconds: IntGaugeVec,
     /// `bulwark_cache_objects{resource}`.
     pub cache_objects: IntGaugeVec,
     /// `bulwark_cache_bytes{resource}`: bytes of the cached objects' JSON.
@@ -365,6 +377,10 @@ impl Metrics {
             "connections_open",
             "Client connections open, TLS handshakes included.",
         );
+        let rules_stale = plain_gauge(
+            "rules_stale",
+            "1 while the last reload of the rule files failed (the files on disk are not the rules in force), 0 after a successful one.",
+        );
         let connections_max = plain_gauge(
             "connections_max",
             "The cap on open client connections in force (listen.limits.maxConnections, lowered to the open-file limit less the reserve).",
@@ -427,6 +443,12 @@ impl Metrics {
             "1 for the content hash of the rules in force.",
             &["hash"],
         );
+        let certificate_expiry_timestamp_seconds = gauge(
+            "certificate_expiry_timestamp_seconds",
+            "When each certificate Bulwark loaded expires (notAfter, Unix seconds; the earliest of a bundle): serving, client_ca, front_proxy, own, upstream_ca.",
+            &["certificate"],
+        );
+        process::register(&registry);
         let queue_wait_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "bulwark_queue_wait_seconds",
@@ -500,6 +522,8 @@ impl Metrics {
             list_bytes_budget,
             rules_reload_total,
             rules_loaded_info,
+            rules_stale,
+            certificate_expiry_timestamp_seconds,
             cache_objects,
             cache_bytes,
             cache_watchers,
@@ -525,6 +549,16 @@ impl Metrics {
         self.rejected_requests_total
             .with_label_values(&[rule, level, reason.as_str()])
             .inc();
+    }
+
+    /// Publishes when `certificate` (`serving`, `client_ca`, ...) expires: the earliest
+    /// notAfter of `certs`; nothing changes when none parses.
+    pub fn set_certificate_expiry(&self, certificate: &str, certs: &[CertificateDer<'_>]) {
+        if let Some(not_after) = earliest_not_after(certs) {
+            self.certificate_expiry_timestamp_seconds
+                .with_label_values(&[certificate])
+                .set(not_after);
+        }
     }
 
     /// The registry, for components that register metrics of their own.

@@ -110,6 +110,7 @@ impl Running {
     pub async fn start(config: Config) -> Result<Running, StartError> {
         let metrics = Metrics::new();
         let tls = UpstreamTls::from_config(&config.upstream)?;
+        tls.record_expiry(&metrics);
         let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
         upstream.spawn_probes();
         let own_token = config
@@ -261,6 +262,13 @@ impl Running {
                 .collect(),
             files,
         })
+    }
+
+    /// Blocks until every line the file logs (audit) took so far is in their files, for
+    /// readers that must see the last requests' lines (tests). Call where blocking is
+    /// allowed; it waits on the logs' writer threads, never on the runtime.
+    pub fn flush_logs(&self) {
+        self.files.iter().for_each(LineFile::flush);
     }
 
     /// The SIGTERM sequence of DESIGN.md step 9: `/readyz` fails, a pause lets balancers

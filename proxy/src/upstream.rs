@@ -1111,6 +1111,44 @@ mod tests {
     }
 
     #[test]
+    fn the_expiry_of_the_ca_and_the_front_proxy_certificate_is_published() {
+        let (mut cfg, dir) = config(&["a:1"]);
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["front-proxy".to_string()]).unwrap();
+        params.not_after = rcgen::date_time_ymd(2030, 1, 1);
+        let cert = params.self_signed(&key).unwrap();
+        std::fs::write(dir.path().join("fp.crt"), cert.pem()).unwrap();
+        std::fs::write(dir.path().join("fp.key"), key.serialize_pem()).unwrap();
+        cfg.front_proxy = Some(
+            serde_norway::from_str(&format!(
+                "{{cert: {}, key: {}}}",
+                dir.path().join("fp.crt").display(),
+                dir.path().join("fp.key").display()
+            ))
+            .unwrap(),
+        );
+        let metrics = Metrics::new();
+        UpstreamTls::from_config(&cfg)
+            .unwrap()
+            .record_expiry(&metrics);
+        let expiry = |name: &str| {
+            metrics
+                .certificate_expiry_timestamp_seconds
+                .with_label_values(&[name])
+                .get()
+        };
+        assert_eq!(expiry("front_proxy"), 1_893_456_000);
+        // rcgen's default validity ends in 4096: far, but there.
+        assert!(expiry("upstream_ca") > 1_893_456_000);
+        assert!(
+            !metrics
+                .render()
+                .contains("bulwark_certificate_expiry_timestamp_seconds{certificate=\"own\"}"),
+            "no own certificate configured"
+        );
+    }
+
+    #[test]
     fn a_route_without_its_credential_configured_is_refused() {
         let (cfg, _dir) = config(&["a:1"]);
         let tls = UpstreamTls::from_config(&cfg).unwrap();

@@ -15,6 +15,7 @@ use sha2::{Digest, Sha256};
 
 use super::ListenError;
 use crate::config;
+use crate::metrics::Metrics;
 
 /// ALPN protocols offered to clients, most preferred first.
 const ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
@@ -93,17 +94,22 @@ pub(super) struct TlsState {
     /// The fingerprint of the contents last tried, good or bad, so that a bad file is
     /// reported once rather than at every check.
     last_seen: Mutex<Fingerprint>,
+    /// Where the certificates in force say when they expire.
+    metrics: Metrics,
 }
 
 impl TlsState {
-    /// Reads and checks the files now; any problem is an error naming the file.
-    pub(super) fn load(files: TlsFiles) -> Result<Self, ListenError> {
+    /// Reads and checks the files now; any problem is an error naming the file. The
+    /// certificates' expiry goes to `metrics`, now and at every reload.
+    pub(super) fn load(files: TlsFiles, metrics: Metrics) -> Result<Self, ListenError> {
         let contents = Contents::read(&files)?;
         let config = build(&files, &contents)?;
+        record_expiry(&metrics, &files, &contents);
         Ok(Self {
             last_seen: Mutex::new(contents.fingerprint()),
             current: ArcSwap::from(config),
             files,
+            metrics,
         })
     }
 
@@ -131,8 +137,22 @@ impl TlsState {
             *last = fingerprint;
         }
         let config = build(&self.files, &contents)?;
+        record_expiry(&self.metrics, &self.files, &contents);
         self.current.store(config);
         Ok(true)
+    }
+}
+
+/// Publishes the expiry of the serving chain and of the client CA bundle in force (contents
+/// that [`build`] accepted, so they parse).
+fn record_expiry(metrics: &Metrics, files: &TlsFiles, contents: &Contents) {
+    if let Ok(chain) = certificates(&files.cert, &contents.cert) {
+        metrics.set_certificate_expiry("serving", &chain);
+    }
+    if let (Some(path), Some(pem)) = (&files.client_ca, &contents.client_ca)
+        && let Ok(bundle) = certificates(path, pem)
+    {
+        metrics.set_certificate_expiry("client_ca", &bundle);
     }
 }
 
@@ -275,8 +295,11 @@ mod tests {
     fn good_files_load_with_alpn() {
         let dir = temp_dir("good");
         let (cert, key) = self_signed();
-        let state =
-            TlsState::load(files(&dir, cert.as_bytes(), key.as_bytes(), None)).expect("loads");
+        let state = TlsState::load(
+            files(&dir, cert.as_bytes(), key.as_bytes(), None),
+            Metrics::new(),
+        )
+        .expect("loads");
         assert_eq!(
             state.current().alpn_protocols,
             vec![b"h2".to_vec(), b"http/1.1".to_vec()]
@@ -291,32 +314,47 @@ mod tests {
         let (cert, key) = self_signed();
         let (_, other_key) = self_signed();
 
-        let err = TlsState::load(files(&dir, b"not pem", key.as_bytes(), None))
-            .err()
-            .expect("no certificate");
+        let err = TlsState::load(
+            files(&dir, b"not pem", key.as_bytes(), None),
+            Metrics::new(),
+        )
+        .err()
+        .expect("no certificate");
         assert!(matches!(err, ListenError::NoCertificate { .. }), "{err}");
         assert!(err.to_string().contains("tls.crt"), "{err}");
 
-        let err = TlsState::load(files(&dir, cert.as_bytes(), cert.as_bytes(), None))
-            .err()
-            .expect("no key");
+        let err = TlsState::load(
+            files(&dir, cert.as_bytes(), cert.as_bytes(), None),
+            Metrics::new(),
+        )
+        .err()
+        .expect("no key");
         assert!(matches!(err, ListenError::NoKey { .. }), "{err}");
         assert!(err.to_string().contains("tls.key"), "{err}");
 
-        let err = TlsState::load(files(&dir, cert.as_bytes(), other_key.as_bytes(), None))
-            .err()
-            .expect("mismatch");
+        let err = TlsState::load(
+            files(&dir, cert.as_bytes(), other_key.as_bytes(), None),
+            Metrics::new(),
+        )
+        .err()
+        .expect("mismatch");
         assert!(matches!(err, ListenError::KeyMismatch { .. }), "{err}");
 
         let broken = "-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n";
-        let err = TlsState::load(files(&dir, broken.as_bytes(), key.as_bytes(), None))
-            .err()
-            .expect("bad base64");
+        let err = TlsState::load(
+            files(&dir, broken.as_bytes(), key.as_bytes(), None),
+            Metrics::new(),
+        )
+        .err()
+        .expect("bad base64");
         assert!(matches!(err, ListenError::Pem { .. }), "{err}");
 
-        let err = TlsState::load(files(&dir, cert.as_bytes(), key.as_bytes(), Some(b"")))
-            .err()
-            .expect("empty CA");
+        let err = TlsState::load(
+            files(&dir, cert.as_bytes(), key.as_bytes(), Some(b"")),
+            Metrics::new(),
+        )
+        .err()
+        .expect("empty CA");
         assert!(matches!(err, ListenError::ClientCa { .. }), "{err}");
         assert!(err.to_string().contains("ca.crt"), "{err}");
 
@@ -325,7 +363,9 @@ mod tests {
             key: dir.join("absent.key"),
             client_ca: None,
         };
-        let err = TlsState::load(missing).err().expect("missing file");
+        let err = TlsState::load(missing, Metrics::new())
+            .err()
+            .expect("missing file");
         assert!(matches!(err, ListenError::Read { .. }), "{err}");
         assert!(err.to_string().contains("absent.crt"), "{err}");
         std::fs::remove_dir_all(dir).ok();
@@ -336,7 +376,7 @@ mod tests {
         let dir = temp_dir("reload");
         let (cert, key) = self_signed();
         let files = files(&dir, cert.as_bytes(), key.as_bytes(), None);
-        let state = TlsState::load(files.clone()).expect("loads");
+        let state = TlsState::load(files.clone(), Metrics::new()).expect("loads");
         let before = state.current();
 
         std::fs::write(&files.key, b"garbage").expect("write");
@@ -350,6 +390,56 @@ mod tests {
         std::fs::write(&files.key, key2).expect("write");
         assert!(state.check().expect("new files load"));
         assert!(!Arc::ptr_eq(&before, &state.current()));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// A self-signed certificate and key that expire at the start of `year`.
+    fn expiring(year: i32) -> (String, String) {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_string()]).expect("params");
+        params.not_after = rcgen::date_time_ymd(year, 1, 1);
+        let cert = params.self_signed(&key).expect("cert");
+        (cert.pem(), key.serialize_pem())
+    }
+
+    fn expiry(metrics: &Metrics, certificate: &str) -> i64 {
+        metrics
+            .certificate_expiry_timestamp_seconds
+            .with_label_values(&[certificate])
+            .get()
+    }
+
+    #[test]
+    fn expiry_of_the_certificates_in_force_is_published_and_follows_reloads() {
+        const Y2030: i64 = 1_893_456_000;
+        const Y2031: i64 = 1_924_992_000;
+        let dir = temp_dir("expiry");
+        let (cert, key) = expiring(2031);
+        let (ca_2030, _) = expiring(2030);
+        let (ca_2031, _) = expiring(2031);
+        let bundle = format!("{ca_2031}{ca_2030}");
+        let files = files(
+            &dir,
+            cert.as_bytes(),
+            key.as_bytes(),
+            Some(bundle.as_bytes()),
+        );
+        let metrics = Metrics::new();
+        let state = TlsState::load(files.clone(), metrics.clone()).expect("loads");
+        assert_eq!(expiry(&metrics, "serving"), Y2031);
+        // A bundle is as good as its first certificate to expire.
+        assert_eq!(expiry(&metrics, "client_ca"), Y2030);
+
+        // Renewed: the new expiry. Broken: the expiry of what is still in force.
+        let (cert, key) = expiring(2030);
+        std::fs::write(&files.cert, cert).expect("write");
+        std::fs::write(&files.key, key).expect("write");
+        assert!(state.check().expect("new files load"));
+        assert_eq!(expiry(&metrics, "serving"), Y2030);
+        std::fs::write(&files.key, b"garbage").expect("write");
+        assert!(state.check().is_err());
+        assert_eq!(expiry(&metrics, "serving"), Y2030);
         std::fs::remove_dir_all(dir).ok();
     }
 }

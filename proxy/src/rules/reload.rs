@@ -3,8 +3,9 @@
 //! Triggers: a change in the folder (notify; the parent folder is watched too, so that a
 //! folder replaced as a whole, or a ConfigMap's `..data` symlink swap, is seen), debounced
 //! so that one update of many files is one reload; and SIGHUP. A failed reload keeps the
-//! running set, counts `bulwark_rules_reload_total{result="error"}` and logs each problem
-//! with its file and line.
+//! running set, counts `bulwark_rules_reload_total{result="error"}`, sets
+//! `bulwark_rules_stale` to 1 until a reload succeeds (so the alert lasts as long as the bad
+//! files do) and logs each problem with its file and line.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
@@ -75,6 +76,7 @@ impl Rules {
                     .rules_reload_total
                     .with_label_values(&["success"])
                     .inc();
+                self.metrics.rules_stale.set(0);
                 if set.hash() == self.current.load().hash() {
                     tracing::debug!(hash = set.hash(), "rules reloaded, unchanged");
                     return Ok(());
@@ -97,6 +99,7 @@ impl Rules {
                     .rules_reload_total
                     .with_label_values(&["error"])
                     .inc();
+                self.metrics.rules_stale.set(1);
                 for problem in &problems {
                     tracing::error!(
                         file = %problem.file.display(),

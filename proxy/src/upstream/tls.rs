@@ -13,6 +13,7 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
 use super::{UpstreamCredential, UpstreamError};
 use crate::config;
+use crate::metrics::{Metrics, earliest_not_after};
 
 /// ALPN protocol id of HTTP/2.
 const ALPN_H2: &[u8] = b"h2";
@@ -38,6 +39,8 @@ pub struct UpstreamTls {
     own: Configs,
     anonymous: Configs,
     own_token: Option<Arc<TokenFile>>,
+    /// When each certificate read expires: `upstream_ca`, `front_proxy`, `own`.
+    expiry: Vec<(&'static str, i64)>,
 }
 
 /// The pair of client configs of one credential.
@@ -60,16 +63,20 @@ impl UpstreamTls {
     /// Reads the CA, the front-proxy certificate and key, and Bulwark's own certificate and
     /// key (or notes its token file) as configured.
     pub fn from_config(cfg: &config::Upstream) -> Result<Self, UpstreamError> {
-        let roots = read_roots(&cfg.ca)?;
+        let (roots, ca_expiry) = read_roots(&cfg.ca)?;
+        let mut expiry: Vec<(&'static str, i64)> =
+            ca_expiry.map(|t| ("upstream_ca", t)).into_iter().collect();
+        let mut client_cert = |name: &'static str, cert: &Path, key: &Path| {
+            let (certs, key) = read_cert_key(cert, key)?;
+            expiry.extend(earliest_not_after(&certs).map(|t| (name, t)));
+            Configs::new(&roots, Some((certs, key)))
+        };
         let front_proxy = match &cfg.front_proxy {
-            Some(fp) => Some(Configs::new(
-                &roots,
-                Some(read_cert_key(&fp.cert, &fp.key)?),
-            )?),
+            Some(fp) => Some(client_cert("front_proxy", &fp.cert, &fp.key)?),
             None => None,
         };
         let own = match (&cfg.own.cert, &cfg.own.key) {
-            (Some(cert), Some(key)) => Configs::new(&roots, Some(read_cert_key(cert, key)?))?,
+            (Some(cert), Some(key)) => client_cert("own", cert, key)?,
             _ => Configs::new(&roots, None)?,
         };
         let anonymous = Configs::new(&roots, None)?;
@@ -83,7 +90,19 @@ impl UpstreamTls {
             own,
             anonymous,
             own_token,
+            expiry,
         })
+    }
+
+    /// Publishes when the upstream CA bundle and the client certificates expire (read once
+    /// at start: a renewed one takes a restart).
+    pub fn record_expiry(&self, metrics: &Metrics) {
+        for (certificate, not_after) in &self.expiry {
+            metrics
+                .certificate_expiry_timestamp_seconds
+                .with_label_values(&[certificate])
+                .set(*not_after);
+        }
     }
 
     /// The client config for a credential and protocol, or an error when that credential
@@ -149,12 +168,16 @@ impl Configs {
     }
 }
 
-/// The CA bundle that must sign the apiservers' serving certificates.
-fn read_roots(path: &Path) -> Result<rustls::RootCertStore, UpstreamError> {
+/// The CA bundle that must sign the apiservers' serving certificates, and when the first of
+/// them expires.
+fn read_roots(path: &Path) -> Result<(rustls::RootCertStore, Option<i64>), UpstreamError> {
     let mut roots = rustls::RootCertStore::empty();
-    let certs = CertificateDer::pem_file_iter(path).map_err(file_error(path))?;
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(file_error(path))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(file_error(path))?;
+    let expiry = earliest_not_after(&certs);
     for cert in certs {
-        let cert = cert.map_err(file_error(path))?;
         roots.add(cert).map_err(file_error(path))?;
     }
     if roots.is_empty() {
@@ -163,7 +186,7 @@ fn read_roots(path: &Path) -> Result<rustls::RootCertStore, UpstreamError> {
             path.display()
         )));
     }
-    Ok(roots)
+    Ok((roots, expiry))
 }
 
 /// A certificate chain and its private key.

@@ -309,8 +309,10 @@ impl Cluster {
         kube_client(&self.pki, self.bulwark.addr, user, groups).await
     }
 
-    /// The audit events Bulwark has written (reads it answered or refused from its cache).
+    /// The audit events Bulwark has written (reads it answered or refused from its cache),
+    /// the last requests' included (the log's writer thread is waited for).
     pub fn audit_events(&self) -> Vec<serde_json::Value> {
+        self.bulwark.flush_logs();
         let path = self
             .config
             .audit

@@ -237,6 +237,58 @@ async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
     );
 }
 
+/// logrotate moves the audit log away, then sends SIGHUP: Bulwark lets the moved file go
+/// and writes the next reads to a new file at the configured path, every line whole.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_after_the_audit_log_is_moved_starts_a_new_file() {
+    let cluster = seeded("secrets=5x256B@team").await;
+    let path = cluster
+        .config
+        .audit
+        .clone()
+        .expect("the audit log is configured");
+    let read = "/api/v1/namespaces/team/secrets?resourceVersion=0";
+    assert_eq!(get(&cluster, "alice", read).await.0, 200);
+    cluster.bulwark.flush_logs();
+    let moved = path.with_extension("jsonl-rotated");
+    std::fs::rename(&path, &moved).unwrap();
+    // Through kill(1): the workspace forbids `unsafe`; Bulwark handles SIGHUP since start.
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &std::process::id().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    // The signal is taken on the runtime: read until a line lands in a new file.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::metadata(&path).map_or(true, |m| m.len() == 0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no new audit log after SIGHUP"
+        );
+        assert_eq!(get(&cluster, "alice", read).await.0, 200);
+        cluster.bulwark.flush_logs();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let events = |file: &std::path::Path| -> Vec<Value> {
+        std::fs::read_to_string(file)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn ({e}): {l}")))
+            .collect()
+    };
+    let (old, new) = (events(&moved), events(&path));
+    assert!(
+        !old.is_empty(),
+        "the moved file keeps what was written before"
+    );
+    assert!(!new.is_empty(), "the new file gets the reads after SIGHUP");
+    for event in old.iter().chain(&new) {
+        assert_eq!(event["user"]["username"], "alice");
+        assert_eq!(event["verb"], "list");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pagination_works_across_pages() {
     let cluster = seeded("secrets=25x512B@team").await;

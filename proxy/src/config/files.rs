@@ -117,21 +117,21 @@ pub fn check(config: &Config, config_path: &Path, text: &str) -> Vec<FileProblem
             );
         }
     }
-    if let Some(folder) = &config.rules.folder {
-        if let Err(rule_problems) = RuleSet::load_dir(folder) {
-            if !folder.is_dir() {
-                add(
-                    "rules.folder",
-                    format!("{} is not a readable folder", folder.display()),
-                );
-            } else {
-                problems.extend(rule_problems.into_iter().map(|p| FileProblem {
-                    file: p.file,
-                    line: p.line,
-                    column: p.column,
-                    message: p.message,
-                }));
-            }
+    if let Some(folder) = &config.rules.folder
+        && let Err(rule_problems) = RuleSet::load_dir(folder)
+    {
+        if !folder.is_dir() {
+            add(
+                "rules.folder",
+                format!("{} is not a readable folder", folder.display()),
+            );
+        } else {
+            problems.extend(rule_problems.into_iter().map(|p| FileProblem {
+                file: p.file,
+                line: p.line,
+                column: p.column,
+                message: p.message,
+            }));
         }
     }
     problems

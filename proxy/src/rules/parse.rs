@@ -358,7 +358,10 @@ mod tests {
             messages[1],
             "f.yaml:7:17: rules[0].precedence: invalid type: string \"high\", expected an integer"
         );
-        assert!(messages[2].starts_with("f.yaml:15:11: rules[2].flow: "), "{messages:#?}");
+        assert!(
+            messages[2].starts_with("f.yaml:15:11: rules[2].flow: "),
+            "{messages:#?}"
+        );
     }
 
     #[test]

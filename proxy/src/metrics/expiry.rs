@@ -28,7 +28,10 @@ mod tests {
     fn a_bundle_expires_with_its_first_certificate() {
         // 2031-01-01 and 2030-01-01 at midnight UTC.
         let (later, sooner) = (cert(2031), cert(2030));
-        assert_eq!(earliest_not_after(&[later.clone()]), Some(1_924_992_000));
+        assert_eq!(
+            earliest_not_after(std::slice::from_ref(&later)),
+            Some(1_924_992_000)
+        );
         assert_eq!(earliest_not_after(&[later, sooner]), Some(1_893_456_000));
         assert_eq!(earliest_not_after(&[]), None);
         assert_eq!(

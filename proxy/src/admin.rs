@@ -1,5 +1,5 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/levels`, `/debug/rules`,
-//! `/debug/upstream`, `/debug/fleet` (DESIGN.md step 10).
+//! `/debug/upstream`, `/debug/fleet`, `/debug/flows` (DESIGN.md step 10).
 //!
 //! Plain HTTP on its own address (localhost unless configured), apart from client traffic
 //! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
@@ -40,6 +40,8 @@ pub struct State {
     pub cache: Option<Arc<Cache>>,
     /// The fleet membership, for `/debug/fleet`; `None` when the fleet is off.
     pub fleet: Option<Arc<Fleet>>,
+    /// The flows seen, for `/debug/flows`.
+    pub board: Arc<crate::board::Board>,
     /// What `/debug/*` requires: `Open` on loopback, else the token (or nothing is served).
     pub debug_token: DebugAccess,
     /// Set when SIGTERM arrived: `/readyz` fails from then on.
@@ -162,6 +164,7 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
         "/debug/levels" => json(state.admission.levels_json()),
         "/debug/rules" => json(state.rules.current().to_json()),
         "/debug/upstream" => json(upstream_json(&state.upstream)),
+        "/debug/flows" => json(serde_json::to_value(state.board.view()).unwrap_or_default()),
         "/debug/fleet" => json(match &state.fleet {
             Some(fleet) => fleet.debug_json(),
             None => serde_json::json!({

@@ -81,6 +81,10 @@ pub struct Report {
     pub labels: OnceLock<Labels>,
     /// The client's user name (identity).
     pub who: OnceLock<String>,
+    /// What the request asks for (classification).
+    pub info: OnceLock<Arc<RequestInfo>>,
+    /// How long the request waited for admission (admission).
+    pub waited: OnceLock<std::time::Duration>,
 }
 
 /// The metric labels of one request.

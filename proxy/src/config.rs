@@ -39,6 +39,20 @@ pub struct Config {
     /// off when absent (each replica then takes a static `1/bulwarkReplicas`).
     #[serde(default)]
     pub fleet: Option<Fleet>,
+    /// What the metrics may say of who is refused.
+    #[serde(default)]
+    pub metrics: MetricsSettings,
+}
+
+/// What the metrics may say of who is refused.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct MetricsSettings {
+    /// How many identities `bulwark_identity_rejections_total` names: the ones refused most
+    /// in the last minute, the rest counted as `other`. 0 (the default) counts nothing;
+    /// at most 100, for a bounded number of series.
+    #[serde(default)]
+    pub identities: u32,
 }
 
 /// Membership of the fleet of Bulwark replicas through `coordination.k8s.io/v1` Leases:
@@ -953,6 +967,16 @@ impl Config {
         }
         if let Some(fleet) = &self.fleet {
             validate_fleet(fleet, &mut p);
+        }
+        if self.metrics.identities > crate::board::MAX_IDENTITY_LABELS {
+            p.add(
+                "metrics.identities",
+                format!(
+                    "{} is more than {} (each name is a series of its own)",
+                    self.metrics.identities,
+                    crate::board::MAX_IDENTITY_LABELS
+                ),
+            );
         }
         // A non-local admin address without a token file is allowed: `/debug/*` is then
         // refused (see `Admin::debug_needs_token`), the rest still works.

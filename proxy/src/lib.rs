@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod admit;
+pub mod board;
 pub mod cache;
 pub mod call;
 pub mod certs;

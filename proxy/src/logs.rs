@@ -12,11 +12,14 @@
 pub mod rotate;
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::classify::RequestInfo;
+use crate::metrics::verb_label;
 use crate::status::Reason;
 
 /// Rate limiting of refusal log lines. Shared by every request (`Arc` it).
@@ -60,7 +63,18 @@ pub struct Rejection<'a> {
     /// What went wrong, for operators: the error behind the refusal, which may name a
     /// replica or a file the client's answer leaves out.
     pub detail: &'a str,
+    /// What the request asked for, once classified.
+    pub request: Option<&'a RequestInfo>,
+    /// The client's address (the PROXY header's, behind a trusted balancer).
+    pub source: Option<SocketAddr>,
+    /// The client's `User-Agent`, cut to [`USER_AGENT_MAX`] bytes.
+    pub user_agent: &'a str,
+    /// The `Audit-Id` the refusal was answered with.
+    pub audit_id: &'a str,
 }
+
+/// The longest `User-Agent` a log line repeats.
+pub const USER_AGENT_MAX: usize = 256;
 
 impl RejectionLog {
     /// At most one line per identity, rule and reason per `interval`, and at most
@@ -81,12 +95,29 @@ impl RejectionLog {
     /// Logs the refusal at `info` unless its line is rate-limited.
     pub fn rejected(&self, rejection: Rejection<'_>) {
         if let Some(suppressed) = self.admit(&rejection) {
+            let info = rejection.request;
+            let resource = info.map(|i| {
+                if i.resource_request {
+                    i.resource.as_str()
+                } else {
+                    i.path.as_str()
+                }
+            });
             tracing::info!(
                 identity = rejection.identity,
                 rule = rejection.rule,
                 level = rejection.level,
                 reason = rejection.reason.as_str(),
                 detail = rejection.detail,
+                verb = info.map(|i| verb_label(&i.verb)),
+                resource,
+                group = info.map(|i| i.api_group.as_str()).filter(|g| !g.is_empty()),
+                subresource = info.and_then(|i| i.subresource.as_deref()),
+                namespace = info.and_then(|i| i.namespace.as_deref()),
+                name = info.and_then(|i| i.name.as_deref()),
+                source = rejection.source.map(tracing::field::display),
+                user_agent = rejection.user_agent,
+                audit_id = rejection.audit_id,
                 suppressed,
                 "request rejected"
             );
@@ -144,6 +175,10 @@ mod tests {
             level: "list-heavy",
             reason,
             detail: "waited 15s",
+            request: None,
+            source: None,
+            user_agent: "",
+            audit_id: "",
         }
     }
 
@@ -208,8 +243,20 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             runtime.block_on(async {
                 let log = RejectionLog::default();
-                log.rejected(rejection("system:node:n1", Reason::QueueTimeout));
-                log.rejected(rejection("system:node:n1", Reason::QueueTimeout));
+                let info = crate::classify::classify(
+                    &http::Method::GET,
+                    &"/api/v1/namespaces/team/secrets?limit=500".parse().unwrap(),
+                )
+                .unwrap();
+                let line = Rejection {
+                    request: Some(&info),
+                    source: Some("10.1.2.3:40112".parse().unwrap()),
+                    user_agent: "kubectl/v1.36.0",
+                    audit_id: "5f0c3a4e-0000-4000-8000-000000000001",
+                    ..rejection("system:node:n1", Reason::QueueTimeout)
+                };
+                log.rejected(line);
+                log.rejected(line);
             })
         });
         let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
@@ -226,5 +273,12 @@ mod tests {
         assert_eq!(fields["reason"], "queue_timeout");
         assert_eq!(fields["detail"], "waited 15s");
         assert_eq!(fields["suppressed"], 0);
+        assert_eq!(fields["verb"], "list");
+        assert_eq!(fields["resource"], "secrets");
+        assert_eq!(fields["namespace"], "team");
+        assert_eq!(fields["source"], "10.1.2.3:40112");
+        assert_eq!(fields["user_agent"], "kubectl/v1.36.0");
+        assert_eq!(fields["audit_id"], "5f0c3a4e-0000-4000-8000-000000000001");
+        assert!(fields.get("name").is_none(), "a list names no object");
     }
 }

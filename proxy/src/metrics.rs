@@ -178,6 +178,9 @@ pub struct MetricFamilies {
     pub request_duration_seconds: HistogramVec,
     /// `bulwark_rejected_requests_total{rule, level, reason}`.
     pub rejected_requests_total: IntCounterVec,
+    /// `bulwark_identity_rejections_total{identity, reason}`: refusals of the identities
+    /// refused most (`metrics.identities` of them, the rest `other`); empty when off.
+    pub identity_rejections_total: IntCounterVec,
     /// `bulwark_rule_requests_total{rule, level}`: requests each rule matched, whatever
     /// became of them — the denominator of a rule's rejection share.
     pub rule_requests_total: IntCounterVec,
@@ -287,6 +290,11 @@ impl Metrics {
             "rejected_requests_total",
             "Requests Bulwark refused, by rule, priority level and reason.",
             &["rule", "level", "reason"],
+        );
+        let identity_rejections_total = counter(
+            "identity_rejections_total",
+            "Requests Bulwark refused, by identity and reason: the metrics.identities identities refused most in the last minute are named, every other is `other` (nothing is counted when metrics.identities is 0).",
+            &["identity", "reason"],
         );
         let rule_requests_total = counter(
             "rule_requests_total",
@@ -506,6 +514,7 @@ impl Metrics {
             requests_total,
             request_duration_seconds,
             rejected_requests_total,
+            identity_rejections_total,
             rule_requests_total,
             upstream_responses_total,
             upstream_retries_total,

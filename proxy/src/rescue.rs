@@ -1,35 +1,63 @@
 //! The outermost stage: makes the request's [`Call`], turns every [`ProxyError`] into its
 //! answer through the one mapping ([`ProxyError::refusal`]), and counts every response
-//! and logs every refusal, once.
+//! and logs every refusal, once. It also gives every request its `Audit-Id` (the client's,
+//! when it sent a usable one, as the apiserver does), which the apiserver, the cache's
+//! audit log, the refusal log and every answer carry, and tells the [`Board`] who asked.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{Request, Response};
+use http::header::USER_AGENT;
+use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
+use crate::board::{Board, IdentityRejections, Refused, Seen};
 use crate::call::{Call, Labels};
-use crate::logs::{Rejection, RejectionLog};
+use crate::listen::ConnInfo;
+use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
 use crate::metrics::{Metrics, ServedBy, code_label, method_label};
 use crate::status::ProxyError;
 use crate::{Body, BoxFuture};
 
+/// The window over which `/debug/flows` counts, and over which the identities the metric
+/// names are picked.
+const BOARD_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+const NAMING_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// See [`Rescue`].
 #[derive(Clone)]
 pub struct RescueLayer {
+    shared: Arc<Shared>,
+}
+
+/// What every request's rescue reports to.
+struct Shared {
     metrics: Metrics,
-    log: Arc<RejectionLog>,
+    log: RejectionLog,
+    board: Arc<Board>,
+    identities: IdentityRejections,
 }
 
 impl RescueLayer {
-    /// Counts in `metrics`; logs refusals to the rejection log.
-    pub fn new(metrics: Metrics) -> RescueLayer {
+    /// Counts in `metrics` (naming the `identities` identities refused most); logs
+    /// refusals to the rejection log.
+    pub fn new(metrics: Metrics, identities: u32) -> RescueLayer {
+        let named = metrics.identity_rejections_total.clone();
         RescueLayer {
-            metrics,
-            log: Arc::new(RejectionLog::default()),
+            shared: Arc::new(Shared {
+                metrics,
+                log: RejectionLog::default(),
+                board: Arc::new(Board::new(BOARD_WINDOW)),
+                identities: IdentityRejections::new(identities, NAMING_WINDOW, named),
+            }),
         }
+    }
+
+    /// The flows seen, for `/debug/flows`.
+    pub fn board(&self) -> Arc<Board> {
+        self.shared.board.clone()
     }
 }
 
@@ -38,8 +66,7 @@ impl<S> Layer<S> for RescueLayer {
     fn layer(&self, inner: S) -> Rescue<S> {
         Rescue {
             inner,
-            metrics: self.metrics.clone(),
-            log: self.log.clone(),
+            shared: self.shared.clone(),
         }
     }
 }
@@ -48,8 +75,7 @@ impl<S> Layer<S> for RescueLayer {
 #[derive(Clone)]
 pub struct Rescue<S> {
     inner: S,
-    metrics: Metrics,
-    log: Arc<RejectionLog>,
+    shared: Arc<Shared>,
 }
 
 impl<S, B> Service<Request<B>> for Rescue<S>
@@ -66,40 +92,86 @@ where
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let method = method_label(request.method());
+        let audit_id = audit_id(request.headers_mut());
+        let source = request.extensions().get::<ConnInfo>().map(|c| c.peer);
+        let user_agent = request
+            .headers()
+            .get(USER_AGENT)
+            .map(|v| cut(&String::from_utf8_lossy(v.as_bytes()), USER_AGENT_MAX).to_owned())
+            .unwrap_or_default();
         let call = Call::new(request);
         let report = call.report.clone();
         let started = Instant::now();
-        let (metrics, log) = (self.metrics.clone(), self.log.clone());
+        let shared = self.shared.clone();
         let mut inner = self.inner.clone();
         Box::pin(async move {
-            let (response, served_by) = match inner.call(call).await {
+            let Shared {
+                metrics,
+                log,
+                board,
+                identities,
+            } = &*shared;
+            let (mut response, served_by) = match inner.call(call).await {
                 Ok(response) => {
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
+                    let named = |name| {
+                        response
+                            .headers()
+                            .get(name)
+                            .and_then(|v: &HeaderValue| v.to_str().ok())
+                            .unwrap_or("")
+                    };
+                    board.seen(Seen {
+                        identity: report.who.get().map_or("-", String::as_str),
+                        rule: named("x-bulwark-rule"),
+                        level: named("x-bulwark-level"),
+                        waited: report.waited.get().copied().unwrap_or_default(),
+                        refused: None,
+                    });
                     (response, served_by)
                 }
                 Err(error) => {
+                    let who = report.who.get().map_or("-", String::as_str);
+                    let info = report.info.get().map(|i| &**i);
                     let refusal = error.refusal();
                     let detail = crate::report::chain(&error);
+                    let rule = refusal.rule.as_deref().unwrap_or("");
+                    let level = refusal.level.as_deref().unwrap_or("");
                     tracing::debug!(reason = %refusal.reason, error = %detail, "refused");
                     log.rejected(Rejection {
-                        identity: report.who.get().map_or("-", String::as_str),
-                        rule: refusal.rule.as_deref().unwrap_or(""),
-                        level: refusal.level.as_deref().unwrap_or(""),
+                        identity: who,
+                        rule,
+                        level,
                         reason: refusal.reason,
                         detail: &detail,
+                        request: info,
+                        source,
+                        user_agent: &user_agent,
+                        audit_id: audit_id.to_str().unwrap_or(""),
                     });
-                    metrics.reject(
-                        refusal.rule.as_deref().unwrap_or(""),
-                        refusal.level.as_deref().unwrap_or(""),
-                        refusal.reason,
-                    );
+                    metrics.reject(rule, level, refusal.reason);
+                    identities.rejected(who, refusal.reason);
+                    board.seen(Seen {
+                        identity: who,
+                        rule,
+                        level,
+                        waited: report.waited.get().copied().unwrap_or_default(),
+                        refused: Some(Refused {
+                            reason: refusal.reason,
+                            info,
+                            audit_id: audit_id.to_str().unwrap_or(""),
+                        }),
+                    });
                     let response = error.into_response(refusal);
                     let served_by = served_by(&response).unwrap_or(ServedBy::Bulwark);
                     (response, served_by)
                 }
             };
+            // The apiserver's and the cache's answers already carry it; Bulwark's own do
+            // from here.
+            response.headers_mut().entry("audit-id").or_insert(audit_id);
             let labels = report.labels.get().cloned().unwrap_or(Labels {
                 verb: method,
                 resource: Arc::from(""),
@@ -120,6 +192,37 @@ where
             Ok(response)
         })
     }
+}
+
+/// The longest `Audit-Id` taken from a client (a UUID is 36 bytes).
+const AUDIT_ID_MAX: usize = 128;
+
+/// The request's `Audit-Id`: the client's when it is usable, else a new UUID; either way
+/// set on the request, so that the apiserver's audit log and the cache's use it too.
+fn audit_id(headers: &mut http::HeaderMap) -> HeaderValue {
+    if let Some(given) = headers.get("audit-id")
+        && !given.is_empty()
+        && given.len() <= AUDIT_ID_MAX
+        && given.as_bytes().iter().all(|b| b.is_ascii_graphic())
+    {
+        return given.clone();
+    }
+    let id = HeaderValue::from_str(&crate::cache::audit::new_audit_id())
+        .expect("a UUID is a valid header value");
+    headers.insert("audit-id", id.clone());
+    id
+}
+
+/// `text` cut to at most `max` bytes, at a character boundary.
+fn cut(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
 }
 
 fn served_by(response: &Response<Body>) -> Option<ServedBy> {

@@ -211,8 +211,10 @@ impl Running {
                 }
             })
         };
+        let rescue = RescueLayer::new(metrics.clone(), config.metrics.identities);
+        let board = rescue.board();
         let service = stack(
-            RescueLayer::new(metrics.clone()),
+            rescue,
             Classify::new(ResourceLabels::new(
                 config.cache.resources.iter().map(String::as_str),
             )),
@@ -243,6 +245,7 @@ impl Running {
             admission,
             cache,
             fleet,
+            board,
             debug_token: admin::debug_token(&config.admin)?,
             draining: AtomicBool::new(false),
         });

@@ -81,10 +81,10 @@ impl<B: Send + 'static> Stage<B> for Admit {
                 Answer::Upstream
             }
         };
-        let mut permit = admission
-            .admit(&matched, &info, &user, answer)
-            .await
-            .map_err(ProxyError::Refused)?;
+        let asked = tokio::time::Instant::now();
+        let admitted = admission.admit(&matched, &info, &user, answer).await;
+        let _ = call.report.waited.set(asked.elapsed());
+        let mut permit = admitted.map_err(ProxyError::Refused)?;
         let source = match (plan, cached) {
             (Some(plan), Some((cache, reader))) => Source::Cache(Box::new(Cached {
                 cache: cache.clone(),

@@ -30,6 +30,7 @@ impl<B: Send + 'static> Stage<B> for Classify {
             resource: self.resources.label(&info),
         });
         let info = Arc::new(info);
+        let _ = call.report.info.set(info.clone());
         next.run(call.learn(Classified { info })).await
     }
 }

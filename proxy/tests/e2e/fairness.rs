@@ -155,3 +155,74 @@ async fn a_gzip_or_table_list_teaches_the_cost_model_the_json_the_apiserver_buil
     );
     drop(unread);
 }
+
+/// Who is throttled, as the on-call sees it: `/debug/flows` lists the refused flow with its
+/// rate and last refusal, `bulwark_identity_rejections_total` names it, and every answer,
+/// refusals included, carries an `Audit-Id` (the client's own when it sent one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_throttled_identity_is_named_by_debug_flows_the_metric_and_every_answers_audit_id() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        rules: RULES,
+        settings: vec![("metrics.identities", "5")],
+        ..Setup::default()
+    })
+    .await;
+    let mut alice = cluster.client("alice", &[]).await;
+    let mut carol = cluster.client("carol", &[]).await;
+    let mut audit_ids = std::collections::HashSet::new();
+    let mut refused = 0;
+    for _ in 0..6 {
+        let answer = alice.get(SECRETS).await;
+        refused += usize::from(answer.status == 429);
+        audit_ids.insert(answer.headers["audit-id"].to_str().unwrap().to_owned());
+        let answer = carol.get(SECRETS).await;
+        assert_eq!(answer.status, 200);
+        audit_ids.insert(answer.headers["audit-id"].to_str().unwrap().to_owned());
+    }
+    assert!(refused >= 3, "alice was refused {refused} times");
+    assert_eq!(audit_ids.len(), 12, "every answer has its own Audit-Id");
+    let mut given = bulwark_testkit::get(SECRETS);
+    given
+        .headers_mut()
+        .insert("audit-id", "my-trace-0001".parse().unwrap());
+    let answer = alice.send(given).await;
+    assert_eq!(answer.status, 429);
+    assert_eq!(answer.headers["audit-id"], "my-trace-0001");
+
+    let (status, flows) = cluster.admin_get("/debug/flows").await;
+    assert_eq!(status, 200, "{flows}");
+    let flows: serde_json::Value = serde_json::from_str(&flows).unwrap();
+    let throttled = &flows["mostRefused"][0];
+    assert_eq!(throttled["identity"], "alice", "{flows:#}");
+    assert_eq!(throttled["rule"], "alice-limited");
+    assert_eq!(throttled["level"], "tight");
+    assert!(throttled["refusedPerSecond"].as_f64().unwrap() > 0.0);
+    let last = &throttled["lastRefusal"];
+    assert_eq!(last["reason"], "rate_limited");
+    assert_eq!(last["verb"], "list");
+    assert_eq!(last["resource"], "secrets");
+    assert_eq!(last["namespace"], "default");
+    assert_eq!(last["auditId"], "my-trace-0001");
+    let busiest: Vec<&str> = flows["busiest"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["identity"].as_str().unwrap())
+        .collect();
+    assert!(
+        busiest.contains(&"carol") && busiest.contains(&"alice"),
+        "{busiest:?}"
+    );
+
+    let metrics = cluster.metrics();
+    let named = format!(
+        r#"bulwark_identity_rejections_total{{identity="alice",reason="rate_limited"}} {}"#,
+        refused + 1
+    );
+    assert!(metrics.contains(&named), "{named} not in\n{metrics}");
+    assert!(
+        !metrics.contains(r#"identity="carol""#),
+        "carol was never refused"
+    );
+}

@@ -1,5 +1,6 @@
 //! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/debug/levels`, `/debug/rules`,
-//! `/debug/upstream`, `/debug/fleet`, `/debug/flows` (DESIGN.md step 10).
+//! `/debug/upstream`, `/debug/fleet`, `/debug/flows`, `/debug/log-level` (GET it; PUT a
+//! filter such as `debug` or `info,bulwark::admit=debug` to change it) (DESIGN.md step 10).
 //!
 //! Plain HTTP on its own address (localhost unless configured), apart from client traffic
 //! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
@@ -140,7 +141,7 @@ pub async fn serve(
             tokio::spawn(async move {
                 let service = service_fn(move |request| {
                     let state = state.clone();
-                    async move { Ok::<_, Infallible>(route(&state, request)) }
+                    async move { Ok::<_, Infallible>(handle(&state, request).await) }
                 });
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(stream), service)
@@ -149,6 +150,41 @@ pub async fn serve(
         }
     });
     Ok((local, task))
+}
+
+/// The longest log filter `PUT /debug/log-level` takes.
+const MAX_LOG_FILTER: usize = 4096;
+
+/// [`route`], after reading the body of `PUT /debug/log-level`, the one request with a body.
+async fn handle(state: &State, request: Request<Incoming>) -> Response<Body> {
+    if request.uri().path() != "/debug/log-level" || request.method() != http::Method::PUT {
+        return route(state, request);
+    }
+    if !debug_allowed(&state.debug_token, request.headers()) {
+        return route(state, request);
+    }
+    use http_body_util::BodyExt;
+    let body = match http_body_util::Limited::new(request.into_body(), MAX_LOG_FILTER)
+        .collect()
+        .await
+    {
+        Ok(body) => body.to_bytes(),
+        Err(e) => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                format!("the log filter could not be read (at most {MAX_LOG_FILTER} bytes): {e}\n"),
+            );
+        }
+    };
+    match crate::logs::set_log_level(&String::from_utf8_lossy(&body)) {
+        Ok(()) => text(
+            StatusCode::OK,
+            "text/plain",
+            format!("{}\n", crate::logs::log_level().unwrap_or_default()),
+        ),
+        Err(why) => text(StatusCode::BAD_REQUEST, "text/plain", format!("{why}\n")),
+    }
 }
 
 fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
@@ -164,6 +200,14 @@ fn route(state: &State, request: Request<Incoming>) -> Response<Body> {
         "/debug/levels" => json(state.admission.levels_json()),
         "/debug/rules" => json(state.rules.current().to_json()),
         "/debug/upstream" => json(upstream_json(&state.upstream)),
+        "/debug/log-level" => match crate::logs::log_level() {
+            Some(level) => text(StatusCode::OK, "text/plain", format!("{level}\n")),
+            None => text(
+                StatusCode::NOT_FOUND,
+                "text/plain",
+                "this process's log filter cannot be changed\n".into(),
+            ),
+        },
         "/debug/flows" => json(serde_json::to_value(state.board.view()).unwrap_or_default()),
         "/debug/fleet" => json(match &state.fleet {
             Some(fleet) => fleet.debug_json(),

@@ -164,6 +164,54 @@ impl Default for RejectionLog {
     }
 }
 
+/// Sets the process's log filter; installed by the binary, which owns the subscriber.
+pub type LevelSetter = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// The log filter in force and how to change it.
+struct LevelControl {
+    current: Mutex<String>,
+    set: LevelSetter,
+}
+
+static LEVEL: std::sync::OnceLock<LevelControl> = std::sync::OnceLock::new();
+
+/// Makes the log filter changeable at run time (`PUT /debug/log-level`): `current` is the
+/// filter in force (`RUST_LOG`'s directives, or `info`). Only the first call counts.
+pub fn install_level_control(current: String, set: LevelSetter) {
+    let _ = LEVEL.set(LevelControl {
+        current: Mutex::new(current),
+        set,
+    });
+}
+
+/// The log filter in force, when it can be changed.
+pub fn log_level() -> Option<String> {
+    let control = LEVEL.get()?;
+    Some(
+        control
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+    )
+}
+
+/// Changes the log filter to `directives` (`debug`, `info,bulwark::admit=debug`): the old
+/// filter stays when they do not parse.
+pub fn set_log_level(directives: &str) -> Result<(), String> {
+    let control = LEVEL
+        .get()
+        .ok_or_else(|| "this process's log filter cannot be changed".to_string())?;
+    let directives = directives.trim();
+    if directives.is_empty() {
+        return Err("an empty log filter; send e.g. `debug` or `info,bulwark::admit=debug`".into());
+    }
+    (control.set)(directives)?;
+    *control.current.lock().unwrap_or_else(|p| p.into_inner()) = directives.to_owned();
+    tracing::warn!(filter = directives, "log filter changed");
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

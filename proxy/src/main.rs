@@ -199,13 +199,32 @@ fn parse_error_line(path: &std::path::Path, e: &ConfigError) -> String {
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    use std::io::IsTerminal;
+    use tracing_subscriber::prelude::*;
+    let directives = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|e| {
+        eprintln!("bulwark: RUST_LOG={directives:?} is not a filter ({e}); logging at info");
+        tracing_subscriber::EnvFilter::new("info")
+    });
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    // Colour codes only for a person at a terminal, never into a file or a log collector.
+    let ansi = std::io::stderr().is_terminal();
+    let lines = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
+    let registry = tracing_subscriber::registry().with(filter);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => registry.with(lines).init(),
+        LogFormat::Json => registry.with(lines.json()).init(),
     }
+    bulwark::logs::install_level_control(
+        directives,
+        Box::new(move |directives: &str| {
+            let filter = tracing_subscriber::EnvFilter::try_new(directives)
+                .map_err(|e| format!("{directives:?} is not a log filter: {e}"))?;
+            handle
+                .reload(filter)
+                .map_err(|e| format!("the log filter could not be changed: {e}"))
+        }),
+    );
 }

@@ -303,6 +303,12 @@ impl Cluster {
         Client::connect(self.bulwark.addr, &self.pki, None).await
     }
 
+    /// A client without a certificate for a Bulwark of this cluster's certificates at
+    /// `addr` (one started as its own process with [`Cluster::process_config`]).
+    pub async fn anonymous_client_at(&self, addr: SocketAddr) -> Client {
+        Client::connect(addr, &self.pki, None).await
+    }
+
     /// A client of the `kube` crate for `user` in `groups`, through Bulwark, from a
     /// kubeconfig as a user writes it.
     pub async fn kube_client(&self, user: &str, groups: &[&str]) -> kube::Client {

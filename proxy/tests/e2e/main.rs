@@ -9,4 +9,5 @@ mod fleet;
 mod front_door;
 mod identity;
 mod kube_client;
+mod oncall;
 mod streaming;

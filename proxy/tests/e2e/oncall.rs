@@ -1,0 +1,108 @@
+//! What the on-call changes and reads on a running `bulwark` process: the log filter at run
+//! time, and log lines with no colour codes when they go to a file or a pipe.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bulwark_testkit::{BAD_TOKEN, Cluster, Setup, admin_get};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+/// `PUT path` with `body` on the admin listener: the status and the body.
+async fn admin_put(admin: std::net::SocketAddr, path: &str, body: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(admin).await.unwrap();
+    let request = format!(
+        "PUT {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, body.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_filter_changes_at_run_time_and_piped_logs_have_no_colour_codes() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let config = cluster.process_config();
+    let path = cluster.dir().join("oncall.yaml");
+    config.write(&path).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let sink = stderr.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            let mut all = sink.lock().unwrap();
+            all.push_str(&line);
+            all.push('\n');
+        }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while admin_get(config.admin, "/readyz").await.map(|(s, _)| s) != Some(200) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "bulwark never ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let refused = |stderr: &Arc<Mutex<String>>| {
+        stderr
+            .lock()
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("DEBUG") && l.contains("refused"))
+            .count()
+    };
+    let mut client = cluster.anonymous_client_at(config.listen).await;
+    let bad = bulwark_testkit::with_token(bulwark_testkit::get("/api/v1/pods"), BAD_TOKEN);
+
+    assert_eq!(
+        admin_get(config.admin, "/debug/log-level").await,
+        Some((200, "info\n".into()))
+    );
+    assert_eq!(client.send(bad.clone()).await.status, 401);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(refused(&stderr), 0, "debug lines at info");
+
+    let (status, body) = admin_put(config.admin, "/debug/log-level", "debug").await;
+    assert_eq!((status, body.as_str()), (200, "debug\n"));
+    assert_eq!(client.send(bad.clone()).await.status, 401);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while refused(&stderr) == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no debug line after the filter changed:\n{}",
+            stderr.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A filter that does not parse is refused and the one in force stays.
+    let (status, body) = admin_put(config.admin, "/debug/log-level", "bulwark=[").await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not a log filter"), "{body}");
+    assert_eq!(
+        admin_get(config.admin, "/debug/log-level").await,
+        Some((200, "debug\n".into()))
+    );
+
+    let all = stderr.lock().unwrap().clone();
+    assert!(all.contains("log filter changed"), "{all}");
+    assert!(
+        !all.contains('\u{1b}'),
+        "colour codes in logs written to a pipe:\n{all}"
+    );
+}

@@ -23,6 +23,7 @@ use crate::cache::Cache;
 use crate::config;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
+use crate::report::Chain;
 use crate::rules::Rules;
 use crate::upstream::Upstream;
 use crate::{Body, full};
@@ -43,6 +44,8 @@ pub struct State {
     pub fleet: Option<Arc<Fleet>>,
     /// The flows seen, for `/debug/flows`.
     pub board: Arc<crate::board::Board>,
+    /// Who may read `/metrics`: `None` for anyone who reaches the listener.
+    pub metrics_auth: Option<MetricsAuth>,
     /// What `/debug/*` requires: `Open` on loopback, else the token (or nothing is served).
     pub debug_token: DebugAccess,
     /// Set when SIGTERM arrived: `/readyz` fails from then on.
@@ -125,38 +128,148 @@ fn debug_allowed(access: &DebugAccess, headers: &http::HeaderMap) -> bool {
     }
 }
 
-/// Binds the admin listener and serves it in the background.
+/// How `/metrics` callers are checked (`admin.metricsAccess: authorized`): a TokenReview of
+/// their bearer token, then a SubjectAccessReview of `get` on `/metrics`, both upstream.
+pub struct MetricsAuth {
+    /// Reviews (and caches) bearer tokens, as for clients.
+    pub tokens: Arc<crate::identity::review::TokenCache>,
+    /// Where the SubjectAccessReview goes.
+    pub upstream: Upstream,
+    /// Bulwark's own identity for it.
+    pub own_token: Option<Arc<crate::identity::forward::OwnToken>>,
+}
+
+/// How long a TLS handshake on the admin listener may take.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often the admin listener's certificate files are checked for a change.
+const TLS_RELOAD_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Binds the admin listener and serves it in the background: HTTPS with `tls`.
 pub async fn serve(
     address: SocketAddr,
     state: Arc<State>,
+    tls: Option<crate::listen::ServingTls>,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(address).await?;
     let local = listener.local_addr()?;
+    if let Some(tls) = tls.clone() {
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(TLS_RELOAD_EVERY);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                let files = tls.clone();
+                match tokio::task::spawn_blocking(move || files.reload()).await {
+                    Ok(Ok(true)) => tracing::info!("admin listener certificate reloaded"),
+                    Ok(Ok(false)) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %Chain(&e), "admin listener certificate not reloaded; the old one stays")
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    }
     let task = tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Ok((stream, peer)) = listener.accept().await else {
+                // Out of descriptors, most likely: do not spin.
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 continue;
             };
             let state = state.clone();
+            let tls = tls.clone();
             tokio::spawn(async move {
                 let service = service_fn(move |request| {
                     let state = state.clone();
-                    async move { Ok::<_, Infallible>(handle(&state, request).await) }
+                    async move { Ok::<_, Infallible>(handle(&state, request, peer).await) }
                 });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                match tls {
+                    None => {
+                        let _ = builder
+                            .serve_connection(TokioIo::new(stream), service)
+                            .await;
+                    }
+                    Some(tls) => {
+                        let accepted =
+                            tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor().accept(stream))
+                                .await;
+                        if let Ok(Ok(stream)) = accepted {
+                            let _ = builder
+                                .serve_connection(TokioIo::new(stream), service)
+                                .await;
+                        }
+                    }
+                }
             });
         }
     });
     Ok((local, task))
 }
 
+/// Whether the caller of `request` may read `/metrics`: `Err` is the answer when not.
+async fn metrics_allowed(
+    auth: &MetricsAuth,
+    request: &Request<Incoming>,
+    peer: SocketAddr,
+) -> Result<(), Response<Body>> {
+    use crate::cache::authz::{Decision, review_non_resource};
+    let refuse = |status, why: String| text(status, "text/plain", format!("{why}\n"));
+    let token = match crate::identity::bearer_token(request.headers()) {
+        Ok(Some(token)) => token,
+        Ok(None) | Err(_) => {
+            return Err(refuse(
+                StatusCode::UNAUTHORIZED,
+                "/metrics needs a bearer token".into(),
+            ));
+        }
+    };
+    let user = match auth.tokens.authenticate(&token, Some(peer.ip())).await {
+        Ok(user) => user,
+        Err(e) => {
+            tracing::info!(%peer, error = %Chain(&e), "a /metrics caller was not authenticated");
+            return Err(refuse(StatusCode::UNAUTHORIZED, "Unauthorized".into()));
+        }
+    };
+    match review_non_resource(
+        &auth.upstream,
+        auth.own_token.as_deref(),
+        &user,
+        "get",
+        "/metrics",
+    )
+    .await
+    {
+        Ok(Decision::Allowed) => Ok(()),
+        Ok(Decision::Denied(why)) => {
+            tracing::info!(%peer, user = user.username, why, "a /metrics caller was refused");
+            Err(refuse(
+                StatusCode::FORBIDDEN,
+                format!("{} may not get /metrics", user.username),
+            ))
+        }
+        Err(e) => {
+            tracing::warn!(%peer, error = %Chain(&e), "no SubjectAccessReview for a /metrics caller");
+            Err(refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the caller could not be authorized: no SubjectAccessReview could be made".into(),
+            ))
+        }
+    }
+}
+
 /// The longest log filter `PUT /debug/log-level` takes.
 const MAX_LOG_FILTER: usize = 4096;
 
 /// [`route`], after reading the body of `PUT /debug/log-level`, the one request with a body.
-async fn handle(state: &State, request: Request<Incoming>) -> Response<Body> {
+async fn handle(state: &State, request: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    if request.uri().path() == "/metrics"
+        && let Some(auth) = &state.metrics_auth
+        && let Err(refused) = metrics_allowed(auth, &request, peer).await
+    {
+        return refused;
+    }
     if request.uri().path() != "/debug/log-level" || request.method() != http::Method::PUT {
         return route(state, request);
     }

@@ -251,7 +251,9 @@ impl Default for Shutdown {
     }
 }
 
-/// The admin listener (DESIGN.md step 10). Plain HTTP.
+/// The admin listener (DESIGN.md step 10): plain HTTP on localhost by default; HTTPS with
+/// `tls`, and `/metrics` for authorized scrapers only with `metricsAccess: authorized`, the
+/// way Kubernetes components protect theirs.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Admin {
@@ -260,6 +262,10 @@ pub struct Admin {
     /// File holding the bearer token that `/debug/*` requires when the admin listener is not
     /// bound to localhost.
     pub token_file: Option<PathBuf>,
+    /// Serve HTTPS with this certificate and key (re-read when they change).
+    pub tls: Option<AdminTls>,
+    /// Who may read `/metrics`.
+    pub metrics_access: MetricsAccess,
 }
 
 impl Default for Admin {
@@ -267,8 +273,34 @@ impl Default for Admin {
         Self {
             address: SocketAddr::from(([127, 0, 0, 1], 9443)),
             token_file: None,
+            tls: None,
+            metrics_access: MetricsAccess::Anyone,
         }
     }
+}
+
+/// The admin listener's serving certificate.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AdminTls {
+    /// PEM file with the certificate chain.
+    pub cert: PathBuf,
+    /// PEM file with its private key.
+    pub key: PathBuf,
+}
+
+/// Who may read `/metrics` on the admin listener.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum MetricsAccess {
+    /// Anyone who reaches the listener (bind it to localhost, or keep it behind a network
+    /// policy).
+    #[default]
+    Anyone,
+    /// A caller whose bearer token a TokenReview accepts and whom a SubjectAccessReview
+    /// allows `get` on the non-resource URL `/metrics` (as `system:monitoring` is in a
+    /// cluster), both made upstream with Bulwark's own identity. Needs `tls`.
+    Authorized,
 }
 
 /// The apiserver replicas (DESIGN.md steps 3 and 8).
@@ -982,6 +1014,17 @@ impl Config {
         // refused (see `Admin::debug_needs_token`), the rest still works.
         if let Some(token_file) = &self.admin.token_file {
             p.path("admin.tokenFile", token_file);
+        }
+        if let Some(tls) = &self.admin.tls {
+            p.path("admin.tls.cert", &tls.cert);
+            p.path("admin.tls.key", &tls.key);
+        }
+        if self.admin.metrics_access == MetricsAccess::Authorized && self.admin.tls.is_none() {
+            p.add(
+                "admin.metricsAccess",
+                "authorized needs admin.tls: a bearer token must not cross the network in the clear"
+                    .to_string(),
+            );
         }
         p.0
     }

@@ -160,6 +160,33 @@ pub enum DrainPhase {
     Close,
 }
 
+/// A serving certificate and key without client certificates (the admin listener's),
+/// re-read on demand.
+#[derive(Clone)]
+pub struct ServingTls(Arc<tls::TlsState>);
+
+impl ServingTls {
+    /// Reads and checks the files now; a problem names the file.
+    pub fn load(cert: &std::path::Path, key: &std::path::Path) -> Result<Self, ListenError> {
+        tls::TlsState::load(tls::TlsFiles {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            client_ca: None,
+        })
+        .map(|state| Self(Arc::new(state)))
+    }
+
+    /// The acceptor for a handshake starting now.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.0.current())
+    }
+
+    /// Re-reads the files (blocking file I/O); see [`Reloader::reload`].
+    pub fn reload(&self) -> Result<bool, ListenError> {
+        self.0.check()
+    }
+}
+
 /// Re-reads the listener's certificate, key and client CA files on demand.
 #[derive(Clone)]
 pub struct Reloader(Arc<tls::TlsState>);

@@ -85,6 +85,9 @@ pub enum StartError {
     /// The admin listener.
     #[error("admin: {0}")]
     Admin(#[from] std::io::Error),
+    /// The admin listener's certificate.
+    #[error("admin.tls: {0}")]
+    AdminTls(#[source] ListenError),
     /// The rule files are invalid.
     #[error("rules: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Rules(Vec<RuleProblem>),
@@ -125,6 +128,8 @@ impl Running {
             config.identity.token_review.clone(),
             metrics.clone(),
         ));
+        let (tokens_for_admin, upstream_for_admin, own_token_for_admin) =
+            (tokens.clone(), upstream.clone(), own_token.clone());
         let forwarding = Forwarding::new(
             config.identity.mode,
             config.upstream.front_proxy.as_ref(),
@@ -246,10 +251,25 @@ impl Running {
             cache,
             fleet,
             board,
+            metrics_auth: (config.admin.metrics_access == config::MetricsAccess::Authorized).then(
+                || admin::MetricsAuth {
+                    tokens: tokens_for_admin,
+                    upstream: upstream_for_admin,
+                    own_token: own_token_for_admin,
+                },
+            ),
             debug_token: admin::debug_token(&config.admin)?,
             draining: AtomicBool::new(false),
         });
-        let (admin_addr, admin_task) = admin::serve(config.admin.address, admin.clone()).await?;
+        let admin_tls = match &config.admin.tls {
+            Some(tls) => Some(
+                crate::listen::ServingTls::load(&tls.cert, &tls.key)
+                    .map_err(StartError::AdminTls)?,
+            ),
+            None => None,
+        };
+        let (admin_addr, admin_task) =
+            admin::serve(config.admin.address, admin.clone(), admin_tls).await?;
         let reopen = reopen_on_hangup(files.clone());
         tracing::info!(%addr, %admin_addr, "bulwark serving");
         Ok(Running {

@@ -76,10 +76,6 @@ impl UpstreamAccessReviewer {
 
 /// The review body for a user and request.
 pub fn review_body(user: &User, attrs: &Attributes) -> serde_json::Value {
-    let mut groups = user.groups.clone();
-    if !groups.iter().any(|g| g == AUTHENTICATED) {
-        groups.push(AUTHENTICATED.to_owned());
-    }
     let mut resource = json!({
         "verb": attrs.verb,
         "group": attrs.group,
@@ -92,8 +88,42 @@ pub fn review_body(user: &User, attrs: &Attributes) -> serde_json::Value {
     if !attrs.name.is_empty() {
         resource["name"] = json!(attrs.name);
     }
+    review_of(user, "resourceAttributes", resource)
+}
+
+/// Whether `user` may `verb` the non-resource URL `path` (`get /metrics`), asked upstream
+/// with Bulwark's own identity. Not cached: its one caller, a scrape, comes every few
+/// seconds at most.
+pub async fn review_non_resource(
+    upstream: &Upstream,
+    own_token: Option<&OwnToken>,
+    user: &User,
+    verb: &str,
+    path: &str,
+) -> Result<Decision, ReviewError> {
+    let body = review_of(
+        user,
+        "nonResourceAttributes",
+        json!({ "verb": verb, "path": path }),
+    );
+    let review = crate::identity::review::post_json(
+        upstream,
+        own_token,
+        "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+        &body,
+    )
+    .await?;
+    decision(&review)
+}
+
+/// A SubjectAccessReview of `user` for `attributes` under `kind`.
+fn review_of(user: &User, kind: &str, attributes: serde_json::Value) -> serde_json::Value {
+    let mut groups = user.groups.clone();
+    if !groups.iter().any(|g| g == AUTHENTICATED) {
+        groups.push(AUTHENTICATED.to_owned());
+    }
     let mut spec = json!({
-        "resourceAttributes": resource,
+        kind: attributes,
         "user": user.username,
         "groups": groups,
     });
@@ -127,25 +157,30 @@ impl AccessReviewer for UpstreamAccessReviewer {
                 &body,
             )
             .await?;
-            let status = &review["status"];
-            if status["allowed"].as_bool() == Some(true) {
-                return Ok(Decision::Allowed);
-            }
-            if status.is_null() {
-                return Err(ReviewError::NoStatus);
-            }
-            let reason = status["reason"].as_str().unwrap_or_default();
-            let error = status["evaluationError"].as_str().unwrap_or_default();
-            Ok(Decision::Denied(
-                [reason, error]
-                    .into_iter()
-                    .filter(|s| !s.is_empty())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            ))
+            decision(&review)
         }
         .boxed()
     }
+}
+
+/// What an answered SubjectAccessReview decided.
+fn decision(review: &serde_json::Value) -> Result<Decision, ReviewError> {
+    let status = &review["status"];
+    if status["allowed"].as_bool() == Some(true) {
+        return Ok(Decision::Allowed);
+    }
+    if status.is_null() {
+        return Err(ReviewError::NoStatus);
+    }
+    let reason = status["reason"].as_str().unwrap_or_default();
+    let error = status["evaluationError"].as_str().unwrap_or_default();
+    Ok(Decision::Denied(
+        [reason, error]
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .collect::<Vec<_>>()
+            .join("; "),
+    ))
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -106,3 +106,88 @@ async fn the_log_filter_changes_at_run_time_and_piped_logs_have_no_colour_codes(
         "colour codes in logs written to a pipe:\n{all}"
     );
 }
+
+/// Starts `cluster`'s Bulwark as its own process with its admin listener on HTTPS (the
+/// serving certificate) and `/metrics` for authorized scrapers only; its admin address.
+async fn with_protected_metrics(
+    cluster: &Cluster,
+) -> (tokio::process::Child, std::net::SocketAddr) {
+    let (cert, key) = cluster.process_config().credentials.serving.clone();
+    let config = cluster
+        .process_config()
+        .set(
+            "admin.tls",
+            &format!("{{cert: {}, key: {}}}", cert.display(), key.display()),
+        )
+        .set("admin.metricsAccess", "authorized");
+    let path = cluster.dir().join("protected-metrics.yaml");
+    config.write(&path).unwrap();
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(config.admin).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "no admin listener");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (child, config.admin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_on_the_admin_listener_are_served_over_tls_to_authorized_scrapers_only() {
+    let mut policy = bulwark_testkit::policy();
+    let mut scrape = bulwark_testkit::grant(&["tina"], &[], &["get"], &[]);
+    scrape.namespaces = Vec::new();
+    scrape.non_resource_urls = vec!["/metrics".into()];
+    policy.rules.push(scrape);
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        policy,
+        ..Setup::default()
+    })
+    .await;
+    let (_bulwark, admin) = with_protected_metrics(&cluster).await;
+
+    // Plain HTTP is not spoken any more.
+    assert!(
+        admin_get(admin, "/metrics")
+            .await
+            .is_none_or(|(s, _)| s != 200),
+        "plain HTTP still serves /metrics"
+    );
+    let mut scraper = cluster.anonymous_client_at(admin).await;
+    let answer = scraper.get("/metrics").await;
+    assert_eq!(answer.status, 401, "{}", answer.text());
+    let answer = scraper.get_with_token("/metrics", BAD_TOKEN).await;
+    assert_eq!(answer.status, 401, "{}", answer.text());
+    let answer = scraper
+        .get_with_token("/metrics", bulwark_testkit::GOOD_TOKEN)
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert!(
+        answer.text().contains("# TYPE bulwark_"),
+        "{}",
+        answer.text()
+    );
+    // Probes stay open to the kubelet.
+    assert_eq!(scraper.get("/healthz").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scraper_the_authorizer_does_not_allow_gets_403_for_metrics() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let (_bulwark, admin) = with_protected_metrics(&cluster).await;
+    let mut scraper = cluster.anonymous_client_at(admin).await;
+    let answer = scraper
+        .get_with_token("/metrics", bulwark_testkit::GOOD_TOKEN)
+        .await;
+    assert_eq!(answer.status, 403, "{}", answer.text());
+    assert!(answer.text().contains("tina may not get /metrics"));
+}

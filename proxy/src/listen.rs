@@ -166,13 +166,22 @@ pub enum DrainPhase {
 pub struct ServingTls(Arc<tls::TlsState>);
 
 impl ServingTls {
-    /// Reads and checks the files now; a problem names the file.
-    pub fn load(cert: &std::path::Path, key: &std::path::Path) -> Result<Self, ListenError> {
-        tls::TlsState::load(tls::TlsFiles {
-            cert: cert.to_path_buf(),
-            key: key.to_path_buf(),
-            client_ca: None,
-        })
+    /// Reads and checks the files now; a problem names the file. The certificate's expiry
+    /// goes to `metrics` as `certificate="admin"`.
+    pub fn load(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        metrics: &Metrics,
+    ) -> Result<Self, ListenError> {
+        tls::TlsState::load(
+            tls::TlsFiles {
+                cert: cert.to_path_buf(),
+                key: key.to_path_buf(),
+                client_ca: None,
+                role: "admin",
+            },
+            metrics.clone(),
+        )
         .map(|state| Self(Arc::new(state)))
     }
 

@@ -263,7 +263,7 @@ impl Running {
         });
         let admin_tls = match &config.admin.tls {
             Some(tls) => Some(
-                crate::listen::ServingTls::load(&tls.cert, &tls.key)
+                crate::listen::ServingTls::load(&tls.cert, &tls.key, &admin.metrics)
                     .map_err(StartError::AdminTls)?,
             ),
             None => None,

@@ -964,7 +964,7 @@ async fn dashboard_and_alerts_use_only_metrics_bulwark_exports() {
         "bulwark_cache_lag_seconds",
         "by (replica) (rate(bulwark_upstream_responses_total",
         // Who is throttled and why; reloads on the time axis.
-        "by (identity, rule, reason) (rate(bulwark_rejected_requests_total",
+        "by (identity, reason) (rate(bulwark_identity_rejections_total",
         "rule=~\"$rule\", level=~\"$level\"",
         "increase(bulwark_rules_reload_total",
         // Is an apiserver about to fall over, beside Bulwark's view of each replica.

@@ -26,6 +26,8 @@ pub(super) struct TlsFiles {
     pub(super) cert: PathBuf,
     pub(super) key: PathBuf,
     pub(super) client_ca: Option<PathBuf>,
+    /// The `certificate` label of its expiry metric (`serving`, `admin`).
+    pub(super) role: &'static str,
 }
 
 impl TlsFiles {
@@ -34,6 +36,7 @@ impl TlsFiles {
             cert: cfg.cert.clone(),
             key: cfg.key.clone(),
             client_ca: cfg.client_ca.clone(),
+            role: "serving",
         }
     }
 
@@ -147,7 +150,7 @@ impl TlsState {
 /// that [`build`] accepted, so they parse).
 fn record_expiry(metrics: &Metrics, files: &TlsFiles, contents: &Contents) {
     if let Ok(chain) = certificates(&files.cert, &contents.cert) {
-        metrics.set_certificate_expiry("serving", &chain);
+        metrics.set_certificate_expiry(files.role, &chain);
     }
     if let (Some(path), Some(pem)) = (&files.client_ca, &contents.client_ca)
         && let Ok(bundle) = certificates(path, pem)
@@ -288,6 +291,7 @@ mod tests {
             cert: write(dir, "tls.crt", cert),
             key: write(dir, "tls.key", key),
             client_ca: ca.map(|ca| write(dir, "ca.crt", ca)),
+            role: "serving",
         }
     }
 
@@ -362,6 +366,7 @@ mod tests {
             cert: dir.join("absent.crt"),
             key: dir.join("absent.key"),
             client_ca: None,
+            role: "serving",
         };
         let err = TlsState::load(missing, Metrics::new())
             .err()

@@ -33,7 +33,12 @@ a file the DaemonSet does not mount.
     "cert" (printf "%s/serving/tls.crt" $pki)
     "key" (printf "%s/serving/tls.key" $pki)
     "clientCA" (printf "%s/client-ca/ca.crt" $pki))
-  "admin" (dict "address" (printf "%s:%d" .Values.admin.address (int .Values.admin.port)))
+  "admin" (dict
+    "address" (printf "%s:%d" .Values.admin.address (int .Values.admin.port))
+    "tls" (dict
+      "cert" (printf "%s/serving/tls.crt" $pki)
+      "key" (printf "%s/serving/tls.key" $pki))
+    "metricsAccess" "authorized")
   "upstream" (dict
     "replicas" .Values.apiservers
     "ca" (printf "%s/ca.crt" $sa)

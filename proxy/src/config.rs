@@ -42,6 +42,39 @@ pub struct Config {
     /// What the metrics may say of who is refused.
     #[serde(default)]
     pub metrics: MetricsSettings,
+    /// One JSON line per request; off when absent.
+    #[serde(default)]
+    pub access_log: Option<AccessLog>,
+}
+
+/// The access log: one JSON line per request (who, what, the answer, the rule and level,
+/// the refusal's reason, the `Audit-Id`), sampled or full, rotated by size like the audit
+/// log.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AccessLog {
+    /// File the lines are appended to. Required.
+    pub path: PathBuf,
+    /// Fraction (0 to 1) of answered requests logged; every refusal and every 5xx is
+    /// logged whatever the fraction.
+    #[serde(default = "one")]
+    pub sample: f64,
+    /// Bytes per file before it is rotated, as for `audit.maxSize`. At least 64Ki.
+    #[serde(default = "default_log_size")]
+    pub max_size: Quantity,
+    /// Rotated files kept, as for `audit.maxFiles`. At least 1.
+    #[serde(default = "default_log_files")]
+    pub max_files: u32,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn default_log_size() -> Quantity {
+    Quantity(100 * 1024 * 1024)
+}
+fn default_log_files() -> u32 {
+    5
 }
 
 /// What the metrics may say of who is refused.
@@ -862,6 +895,13 @@ impl Config {
         }
         self.rules.folder.iter_mut().for_each(resolve);
         self.audit.path.iter_mut().for_each(resolve);
+        if let Some(tls) = &mut self.admin.tls {
+            resolve(&mut tls.cert);
+            resolve(&mut tls.key);
+        }
+        if let Some(access) = &mut self.access_log {
+            resolve(&mut access.path);
+        }
     }
 }
 
@@ -999,6 +1039,27 @@ impl Config {
         }
         if let Some(fleet) = &self.fleet {
             validate_fleet(fleet, &mut p);
+        }
+        if let Some(access) = &self.access_log {
+            p.path("accessLog.path", &access.path);
+            if !(0.0..=1.0).contains(&access.sample) {
+                p.add(
+                    "accessLog.sample",
+                    format!("{} is outside 0 to 1", access.sample),
+                );
+            }
+            if access.max_size.0 < 64 * 1024 {
+                p.add(
+                    "accessLog.maxSize",
+                    "must be at least 64Ki (each file holds whole lines)",
+                );
+            }
+            if access.max_files == 0 {
+                p.add(
+                    "accessLog.maxFiles",
+                    "must be at least 1 (0 would delete the log at each rotation)",
+                );
+            }
         }
         if self.metrics.identities > crate::board::MAX_IDENTITY_LABELS {
             p.add(

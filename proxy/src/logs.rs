@@ -9,6 +9,7 @@
 //! File logs (the audit log, an access log) are written through [`rotate`], which keeps each
 //! to a bounded number of bounded files.
 
+pub mod access;
 pub mod rotate;
 
 use std::collections::HashMap;

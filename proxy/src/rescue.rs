@@ -16,6 +16,7 @@ use tower::{Layer, Service};
 use crate::board::{Board, IdentityRejections, Refused, Seen};
 use crate::call::{Call, Labels};
 use crate::listen::ConnInfo;
+use crate::logs::access::{AccessLog, Entry as AccessEntry};
 use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
 use crate::metrics::{Metrics, ServedBy, code_label, method_label};
 use crate::status::ProxyError;
@@ -38,12 +39,13 @@ struct Shared {
     log: RejectionLog,
     board: Arc<Board>,
     identities: IdentityRejections,
+    access: Option<AccessLog>,
 }
 
 impl RescueLayer {
     /// Counts in `metrics` (naming the `identities` identities refused most); logs
-    /// refusals to the rejection log.
-    pub fn new(metrics: Metrics, identities: u32) -> RescueLayer {
+    /// refusals to the rejection log and every request to `access` when there is one.
+    pub fn new(metrics: Metrics, identities: u32, access: Option<AccessLog>) -> RescueLayer {
         let named = metrics.identity_rejections_total.clone();
         RescueLayer {
             shared: Arc::new(Shared {
@@ -51,6 +53,7 @@ impl RescueLayer {
                 log: RejectionLog::default(),
                 board: Arc::new(Board::new(BOARD_WINDOW)),
                 identities: IdentityRejections::new(identities, NAMING_WINDOW, named),
+                access,
             }),
         }
     }
@@ -112,8 +115,9 @@ where
                 log,
                 board,
                 identities,
+                access,
             } = &*shared;
-            let (mut response, served_by) = match inner.call(call).await {
+            let (mut response, served_by, reason) = match inner.call(call).await {
                 Ok(response) => {
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
                     let named = |name| {
@@ -130,7 +134,7 @@ where
                         waited: report.waited.get().copied().unwrap_or_default(),
                         refused: None,
                     });
-                    (response, served_by)
+                    (response, served_by, None)
                 }
                 Err(error) => {
                     let who = report.who.get().map_or("-", String::as_str);
@@ -164,11 +168,36 @@ where
                             audit_id: audit_id.to_str().unwrap_or(""),
                         }),
                     });
+                    let reason = refusal.reason;
                     let response = error.into_response(refusal);
                     let served_by = served_by(&response).unwrap_or(ServedBy::Bulwark);
-                    (response, served_by)
+                    (response, served_by, Some(reason))
                 }
             };
+            if let Some(access) = access {
+                // A refusal names its rule and level in its headers too.
+                let named = |name| {
+                    response
+                        .headers()
+                        .get(name)
+                        .and_then(|v: &HeaderValue| v.to_str().ok())
+                        .unwrap_or("")
+                };
+                access.record(&AccessEntry {
+                    audit_id: audit_id.to_str().unwrap_or(""),
+                    user: report.who.get().map_or("-", String::as_str),
+                    source,
+                    user_agent: &user_agent,
+                    method,
+                    request: report.info.get().map(|i| &**i),
+                    code: response.status().as_u16(),
+                    served_by: served_by.as_str(),
+                    rule: named("x-bulwark-rule"),
+                    level: named("x-bulwark-level"),
+                    reason,
+                    took: started.elapsed(),
+                });
+            }
             // The apiserver's and the cache's answers already carry it; Bulwark's own do
             // from here.
             response.headers_mut().entry("audit-id").or_insert(audit_id);

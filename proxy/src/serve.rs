@@ -31,6 +31,7 @@ use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::layer::Identify;
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, ListenError, Listener};
+use crate::logs::access::AccessLog;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
 use crate::rescue::RescueLayer;
@@ -150,7 +151,28 @@ impl Running {
             })?),
             None => None,
         };
-        let files: Vec<LineFile> = audit.iter().map(|a| a.file().clone()).collect();
+        let access = match &config.access_log {
+            Some(access) => Some(
+                AccessLog::open(
+                    &access.path,
+                    access.sample,
+                    Limits::new(access.max_size.0, access.max_files),
+                    &metrics,
+                )
+                .map_err(|e| {
+                    StartError::Admin(std::io::Error::new(
+                        e.kind(),
+                        format!("access log {}: {e}", access.path.display()),
+                    ))
+                })?,
+            ),
+            None => None,
+        };
+        let files: Vec<LineFile> = audit
+            .iter()
+            .map(|a| a.file().clone())
+            .chain(access.iter().map(|a| a.file().clone()))
+            .collect();
         let cache = config.cache.enabled.then(|| {
             Cache::start(
                 &config.cache,
@@ -216,7 +238,7 @@ impl Running {
                 }
             })
         };
-        let rescue = RescueLayer::new(metrics.clone(), config.metrics.identities);
+        let rescue = RescueLayer::new(metrics.clone(), config.metrics.identities, access);
         let board = rescue.board();
         let service = stack(
             rescue,

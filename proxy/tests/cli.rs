@@ -141,6 +141,15 @@ fn example_under(root: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
+/// The line of the example configuration that sets a path ending in `file` (not a comment).
+fn example_line(file: &str) -> usize {
+    let example = include_str!("../bulwark.example.yaml");
+    1 + example
+        .lines()
+        .position(|l| !l.trim_start().starts_with('#') && l.contains(file))
+        .unwrap_or_else(|| panic!("the example sets no {file}"))
+}
+
 #[test]
 fn check_config_names_every_missing_file_of_the_example_and_exits_2() {
     let root = tempfile::tempdir().unwrap();
@@ -148,24 +157,23 @@ fn check_config_names_every_missing_file_of_the_example_and_exits_2() {
     let out = bulwark(&["check-config", config.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    for (line, field, file) in [
-        (15, "listen.cert", "certs/dev/bulwark.crt"),
-        (17, "listen.key", "certs/dev/bulwark.key"),
-        (20, "listen.clientCA", "certs/dev/client-ca.crt"),
-        (119, "upstream.ca", "certs/dev/apiserver-ca.crt"),
+    for (field, file) in [
+        ("listen.cert", "certs/dev/bulwark.crt"),
+        ("listen.key", "certs/dev/bulwark.key"),
+        ("listen.clientCA", "certs/dev/client-ca.crt"),
+        ("upstream.ca", "certs/dev/apiserver-ca.crt"),
         (
-            127,
             "upstream.frontProxy.cert",
             "certs/dev/front-proxy-client.crt",
         ),
         (
-            129,
             "upstream.frontProxy.key",
             "certs/dev/front-proxy-client.key",
         ),
-        (144, "upstream.self.cert", "certs/dev/bulwark-client.crt"),
-        (146, "upstream.self.key", "certs/dev/bulwark-client.key"),
+        ("upstream.self.cert", "certs/dev/bulwark-client.crt"),
+        ("upstream.self.key", "certs/dev/bulwark-client.key"),
     ] {
+        let line = example_line(file);
         let want = format!("bulwark.example.yaml:{line}: {field}: cannot read ");
         let found = stderr
             .lines()
@@ -226,13 +234,17 @@ fn check_config_passes_the_example_with_its_files_and_finds_a_wrong_key() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("bulwark.example.yaml:17: listen.key: ")
-            && stderr.contains("does not hold the private key of the certificate in"),
+        stderr.contains(&format!(
+            "bulwark.example.yaml:{}: listen.key: ",
+            example_line("certs/dev/bulwark.key")
+        )) && stderr.contains("does not hold the private key of the certificate in"),
         "{stderr}"
     );
     assert!(
-        stderr.contains("bulwark.example.yaml:119: upstream.ca: ")
-            && stderr.contains("no PEM certificate in the file"),
+        stderr.contains(&format!(
+            "bulwark.example.yaml:{}: upstream.ca: ",
+            example_line("certs/dev/apiserver-ca.crt")
+        )) && stderr.contains("no PEM certificate in the file"),
         "{stderr}"
     );
     assert!(

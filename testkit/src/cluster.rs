@@ -315,6 +315,17 @@ impl Cluster {
         kube_client(&self.pki, self.bulwark.addr, user, groups).await
     }
 
+    /// The lines of the JSON lines file at `path` that Bulwark writes (an access log), the
+    /// last requests' included (the logs' writer threads are waited for).
+    pub fn json_lines(&self, path: &Path) -> Vec<serde_json::Value> {
+        self.bulwark.flush_logs();
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("a JSON line"))
+            .collect()
+    }
+
     /// The audit events Bulwark has written (reads it answered or refused from its cache),
     /// the last requests' included (the log's writer thread is waited for).
     pub fn audit_events(&self) -> Vec<serde_json::Value> {

@@ -108,11 +108,27 @@ pub fn check(config: &Config, config_path: &Path, text: &str) -> Vec<FileProblem
     if let Some(token) = &config.admin.token_file {
         token_file("admin.tokenFile", token, &mut add);
     }
-    if let Some(path) = &config.audit.path {
-        let folder = path.parent().filter(|p| !p.as_os_str().is_empty());
+    if let Some(tls) = &config.admin.tls {
+        cert_and_key(
+            ("admin.tls.cert", &tls.cert),
+            ("admin.tls.key", &tls.key),
+            &mut add,
+        );
+    }
+    let logs = [
+        ("audit.path", config.audit.path.as_deref()),
+        (
+            "accessLog.path",
+            config.access_log.as_ref().map(|a| a.path.as_path()),
+        ),
+    ];
+    for (field, path) in logs {
+        let folder = path
+            .and_then(|p| p.parent())
+            .filter(|p| !p.as_os_str().is_empty());
         if let Some(folder) = folder.filter(|f| !f.is_dir()) {
             add(
-                "audit.path",
+                field,
                 format!("the folder {} does not exist", folder.display()),
             );
         }

@@ -226,3 +226,48 @@ async fn the_throttled_identity_is_named_by_debug_flows_the_metric_and_every_ans
         "carol was never refused"
     );
 }
+
+/// The access log has one line per request, refusals included, each with the `Audit-Id` its
+/// answer carried, who asked, what, and the rule, level and reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_has_a_line_per_request_with_its_audit_id_rule_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("access.jsonl");
+    let setting: &'static str = Box::leak(format!("{{path: {}}}", path.display()).into_boxed_str());
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        rules: RULES,
+        settings: vec![("accessLog", setting)],
+        ..Setup::default()
+    })
+    .await;
+    let mut alice = cluster.client("alice", &[]).await;
+    let mut answers = Vec::new();
+    for _ in 0..4 {
+        answers.push(alice.get(SECRETS).await);
+    }
+    let lines = cluster.json_lines(&path);
+    assert_eq!(lines.len(), 4, "{lines:#?}");
+    for (line, answer) in lines.iter().zip(&answers) {
+        assert_eq!(
+            line["auditId"],
+            answer.headers["audit-id"].to_str().unwrap()
+        );
+        assert_eq!(line["code"], answer.status.as_u16());
+        assert_eq!(line["user"], "alice");
+        assert_eq!(line["verb"], "list");
+        assert_eq!(line["resource"], "secrets");
+        assert_eq!(line["namespace"], "default");
+        assert_eq!(line["rule"], "alice-limited");
+        assert_eq!(line["level"], "tight");
+        assert!(line["source"].as_str().unwrap().starts_with("127.0.0.1:"));
+    }
+    let refused: Vec<_> = lines.iter().filter(|l| l["code"] == 429).collect();
+    assert_eq!(refused.len(), 2, "{lines:#?}");
+    assert!(
+        refused
+            .iter()
+            .all(|l| l["reason"] == "rate_limited" && l["servedBy"] == "bulwark")
+    );
+    assert!(lines[0]["reason"].is_null() && lines[0]["servedBy"] == "upstream");
+}

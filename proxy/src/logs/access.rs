@@ -1,0 +1,239 @@
+//! The access log: one JSON line per request, written by the [`Rescue`](crate::rescue)
+//! stage once the answer's head is known — who asked (user, source address, user agent),
+//! what (verb, resource, namespace, name), the answer (code, who served it, the rule and
+//! level, a refusal's reason), how long until the head, and the `Audit-Id` the answer and
+//! the apiserver's audit log carry. Refusals and 5xx are always written; other answers are
+//! sampled at `accessLog.sample`.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+
+use super::rotate::{Limits, LineFile};
+use crate::classify::RequestInfo;
+use crate::metrics::{Metrics, verb_label};
+use crate::status::Reason;
+
+/// The access log's file and sampling. Cheap to clone.
+#[derive(Clone)]
+pub struct AccessLog {
+    file: LineFile,
+    sample: f64,
+}
+
+/// One request as its line says it.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry<'a> {
+    /// The `Audit-Id`.
+    pub audit_id: &'a str,
+    /// The user name, `-` when the request was refused before it was identified.
+    pub user: &'a str,
+    /// The client's address.
+    pub source: Option<SocketAddr>,
+    /// The client's `User-Agent` (cut).
+    pub user_agent: &'a str,
+    /// The HTTP method, when the request was not classified.
+    pub method: &'a str,
+    /// What it asked for, once classified.
+    pub request: Option<&'a RequestInfo>,
+    /// The answer's status code.
+    pub code: u16,
+    /// `upstream`, `cache` or `bulwark`.
+    pub served_by: &'a str,
+    /// The rule that matched, `""` when none.
+    pub rule: &'a str,
+    /// Its level, `""` when none.
+    pub level: &'a str,
+    /// Why Bulwark refused it, if it did.
+    pub reason: Option<Reason>,
+    /// From the request to the answer's head.
+    pub took: Duration,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Line<'a> {
+    time: String,
+    audit_id: &'a str,
+    user: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    source: Option<String>,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    user_agent: &'a str,
+    verb: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    group: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    resource: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    subresource: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    namespace: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    path: Option<&'a str>,
+    code: u16,
+    served_by: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    rule: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    level: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<&'static str>,
+    seconds: f64,
+}
+
+impl AccessLog {
+    /// Opens (creating) `path` for appending, rotated within `limits`, writing `sample` of
+    /// the answered requests (every refusal and 5xx); lines that cannot be written are
+    /// counted as `bulwark_log_lines_dropped_total{log="access"}`.
+    pub fn open(
+        path: &Path,
+        sample: f64,
+        limits: Limits,
+        metrics: &Metrics,
+    ) -> std::io::Result<AccessLog> {
+        Ok(AccessLog {
+            file: LineFile::open(path, limits, "access", metrics)?,
+            sample: sample.clamp(0.0, 1.0),
+        })
+    }
+
+    /// Writes the line of one request, unless the sample leaves it out.
+    pub fn record(&self, entry: &Entry<'_>) {
+        let always = entry.reason.is_some() || entry.code >= 500;
+        if !(always || self.sample >= 1.0 || rand::random::<f64>() < self.sample) {
+            return;
+        }
+        self.file.write_line(line(entry, SystemTime::now()));
+    }
+
+    /// The file the lines go to, for SIGHUP's reopen and for flushing at shutdown.
+    pub fn file(&self) -> &LineFile {
+        &self.file
+    }
+}
+
+fn line(entry: &Entry<'_>, now: SystemTime) -> Vec<u8> {
+    let info = entry.request;
+    let resource_request = info.is_some_and(|i| i.resource_request);
+    let line = Line {
+        time: humantime::format_rfc3339_micros(now).to_string(),
+        audit_id: entry.audit_id,
+        user: entry.user,
+        source: entry.source.map(|s| s.to_string()),
+        user_agent: entry.user_agent,
+        verb: info.map_or(entry.method, |i| verb_label(&i.verb)),
+        group: info
+            .filter(|i| resource_request && !i.api_group.is_empty())
+            .map(|i| i.api_group.as_str()),
+        resource: info
+            .filter(|_| resource_request)
+            .map(|i| i.resource.as_str()),
+        subresource: info.and_then(|i| i.subresource.as_deref()),
+        namespace: info.and_then(|i| i.namespace.as_deref()),
+        name: info.and_then(|i| i.name.as_deref()),
+        path: info.map(|i| i.path.as_str()),
+        code: entry.code,
+        served_by: entry.served_by,
+        rule: entry.rule,
+        level: entry.level,
+        reason: entry.reason.map(Reason::as_str),
+        seconds: entry.took.as_secs_f64(),
+    };
+    serde_json::to_vec(&line).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry<'a>(info: Option<&'a RequestInfo>, code: u16, reason: Option<Reason>) -> Entry<'a> {
+        Entry {
+            audit_id: "0a1b",
+            user: "system:node:n1",
+            source: Some("10.0.0.7:51000".parse().unwrap()),
+            user_agent: "kubelet/v1.36.0",
+            method: "GET",
+            request: info,
+            code,
+            served_by: if reason.is_some() {
+                "bulwark"
+            } else {
+                "upstream"
+            },
+            rule: "nodes",
+            level: "heartbeat",
+            reason,
+            took: Duration::from_micros(1500),
+        }
+    }
+
+    #[test]
+    fn a_line_says_who_what_the_answer_and_its_audit_id() {
+        let info = crate::classify::classify(
+            &http::Method::GET,
+            &"/apis/apps/v1/namespaces/team/deployments/web"
+                .parse()
+                .unwrap(),
+        )
+        .unwrap();
+        let line = line(
+            &entry(Some(&info), 429, Some(Reason::RateLimited)),
+            SystemTime::UNIX_EPOCH,
+        );
+        let line: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(
+            line,
+            serde_json::json!({
+                "time": "1970-01-01T00:00:00.000000Z",
+                "auditId": "0a1b",
+                "user": "system:node:n1",
+                "source": "10.0.0.7:51000",
+                "userAgent": "kubelet/v1.36.0",
+                "verb": "get",
+                "group": "apps",
+                "resource": "deployments",
+                "namespace": "team",
+                "name": "web",
+                "path": "/apis/apps/v1/namespaces/team/deployments/web",
+                "code": 429,
+                "servedBy": "bulwark",
+                "rule": "nodes",
+                "level": "heartbeat",
+                "reason": "rate_limited",
+                "seconds": 0.0015,
+            })
+        );
+    }
+
+    #[test]
+    fn sampling_keeps_every_refusal_and_5xx_and_a_share_of_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("access.jsonl");
+        let log = AccessLog::open(&path, 0.1, Limits::new(1 << 20, 1), &Metrics::new()).unwrap();
+        for _ in 0..2_000 {
+            log.record(&entry(None, 200, None));
+        }
+        for _ in 0..50 {
+            log.record(&entry(None, 429, Some(Reason::QueueFull)));
+            log.record(&entry(None, 503, None));
+        }
+        log.file().flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let codes: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["code"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(codes.iter().filter(|c| **c == 429).count(), 50);
+        assert_eq!(codes.iter().filter(|c| **c == 503).count(), 50);
+        let sampled = codes.iter().filter(|c| **c == 200).count();
+        assert!((120..=280).contains(&sampled), "{sampled} of 2000 at 0.1");
+    }
+}

@@ -228,7 +228,22 @@ async fn run(command: Command) -> anyhow::Result<()> {
             dir,
             rules,
             bulwark_replicas,
-        } => return sandbox::run(&dir, rules, usize::from(bulwark_replicas)).await,
+        } => {
+            // Bulwark's own log lines (refusals, reloads) go to DIR/bulwark.log, as in a pod.
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let log = dir.join("bulwark.log");
+            let file = std::fs::File::create(&log)
+                .with_context(|| format!("creating {}", log.display()))?;
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env()
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_ansi(false)
+                .with_writer(std::sync::Mutex::new(file))
+                .init();
+            return sandbox::run(&dir, rules, usize::from(bulwark_replicas)).await;
+        }
         Command::Controlplane {
             dir,
             replicas,

@@ -182,14 +182,21 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow:
             .with_context(|| format!("locating the rules folder {}", folder.display()))?,
         None => write_example_rules(&bulwark_dir.join("rules"))?,
     };
-    let settings: Vec<(&'static str, &'static str)> = match bulwarks {
-        0 | 1 => Vec::new(),
+    // Who is throttled, named: the ten identities refused most get their own series.
+    let mut settings: Vec<(&'static str, &'static str)> = vec![("metrics.identities", "10")];
+    match bulwarks {
+        // One JSON line per request beside the audit log (one Bulwark: the others would
+        // share its file).
+        0 | 1 => settings.push((
+            "accessLog",
+            format!("{{path: {}}}", bulwark_dir.join("access.jsonl").display()).leak(),
+        )),
         // Leaked once: the settings live as long as the sandbox, which is the process.
-        n => vec![
-            ("upstream.bulwarkReplicas", n.to_string().leak()),
+        n => settings.extend([
+            ("upstream.bulwarkReplicas", &*n.to_string().leak()),
             ("fleet", crate::controlplane::fleet_setting(0).leak()),
-        ],
-    };
+        ]),
+    }
     let cluster = Cluster::start(Setup {
         replicas: 3,
         seed: vec![
@@ -289,13 +296,19 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow:
         "  kubectl --kubeconfig {d}/kubeconfig-direct-admin get secrets -A   # straight to a replica"
     );
     match all.as_slice() {
-        [one] => println!("  Bulwark metrics: http://{}/metrics", one.admin_addr),
+        [one] => {
+            let admin = one.admin_addr;
+            println!(
+                "  Bulwark metrics: http://{admin}/metrics, who is throttled: http://{admin}/debug/flows"
+            );
+            println!("  Bulwark's log: {d}/bulwark.log, its access log: {d}/bulwark/access.jsonl");
+        }
         several => {
             for (i, b) in several.iter().enumerate() {
                 let admin = b.admin_addr;
                 println!(
                     "  bulwark-{i} on https://{}: metrics http://{admin}/metrics, \
-                     its fleet http://{admin}/debug/fleet",
+                     its fleet http://{admin}/debug/fleet, its flows http://{admin}/debug/flows",
                     b.addr
                 );
             }

@@ -25,9 +25,13 @@ struct Cli {
 /// Options of every scenario.
 #[derive(Args, Debug, Clone)]
 struct Common {
-    /// Write the report as JSON to this file.
+    /// Write the report as JSON to this file (and its HTML report beside it, as FILE.html).
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Write the HTML report (charts and every figure) here instead (default: beside
+    /// --json, else bulwark-loadtest-SCENARIO.html in the temporary folder).
+    #[arg(long)]
+    html: Option<PathBuf>,
     /// How long each run drives load, e.g. `30s` or `2m` (default: the scenario's own).
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
@@ -171,6 +175,17 @@ enum Command {
         #[arg(long)]
         static_split: bool,
     },
+    /// Draws the HTML report of a recorded `--json` result again.
+    Report {
+        /// The recorded result.
+        json: PathBuf,
+        /// Where the HTML report goes (default: beside the result, as .html).
+        #[arg(long)]
+        html: Option<PathBuf>,
+        /// Also write each chart as its own SVG file into this folder.
+        #[arg(long)]
+        charts: Option<PathBuf>,
+    },
     /// Runs Bulwark itself (used by the scenarios, which start it as its own process).
     #[command(name = "__bulwark", hide = true)]
     Bulwark {
@@ -224,6 +239,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
     };
     let (report, common) = match command {
         Command::Bulwark { .. } => unreachable!("main runs Bulwark on its own runtime"),
+        Command::Report { json, html, charts } => return redraw(&json, html, charts),
         Command::Sandbox {
             dir,
             rules,
@@ -317,6 +333,53 @@ async fn run(command: Command) -> anyhow::Result<()> {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote {}", path.display());
+    }
+    let html = common.html.clone().unwrap_or_else(|| match &common.json {
+        Some(json) => json.with_extension("html"),
+        None => std::env::temp_dir().join(format!("bulwark-loadtest-{}.html", report.scenario)),
+    });
+    write_html(&report, &html)?;
+    println!(
+        "\n{}\nThe report, with charts: {}",
+        report::charts::verdict(&report),
+        html.display()
+    );
+    Ok(())
+}
+
+/// Writes `report`'s HTML report to `path`.
+fn write_html(report: &report::Report, path: &std::path::Path) -> anyhow::Result<()> {
+    let text = report::charts::html(report).context("drawing the report's charts")?;
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// `report`: the HTML report of a recorded result, and each chart as SVG if asked.
+fn redraw(
+    json: &std::path::Path,
+    html: Option<PathBuf>,
+    charts: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let report: report::Report =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
+    let html = html.unwrap_or_else(|| json.with_extension("html"));
+    write_html(&report, &html)?;
+    println!("{}", report::charts::verdict(&report));
+    println!("wrote {}", html.display());
+    if let Some(dir) = charts {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let page = report::charts::page(&report)?;
+        let mut n = 0;
+        for item in page.sections.iter().flat_map(|s| &s.items) {
+            if let report::html::Item::Chart(chart) = item {
+                n += 1;
+                let path = dir.join(format!("{}-{n}.svg", report.scenario));
+                std::fs::write(&path, &chart.svg)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                println!("wrote {} ({})", path.display(), chart.title);
+            }
+        }
     }
     Ok(())
 }

@@ -2,15 +2,20 @@
 //! table printed at the end of every run.
 //!
 //! The JSON shape is a contract (other tools read it), so the field names here are exactly
-//! the and `serde` writes them without renaming.
+//! the and `serde` writes them without renaming. A recorded result reads back
+//! (fields it lacks take their defaults), so its HTML report can be drawn again later
+//! (`bulwark-loadtest report`).
+
+pub mod charts;
+pub mod html;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The whole `--json` document.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     /// Scenario name, e.g. `list-storm`.
     pub scenario: String,
@@ -18,11 +23,11 @@ pub struct Report {
     pub scale: f64,
     /// One run per target: `direct`, `bulwark` (and `haproxy`, `nginx` for passthrough),
     /// in the order they ran; written as a JSON object keyed by target.
-    #[serde(serialize_with = "as_map")]
+    #[serde(serialize_with = "as_map", deserialize_with = "from_map")]
     pub runs: Vec<(String, Run)>,
     /// How the load was made, for scenarios that measure with an outside load generator
     /// (`passthrough`).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", default)]
     pub bench: Option<BenchSetup>,
 }
 
@@ -39,7 +44,7 @@ impl Report {
 }
 
 /// The load generator and the cores of a measurement.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BenchSetup {
     /// Which generator, and the shape of its load.
     pub load_generator: String,
@@ -57,8 +62,31 @@ fn as_map<S: serde::Serializer>(runs: &[(String, Run)], s: S) -> Result<S::Ok, S
     map.end()
 }
 
+/// Reads a JSON object of runs back into `(name, run)` pairs, in the order written.
+fn from_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<(String, Run)>, D::Error> {
+    struct Runs;
+    impl<'de> serde::de::Visitor<'de> for Runs {
+        type Value = Vec<(String, Run)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of runs keyed by target")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut runs = Vec::new();
+            while let Some(entry) = map.next_entry()? {
+                runs.push(entry);
+            }
+            Ok(runs)
+        }
+    }
+    d.deserialize_map(Runs)
+}
+
 /// One run of a scenario against one target, on a fresh simulator.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Run {
     /// What the simulated apiservers went through.
     pub apiserver: Apiserver,
@@ -80,11 +108,30 @@ pub struct Run {
     /// How a fleet of Bulwarks kept the apiservers' budget (fleet only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fleet: Option<FleetFigures>,
+    /// What was sampled every tick while the load ran (the simulated fleet's scenarios).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeline: Option<Timeline>,
+}
+
+/// Figures sampled every tick of a run, for the report's charts over time.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Timeline {
+    /// Seconds into the load of each tick.
+    pub seconds: Vec<f64>,
+    /// Per replica, per tick: its highest memory since the tick before, bytes (the
+    /// simulator's modelled heap; a real apiserver's cgroup usage).
+    pub replica_memory_bytes: Vec<Vec<u64>>,
+    /// Per replica: seconds into the load of each of its OOM kills.
+    pub oom_kills_at_s: Vec<Vec<f64>>,
+    /// Per class, per tick: 429s since the tick before.
+    pub rejected: BTreeMap<String, Vec<u64>>,
 }
 
 /// The fleet scenario's figures: the apiservers' LIST bytes against their budget, each
 /// storm identity's rate against its rule, and a Bulwark's death and return.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct FleetFigures {
     /// Each apiserver's in-flight LIST byte budget (heap headroom ÷ 5): the fleet's whole.
     pub list_bytes_budget: u64,
@@ -135,7 +182,8 @@ pub struct FleetFigures {
 }
 
 /// An idle-connection flood and what Bulwark and its other clients went through.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Flood {
     /// Flood connections attempted.
     pub connections: u64,
@@ -185,7 +233,8 @@ pub struct Flood {
 }
 
 /// A figure before the flood, at its peak, and a while after it ended.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Phases {
     /// Before the flood.
     pub idle: u64,
@@ -196,7 +245,8 @@ pub struct Phases {
 }
 
 /// Requests of one kind in one phase.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct FloodLatency {
     /// Requests sent.
     pub requests: u64,
@@ -216,7 +266,8 @@ pub struct FloodLatency {
 }
 
 /// A new client's attempt to connect during the flood.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct NewClient {
     /// Whether it connected and its first GET succeeded.
     pub connected: bool,
@@ -228,7 +279,8 @@ pub struct NewClient {
 }
 
 /// The simulated apiserver fleet's figures for one run.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Apiserver {
     /// Each replica's heap limit in bytes (0 when the scenario sets none).
     pub heap_limit_bytes: u64,
@@ -253,7 +305,8 @@ pub struct Apiserver {
 }
 
 /// The proxy process's resource use as the operating system counted it.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct ProxyCost {
     /// Peak resident set size (`VmHWM`).
     pub peak_rss_bytes: u64,
@@ -262,7 +315,8 @@ pub struct ProxyCost {
 }
 
 /// One class of clients' figures.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Class {
     /// Requests that got an answer or failed.
     pub requests: u64,
@@ -479,10 +533,12 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
     });
 }
 
-/// The comparison table: one column per run, one row per figure, grouped by apiserver,
-/// proxy and each class.
-pub fn table(report: &Report) -> String {
-    let names: Vec<&String> = report.runs.iter().map(|(n, _)| n).collect();
+/// The rows of the comparison table: each a label and one cell per run, grouped under
+/// rows whose cells are empty (apiserver, proxy process, each class).
+pub type Rows = Vec<(String, Vec<String>)>;
+
+/// The comparison table's rows, one cell per run in the order they ran.
+pub fn figures(report: &Report) -> Rows {
     let runs: Vec<&Run> = report.runs.iter().map(|(_, r)| r).collect();
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
     let section = |rows: &mut Vec<(String, Vec<String>)>, title: &str| {
@@ -592,8 +648,17 @@ pub fn table(report: &Report) -> String {
         }));
     }
 
+    rows
+}
+
+/// The comparison table: one column per run, one row per figure, grouped by apiserver,
+/// proxy and each class.
+pub fn table(report: &Report) -> String {
+    let names: Vec<&String> = report.runs.iter().map(|(n, _)| n).collect();
+    let runs = report.runs.len();
+    let rows = figures(report);
     let label_width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..runs.len())
+    let widths: Vec<usize> = (0..runs)
         .map(|i| {
             rows.iter()
                 .map(|(_, cells)| cells[i].len())

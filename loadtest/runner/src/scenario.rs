@@ -13,11 +13,12 @@ pub mod informers;
 pub mod list_storm;
 pub mod on_controlplane;
 pub mod passthrough;
+pub mod progress;
 pub mod skew;
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -32,7 +33,7 @@ use tokio::time::Instant;
 
 use crate::client::{ClassStats, Client, Identity, Outcome, Read, Target};
 use crate::proxy_process::{ProxyProcess, Upstream};
-use crate::report::{self, Report, Run};
+use crate::report::{self, Report, Run, Timeline};
 
 /// The command-line options every scenario takes.
 #[derive(Clone, Debug)]
@@ -276,6 +277,7 @@ pub struct Env {
     heap_limit: u64,
     peak_watches: Arc<AtomicU64>,
     sampler: JoinHandle<()>,
+    timeline: Arc<Mutex<Timeline>>,
     dir: PathBuf,
 }
 
@@ -360,6 +362,7 @@ impl Env {
             heap_limit,
             peak_watches,
             sampler,
+            timeline: Arc::default(),
             dir,
         })
     }
@@ -375,6 +378,8 @@ impl Env {
             None => None,
         };
         let _ = std::fs::remove_dir_all(&self.dir);
+        let timeline =
+            std::mem::take(&mut *self.timeline.lock().unwrap_or_else(|e| e.into_inner()));
         let apiserver = report::Apiserver {
             heap_limit_bytes: self.heap_limit,
             peak_heap_bytes: stats.iter().map(|s| s.peak_heap_bytes).max().unwrap_or(0),
@@ -403,6 +408,7 @@ impl Env {
             watch_bytes_per_event: driven.watch_bytes_per_event,
             flood: None,
             fleet: None,
+            timeline: Some(timeline),
         })
     }
 
@@ -429,41 +435,28 @@ impl Env {
         })
     }
 
-    /// Prints a progress line every few seconds until the returned handle is aborted.
+    /// Shows progress (each class's counts, each replica's peak heap so far) and records
+    /// the run's timeline until the returned handle is aborted.
     pub fn progress(&self, classes: &[(String, Arc<ClassStats>)]) -> JoinHandle<()> {
-        let classes: Vec<_> = classes.to_vec();
         let fleet = self.fleet.clone();
-        let mode = self.mode.name();
-        let started = Instant::now();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                let mut line = format!("  [{mode} {:>3}s]", started.elapsed().as_secs());
-                let mib: u64 = classes
-                    .iter()
-                    .map(|(_, c)| c.live.bytes.load(Ordering::Relaxed))
-                    .sum::<u64>()
-                    >> 20;
-                line.push_str(&format!(" {mib} MiB read;"));
-                for (name, c) in &classes {
-                    let l = &c.live;
-                    line.push_str(&format!(
-                        " {name}: {} ok {} 429 {} err;",
-                        l.ok.load(Ordering::Relaxed),
-                        l.rejected.load(Ordering::Relaxed),
-                        l.errors.load(Ordering::Relaxed)
-                    ));
-                }
-                let s = fleet.stats();
-                let heaps: Vec<String> = s
-                    .iter()
-                    .map(|r| format!("{}", r.heap_bytes >> 20))
-                    .collect();
-                let ooms: u64 = s.iter().map(|r| r.ooms).sum();
-                line.push_str(&format!(" heap MiB [{}], OOMs {ooms}", heaps.join(", ")));
-                eprintln!("{line}");
-            }
-        })
+        let sample: progress::Sampler = Arc::new(move || {
+            fleet
+                .stats()
+                .iter()
+                .map(|r| progress::ReplicaNow {
+                    memory_bytes: r.heap_bytes,
+                    peak_bytes: r.peak_heap_bytes,
+                    ooms: r.ooms,
+                })
+                .collect()
+        });
+        progress::start(
+            self.mode.name(),
+            &classes.to_vec(),
+            self.heap_limit,
+            sample,
+            self.timeline.clone(),
+        )
     }
 }
 

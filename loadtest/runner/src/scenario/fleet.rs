@@ -432,6 +432,7 @@ async fn one_run(
         watch_bytes_per_event: None,
         flood: None,
         fleet: Some(figures),
+        timeline: None,
     })
 }
 

@@ -292,6 +292,7 @@ async fn one_run(
         watch_bytes_per_event,
         flood: None,
         fleet: None,
+        timeline: None,
     })
 }
 

@@ -411,6 +411,7 @@ impl<'a> Bench<'a> {
             watch_bytes_per_event: None,
             flood: None,
             fleet: None,
+            timeline: None,
         })
     }
 

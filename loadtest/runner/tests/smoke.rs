@@ -45,6 +45,14 @@ fn run_table(scenario: &str, sizing: &[&str], extra: &[&str]) -> (Value, String)
     );
     let text = std::fs::read_to_string(&json).expect("the JSON report is written");
     let _ = std::fs::remove_file(&json);
+    let html = json.with_extension("html");
+    let page = std::fs::read_to_string(&html).expect("the HTML report is written beside it");
+    let _ = std::fs::remove_file(&html);
+    assert!(page.contains("<svg"), "the HTML report has charts");
+    assert!(
+        stdout.contains(&format!("The report, with charts: {}", html.display())),
+        "the run says where its report is:\n{stdout}"
+    );
     let report = serde_json::from_str(&text).expect("the report is JSON");
     (report, stdout.into_owned())
 }

@@ -4,7 +4,9 @@
 #   OUT/bin/etcd            (go.etcd.io/etcd/server/v3, the version k/k requires)
 #   OUT/bin/kubectl         (k8s.io/kubectl)
 #   OUT/bin/cpdriver        (this module's client-go driver)
+#   OUT/bin/kube-controller-manager, OUT/bin/kube-scheduler (k8s.io/kubernetes)
 #   OUT/bin/helm            (helm.sh/helm/v3/cmd/helm, in its own module: helm/go.mod)
+#   OUT/bin/kwok            (sigs.k8s.io/kwok/cmd/kwok, in its own module: kwok/go.mod)
 #
 # Usage: build.sh [OUT [NAME...]]   OUT defaults to target/controlplane in the repo;
 #                                   NAMEs pick some of the binaries (default: all).
@@ -20,7 +22,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 out="${1:-$repo/target/controlplane}"
 shift $(( $# > 0 ? 1 : 0 ))
-all=(kube-apiserver kubectl etcd cpdriver helm)
+all=(kube-apiserver kubectl etcd cpdriver kube-controller-manager kube-scheduler helm kwok)
 wanted=("${@:-${all[@]}}")
 for name in "${wanted[@]}"; do
   [[ " ${all[*]} " == *" $name "* ]] || { echo "build.sh: no binary '$name' (${all[*]})" >&2; exit 2; }
@@ -76,14 +78,14 @@ up_to_date() { # $1 = binary path, $2 = its stamp, $3 = its module folder
   local bin="$1" stamp="$2" module="$3"
   [[ "${FORCE:-0}" != 1 && -x "$bin" && -f "$bin.stamp" ]] || return 1
   [[ "$(cat "$bin.stamp")" == "$stamp" ]] || return 1
-  # helm/ is a module of its own: its files never make the control plane stale.
-  [[ -z "$(find "$module" "$here/build.sh" \( -path "$here/helm" -a ! -path "$module" \) -prune \
+  # helm/ and kwok/ are modules of their own: their files never make the control plane stale.
+  [[ -z "$(find "$module" "$here/build.sh" \( \( -path "$here/helm" -o -path "$here/kwok" \) -a ! -path "$module" \) -prune \
     -o \( -name '*.go' -o -name go.mod -o -name go.sum -o -name build.sh \) -newer "$bin" -print -quit)" ]]
 }
 
 total_start=$SECONDS
 # kube-apiserver first: it compiles most of what the others share.
-for name in kube-apiserver kubectl etcd cpdriver; do
+for name in kube-apiserver kubectl etcd cpdriver kube-controller-manager kube-scheduler; do
   want "$name" || continue
   bin="$out/bin/$name"
   if up_to_date "$bin" "$stamp" "$here"; then
@@ -122,6 +124,24 @@ if want helm; then
     echo "$hstamp" > "$bin.stamp"
     end=$(date +%s.%N)
     awk -v s="$start" -v e="$end" -v b="$bin" 'BEGIN { printf "helm: built in %.1fs (%s)\n", e - s, b }'
+  fi
+  cd "$here"
+fi
+# KWOK's controller, which speaks for simulated nodes and their pods: its own module graph
+# (kwok/go.mod) like helm's, at the version it was released with.
+if want kwok; then
+  bin="$out/bin/kwok"
+  cd "$here/kwok"
+  kwstamp="$have CGO_ENABLED=$CGO_ENABLED $(go list -m -f '{{.Version}}' sigs.k8s.io/kwok) -s -w"
+  if up_to_date "$bin" "$kwstamp" "$here/kwok"; then
+    echo "kwok: up to date ($bin)"
+  else
+    start=$(date +%s.%N)
+    go build -trimpath -ldflags "-s -w" -o "$bin.tmp" sigs.k8s.io/kwok/cmd/kwok
+    mv -f "$bin.tmp" "$bin"
+    echo "$kwstamp" > "$bin.stamp"
+    end=$(date +%s.%N)
+    awk -v s="$start" -v e="$end" -v b="$bin" 'BEGIN { printf "kwok: built in %.1fs (%s)\n", e - s, b }'
   fi
   cd "$here"
 fi

@@ -10,6 +10,7 @@
 
 mod binaries;
 mod cgroup;
+mod components;
 mod pki;
 mod seed;
 
@@ -32,8 +33,9 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-pub use binaries::{BIN_ENV, Binaries};
+pub use binaries::{BIN_ENV, Binaries, ComponentBinaries};
 pub use cgroup::{CgroupError, MemoryCgroup};
+pub use components::{Components, KWOK_ANNOTATION, KWOK_USER, NODE_LEASE_SECONDS, kwok_node};
 pub use pki::FRONT_PROXY_NAME;
 pub use seed::{BULWARK_GROUP, BULWARK_USER, NAMESPACES, SECRETS_PER_NAMESPACE};
 
@@ -94,6 +96,9 @@ pub enum Error {
     /// A certificate or key could not be loaded or made.
     #[error("certificates: {0}")]
     Pki(String),
+    /// kubectl refused what the cluster's components need (their RBAC).
+    #[error("{0}")]
+    Setup(String),
     /// A process could not be started.
     #[error("starting {what}: {source}")]
     Spawn {

@@ -21,7 +21,7 @@ pub const SUBCOMMAND: &str = "__bulwark";
 
 /// The shipped example rules (`rules/examples/*.yaml`), compiled in so that no path is
 /// baked into the binary; every run writes them into its own folder unless told otherwise.
-pub const EXAMPLE_RULES: [(&str, &str); 11] = [
+pub const EXAMPLE_RULES: [(&str, &str); 12] = [
     (
         "catch-all.yaml",
         include_str!("../../../rules/examples/catch-all.yaml"),
@@ -45,6 +45,10 @@ pub const EXAMPLE_RULES: [(&str, &str); 11] = [
     (
         "kubelets.yaml",
         include_str!("../../../rules/examples/kubelets.yaml"),
+    ),
+    (
+        "kwok.yaml",
+        include_str!("../../../rules/examples/kwok.yaml"),
     ),
     (
         "levels.yaml",

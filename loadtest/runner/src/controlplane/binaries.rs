@@ -98,7 +98,41 @@ impl Binaries {
     pub fn kubectl(&self) -> PathBuf {
         self.dir.join("kubectl")
     }
+
+    /// kube-controller-manager, kube-scheduler and KWOK, which only a whole cluster needs
+    /// (`build.sh` builds them too); an error names the ones missing.
+    pub fn components(&self) -> Result<ComponentBinaries, Error> {
+        let missing: Vec<&'static str> = COMPONENTS
+            .into_iter()
+            .filter(|name| !self.dir.join(name).is_file())
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::MissingBinaries {
+                dir: self.dir.clone(),
+                missing,
+            });
+        }
+        Ok(ComponentBinaries {
+            kube_controller_manager: self.dir.join("kube-controller-manager"),
+            kube_scheduler: self.dir.join("kube-scheduler"),
+            kwok: self.dir.join("kwok"),
+        })
+    }
 }
+
+/// The binaries of a cluster's components beside its control plane.
+#[derive(Clone, Debug)]
+pub struct ComponentBinaries {
+    /// `kube-controller-manager`.
+    pub kube_controller_manager: PathBuf,
+    /// `kube-scheduler`.
+    pub kube_scheduler: PathBuf,
+    /// KWOK's controller, `kwok`.
+    pub kwok: PathBuf,
+}
+
+/// The binaries [`Binaries::components`] needs.
+const COMPONENTS: [&str; 3] = ["kube-controller-manager", "kube-scheduler", "kwok"];
 
 /// Runs `build.sh`, passing on to stderr what it says except its "up to date" lines (the
 /// caller's stdout stays its own). A plain child: in the runner's process group, so that a

@@ -1,0 +1,234 @@
+//! A whole cluster through Bulwark: a real control plane (etcd and a kube-apiserver built
+//! from Kubernetes' Go modules) with Bulwark in front, and the real kube-controller-manager,
+//! kube-scheduler and KWOK's controller talking to it through Bulwark, each as itself. KWOK
+//! keeps simulated nodes Ready and renews their Leases; a Job's pods are created by the
+//! controller manager, bound by the scheduler and run by KWOK, and every one of those
+//! requests is Bulwark's to admit. Without the binaries the control plane builds them
+//! (`loadtest/controlplane/build.sh`, Go 1.26) or fails: this test never skips.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use bulwark_loadtest::controlplane::{
+    Components, ControlPlane, NODE_LEASE_SECONDS, Options, kwok_node,
+};
+use bulwark_loadtest::proxy_process::admin_text;
+use bulwark_testkit::metric_sum;
+use kube::Client;
+use serde_json::{Value, json};
+
+const NODES: usize = 20;
+const PODS: u64 = 60;
+
+async fn get(client: &Client, path: &str) -> Value {
+    client
+        .request::<Value>(http::Request::get(path).body(Vec::new()).unwrap())
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+}
+
+async fn post(client: &Client, path: &str, body: &Value) -> Value {
+    let request = http::Request::post(path)
+        .header("Content-Type", "application/json")
+        .body(body.to_string().into_bytes())
+        .unwrap();
+    client
+        .request::<Value>(request)
+        .await
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
+
+/// Polls `check` every half second until it is `Some`, or panics with `what` and the
+/// components' state after `within`.
+async fn until<T, F, Fut>(
+    components: &mut Components,
+    within: Duration,
+    what: &str,
+    mut check: F,
+) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(exited) = components.exited() {
+            panic!("{exited}");
+        }
+        match check().await {
+            Ok(done) => return done,
+            Err(last) if Instant::now() > deadline => panic!("{what} within {within:?}: {last}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
+        }
+    }
+}
+
+fn ready(node: &Value) -> bool {
+    node["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = Options::new(dir.path().join("cp"));
+    opts.replicas = 1;
+    opts.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));
+    let cp = ControlPlane::start(opts)
+        .await
+        .unwrap_or_else(|e| panic!("the control plane did not start: {e}"));
+    let admin = cp.client("admin").await.unwrap();
+    for i in 0..NODES {
+        post(
+            &admin,
+            "/api/v1/nodes",
+            &kwok_node(&format!("kwok-node-{i}")),
+        )
+        .await;
+    }
+    let mut components = cp
+        .start_components()
+        .await
+        .unwrap_or_else(|e| panic!("the components did not start: {e}"));
+
+    // KWOK keeps every node Ready and its Lease fresh, through Bulwark.
+    until(
+        &mut components,
+        Duration::from_secs(90),
+        "every node Ready",
+        || async {
+            let nodes = get(&admin, "/api/v1/nodes").await;
+            let items = nodes["items"].as_array().cloned().unwrap_or_default();
+            let ready = items.iter().filter(|n| ready(n)).count();
+            if ready == NODES {
+                Ok(())
+            } else {
+                Err(format!("{ready} of {NODES} Ready"))
+            }
+        },
+    )
+    .await;
+    until(
+        &mut components,
+        Duration::from_secs(60),
+        "every node Lease renewed",
+        || async {
+            let leases = get(
+                &admin,
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+            )
+            .await;
+            let now = SystemTime::now();
+            let fresh = leases["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|l| {
+                    let renewed = l["spec"]["renewTime"]
+                        .as_str()
+                        .and_then(|t| humantime::parse_rfc3339_weak(t).ok());
+                    renewed.is_some_and(|at| {
+                        now.duration_since(at).unwrap_or_default()
+                            < Duration::from_secs(u64::from(NODE_LEASE_SECONDS))
+                    })
+                })
+                .count();
+            if fresh == NODES {
+                Ok(())
+            } else {
+                Err(format!("{fresh} of {NODES} Leases fresh"))
+            }
+        },
+    )
+    .await;
+
+    // A Job of PODS pods: the controller manager creates them, the scheduler binds them to
+    // the KWOK nodes, KWOK runs them to completion.
+    let created = Instant::now();
+    post(
+        &admin,
+        "/apis/batch/v1/namespaces/default/jobs",
+        &json!({
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "burst"},
+            "spec": {
+                "parallelism": PODS,
+                "completions": PODS,
+                "backoffLimit": 0,
+                "template": {"spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "work", "image": "registry.invalid/work:1"}],
+                }},
+            },
+        }),
+    )
+    .await;
+    until(
+        &mut components,
+        Duration::from_secs(120),
+        "the Job's pods all succeeded",
+        || async {
+            let job = get(&admin, "/apis/batch/v1/namespaces/default/jobs/burst").await;
+            let succeeded = job["status"]["succeeded"].as_u64().unwrap_or(0);
+            if succeeded == PODS {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{succeeded} of {PODS} succeeded: {}",
+                    job["status"]
+                ))
+            }
+        },
+    )
+    .await;
+    let took = created.elapsed();
+    let pods = get(
+        &admin,
+        "/api/v1/namespaces/default/pods?labelSelector=job-name%3Dburst",
+    )
+    .await;
+    let on_kwok = pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| {
+            p["spec"]["nodeName"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("kwok-node-"))
+        })
+        .count();
+    assert_eq!(on_kwok as u64, PODS, "every pod bound to a KWOK node");
+    eprintln!("a Job of {PODS} pods on {NODES} KWOK nodes: created to all succeeded in {took:?}");
+
+    // Every one of them went through Bulwark under its own rules, none refused.
+    let admin_addr = cp.bulwark_admin_addr().expect("Bulwark's admin address");
+    let metrics = admin_text(admin_addr, "/metrics").await.unwrap();
+    for rule in [
+        "kwok-node-heartbeats",
+        "kwok-node-status",
+        "kwok",
+        "core-controllers",
+        "leader-election",
+    ] {
+        let matched = metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("bulwark_rule_requests_total")
+                    && l.contains(&format!("rule=\"{rule}\""))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        assert!(matched > 0.0, "no request matched rule {rule}:\n{metrics}");
+    }
+    let refused = metric_sum(&metrics, "bulwark_rejected_requests_total");
+    assert_eq!(
+        refused, 0.0,
+        "Bulwark refused the cluster's own components:\n{metrics}"
+    );
+    components.stop().await;
+    cp.stop().await.unwrap();
+}

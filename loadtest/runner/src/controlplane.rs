@@ -587,6 +587,14 @@ impl ControlPlane {
             .collect()
     }
 
+    /// Each replica's memory now, from its cgroup (`None` without a memory limit).
+    pub fn memory_usage(&self) -> Vec<Option<u64>> {
+        self.replicas
+            .iter()
+            .map(|r| r.spec.cgroup.as_ref().and_then(MemoryCgroup::usage_bytes))
+            .collect()
+    }
+
     /// Times the kernel OOM-killed replica `i`.
     pub fn oom_kills(&self, i: usize) -> u64 {
         self.replicas

@@ -175,6 +175,39 @@ enum Command {
         #[arg(long)]
         static_split: bool,
     },
+    /// A whole cluster on the real control plane through Bulwark: KWOK nodes,
+    /// kube-controller-manager and kube-scheduler running a burst of Jobs, each component
+    /// as itself under the shipped rules; NotReady nodes, Lease ages, Job times, apiserver
+    /// memory and OOM kills, what Bulwark refused.
+    Cluster {
+        /// Folder for the control plane's files and logs.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Simulated nodes (KWOK).
+        #[arg(long, default_value_t = 1000)]
+        nodes: usize,
+        /// Jobs created at once.
+        #[arg(long, default_value_t = 3)]
+        jobs: usize,
+        /// Pods per Job.
+        #[arg(long, default_value_t = 200)]
+        pods_per_job: u64,
+        /// kube-apiserver replicas.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=16))]
+        replicas: u16,
+        /// Each kube-apiserver's memory limit (cgroup v1), e.g. 1200Mi.
+        #[arg(long, value_parser = bytes)]
+        apiserver_memory_limit: Option<u64>,
+        /// Bulwark replicas (behind an L4 balancer, one budget through Leases).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=8))]
+        bulwark_replicas: u16,
+        /// How long the cluster runs after the burst, its Leases watched.
+        #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
+        settle: std::time::Duration,
+        /// Write the figures as JSON here (the HTML report goes beside it).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Draws the HTML report of a recorded `--json` result again.
     Report {
         /// The recorded result.
@@ -259,6 +292,47 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 .with_writer(std::sync::Mutex::new(file))
                 .init();
             return sandbox::run(&dir, rules, usize::from(bulwark_replicas)).await;
+        }
+        Command::Cluster {
+            dir,
+            nodes,
+            jobs,
+            pods_per_job,
+            replicas,
+            apiserver_memory_limit,
+            bulwark_replicas,
+            settle,
+            json,
+        } => {
+            let options = scenario::cluster::ClusterOptions {
+                dir,
+                nodes,
+                jobs,
+                pods_per_job,
+                replicas: usize::from(replicas),
+                memory_limit: apiserver_memory_limit,
+                bulwarks: usize::from(bulwark_replicas),
+                settle,
+            };
+            let report = scenario::cluster::run(&options).await?;
+            let html = json.as_ref().map_or_else(
+                || std::env::temp_dir().join("bulwark-loadtest-cluster.html"),
+                |j| j.with_extension("html"),
+            );
+            if let Some(path) = &json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
+            let page = scenario::cluster::page(&report)?;
+            std::fs::write(&html, report::html::render(&page))
+                .with_context(|| format!("writing {}", html.display()))?;
+            println!(
+                "{}\nThe report, with charts: {}",
+                scenario::cluster::verdict(&report),
+                html.display()
+            );
+            return Ok(());
         }
         Command::Controlplane {
             dir,
@@ -361,6 +435,19 @@ fn redraw(
 ) -> anyhow::Result<()> {
     let text =
         std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
+    if value["scenario"] == "cluster" {
+        let run: scenario::cluster::ClusterReport = serde_json::from_value(value)
+            .with_context(|| format!("parsing {}", json.display()))?;
+        let html = html.unwrap_or_else(|| json.with_extension("html"));
+        let page = scenario::cluster::page(&run)?;
+        std::fs::write(&html, report::html::render(&page))
+            .with_context(|| format!("writing {}", html.display()))?;
+        println!("{}", page.verdict);
+        println!("wrote {}", html.display());
+        return Ok(());
+    }
     let report: report::Report =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
     let html = html.unwrap_or_else(|| json.with_extension("html"));

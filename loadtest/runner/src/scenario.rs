@@ -5,6 +5,7 @@
 //! A scenario only says what its clients do; the same loops run against both targets and
 //! only the address and CA differ.
 
+pub mod cluster;
 pub mod conn_flood;
 pub mod demo;
 pub mod events_poll;

@@ -140,10 +140,18 @@ fn screenshot(browser: &Path, dir: &Path, html: &Path) -> Vec<[u8; 4]> {
 
 /// Checks the page's HTML holds its charts and the screenshot shows them.
 fn check(report: &Report, charts_expected: usize) {
+    check_html(
+        &charts::html(report).unwrap(),
+        &charts::verdict(report),
+        charts_expected,
+    );
+}
+
+/// [`check`] of a page already drawn, with its verdict.
+fn check_html(html: &str, verdict: &str, charts_expected: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let html = charts::html(report).unwrap();
     assert!(
-        html.contains(&charts::verdict(report)),
+        html.contains(&bulwark_loadtest::report::html::escape(verdict)),
         "the verdict is at the top"
     );
     assert_eq!(
@@ -155,7 +163,7 @@ fn check(report: &Report, charts_expected: usize) {
         assert!(html.contains(element), "the charts draw {element}");
     }
     let path = dir.path().join("report.html");
-    std::fs::write(&path, &html).unwrap();
+    std::fs::write(&path, html).unwrap();
     let Some(browser) = chromium() else { return };
     let pixels = screenshot(&browser, dir.path(), &path);
     let white = pixels
@@ -220,6 +228,15 @@ fn every_recorded_result_reads_back_and_draws() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "json") {
             let name = path.file_name().unwrap().to_str().unwrap();
+            if name.starts_with("cluster-") {
+                // The cluster scenario's own figures and page.
+                use bulwark_loadtest::scenario::cluster;
+                let text = std::fs::read_to_string(&path).unwrap();
+                let run: cluster::ClusterReport = serde_json::from_str(&text).unwrap();
+                let page = cluster::page(&run).unwrap();
+                assert!(!page.verdict.is_empty(), "{name}");
+                continue;
+            }
             let report = recorded(name);
             assert!(!report.runs.is_empty(), "{name}");
             let page = charts::page(&report).unwrap();
@@ -227,4 +244,23 @@ fn every_recorded_result_reads_back_and_draws() {
             let _ = report::html::render(&page);
         }
     }
+}
+
+#[test]
+fn the_recorded_cluster_run_renders_its_charts_in_chromium() {
+    use bulwark_loadtest::scenario::cluster;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/cluster-controlplane-100.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let run: cluster::ClusterReport = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        run.not_ready_max, 0,
+        "no node went NotReady through Bulwark"
+    );
+    let page = cluster::page(&run).unwrap();
+    // apiserver memory, Lease age and NotReady, the Jobs
+    check_html(
+        &bulwark_loadtest::report::html::render(&page),
+        &cluster::verdict(&run),
+        3,
+    );
 }

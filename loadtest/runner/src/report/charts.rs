@@ -35,7 +35,8 @@ fn tick(v: &f64) -> String {
     }
 }
 
-fn colour(i: usize) -> RGBColor {
+/// The `i`th colour of the reports' palette.
+pub fn colour(i: usize) -> RGBColor {
     PALETTE[i % PALETTE.len()]
 }
 
@@ -218,6 +219,7 @@ fn memory(report: &Report) -> anyhow::Result<Section> {
             let title = format!("{name}: memory per apiserver, {} OOM kills", kills.len());
             let mark_at = limit.unwrap_or(y_max);
             let svg = lines(&Lines {
+                limit_label: "memory limit",
                 title: &title,
                 y_desc: "MiB",
                 series,
@@ -398,6 +400,7 @@ fn rejected(report: &Report) -> anyhow::Result<Section> {
                 .collect();
             let title = format!("{name}: 429s per second by class");
             let svg = lines(&Lines {
+                limit_label: "memory limit",
                 title: &title,
                 y_desc: "429s per tick",
                 series,
@@ -454,6 +457,8 @@ pub struct Lines<'a> {
     pub series: Vec<Line>,
     /// A dashed horizontal line, e.g. a memory limit.
     pub limit: Option<f64>,
+    /// The dashed line's legend.
+    pub limit_label: &'a str,
     /// Points marked with a cross, e.g. OOM kills.
     pub marks: Vec<(f64, f64)>,
     /// The axes' ends, shared by charts set side by side.
@@ -504,7 +509,7 @@ pub fn lines(c: &Lines) -> anyhow::Result<String> {
                     5,
                     LIMIT.stroke_width(2),
                 ))?
-                .label("memory limit")
+                .label(c.limit_label)
                 .legend(|(x, y)| PathElement::new([(x, y), (x + 18, y)], LIMIT.stroke_width(2)));
         }
         if !c.marks.is_empty() {

@@ -438,8 +438,8 @@ fn redraw(
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
     if value["scenario"] == "cluster" {
-        let run: scenario::cluster::ClusterReport = serde_json::from_value(value)
-            .with_context(|| format!("parsing {}", json.display()))?;
+        let run: scenario::cluster::ClusterReport =
+            serde_json::from_value(value).with_context(|| format!("parsing {}", json.display()))?;
         let html = html.unwrap_or_else(|| json.with_extension("html"));
         let page = scenario::cluster::page(&run)?;
         std::fs::write(&html, report::html::render(&page))

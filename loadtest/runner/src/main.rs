@@ -204,6 +204,10 @@ enum Command {
         /// How long the cluster runs after the burst, its Leases watched.
         #[arg(long, value_parser = humantime::parse_duration, default_value = "60s")]
         settle: std::time::Duration,
+        /// Without the per-node agents (`system:node:<name>` listing and watching its pods,
+        /// its Secret and the EndpointSlices).
+        #[arg(long)]
+        no_agents: bool,
         /// Write the figures as JSON here (the HTML report goes beside it).
         #[arg(long)]
         json: Option<PathBuf>,
@@ -302,6 +306,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             apiserver_memory_limit,
             bulwark_replicas,
             settle,
+            no_agents,
             json,
         } => {
             let options = scenario::cluster::ClusterOptions {
@@ -313,6 +318,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 memory_limit: apiserver_memory_limit,
                 bulwarks: usize::from(bulwark_replicas),
                 settle,
+                agents: !no_agents,
+                bulwark_exe: None,
             };
             let report = scenario::cluster::run(&options).await?;
             let html = json.as_ref().map_or_else(

@@ -232,3 +232,43 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
     components.stop().await;
     cp.stop().await.unwrap();
 }
+
+/// `bulwark-loadtest cluster` at a small size: the nodes' agents (each `system:node:<name>`,
+/// listing and watching its pods, its Secret and the EndpointSlices) are all answered
+/// through Bulwark beside KWOK and the controllers, no node goes NotReady, the Job
+/// finishes, and the report draws.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_scenario_runs_nodes_agents_and_a_burst_through_bulwark() {
+    use bulwark_loadtest::scenario::cluster;
+    let dir = tempfile::tempdir().unwrap();
+    let options = cluster::ClusterOptions {
+        dir: dir.path().join("cp"),
+        nodes: 10,
+        jobs: 1,
+        pods_per_job: 20,
+        replicas: 1,
+        memory_limit: None,
+        bulwarks: 1,
+        settle: Duration::from_secs(5),
+        agents: true,
+        bulwark_exe: Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest"))),
+    };
+    let run = cluster::run(&options).await.unwrap();
+    assert_eq!(run.nodes, 10);
+    assert_eq!(run.not_ready_max, 0, "{run:#?}");
+    assert!(run.jobs[0].done_s > 0.0, "{run:#?}");
+    assert!(
+        run.lease_age_max_s < f64::from(NODE_LEASE_SECONDS),
+        "{run:#?}"
+    );
+    let agents = run.agents.as_ref().expect("the agents ran");
+    // Each agent's three lists and three watches, every one answered.
+    assert!(
+        agents.ok >= 60 && agents.errors == 0 && agents.rejected == 0,
+        "{agents:#?}"
+    );
+    assert!(run.refused.is_empty(), "{:?}", run.refused);
+    assert!(run.rule_requests.get("kubelets").copied().unwrap_or(0.0) >= 60.0);
+    let html = bulwark_loadtest::report::html::render(&cluster::page(&run).unwrap());
+    assert_eq!(html.matches("<svg").count(), 3);
+}

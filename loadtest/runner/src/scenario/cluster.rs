@@ -40,6 +40,10 @@ pub struct ClusterOptions {
     pub bulwarks: usize,
     /// How long the cluster runs on after the burst, its Leases watched.
     pub settle: Duration,
+    /// Whether every node also runs an agent as `system:node:<name>`.
+    pub agents: bool,
+    /// A `bulwark-loadtest` binary to run Bulwark with; `None` is this very binary.
+    pub bulwark_exe: Option<std::path::PathBuf>,
 }
 
 /// The run's figures, as written to JSON.
@@ -78,6 +82,9 @@ pub struct ClusterReport {
     pub refused: BTreeMap<String, f64>,
     /// Bulwark's peak memory and CPU (the first replica).
     pub bulwark: Option<ProxyCost>,
+    /// The per-node agents' requests (lists and watches), when they ran.
+    #[serde(default)]
+    pub agents: Option<crate::report::Class>,
 }
 
 /// One Job of the burst.
@@ -197,6 +204,7 @@ pub async fn run(o: &ClusterOptions) -> anyhow::Result<ClusterReport> {
     opts.replicas = o.replicas;
     opts.apiserver_memory_limit = o.memory_limit;
     opts.bulwarks = o.bulwarks;
+    opts.bulwark_exe = o.bulwark_exe.clone();
     eprintln!(
         "cluster: starting etcd, {} kube-apiservers and {} Bulwark(s)",
         o.replicas, o.bulwarks
@@ -230,6 +238,9 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
         .collect::<Vec<_>>()
         .await;
     created.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    if o.agents {
+        prepare_agents(cp, &admin, o.nodes).await?;
+    }
     let mut components = cp.start_components().await?;
     let started = Instant::now();
     loop {
@@ -249,6 +260,17 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
     }
     let all_ready_s = started.elapsed().as_secs_f64();
     eprintln!(" in {all_ready_s:.1} s");
+    // The agents run as long as the burst is watched (`settle`); their figures are theirs
+    // once they end.
+    let agents_until = tokio::time::Instant::now() + o.settle;
+    let agent_stats = crate::client::ClassStats::new();
+    let mut agent_tasks = if o.agents {
+        eprintln!("cluster: starting an agent per node (its pods, its Secret, the EndpointSlices)");
+        start_agents(cp, o.nodes, &agent_stats, agents_until)
+    } else {
+        Vec::new()
+    };
+    let agents_started = Instant::now();
 
     let burst = Instant::now();
     let names: Vec<String> = (0..o.jobs).map(|j| format!("burst-{j}")).collect();
@@ -340,6 +362,17 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     eprintln!();
+    let ending = futures::future::join_all(agent_tasks.iter_mut());
+    if tokio::time::timeout(Duration::from_secs(60), ending)
+        .await
+        .is_err()
+    {
+        eprintln!("cluster: some agents did not end a minute after their deadline");
+        agent_tasks.iter().for_each(|t| t.abort());
+    }
+    let agents = o
+        .agents
+        .then(|| agent_stats.summary(agents_started.elapsed()));
     components.stop().await;
 
     ages.sort_by(f64::total_cmp);
@@ -399,7 +432,147 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
         rule_requests,
         refused,
         bulwark: cp.bulwark_cost(),
+        agents,
     })
+}
+
+/// The namespace of the agents' Secrets, one per node, named after it.
+const AGENT_NAMESPACE: &str = "kwok-agents";
+
+/// What the nodes' agents may read beyond a kubelet's own: the EndpointSlices of the
+/// cluster (as a node's proxy or monitoring daemon reads them) and the Secrets of
+/// [`AGENT_NAMESPACE`] (each agent watches only its own, by name).
+fn agent_rbac() -> String {
+    format!(
+        "apiVersion: v1
+kind: Namespace
+metadata:
+  name: {AGENT_NAMESPACE}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: kwok-node-agents
+rules:
+  - apiGroups: [discovery.k8s.io]
+    resources: [endpointslices]
+    verbs: [get, list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: kwok-node-agents
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: kwok-node-agents}}
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: \"system:nodes\"}}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: kwok-node-agents
+  namespace: {AGENT_NAMESPACE}
+rules:
+  - apiGroups: [\"\"]
+    resources: [secrets]
+    verbs: [get, list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: kwok-node-agents
+  namespace: {AGENT_NAMESPACE}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: kwok-node-agents}}
+subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: \"system:nodes\"}}]
+"
+    )
+}
+
+/// Grants the agents their reads and creates each node's Secret.
+async fn prepare_agents(cp: &ControlPlane, admin: &Client, nodes: usize) -> anyhow::Result<()> {
+    let path = cp.dir().join("agents-rbac.yaml");
+    std::fs::write(&path, agent_rbac()).with_context(|| format!("writing {}", path.display()))?;
+    let (applied, said) = cp
+        .kubectl("admin", &["apply", "-f", &path.display().to_string()])
+        .await?;
+    anyhow::ensure!(applied, "granting the node agents their reads: {said}");
+    let created = futures::stream::iter(0..nodes)
+        .map(|i| {
+            let admin = admin.clone();
+            async move {
+                let secret = json!({
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": format!("kwok-node-{i}")},
+                    "data": {"config": "c2V0dGluZ3M="},
+                });
+                post(
+                    &admin,
+                    &format!("/api/v1/namespaces/{AGENT_NAMESPACE}/secrets"),
+                    &secret,
+                )
+                .await
+            }
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
+    created.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(())
+}
+
+/// One agent per node, as `system:node:<name>` in `system:nodes`, through Bulwark: it
+/// lists and watches its own pods (`spec.nodeName`), its own Secret and every
+/// EndpointSlice, as a kubelet and the nodes' logging and monitoring daemons do, on one
+/// connection. Started a few at a time so that the handshakes do not all land at once.
+fn start_agents(
+    cp: &ControlPlane,
+    nodes: usize,
+    stats: &std::sync::Arc<crate::client::ClassStats>,
+    until: tokio::time::Instant,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let target = crate::client::Target {
+        addr: cp.bulwark_addr(),
+        ca_pem: cp.bulwark_ca_pem().unwrap_or_default().to_owned(),
+    };
+    (0..nodes)
+        .filter_map(|i| {
+            let name = format!("kwok-node-{i}");
+            let cert = cp
+                .pki()
+                .client_ca
+                .client_cert(&format!("system:node:{name}"), &["system:nodes"]);
+            let identity = crate::client::Identity {
+                cert_pem: cert.cert_pem,
+                key_pem: cert.key_pem,
+            };
+            let client = crate::client::Client::new(&target, &identity).ok()?;
+            let stats = stats.clone();
+            let start = tokio::time::Instant::now() + Duration::from_millis(10 * i as u64);
+            Some(tokio::spawn(async move {
+                tokio::time::sleep_until(start).await;
+                let received = std::sync::Arc::new(super::informers::Received::default());
+                let reflect = |path: String| {
+                    super::informers::reflector(
+                        client.clone(),
+                        stats.tally(),
+                        path,
+                        until,
+                        None,
+                        received.clone(),
+                    )
+                };
+                let (mut pods, secret, slices) = tokio::join!(
+                    reflect(format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{name}")),
+                    reflect(format!(
+                        "/api/v1/namespaces/{AGENT_NAMESPACE}/secrets?fieldSelector=metadata.name%3D{name}"
+                    )),
+                    reflect("/apis/discovery.k8s.io/v1/endpointslices".into()),
+                );
+                pods.merge(secret);
+                pods.merge(slices);
+                stats.done(pods);
+            }))
+        })
+        .collect()
 }
 
 /// The one line at the top of the report.
@@ -527,6 +700,15 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
                 a.peak_bytes.map_or("-".into(), |b| (b >> 20).to_string()),
                 a.limit_bytes.map_or("-".into(), |b| (b >> 20).to_string()),
                 a.oom_kills
+            ),
+        ]);
+    }
+    if let Some(agents) = &r.agents {
+        figures.rows.push(vec![
+            "node agents: requests, ok, 429, errors, p99 (ms)".into(),
+            format!(
+                "{}, {}, {}, {}, {:.1}",
+                agents.requests, agents.ok, agents.rejected, agents.errors, agents.p99_ms
             ),
         ]);
     }

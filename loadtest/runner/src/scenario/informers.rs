@@ -37,12 +37,12 @@ const SLICES_PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 
 /// When each churn write was acknowledged, by the resourceVersion it produced.
 #[derive(Default)]
-struct Acks {
+pub(super) struct Acks {
     at: RwLock<HashMap<u64, Instant>>,
 }
 
 /// Where an EndpointSlice watcher matches events to writes and records their latency.
-type Delivery = (Arc<Acks>, Arc<Mutex<Histogram<u64>>>);
+pub(super) type Delivery = (Arc<Acks>, Arc<Mutex<Histogram<u64>>>);
 
 /// The counts of one run.
 pub(super) struct Sizes {
@@ -161,7 +161,7 @@ fn list_rv(head: &[u8]) -> Option<String> {
 /// A reflector: LIST `resourceVersion=0`, then WATCH from the list's version, re-watching
 /// from the last seen version when a watch ends and relisting after an error. Events of
 /// EndpointSlices are matched against the churn's acknowledgements.
-async fn reflector(
+pub(super) async fn reflector(
     mut client: Client,
     mut tally: Tally,
     list_path: String,

@@ -56,6 +56,34 @@ subjects:
   - apiGroup: rbac.authorization.k8s.io
     kind: User
     name: kwok-controller
+---
+# The apiservers' own fairness gives kubelets' heartbeats the node-high level (APF's
+# system-node-high FlowSchema matches group system:nodes); KWOK's heartbeats are every
+# node's, so they get the same, or a busy apiserver queues them behind everyone's LISTs.
+apiVersion: flowcontrol.apiserver.k8s.io/v1
+kind: FlowSchema
+metadata:
+  name: kwok-node-heartbeats
+spec:
+  matchingPrecedence: 450
+  priorityLevelConfiguration:
+    name: node-high
+  distinguisherMethod:
+    type: ByUser
+  rules:
+    - subjects:
+        - kind: User
+          user:
+            name: kwok-controller
+      resourceRules:
+        - verbs: ["*"]
+          apiGroups: [coordination.k8s.io]
+          resources: [leases]
+          namespaces: [kube-node-lease]
+        - verbs: ["*"]
+          apiGroups: [""]
+          resources: [nodes, nodes/status]
+          clusterScope: true
 "#;
 
 /// KWOK's stages, as it releases them (`loadtest/controlplane/kwok/stages.yaml`).

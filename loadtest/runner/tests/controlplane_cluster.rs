@@ -7,35 +7,26 @@
 //! (`loadtest/controlplane/build.sh`, Go 1.26) or fails: this test never skips.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use bulwark_loadtest::controlplane::{
     Components, ControlPlane, NODE_LEASE_SECONDS, Options, kwok_node,
 };
 use bulwark_loadtest::proxy_process::admin_text;
+use bulwark_loadtest::scenario::cluster;
 use bulwark_testkit::metric_sum;
 use kube::Client;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const NODES: usize = 20;
 const PODS: u64 = 60;
 
 async fn get(client: &Client, path: &str) -> Value {
-    client
-        .request::<Value>(http::Request::get(path).body(Vec::new()).unwrap())
-        .await
-        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    cluster::get(client, path).await.unwrap()
 }
 
 async fn post(client: &Client, path: &str, body: &Value) -> Value {
-    let request = http::Request::post(path)
-        .header("Content-Type", "application/json")
-        .body(body.to_string().into_bytes())
-        .unwrap();
-    client
-        .request::<Value>(request)
-        .await
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+    cluster::post(client, path, body).await.unwrap()
 }
 
 /// Polls `check` every half second until it is `Some`, or panics with `what` and the
@@ -61,14 +52,6 @@ where
             Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
         }
     }
-}
-
-fn ready(node: &Value) -> bool {
-    node["status"]["conditions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|c| c["type"] == "Ready" && c["status"] == "True")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,9 +83,8 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
         Duration::from_secs(90),
         "every node Ready",
         || async {
-            let nodes = get(&admin, "/api/v1/nodes").await;
-            let items = nodes["items"].as_array().cloned().unwrap_or_default();
-            let ready = items.iter().filter(|n| ready(n)).count();
+            let (seen, not_ready, _) = cluster::look(&admin).await.unwrap();
+            let ready = seen - not_ready;
             if ready == NODES {
                 Ok(())
             } else {
@@ -116,25 +98,10 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
         Duration::from_secs(60),
         "every node Lease renewed",
         || async {
-            let leases = get(
-                &admin,
-                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
-            )
-            .await;
-            let now = SystemTime::now();
-            let fresh = leases["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|l| {
-                    let renewed = l["spec"]["renewTime"]
-                        .as_str()
-                        .and_then(|t| humantime::parse_rfc3339_weak(t).ok());
-                    renewed.is_some_and(|at| {
-                        now.duration_since(at).unwrap_or_default()
-                            < Duration::from_secs(u64::from(NODE_LEASE_SECONDS))
-                    })
-                })
+            let (_, _, ages) = cluster::look(&admin).await.unwrap();
+            let fresh = ages
+                .iter()
+                .filter(|age| **age < f64::from(NODE_LEASE_SECONDS))
                 .count();
             if fresh == NODES {
                 Ok(())
@@ -151,20 +118,7 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
     post(
         &admin,
         "/apis/batch/v1/namespaces/default/jobs",
-        &json!({
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": "burst"},
-            "spec": {
-                "parallelism": PODS,
-                "completions": PODS,
-                "backoffLimit": 0,
-                "template": {"spec": {
-                    "restartPolicy": "Never",
-                    "containers": [{"name": "work", "image": "registry.invalid/work:1"}],
-                }},
-            },
-        }),
+        &cluster::job("burst", PODS),
     )
     .await;
     until(
@@ -239,7 +193,6 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
 /// finishes, and the report draws.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_scenario_runs_nodes_agents_and_a_burst_through_bulwark() {
-    use bulwark_loadtest::scenario::cluster;
     let dir = tempfile::tempdir().unwrap();
     let options = cluster::ClusterOptions {
         dir: dir.path().join("cp"),

@@ -124,7 +124,8 @@ pub struct Sample {
     pub oldest_lease_s: f64,
 }
 
-async fn get(client: &Client, path: &str) -> anyhow::Result<Value> {
+/// `GET path`'s JSON.
+pub async fn get(client: &Client, path: &str) -> anyhow::Result<Value> {
     let request = http::Request::get(path).body(Vec::new())?;
     client
         .request::<Value>(request)
@@ -132,7 +133,8 @@ async fn get(client: &Client, path: &str) -> anyhow::Result<Value> {
         .with_context(|| format!("GET {path}"))
 }
 
-async fn post(client: &Client, path: &str, body: &Value) -> anyhow::Result<Value> {
+/// `POST path` of `body` as JSON, and the answer's JSON.
+pub async fn post(client: &Client, path: &str, body: &Value) -> anyhow::Result<Value> {
     let request = http::Request::post(path)
         .header("Content-Type", "application/json")
         .body(body.to_string().into_bytes())?;
@@ -150,8 +152,8 @@ fn ready(node: &Value) -> bool {
         .any(|c| c["type"] == "Ready" && c["status"] == "True")
 }
 
-/// Nodes not Ready, and each node Lease's age in seconds.
-async fn look(admin: &Client) -> anyhow::Result<(usize, usize, Vec<f64>)> {
+/// The nodes, those not Ready, and each node Lease's age in seconds.
+pub async fn look(admin: &Client) -> anyhow::Result<(usize, usize, Vec<f64>)> {
     let nodes = get(admin, "/api/v1/nodes").await?;
     let items = nodes["items"].as_array().cloned().unwrap_or_default();
     let not_ready = items.iter().filter(|n| !ready(n)).count();
@@ -181,7 +183,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn job(name: &str, pods: u64) -> Value {
+/// A Job of `pods` pods run at once, each to completion.
+pub fn job(name: &str, pods: u64) -> Value {
     json!({
         "apiVersion": "batch/v1",
         "kind": "Job",

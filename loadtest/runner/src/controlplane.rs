@@ -189,7 +189,9 @@ pub struct Options {
     pub identity_mode: Option<String>,
     /// Bulwark replicas. More than one run behind a TCP balancer (round robin per
     /// connection, as a cloud load balancer), which the kubeconfigs point at, with
-    /// `upstream.bulwarkReplicas` set to their number.
+    /// `upstream.bulwarkReplicas` set to their number. None (0) is the cluster without
+    /// Bulwark: the balancer is in front of the kube-apiservers themselves, and the front
+    /// door ([`ControlPlane::front_door`]) is the balancer.
     pub bulwarks: usize,
     /// How several Bulwarks keep one budget.
     pub fleet: FleetMode,
@@ -389,7 +391,14 @@ impl ControlPlane {
         if opts.bulwarks > 1 {
             seed::fleet_rbac(&admin).await?;
         }
-        cp.start_bulwarks(&opts).await?;
+        if opts.bulwarks == 0 {
+            let balancer = Balancer::start(cp.replica_addrs(), Pick::RoundRobin)
+                .await
+                .map_err(Error::Proxy)?;
+            cp.balancer = Some(balancer);
+        } else {
+            cp.start_bulwarks(&opts).await?;
+        }
         cp.write_kubeconfigs()?;
         let bulwark = cp.bulwark_addr();
         std::fs::write(&ready, format!("bulwark https://{bulwark}\n")).map_err(|source| {
@@ -521,6 +530,33 @@ impl ControlPlane {
     /// The PEM of the CA that signed Bulwark's serving certificate.
     pub fn bulwark_ca_pem(&self) -> Option<&str> {
         self.bulwarks.first().map(|b| b.target.ca_pem.as_str())
+    }
+
+    /// Where the cluster's clients connect, and the CA they trust there: Bulwark (the
+    /// balancer in front of several), or without Bulwark the balancer in front of the
+    /// kube-apiservers.
+    pub fn front_door(&self) -> crate::client::Target {
+        crate::client::Target {
+            addr: self.bulwark_addr(),
+            ca_pem: match self.bulwark_ca_pem() {
+                Some(pem) => pem.to_owned(),
+                None => self.pki.pki.server_ca.cert_pem(),
+            },
+        }
+    }
+
+    /// Each replica's own `/metrics`, by index; a replica that does not answer has none.
+    pub async fn replica_metrics(&self) -> Vec<Option<String>> {
+        let mut texts = Vec::new();
+        for i in 0..self.replicas.len() {
+            let text = async {
+                let admin = self.admin_client(i).await.ok()?;
+                let request = http::Request::get("/metrics").body(Vec::new()).ok()?;
+                admin.request_text(request).await.ok()
+            };
+            texts.push(text.await);
+        }
+        texts
     }
 
     /// The path of a kubeconfig: `admin`, `operator`, `node-1`, `nobody` (through Bulwark) or
@@ -826,7 +862,7 @@ impl ControlPlane {
         };
         self.bulwark_exe = Some(exe.clone());
         let serving_ca = bulwark_sim::pki::Ca::new("bulwark-serving-ca");
-        let n = opts.bulwarks.max(1);
+        let n = opts.bulwarks;
         self.heap_headroom = self.heap_headroom();
         for i in 0..n {
             let mut settings = opts.bulwark_settings.clone();
@@ -886,9 +922,10 @@ impl ControlPlane {
 
     fn write_kubeconfigs(&self) -> Result<(), Error> {
         let replica_ca = self.pki.pki.server_ca.cert_pem();
+        let front = self.front_door();
         let servers = Servers {
-            bulwark: self.bulwark_addr(),
-            bulwark_ca: self.bulwark_ca_pem().unwrap_or_default(),
+            bulwark: front.addr,
+            bulwark_ca: &front.ca_pem,
             replica: self.replicas.first().ok_or(Error::NoReplica(0))?.spec.addr,
             replica_ca: &replica_ca,
         };

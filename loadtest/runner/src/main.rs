@@ -175,10 +175,12 @@ enum Command {
         #[arg(long)]
         static_split: bool,
     },
-    /// A whole cluster on the real control plane through Bulwark: KWOK nodes,
-    /// kube-controller-manager and kube-scheduler running a burst of Jobs, each component
-    /// as itself under the shipped rules; NotReady nodes, Lease ages, Job times, apiserver
-    /// memory and OOM kills, what Bulwark refused.
+    /// A whole cluster on the real control plane, direct (through an L4 balancer) and
+    /// through Bulwark on the same seed: KWOK nodes, kube-controller-manager and
+    /// kube-scheduler running a burst of Jobs, an agent per node, probe kubelets and a LIST
+    /// storm of large Secrets, each as itself under the shipped rules; NotReady nodes,
+    /// Lease renewal latency, Job times, apiserver memory and OOM kills, LISTs and WATCHes
+    /// at the apiservers, who was refused.
     Cluster {
         /// Folder for the control plane's files and logs.
         #[arg(long)]
@@ -186,6 +188,19 @@ enum Command {
         /// Simulated nodes (KWOK).
         #[arg(long, default_value_t = 1000)]
         nodes: usize,
+        /// Probe nodes renewing their own Leases, timed at the client (default: one per
+        /// 50 nodes, 3 at least).
+        #[arg(long)]
+        probes: Option<usize>,
+        /// LIST storm identities listing every Secret (0: no storm).
+        #[arg(long, default_value_t = 10)]
+        storm: usize,
+        /// Secrets of 100 KiB seeded for the storm.
+        #[arg(long, default_value_t = 300)]
+        storm_secrets: usize,
+        /// The front doors to run, in order: `direct`, `bulwark` or both.
+        #[arg(long, default_value = "direct,bulwark")]
+        only: String,
         /// Jobs created at once.
         #[arg(long, default_value_t = 3)]
         jobs: usize,
@@ -300,6 +315,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Cluster {
             dir,
             nodes,
+            probes,
+            storm,
+            storm_secrets,
+            only,
             jobs,
             pods_per_job,
             replicas,
@@ -309,19 +328,20 @@ async fn run(command: Command) -> anyhow::Result<()> {
             no_agents,
             json,
         } => {
-            let options = scenario::cluster::ClusterOptions {
-                dir,
-                nodes,
-                jobs,
-                pods_per_job,
-                replicas: usize::from(replicas),
-                memory_limit: apiserver_memory_limit,
-                bulwarks: usize::from(bulwark_replicas),
-                settle,
-                agents: !no_agents,
-                bulwark_exe: None,
-            };
-            let report = scenario::cluster::run(&options).await?;
+            let mut options = scenario::cluster::ClusterOptions::new(dir, nodes);
+            options.probes = probes.unwrap_or(options.probes);
+            options.storm = storm;
+            options.storm_secrets = storm_secrets;
+            options.fronts = scenario::cluster::Front::parse_list(&only)?;
+            options.jobs = jobs;
+            options.pods_per_job = pods_per_job;
+            options.replicas = usize::from(replicas);
+            options.memory_limit = apiserver_memory_limit;
+            options.bulwarks = usize::from(bulwark_replicas);
+            options.settle = settle;
+            options.agents = !no_agents;
+            let mut report = scenario::cluster::run(&options).await?;
+            report.command = command_line();
             let html = json.as_ref().map_or_else(
                 || std::env::temp_dir().join("bulwark-loadtest-cluster.html"),
                 |j| j.with_extension("html"),
@@ -426,6 +446,12 @@ async fn run(command: Command) -> anyhow::Result<()> {
         html.display()
     );
     Ok(())
+}
+
+/// This run's command line, as a reader would type it again.
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    format!("bulwark-loadtest {}", args.join(" "))
 }
 
 /// Writes `report`'s HTML report to `path`.

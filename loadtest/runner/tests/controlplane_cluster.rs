@@ -187,41 +187,95 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
     cp.stop().await.unwrap();
 }
 
-/// `bulwark-loadtest cluster` at a small size: the nodes' agents (each `system:node:<name>`,
-/// listing and watching its pods, its Secret and the EndpointSlices) are all answered
-/// through Bulwark beside KWOK and the controllers, no node goes NotReady, the Job
-/// finishes, and the report draws.
+/// `bulwark-loadtest cluster` at a small size, direct and through Bulwark on the same
+/// seed: the nodes' agents (each `system:node:<name>`, listing and watching its pods, its
+/// Secret and the EndpointSlices), the probe kubelets renewing their Leases and a small
+/// LIST storm are all answered beside KWOK and the controllers; no node goes NotReady, the
+/// Job finishes, the apiservers' own metrics show what they served, and the report draws
+/// each chart once per front door.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_cluster_scenario_runs_nodes_agents_and_a_burst_through_bulwark() {
+async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_through_bulwark() {
     let dir = tempfile::tempdir().unwrap();
-    let options = cluster::ClusterOptions {
-        dir: dir.path().join("cp"),
-        nodes: 10,
-        jobs: 1,
-        pods_per_job: 20,
-        replicas: 1,
-        memory_limit: None,
-        bulwarks: 1,
-        settle: Duration::from_secs(5),
-        agents: true,
-        bulwark_exe: Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest"))),
-    };
-    let run = cluster::run(&options).await.unwrap();
-    assert_eq!(run.nodes, 10);
-    assert_eq!(run.not_ready_max, 0, "{run:#?}");
-    assert!(run.jobs[0].done_s > 0.0, "{run:#?}");
+    let mut options = cluster::ClusterOptions::new(dir.path().join("cp"), 10);
+    options.probes = 2;
+    options.jobs = 1;
+    options.pods_per_job = 20;
+    options.replicas = 1;
+    options.settle = Duration::from_secs(8);
+    options.storm = 2;
+    options.storm_secrets = 20;
+    options.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));
+    let report = cluster::run(&options).await.unwrap();
+    assert_eq!(report.nodes, 10);
+    let fronts: Vec<&str> = report.runs.iter().map(|r| r.front.as_str()).collect();
+    assert_eq!(fronts, ["direct", "bulwark"]);
+    for run in &report.runs {
+        let front = &run.front;
+        assert_eq!(run.not_ready_max, 0, "{front}: {run:#?}");
+        assert!(run.jobs[0].done_s > 0.0, "{front}: {run:#?}");
+        assert!(
+            run.lease_age_max_s < f64::from(NODE_LEASE_SECONDS),
+            "{front}: {run:#?}"
+        );
+        // Two probes renewing every 10 s over the run, each timed at the client.
+        let renewals = &run.lease_renewals;
+        assert!(
+            renewals.ok >= 4 && renewals.errors == 0 && renewals.p99_ms > 0.0,
+            "{front}: {renewals:#?}"
+        );
+        let agents = run.agents.as_ref().expect("the agents ran");
+        // Each agent's three lists and three watches, every one answered.
+        assert!(
+            agents.ok >= 60 && agents.errors == 0 && agents.rejected == 0,
+            "{front}: {agents:#?}"
+        );
+        let storm = run.storm.as_ref().expect("the storm ran");
+        assert!(storm.ok > 0, "{front}: {storm:#?}");
+        // The apiservers' own counts: the agents' and the controllers' LISTs and watches.
+        let lists: f64 = run.samples.iter().map(|s| s.lists_per_s).sum();
+        let events: f64 = run.samples.iter().map(|s| s.watch_events_per_s).sum();
+        let open = run
+            .samples
+            .iter()
+            .map(|s| s.open_watches)
+            .fold(0.0, f64::max);
+        // At least each agent's three watches.
+        assert!(
+            lists > 0.0 && events > 0.0 && open >= 30.0,
+            "{front}: {:#?}",
+            run.samples
+        );
+    }
+    let bulwark = &report.runs[1];
+    // Only the storm may be refused; every node and controller was answered.
     assert!(
-        run.lease_age_max_s < f64::from(NODE_LEASE_SECONDS),
-        "{run:#?}"
+        bulwark
+            .refused
+            .keys()
+            .all(|k| k.contains("cluster-wide-secret-lists")),
+        "{:?}",
+        bulwark.refused
     );
-    let agents = run.agents.as_ref().expect("the agents ran");
-    // Each agent's three lists and three watches, every one answered.
     assert!(
-        agents.ok >= 60 && agents.errors == 0 && agents.rejected == 0,
-        "{agents:#?}"
+        bulwark
+            .rule_requests
+            .get("kubelets")
+            .copied()
+            .unwrap_or(0.0)
+            >= 60.0
     );
-    assert!(run.refused.is_empty(), "{:?}", run.refused);
-    assert!(run.rule_requests.get("kubelets").copied().unwrap_or(0.0) >= 60.0);
-    let html = bulwark_loadtest::report::html::render(&cluster::page(&run).unwrap());
-    assert_eq!(html.matches("<svg").count(), 3);
+    assert!(
+        bulwark
+            .rule_requests
+            .get("node-heartbeats")
+            .copied()
+            .unwrap_or(0.0)
+            >= 4.0,
+        "the probes' renewals: {:?}",
+        bulwark.rule_requests
+    );
+    assert!(report.runs[0].bulwark.is_none() && bulwark.bulwark.is_some());
+    let html = bulwark_loadtest::report::html::render(&cluster::page(&report).unwrap());
+    // Memory, nodes, LISTs and WATCHes, refusals: once per front door; the Jobs once.
+    assert_eq!(html.matches("<svg").count(), 9);
 }

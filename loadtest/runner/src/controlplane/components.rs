@@ -142,8 +142,9 @@ struct Component {
 }
 
 impl ControlPlane {
-    /// Starts kube-controller-manager, kube-scheduler and KWOK through Bulwark (the
-    /// balancer in front of the fleet), each with a client certificate of its own identity,
+    /// Starts kube-controller-manager, kube-scheduler and KWOK through the front door
+    /// (Bulwark, or without it the balancer in front of the kube-apiservers), each with a
+    /// client certificate of its own identity,
     /// after granting KWOK its RBAC. Their logs are `DIR/<name>.log`.
     pub async fn start_components(&self) -> Result<Components, Error> {
         let binaries = self.binaries().components()?;
@@ -169,6 +170,7 @@ impl ControlPlane {
             source,
         })?;
         let mut running = Vec::new();
+        let front = self.front_door();
         let specs: [(&'static str, PathBuf, &str, Vec<OsString>); 3] = [
             (
                 "kube-controller-manager",
@@ -212,8 +214,8 @@ impl ControlPlane {
             let kubeconfig_path = self.dir().join(format!("kubeconfig-{name}"));
             let cert = self.pki().client_ca.client_cert(user, &[]);
             let text = kubeconfig(
-                self.bulwark_addr(),
-                self.bulwark_ca_pem().unwrap_or_default(),
+                front.addr,
+                &front.ca_pem,
                 user,
                 &cert.cert_pem,
                 &cert.key_pem,

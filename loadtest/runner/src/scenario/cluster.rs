@@ -1,12 +1,21 @@
-//! `cluster`: a whole cluster through a Bulwark fleet on the real control plane. KWOK keeps
-//! N simulated nodes Ready and renews their Leases; kube-controller-manager and
-//! kube-scheduler run bursts of Jobs whose pods KWOK runs; every one of their requests goes
-//! through Bulwark as its own identity, under the shipped rules. The figures are the ones a
-//! cluster's operator looks at: nodes that went NotReady, how old the node Leases got, how
-//! long a burst's pods took to be scheduled and to finish, each apiserver's memory against
-//! its limit and its OOM kills, what Bulwark refused and what it cost.
+//! `cluster`: a whole cluster on the real control plane, run twice on the same seed: once
+//! with its clients reaching the kube-apiservers through an L4 balancer (`direct`), once
+//! through a Bulwark fleet (`bulwark`). KWOK keeps N simulated nodes Ready and renews their
+//! Leases; kube-controller-manager and kube-scheduler run a burst of Jobs whose pods KWOK
+//! runs; an agent per node lists and watches its pods, its Secret and the EndpointSlices as
+//! `system:node:<name>`; a few probe nodes renew their own Leases as kubelets do, timing
+//! each renewal at the client; and a LIST storm of large Secrets runs on top. Every one of
+//! those clients goes through the front door as its own identity, under the shipped rules.
+//!
+//! The figures are the ones a cluster's operator looks at: nodes that went NotReady, the
+//! Lease renewal latency at the client and how old the Leases got, how long a burst's pods
+//! took to be scheduled and to finish, each apiserver's memory against its limit and its
+//! OOM kills over time, the LISTs and WATCHes the apiservers served (their own metrics),
+//! who was refused (Bulwark's rules, the apiservers' FlowSchemas) over time, and what
+//! Bulwark cost.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
@@ -15,19 +24,62 @@ use kube::Client;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::list_storm::STORM;
+use super::{Load, Req, spawn_loads};
+use crate::client::{ClassStats, Target};
 use crate::controlplane::{ControlPlane, NODE_LEASE_SECONDS, Options, kwok_node};
 use crate::proxy_process::admin_text;
-use crate::report::ProxyCost;
-use crate::report::charts::{Bars, Lines, bars, lines};
-use crate::report::html::{Chart, Item, Page, Section, Table};
+use crate::report::{Class, ProxyCost};
+
+mod metrics;
+mod page;
+mod probes;
+use metrics::scrape;
+pub use metrics::{Rates, counters};
+use page::run_line;
+pub use page::{page, verdict};
+use probes::{probe_name, probe_node, start_probes};
+
+/// The cluster's front door in a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Front {
+    /// An L4 balancer in front of the kube-apiservers (each connection to the next).
+    Direct,
+    /// Bulwark (a fleet behind an L4 balancer when more than one).
+    Bulwark,
+}
+
+impl Front {
+    /// Its name in the report and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Front::Direct => "direct",
+            Front::Bulwark => "bulwark",
+        }
+    }
+
+    /// The fronts named in a comma-separated list (`direct,bulwark`).
+    pub fn parse_list(list: &str) -> anyhow::Result<Vec<Front>> {
+        list.split(',')
+            .map(|name| match name.trim() {
+                "direct" => Ok(Front::Direct),
+                "bulwark" => Ok(Front::Bulwark),
+                other => anyhow::bail!("no front door {other:?}: direct or bulwark"),
+            })
+            .collect()
+    }
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
-    /// Where the control plane's files go.
+    /// Where the control planes' files go (one folder per front door).
     pub dir: std::path::PathBuf,
-    /// Simulated nodes.
+    /// Simulated nodes (KWOK's).
     pub nodes: usize,
+    /// Probe nodes: each renews its own Lease and status as its kubelet would, timed at
+    /// the client; tainted so that no pod lands on them.
+    pub probes: usize,
     /// Jobs created at once in the burst.
     pub jobs: usize,
     /// Pods of each Job.
@@ -36,27 +88,85 @@ pub struct ClusterOptions {
     pub replicas: usize,
     /// Each one's memory limit.
     pub memory_limit: Option<u64>,
-    /// Bulwark replicas (a fleet behind an L4 balancer when more than one).
+    /// Bulwark replicas in the `bulwark` run.
     pub bulwarks: usize,
-    /// How long the cluster runs on after the burst, its Leases watched.
+    /// How long the cluster runs on after the burst, its Leases watched; the storm and the
+    /// agents run this long.
     pub settle: Duration,
     /// Whether every node also runs an agent as `system:node:<name>`.
     pub agents: bool,
+    /// LIST storm identities (0: no storm), each listing every Secret of the cluster with
+    /// no resourceVersion, again and again.
+    pub storm: usize,
+    /// Secrets of 100 KiB seeded for the storm.
+    pub storm_secrets: usize,
+    /// The front doors, in the order they run.
+    pub fronts: Vec<Front>,
     /// A `bulwark-loadtest` binary to run Bulwark with; `None` is this very binary.
     pub bulwark_exe: Option<std::path::PathBuf>,
 }
 
-/// The run's figures, as written to JSON.
+impl ClusterOptions {
+    /// The default for `nodes` nodes: both front doors, agents, a probe per 50 nodes (3 at
+    /// least), a storm of 10 identities on 300 Secrets of 100 KiB (30 MiB).
+    pub fn new(dir: impl Into<std::path::PathBuf>, nodes: usize) -> ClusterOptions {
+        ClusterOptions {
+            dir: dir.into(),
+            nodes,
+            probes: (nodes / 50).clamp(3, 100),
+            jobs: 3,
+            pods_per_job: 200,
+            replicas: 3,
+            memory_limit: None,
+            bulwarks: 1,
+            settle: Duration::from_secs(60),
+            agents: true,
+            storm: 10,
+            storm_secrets: 300,
+            fronts: vec![Front::Direct, Front::Bulwark],
+            bulwark_exe: None,
+        }
+    }
+}
+
+/// Bytes of each Secret the storm lists.
+const STORM_SECRET_BYTES: u64 = 100 << 10;
+
+/// The scenario's figures, as written to JSON: the set-up, and a run per front door.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ClusterReport {
     /// `cluster`.
     pub scenario: String,
-    /// Simulated nodes.
+    /// KWOK's nodes.
     pub nodes: usize,
+    /// Probe nodes.
+    pub probes: usize,
     /// kube-apiserver replicas.
     pub replicas: usize,
-    /// Bulwark replicas.
+    /// Bulwark replicas in the `bulwark` run.
     pub bulwarks: usize,
+    /// Jobs in the burst, and pods of each.
+    pub jobs: usize,
+    /// See `jobs`.
+    pub pods_per_job: u64,
+    /// Storm identities, Secrets they list, and those Secrets' bytes in all.
+    pub storm: usize,
+    /// See `storm`.
+    pub storm_secrets: usize,
+    /// See `storm`.
+    pub storm_bytes: u64,
+    /// The command line that produced it.
+    #[serde(default)]
+    pub command: String,
+    /// One run per front door, in the order they ran.
+    pub runs: Vec<ClusterRun>,
+}
+
+/// One front door's run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ClusterRun {
+    /// `direct` or `bulwark`.
+    pub front: String,
     /// Seconds from the components' start to every node Ready.
     pub all_ready_s: f64,
     /// The most nodes seen not Ready at once after they were all Ready (0 is the goal).
@@ -67,24 +177,28 @@ pub struct ClusterReport {
     pub lease_age_p99_s: f64,
     /// See `lease_age_p50_s`.
     pub lease_age_max_s: f64,
+    /// The probe nodes' Lease renewals, timed at the client.
+    pub lease_renewals: Class,
     /// Each Job of the burst.
     pub jobs: Vec<JobFigures>,
-    /// Pods bound per second over the burst (all pods over the time until the last bound).
+    /// Pods bound per second over the burst (all pods over the time until the last bound;
+    /// 0 when not all were bound).
     pub scheduling_pods_per_s: f64,
     /// Each apiserver replica: peak memory, limit, OOM kills.
     pub apiservers: Vec<ApiserverFigures>,
-    /// Samples over time: seconds since the burst, memory per replica (bytes), nodes not
-    /// Ready, oldest Lease (s).
+    /// Samples over time from the burst on.
     pub samples: Vec<Sample>,
-    /// Requests Bulwark matched per rule.
+    /// Requests Bulwark matched per rule (the `bulwark` run).
     pub rule_requests: BTreeMap<String, f64>,
-    /// Requests Bulwark refused per rule and reason.
+    /// Requests refused over the run: `rule NAME reason` by Bulwark, `APF SCHEMA` by the
+    /// apiservers' own fairness.
     pub refused: BTreeMap<String, f64>,
-    /// Bulwark's peak memory and CPU (the first replica).
+    /// Bulwark's peak memory and CPU (the first replica; the `bulwark` run).
     pub bulwark: Option<ProxyCost>,
     /// The per-node agents' requests (lists and watches), when they ran.
-    #[serde(default)]
-    pub agents: Option<crate::report::Class>,
+    pub agents: Option<Class>,
+    /// The storm's LISTs, when it ran.
+    pub storm: Option<Class>,
 }
 
 /// One Job of the burst.
@@ -94,9 +208,9 @@ pub struct JobFigures {
     pub name: String,
     /// Its pods.
     pub pods: u64,
-    /// Seconds from its creation to all its pods bound to nodes.
+    /// Seconds from its creation to all its pods bound to nodes (0: never).
     pub scheduled_s: f64,
-    /// Seconds from its creation to all its pods succeeded (run by KWOK).
+    /// Seconds from its creation to all its pods succeeded, run by KWOK (0: never).
     pub done_s: f64,
 }
 
@@ -118,10 +232,28 @@ pub struct Sample {
     pub t: f64,
     /// Memory per replica.
     pub memory: Vec<Option<u64>>,
+    /// OOM kills per replica so far.
+    #[serde(default)]
+    pub oom_kills: Vec<u64>,
     /// Nodes not Ready.
     pub not_ready: usize,
     /// The oldest node Lease's age.
     pub oldest_lease_s: f64,
+    /// LISTs per second the apiservers served since the last sample (their
+    /// `apiserver_request_total`).
+    #[serde(default)]
+    pub lists_per_s: f64,
+    /// Watches open at the apiservers (their `apiserver_longrunning_requests`).
+    #[serde(default)]
+    pub open_watches: f64,
+    /// Watch events per second the apiservers sent since the last sample
+    /// (`apiserver_watch_events_total`).
+    #[serde(default)]
+    pub watch_events_per_s: f64,
+    /// Refusals per second since the last sample, by who refused and whom (the keys of
+    /// [`ClusterRun::refused`]).
+    #[serde(default)]
+    pub refused_per_s: BTreeMap<String, f64>,
 }
 
 /// `GET path`'s JSON.
@@ -175,14 +307,6 @@ pub async fn look(admin: &Client) -> anyhow::Result<(usize, usize, Vec<f64>)> {
     Ok((items.len(), not_ready, ages))
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 /// A Job of `pods` pods run at once, each to completion.
 pub fn job(name: &str, pods: u64) -> Value {
     json!({
@@ -201,58 +325,128 @@ pub fn job(name: &str, pods: u64) -> Value {
     })
 }
 
-/// Runs the scenario.
+/// Runs the scenario: a fresh control plane per front door, on the same seed.
 pub async fn run(o: &ClusterOptions) -> anyhow::Result<ClusterReport> {
-    let mut opts = Options::new(&o.dir);
+    let mut report = ClusterReport {
+        scenario: "cluster".into(),
+        nodes: o.nodes,
+        probes: o.probes,
+        replicas: o.replicas,
+        bulwarks: o.bulwarks,
+        jobs: o.jobs,
+        pods_per_job: o.pods_per_job,
+        storm: o.storm,
+        storm_secrets: o.storm_secrets,
+        storm_bytes: o.storm_secrets as u64 * STORM_SECRET_BYTES,
+        command: String::new(),
+        runs: Vec::new(),
+    };
+    for &front in &o.fronts {
+        eprintln!("== cluster ({}): starting", front.name());
+        let run = run_front(o, front).await?;
+        eprintln!("== cluster ({}): {}", front.name(), run_line(&run));
+        report.runs.push(run);
+    }
+    Ok(report)
+}
+
+async fn run_front(o: &ClusterOptions, front: Front) -> anyhow::Result<ClusterRun> {
+    let mut opts = Options::new(o.dir.join(front.name()));
     opts.replicas = o.replicas;
     opts.apiserver_memory_limit = o.memory_limit;
-    opts.bulwarks = o.bulwarks;
+    opts.bulwarks = match front {
+        Front::Direct => 0,
+        Front::Bulwark => o.bulwarks,
+    };
     opts.bulwark_exe = o.bulwark_exe.clone();
+    if o.storm > 0 {
+        opts.seed = vec![
+            format!(
+                "secrets={}x{}KiB",
+                o.storm_secrets,
+                STORM_SECRET_BYTES >> 10
+            )
+            .parse()
+            .context("the storm's seed")?,
+        ];
+    }
     eprintln!(
-        "cluster: starting etcd, {} kube-apiservers and {} Bulwark(s)",
-        o.replicas, o.bulwarks
+        "cluster ({}): starting etcd and {} kube-apiservers{}",
+        front.name(),
+        o.replicas,
+        match front {
+            Front::Direct => " behind an L4 balancer".to_string(),
+            Front::Bulwark => format!(" behind {} Bulwark(s)", o.bulwarks),
+        }
     );
     let cp = ControlPlane::start(opts)
         .await
         .context("starting the control plane")?;
-    let result = drive(&cp, o).await;
+    let result = drive(&cp, o, front).await;
     let stopped = cp.stop().await;
-    let report = result?;
+    let run = result?;
     stopped.context("stopping the control plane")?;
-    Ok(report)
+    Ok(run)
 }
 
-async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterReport> {
-    let admin = cp.client("admin").await?;
-    eprintln!("cluster: creating {} KWOK nodes", o.nodes);
-    let created = futures::stream::iter(0..o.nodes)
-        .map(|i| {
-            let admin = admin.clone();
-            async move {
-                post(
-                    &admin,
-                    "/api/v1/nodes",
-                    &kwok_node(&format!("kwok-node-{i}")),
-                )
-                .await
-            }
-        })
+/// Posts each of `objects` to `path`, 16 at a time.
+async fn post_all(admin: &Client, path: &str, objects: Vec<Value>) -> anyhow::Result<()> {
+    let created = futures::stream::iter(objects)
+        .map(|object| async move { post(admin, path, &object).await })
         .buffer_unordered(16)
         .collect::<Vec<_>>()
         .await;
     created.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(())
+}
+
+async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::Result<ClusterRun> {
+    let admin = cp.client("admin").await?;
+    let target = cp.front_door();
+    eprintln!(
+        "cluster: creating {} KWOK nodes and {} probe nodes",
+        o.nodes, o.probes
+    );
+    let nodes = (0..o.nodes)
+        .map(|i| kwok_node(&format!("kwok-node-{i}")))
+        .chain((0..o.probes).map(|i| probe_node(&probe_name(i))))
+        .collect();
+    post_all(&admin, "/api/v1/nodes", nodes).await?;
+    let leases = (0..o.probes)
+        .map(|i| {
+            json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": probe_name(i)},
+                "spec": {"holderIdentity": probe_name(i), "leaseDurationSeconds": NODE_LEASE_SECONDS},
+            })
+        })
+        .collect();
+    post_all(
+        &admin,
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+        leases,
+    )
+    .await?;
     if o.agents {
         prepare_agents(cp, &admin, o.nodes).await?;
     }
+    if o.storm > 0 {
+        grant(cp, "storm-rbac.yaml", &storm_rbac(o.storm)).await?;
+    }
+    let (stop_probes, stopped) = tokio::sync::watch::channel(false);
+    let probe_stats = ClassStats::new();
+    let mut probes = start_probes(cp, &target, o.probes, &probe_stats, stopped);
     let mut components = cp.start_components().await?;
     let started = Instant::now();
+    let all = o.nodes + o.probes;
     loop {
         if let Some(exited) = components.exited() {
             anyhow::bail!("{exited}");
         }
         let (seen, not_ready, _) = look(&admin).await?;
-        eprint!("\rcluster: {} of {} nodes Ready", seen - not_ready, o.nodes);
-        if seen == o.nodes && not_ready == 0 {
+        eprint!("\rcluster: {} of {all} nodes Ready", seen - not_ready);
+        if seen == all && not_ready == 0 {
             break;
         }
         anyhow::ensure!(
@@ -263,19 +457,30 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
     }
     let all_ready_s = started.elapsed().as_secs_f64();
     eprintln!(" in {all_ready_s:.1} s");
-    // The agents run as long as the burst is watched (`settle`); their figures are theirs
-    // once they end.
-    let agents_until = tokio::time::Instant::now() + o.settle;
-    let agent_stats = crate::client::ClassStats::new();
+
+    // The agents and the storm run as long as the burst is watched (`settle`).
+    let until = tokio::time::Instant::now() + o.settle;
+    let agent_stats = ClassStats::new();
     let mut agent_tasks = if o.agents {
         eprintln!("cluster: starting an agent per node (its pods, its Secret, the EndpointSlices)");
-        start_agents(cp, o.nodes, &agent_stats, agents_until)
+        start_agents(cp, &target, o.nodes, &agent_stats, until)
     } else {
         Vec::new()
     };
-    let agents_started = Instant::now();
-
+    let storm = if o.storm > 0 {
+        eprintln!(
+            "cluster: a storm of {} identities listing {} Secrets of {} KiB",
+            o.storm,
+            o.storm_secrets,
+            STORM_SECRET_BYTES >> 10
+        );
+        Some(spawn_loads(&target, vec![storm_load(cp, o.storm)], until)?)
+    } else {
+        None
+    };
     let burst = Instant::now();
+    let mut rates = Rates::default();
+    let _ = scrape(cp, &mut rates, 0.0).await;
     let names: Vec<String> = (0..o.jobs).map(|j| format!("burst-{j}")).collect();
     for name in &names {
         post(
@@ -293,135 +498,126 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
             ..JobFigures::default()
         })
         .collect();
-    let mut samples = Vec::new();
+    let mut samples: Vec<Sample> = Vec::new();
     let mut ages = Vec::new();
     let mut not_ready_max = 0;
     let mut last_bound = 0.0_f64;
-    let until = o.settle;
-    let mut peak_line = String::new();
+    let mut refused = BTreeMap::new();
+    let mut peak = 0;
+    let mut unseen = 0;
+    // After the settle time the run waits this much longer for unfinished Jobs.
+    let grace = Duration::from_secs(180);
     loop {
         if let Some(exited) = components.exited() {
             anyhow::bail!("{exited}");
         }
         let t = burst.elapsed().as_secs_f64();
-        let (_, not_ready, lease_ages) = look(&admin).await?;
+        let previous = samples.last();
+        // A front door that does not answer (replicas OOM-killed) leaves the sample's
+        // cluster figures as they were last seen; the run goes on.
+        let (not_ready, oldest) = match look(&admin).await {
+            Ok((_, not_ready, lease_ages)) => {
+                let oldest = lease_ages.iter().copied().fold(0.0, f64::max);
+                ages.extend(lease_ages);
+                (not_ready, oldest)
+            }
+            Err(_) => {
+                unseen += 1;
+                previous.map_or((0, 0.0), |s| (s.not_ready, s.oldest_lease_s))
+            }
+        };
         not_ready_max = not_ready_max.max(not_ready);
-        let oldest = lease_ages.iter().copied().fold(0.0, f64::max);
-        ages.extend(lease_ages);
         for figures in jobs.iter_mut().filter(|j| j.done_s == 0.0) {
-            let pods = get(
-                &admin,
-                &format!(
-                    "/api/v1/namespaces/default/pods?labelSelector=job-name%3D{}",
-                    figures.name
-                ),
-            )
-            .await?;
-            let bound = pods["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|p| p["spec"]["nodeName"].is_string())
-                .count() as u64;
+            let Ok((bound, succeeded)) = job_progress(&admin, &figures.name).await else {
+                continue;
+            };
             if figures.scheduled_s == 0.0 && bound >= figures.pods {
                 figures.scheduled_s = t;
                 last_bound = last_bound.max(t);
             }
-            let status = get(
-                &admin,
-                &format!("/apis/batch/v1/namespaces/default/jobs/{}", figures.name),
-            )
-            .await?;
-            if status["status"]["succeeded"].as_u64().unwrap_or(0) >= figures.pods {
+            if succeeded >= figures.pods {
                 figures.done_s = t;
             }
         }
+        let scraped = scrape(cp, &mut rates, t).await;
+        for (key, per_s) in &scraped.refused_per_s {
+            let dt = t - previous.map_or(0.0, |s| s.t);
+            *refused.entry(key.clone()).or_insert(0.0) += per_s * dt;
+        }
+        let replicas = cp.report();
         let memory = cp.memory_usage();
-        let peak = memory.iter().flatten().max().copied().unwrap_or(0);
-        let line = format!(
-            "cluster: {t:.0} s after the burst: {} of {} Jobs done, {not_ready} nodes not Ready, oldest Lease {oldest:.0} s, apiserver memory peak now {} MiB",
+        peak = memory.iter().flatten().copied().fold(peak, u64::max);
+        let ooms: u64 = replicas.iter().map(|r| r.oom_kills).sum();
+        eprint!(
+            "\rcluster ({}): {t:>4.0} s after the burst: {} of {} Jobs done, {not_ready} nodes not Ready, oldest Lease {oldest:.0} s, apiserver peak {} MiB, {ooms} OOM kills, {:.0} LIST/s   ",
+            front.name(),
             jobs.iter().filter(|j| j.done_s > 0.0).count(),
             jobs.len(),
-            peak >> 20
+            peak >> 20,
+            scraped.lists_per_s,
         );
-        if line != peak_line {
-            eprint!("\r{line}   ");
-            peak_line = line;
-        }
         samples.push(Sample {
             t,
             memory,
+            oom_kills: replicas.iter().map(|r| r.oom_kills).collect(),
             not_ready,
             oldest_lease_s: oldest,
+            ..scraped
         });
         let done = jobs.iter().all(|j| j.done_s > 0.0);
-        if done && burst.elapsed() >= until {
+        if (done && burst.elapsed() >= o.settle) || burst.elapsed() >= o.settle + grace {
             break;
         }
-        anyhow::ensure!(
-            burst.elapsed() < until + Duration::from_secs(600),
-            "the burst's Jobs did not finish in 10 minutes"
-        );
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
     }
     eprintln!();
-    let ending = futures::future::join_all(agent_tasks.iter_mut());
+    if unseen > 0 {
+        eprintln!("cluster: the front door did not answer {unseen} of the samples");
+    }
+    let _ = stop_probes.send(true);
+    let ending = futures::future::join_all(agent_tasks.iter_mut().chain(probes.iter_mut()));
     if tokio::time::timeout(Duration::from_secs(60), ending)
         .await
         .is_err()
     {
         eprintln!("cluster: some agents did not end a minute after their deadline");
-        agent_tasks.iter().for_each(|t| t.abort());
+        agent_tasks.iter().chain(&probes).for_each(|t| t.abort());
     }
-    let agents = o
-        .agents
-        .then(|| agent_stats.summary(agents_started.elapsed()));
+    let storm = match storm {
+        Some((classes, all)) => {
+            let _ = tokio::time::timeout(Duration::from_secs(90), all).await;
+            classes
+                .first()
+                .map(|(_, stats)| stats.summary(burst.elapsed()))
+        }
+        None => None,
+    };
+    let agents = o.agents.then(|| agent_stats.summary(burst.elapsed()));
     components.stop().await;
 
     ages.sort_by(f64::total_cmp);
     let pods_total = o.pods_per_job * o.jobs as u64;
     let mut rule_requests = BTreeMap::new();
-    let mut refused = BTreeMap::new();
-    if let Some(admin_addr) = cp.bulwark_admin_addr() {
+    for admin_addr in cp.bulwark_admin_addrs() {
         let metrics = admin_text(admin_addr, "/metrics").await.unwrap_or_default();
-        for line in metrics.lines() {
-            let Some((name, value)) = line.rsplit_once(' ') else {
-                continue;
-            };
-            let Ok(value) = value.parse::<f64>() else {
-                continue;
-            };
-            let label = |key: &str| {
-                name.split(&format!("{key}=\"")[..])
-                    .nth(1)
-                    .and_then(|rest| rest.split('"').next())
-                    .unwrap_or("")
-                    .to_owned()
-            };
-            if name.starts_with("bulwark_rule_requests_total{") {
-                *rule_requests.entry(label("rule")).or_insert(0.0) += value;
-            } else if name.starts_with("bulwark_rejected_requests_total{") {
-                let key = format!("{} {}", label("rule"), label("reason"));
-                *refused.entry(key).or_insert(0.0) += value;
-            }
+        for (rule, n) in counters(&metrics, "bulwark_rule_requests_total", &["rule"]) {
+            *rule_requests.entry(rule).or_insert(0.0) += n;
         }
     }
-    Ok(ClusterReport {
-        scenario: "cluster".into(),
-        nodes: o.nodes,
-        replicas: o.replicas,
-        bulwarks: o.bulwarks,
+    Ok(ClusterRun {
+        front: front.name().into(),
         all_ready_s,
         not_ready_max,
         lease_age_p50_s: percentile(&ages, 0.5),
         lease_age_p99_s: percentile(&ages, 0.99),
         lease_age_max_s: ages.last().copied().unwrap_or(0.0),
-        jobs,
-        scheduling_pods_per_s: if last_bound > 0.0 {
+        lease_renewals: probe_stats.summary(burst.elapsed()),
+        scheduling_pods_per_s: if jobs.iter().all(|j| j.scheduled_s > 0.0) && last_bound > 0.0 {
             pods_total as f64 / last_bound
         } else {
             0.0
         },
+        jobs,
         apiservers: cp
             .report()
             .into_iter()
@@ -433,10 +629,95 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions) -> anyhow::Result<ClusterR
             .collect(),
         samples,
         rule_requests,
-        refused,
+        refused: refused.into_iter().filter(|(_, n)| *n >= 0.5).collect(),
         bulwark: cp.bulwark_cost(),
         agents,
+        storm,
     })
+}
+
+/// How many of a Job's pods are bound to nodes, and how many succeeded.
+async fn job_progress(admin: &Client, name: &str) -> anyhow::Result<(u64, u64)> {
+    let pods = get(
+        admin,
+        &format!("/api/v1/namespaces/default/pods?labelSelector=job-name%3D{name}"),
+    )
+    .await?;
+    let bound = pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| p["spec"]["nodeName"].is_string())
+        .count() as u64;
+    let job = get(
+        admin,
+        &format!("/apis/batch/v1/namespaces/default/jobs/{name}"),
+    )
+    .await?;
+    Ok((bound, job["status"]["succeeded"].as_u64().unwrap_or(0)))
+}
+
+/// The storm: identities listing every Secret of the cluster with no resourceVersion,
+/// one LIST after another, as a cluster-wide informer that relists without end.
+fn storm_load(cp: &ControlPlane, identities: usize) -> Load {
+    Load {
+        class: "storm".into(),
+        identities: STORM.mint(cp.pki(), identities),
+        think: Duration::from_millis(10),
+        next: Arc::new(|_, _| Req::get("/api/v1/secrets".into(), Duration::from_secs(60))),
+    }
+}
+
+/// What the storm's identities may do: read every Secret (as the tenant operators whose
+/// informers they stand for).
+fn storm_rbac(identities: usize) -> String {
+    let subjects: Vec<String> = (0..identities)
+        .map(|i| {
+            let (_, groups) = STORM.who(i);
+            format!(
+                "  - {{apiGroup: rbac.authorization.k8s.io, kind: Group, name: \"{}\"}}\n",
+                groups.last().map_or("", String::as_str)
+            )
+        })
+        .collect();
+    format!(
+        "apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: cluster-storm-secret-readers
+rules:
+  - apiGroups: [\"\"]
+    resources: [secrets]
+    verbs: [get, list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  name: cluster-storm-secret-readers
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: cluster-storm-secret-readers}}
+subjects:
+{}",
+        subjects.concat()
+    )
+}
+
+/// Applies `yaml` as the admin, from `DIR/file`.
+async fn grant(cp: &ControlPlane, file: &str, yaml: &str) -> anyhow::Result<()> {
+    let path = cp.dir().join(file);
+    std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
+    let (applied, said) = cp
+        .kubectl("admin", &["apply", "-f", &path.display().to_string()])
+        .await?;
+    anyhow::ensure!(applied, "applying {file}: {said}");
+    Ok(())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
 }
 
 /// The namespace of the agents' Secrets, one per node, named after it.
@@ -491,12 +772,7 @@ subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: \"system:no
 
 /// Grants the agents their reads and creates each node's Secret.
 async fn prepare_agents(cp: &ControlPlane, admin: &Client, nodes: usize) -> anyhow::Result<()> {
-    let path = cp.dir().join("agents-rbac.yaml");
-    std::fs::write(&path, agent_rbac()).with_context(|| format!("writing {}", path.display()))?;
-    let (applied, said) = cp
-        .kubectl("admin", &["apply", "-f", &path.display().to_string()])
-        .await?;
-    anyhow::ensure!(applied, "granting the node agents their reads: {said}");
+    grant(cp, "agents-rbac.yaml", &agent_rbac()).await?;
     let created = futures::stream::iter(0..nodes)
         .map(|i| {
             let admin = admin.clone();
@@ -528,14 +804,11 @@ async fn prepare_agents(cp: &ControlPlane, admin: &Client, nodes: usize) -> anyh
 /// connection. Started a few at a time so that the handshakes do not all land at once.
 fn start_agents(
     cp: &ControlPlane,
+    target: &Target,
     nodes: usize,
     stats: &std::sync::Arc<crate::client::ClassStats>,
     until: tokio::time::Instant,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    let target = crate::client::Target {
-        addr: cp.bulwark_addr(),
-        ca_pem: cp.bulwark_ca_pem().unwrap_or_default().to_owned(),
-    };
     (0..nodes)
         .filter_map(|i| {
             let name = format!("kwok-node-{i}");
@@ -547,7 +820,7 @@ fn start_agents(
                 cert_pem: cert.cert_pem,
                 key_pem: cert.key_pem,
             };
-            let client = crate::client::Client::new(&target, &identity).ok()?;
+            let client = crate::client::Client::new(target, &identity).ok()?;
             let stats = stats.clone();
             let start = tokio::time::Instant::now() + Duration::from_millis(10 * i as u64);
             Some(tokio::spawn(async move {
@@ -578,195 +851,16 @@ fn start_agents(
         .collect()
 }
 
-/// The one line at the top of the report.
-pub fn verdict(r: &ClusterReport) -> String {
-    let ooms: u64 = r.apiservers.iter().map(|a| a.oom_kills).sum();
-    let refused: f64 = r.refused.values().fold(0.0, |a, b| a + b);
-    let slowest = r.jobs.iter().map(|j| j.done_s).fold(0.0, f64::max);
-    format!(
-        "{} nodes through {} Bulwark(s): {} went NotReady, Leases at most {:.0} s old (p99 {:.0} s, lease {NODE_LEASE_SECONDS} s); {} Jobs of {} pods done in {:.1} s at most; {ooms} apiserver OOM kills; {refused:.0} requests refused.",
-        r.nodes,
-        r.bulwarks,
-        r.not_ready_max,
-        r.lease_age_max_s,
-        r.lease_age_p99_s,
-        r.jobs.len(),
-        r.jobs.first().map_or(0, |j| j.pods),
-        slowest,
-    )
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// The report as a self-contained HTML page.
-pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
-    let x_max = r.samples.last().map_or(1.0, |s| s.t).max(1.0);
-    let limit = r.apiservers.iter().filter_map(|a| a.limit_bytes).max();
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    let replicas = r.samples.first().map_or(0, |s| s.memory.len());
-    let memory_series = (0..replicas)
-        .map(|i| {
-            let points = r
-                .samples
-                .iter()
-                .filter_map(|s| Some((s.t, mib(s.memory.get(i).copied().flatten()?))))
-                .collect();
-            (
-                format!("apiserver {i}"),
-                crate::report::charts::colour(i),
-                points,
-            )
-        })
-        .collect::<Vec<_>>();
-    let y_max = r
-        .samples
-        .iter()
-        .flat_map(|s| s.memory.iter().flatten())
-        .map(|b| mib(*b))
-        .fold(limit.map_or(1.0, mib), f64::max);
-    let memory = lines(&Lines {
-        title: "apiserver memory (MiB) after the burst",
-        y_desc: "MiB",
-        series: memory_series,
-        limit: limit.map(mib),
-        limit_label: "memory limit",
-        marks: Vec::new(),
-        x_max,
-        y_max: y_max * 1.05,
-    })?;
-    let leases = lines(&Lines {
-        title: "the oldest node Lease (s) and nodes not Ready",
-        y_desc: "seconds / nodes",
-        series: vec![
-            (
-                "oldest Lease (s)".into(),
-                crate::report::charts::colour(0),
-                r.samples.iter().map(|s| (s.t, s.oldest_lease_s)).collect(),
-            ),
-            (
-                "nodes not Ready".into(),
-                crate::report::charts::colour(1),
-                r.samples
-                    .iter()
-                    .map(|s| (s.t, s.not_ready as f64))
-                    .collect(),
-            ),
-        ],
-        limit: Some(f64::from(NODE_LEASE_SECONDS)),
-        limit_label: "Lease duration",
-        marks: Vec::new(),
-        x_max,
-        y_max: f64::from(NODE_LEASE_SECONDS) * 1.2,
-    })?;
-    let jobs = bars(&Bars {
-        title: "each Job: seconds to all pods bound, and to all succeeded",
-        y_desc: "seconds",
-        categories: r.jobs.iter().map(|j| j.name.clone()).collect(),
-        series: vec![
-            (
-                "scheduled".into(),
-                r.jobs.iter().map(|j| j.scheduled_s).collect(),
-            ),
-            ("done".into(), r.jobs.iter().map(|j| j.done_s).collect()),
-        ],
-        limit: None,
-        log_y: false,
-    })?;
-    let mut figures = Table {
-        header: vec!["figure".into(), "value".into()],
-        rows: vec![
-            vec!["nodes".into(), r.nodes.to_string()],
-            vec![
-                "all Ready after (s)".into(),
-                format!("{:.1}", r.all_ready_s),
-            ],
-            vec![
-                "most nodes NotReady at once".into(),
-                r.not_ready_max.to_string(),
-            ],
-            vec![
-                "Lease age p50 / p99 / max (s)".into(),
-                format!(
-                    "{:.1} / {:.1} / {:.1}",
-                    r.lease_age_p50_s, r.lease_age_p99_s, r.lease_age_max_s
-                ),
-            ],
-            vec![
-                "pods bound per second".into(),
-                format!("{:.1}", r.scheduling_pods_per_s),
-            ],
-        ],
-    };
-    for (i, a) in r.apiservers.iter().enumerate() {
-        figures.rows.push(vec![
-            format!("apiserver {i}: peak / limit (MiB), OOM kills"),
-            format!(
-                "{} / {}, {}",
-                a.peak_bytes.map_or("-".into(), |b| (b >> 20).to_string()),
-                a.limit_bytes.map_or("-".into(), |b| (b >> 20).to_string()),
-                a.oom_kills
-            ),
-        ]);
+    #[test]
+    fn the_storm_may_read_every_secret_and_nothing_else() {
+        let yaml = storm_rbac(2);
+        assert!(yaml.contains("resources: [secrets]"));
+        assert!(yaml.contains("name: \"system:serviceaccounts:tenant-0\""));
+        assert!(yaml.contains("name: \"system:serviceaccounts:tenant-1\""));
+        assert!(!yaml.contains("tenant-2"));
     }
-    if let Some(agents) = &r.agents {
-        figures.rows.push(vec![
-            "node agents: requests, ok, 429, errors, p99 (ms)".into(),
-            format!(
-                "{}, {}, {}, {}, {:.1}",
-                agents.requests, agents.ok, agents.rejected, agents.errors, agents.p99_ms
-            ),
-        ]);
-    }
-    if let Some(cost) = &r.bulwark {
-        figures.rows.push(vec![
-            "Bulwark: peak RSS (MiB), CPU (s)".into(),
-            format!("{}, {:.1}", cost.peak_rss_bytes >> 20, cost.cpu_seconds),
-        ]);
-    }
-    let rules = Table {
-        header: vec!["Bulwark rule".into(), "requests".into()],
-        rows: r
-            .rule_requests
-            .iter()
-            .map(|(k, v)| vec![k.clone(), format!("{v:.0}")])
-            .chain(
-                r.refused
-                    .iter()
-                    .map(|(k, v)| vec![format!("refused: {k}"), format!("{v:.0}")]),
-            )
-            .collect(),
-    };
-    Ok(Page {
-        title: format!("cluster: {} KWOK nodes", r.nodes),
-        verdict: verdict(r),
-        notes: vec![format!(
-            "{} kube-apiservers, {} Bulwark(s); kube-controller-manager, kube-scheduler and KWOK through Bulwark as themselves, under rules/examples.",
-            r.replicas, r.bulwarks
-        )],
-        sections: vec![
-            Section {
-                title: "The apiservers".into(),
-                items: vec![Item::Chart(Chart {
-                    title: "apiserver memory after the burst".into(),
-                    svg: memory,
-                })],
-            },
-            Section {
-                title: "The nodes".into(),
-                items: vec![Item::Chart(Chart {
-                    title: "oldest node Lease and nodes not Ready".into(),
-                    svg: leases,
-                })],
-            },
-            Section {
-                title: "The burst".into(),
-                items: vec![Item::Chart(Chart {
-                    title: "Jobs: to scheduled and to done".into(),
-                    svg: jobs,
-                })],
-            },
-            Section {
-                title: "Figures".into(),
-                items: vec![Item::Table(figures), Item::Table(rules)],
-            },
-        ],
-    })
 }

@@ -189,14 +189,14 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         nodes: usize,
         /// Probe nodes renewing their own Leases, timed at the client (default: one per
-        /// 50 nodes, 3 at least).
+        /// 20 nodes, 3 at least).
         #[arg(long)]
         probes: Option<usize>,
         /// LIST storm identities listing every Secret (0: no storm).
         #[arg(long, default_value_t = 10)]
         storm: usize,
         /// Secrets of 100 KiB seeded for the storm.
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 600)]
         storm_secrets: usize,
         /// The front doors to run, in order: `direct`, `bulwark` or both.
         #[arg(long, default_value = "direct,bulwark")]

@@ -90,7 +90,11 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         .runs
         .iter()
         .flat_map(|run| &run.samples)
-        .map(|s| s.oldest_lease_s.max(s.not_ready as f64))
+        .map(|s| {
+            s.oldest_lease_s
+                .max(s.not_ready as f64)
+                .max(s.slowest_renewal_s)
+        })
         .fold(f64::from(NODE_LEASE_SECONDS), f64::max);
     let mut memory = Vec::new();
     let mut nodes = Vec::new();
@@ -138,6 +142,14 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
                         run.samples
                             .iter()
                             .map(|s| (s.t, s.oldest_lease_s))
+                            .collect(),
+                    ),
+                    (
+                        "slowest Lease renewal (s)".into(),
+                        colour(2),
+                        run.samples
+                            .iter()
+                            .map(|s| (s.t, s.slowest_renewal_s))
                             .collect(),
                     ),
                     (

@@ -3,6 +3,7 @@
 //! `system:node:<name>`, timing every renewal at the client.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use bytes::Bytes;
@@ -30,12 +31,14 @@ pub(super) fn probe_node(name: &str) -> Value {
 /// One probe per probe node, as `system:node:<name>` in `system:nodes`: it renews the
 /// node's Lease every quarter of its duration and reports the node Ready every minute,
 /// as a kubelet does, and times each renewal at the client. A failed renewal is retried
-/// after client-go's back-off. The probes run until `stop` turns true.
+/// after client-go's back-off. The probes run until `stop` turns true. `slowest` keeps the
+/// longest renewal (µs, answered or not) since the sampler last took it.
 pub(super) fn start_probes(
     cp: &ControlPlane,
     target: &Target,
     probes: usize,
     stats: &Arc<ClassStats>,
+    slowest: &Arc<AtomicU64>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let renew_every = Duration::from_secs(u64::from(NODE_LEASE_SECONDS) / 4);
@@ -52,6 +55,7 @@ pub(super) fn start_probes(
             };
             let mut client = crate::client::Client::new(target, &identity).ok()?;
             let stats = stats.clone();
+            let slowest = slowest.clone();
             let mut stop = stop.clone();
             Some(tokio::spawn(async move {
                 let mut tally = stats.tally();
@@ -77,6 +81,7 @@ pub(super) fn start_probes(
                         }
                     }
                     let body = renew_patch(&name, SystemTime::now());
+                    let sent = Instant::now();
                     let outcome = client
                         .call(
                             Method::PATCH,
@@ -86,6 +91,8 @@ pub(super) fn start_probes(
                             Duration::from_secs(10),
                         )
                         .await;
+                    let took = u64::try_from(sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    slowest.fetch_max(took, Ordering::Relaxed);
                     let pause = match tally.record(&outcome) {
                         Duration::ZERO if matches!(outcome, crate::client::Outcome::Ok { .. }) => {
                             renew_every

@@ -270,8 +270,12 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Command::Bulwark { config } = &cli.command {
         // Bulwark on the runtime the `bulwark` binary builds.
+        // Colours only on a terminal, as the `bulwark` binary: the scenarios send its
+        // stderr to a log file.
+        use std::io::IsTerminal as _;
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_ansi(std::io::stderr().is_terminal())
             .with_writer(std::io::stderr)
             .init();
         let runtime = bulwark::serve::runtime().context("starting the async runtime")?;

@@ -43,7 +43,6 @@ pub(crate) mod accept;
 pub mod audit;
 pub mod authz;
 mod informer;
-pub mod layer;
 pub mod protobuf;
 
 pub use accept::Encoding;
@@ -61,12 +60,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Body;
-use crate::call::Held;
 use crate::classify::{RequestInfo, Verb};
 use crate::config::{self, GroupResource};
 use crate::identity::User;
 use crate::identity::forward::OwnToken;
 use crate::metrics::Metrics;
+use crate::stages::call::Held;
 use crate::upstream::Upstream;
 
 pub use apimachinery::status::Status;

@@ -14,7 +14,8 @@ use apimachinery::continue_token;
 use super::store::{EventType, Kind};
 use super::*;
 use crate::identity::review::ReviewError;
-use crate::status::{ProxyError, Reason};
+use crate::stages::error::ProxyError;
+use crate::status::Reason;
 
 /// Allows everyone except the denied users; names, when set, limit what may be read.
 #[derive(Default)]

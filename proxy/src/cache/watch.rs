@@ -20,10 +20,10 @@ use super::accept::Encoding;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
-use crate::call::Held;
 use crate::identity::User;
 use crate::identity::review::ReviewError;
 use crate::metrics::Metrics;
+use crate::stages::call::Held;
 
 /// Which objects a watch (or list) sees.
 #[derive(Debug, Clone, Default)]

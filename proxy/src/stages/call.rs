@@ -14,12 +14,12 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower::{Layer, Service};
 
+use super::error::ProxyError;
 use crate::cache;
 use crate::classify::RequestInfo;
 use crate::identity::{Identity, User};
 use crate::listen::ConnInfo;
 use crate::rules::Matched;
-use crate::status::ProxyError;
 use crate::upstream::BodyFlow;
 use crate::{Body, BoxFuture};
 

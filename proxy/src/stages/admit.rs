@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use http::{HeaderValue, Response};
 
-use super::{Admission, Answer, Learn, hold};
+use super::call::{Admitted, Answered, Cached, Call, Held, Identified, Next, Source, Stage};
+use super::error::ProxyError;
 use crate::Body;
+use crate::admit::{Admission, Answer, Learn, hold};
 use crate::cache::Cache;
-use crate::call::{Admitted, Answered, Cached, Call, Held, Identified, Next, Source, Stage};
 use crate::classify::Verb;
 use crate::identity::Identity;
 use crate::rules::Rules;
-use crate::status::ProxyError;
 use crate::upstream::{BodyBudget, BodyFlow};
 
 /// Decides whether, when and from where a request is answered.

@@ -1,9 +1,9 @@
 //! The cache as a stage, between admission and forwarding: it answers the requests
 //! admission admitted as cached answers ([`Source::Cache`]) and passes the rest on.
 
-use super::Reader;
-use crate::call::{Admitted, Answered, Cached, Call, Next, Source, Stage, ToApiserver};
-use crate::status::ProxyError;
+use super::call::{Admitted, Answered, Cached, Call, Next, Source, Stage, ToApiserver};
+use super::error::ProxyError;
+use crate::cache::Reader;
 
 /// Answers a cached read, or passes the request on to be forwarded.
 #[derive(Clone, Copy, Default)]

@@ -65,7 +65,6 @@ use crate::config::{self, GroupResource};
 use crate::identity::User;
 use crate::identity::forward::OwnToken;
 use crate::metrics::Metrics;
-use crate::stages::call::Held;
 use crate::upstream::Upstream;
 
 pub use apimachinery::status::Status;
@@ -1128,6 +1127,27 @@ pub struct Reader<'a> {
     pub headers: &'a HeaderMap,
     /// The client's address.
     pub peer: Option<IpAddr>,
+}
+
+/// Something held until dropped (admission's seats for a watch's initial state), whose
+/// owner the cache need not know.
+pub struct Held {
+    _thing: Box<dyn Send + Sync>,
+}
+
+impl Held {
+    /// Holds `thing` until this is dropped.
+    pub fn new(thing: impl Send + Sync + 'static) -> Held {
+        Held {
+            _thing: Box::new(thing),
+        }
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Held")
+    }
 }
 
 /// The apiserver's 403 for a denied request.

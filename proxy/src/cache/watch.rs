@@ -16,6 +16,7 @@ use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::Held;
 use super::accept::Encoding;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
@@ -23,7 +24,6 @@ use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_li
 use crate::identity::User;
 use crate::identity::review::ReviewError;
 use crate::metrics::Metrics;
-use crate::stages::call::Held;
 
 /// Which objects a watch (or list) sees.
 #[derive(Debug, Clone, Default)]

@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use http::{HeaderValue, Response};
 
-use super::call::{Admitted, Answered, Cached, Call, Held, Identified, Next, Source, Stage};
+use super::call::{Admitted, Answered, Cached, Call, Identified, Next, Source, Stage};
 use super::error::ProxyError;
 use crate::Body;
 use crate::admit::{Admission, Answer, Learn, hold};
-use crate::cache::Cache;
+use crate::cache::{Cache, Held};
 use crate::classify::Verb;
 use crate::identity::Identity;
 use crate::rules::Rules;

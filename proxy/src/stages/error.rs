@@ -178,9 +178,62 @@ mod tests {
     use http_body_util::BodyExt;
 
     use super::*;
+    use crate::cache::Status;
     use crate::identity::review::ReviewError;
     use crate::report::SharedError;
     use crate::upstream::TlsFailure;
+
+    #[test]
+    fn a_malformed_request_is_a_400() {
+        for target in [
+            "/api/v1/proxy/namespaces/default/pods/web-0",
+            "/api/v1/pods/%2e%2e",
+        ] {
+            let uri: http::Uri = target.parse().unwrap();
+            let error = crate::classify::classify(&http::Method::GET, &uri).unwrap_err();
+            let refusal = ProxyError::Classify(error).refusal();
+            assert_eq!(refusal.status(), StatusCode::BAD_REQUEST, "{target}");
+            assert_eq!(refusal.reason, Reason::BadRequest, "{target}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cache_refusal_is_the_apiservers_status_with_bulwarks_headers() {
+        let forbidden = Status::failure(403, "Forbidden", "secrets \"one\" is forbidden", None);
+        let error = ProxyError::Cache {
+            error: CacheError::Status(Box::new(forbidden), "audit-1".into()),
+            rule: Arc::from("r"),
+            level: "l".into(),
+        };
+        let refusal = error.refusal();
+        assert_eq!(refusal.reason, Reason::Forbidden);
+        let response = error.into_response(refusal);
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        let headers = response.headers();
+        assert_eq!(headers["x-bulwark-reason"], "forbidden");
+        assert_eq!(headers["x-bulwark-rule"], "r");
+        assert_eq!(headers["x-bulwark-level"], "l");
+        assert_eq!(headers["audit-id"], "audit-1");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let status: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(status["message"], "secrets \"one\" is forbidden");
+
+        let error = ProxyError::Cache {
+            error: CacheError::ReviewFailed(Arc::new(ReviewError::Status {
+                path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: "etcd is down".into(),
+            })),
+            rule: Arc::from("r"),
+            level: "l".into(),
+        };
+        let refusal = error.refusal();
+        assert_eq!(refusal.reason, Reason::UpstreamError);
+        assert_eq!(
+            error.into_response(refusal).status(),
+            StatusCode::BAD_GATEWAY
+        );
+    }
 
     #[test]
     fn upstream_failures_map_to_the_statuses_the_client_sees() {

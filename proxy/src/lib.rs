@@ -14,6 +14,7 @@ pub mod certs;
 pub mod classify;
 pub mod coalesce;
 pub mod config;
+pub mod config_files;
 pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;

@@ -25,6 +25,7 @@
 mod budget;
 mod cost;
 pub(crate) mod flows;
+mod local;
 pub mod measure;
 mod queue;
 #[cfg(test)]
@@ -51,6 +52,7 @@ use crate::upstream::Upstream;
 
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
 pub use flows::FlowWatch;
+pub use local::ProxyLocal;
 
 use cost::CostModel;
 use flows::{Bucket, Flows};

@@ -9,7 +9,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin;
-use crate::admit::Admission;
+use crate::admit::{Admission, ProxyLocal};
 use crate::cache::{AuditLog, Cache};
 use crate::config::{self, Config};
 use crate::fleet::lease::UpstreamLeases;
@@ -170,7 +170,7 @@ impl Running {
                     &format!("{}{}", cfg.lease_prefix, settings.identity),
                     cfg.renew_interval,
                 ));
-                let local = fleet::ProxyLocal {
+                let local = ProxyLocal {
                     upstream: upstream.clone(),
                     admission: admission.clone(),
                 };

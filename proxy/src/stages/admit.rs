@@ -106,15 +106,20 @@ impl<B: Send + 'static> Stage<B> for Admit {
         };
         let upstream = matches!(source, Source::Upstream { .. });
         drop(user);
-        let named = (matched.rule.clone(), matched.level.clone());
+        let (rule, level) = (matched.rule.clone(), matched.level.clone());
         let admitted = Admitted {
             info: info.clone(),
             identity: facts.identity,
             matched,
             source,
         };
-        let mut response = next.run(call.learn(admitted)).await?;
-        name_rule(&mut response, &named.0, &named.1.name);
+        // An answer names the rule and level that admitted it, and so does a refusal after
+        // admission (the cache's, the body budget's, the apiservers' failures).
+        let mut response = match next.run(call.learn(admitted)).await {
+            Ok(response) => response,
+            Err(error) => return Err(error.admitted(rule, level.name.clone())),
+        };
+        name_rule(&mut response, &rule, &level.name);
         if upstream && info.is_long_running() {
             permit.release_seats();
         }

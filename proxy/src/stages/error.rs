@@ -37,14 +37,19 @@ pub enum ProxyError {
     /// The cache refused a read it would otherwise answer: 403 from the reader's
     /// SubjectAccessReview, in the apiserver's own words, or an error when no review could
     /// be made.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// A failure after admission (the cache's, forwarding's or the apiservers'): its answer
+    /// names the rule and level that admitted the request, as every answer to an admitted
+    /// request does, and it is counted with them.
     #[error("{error}")]
-    Cache {
+    Admitted {
         /// Why.
         #[source]
-        error: CacheError,
-        /// The reader's rule.
+        error: Box<ProxyError>,
+        /// The request's rule.
         rule: Arc<str>,
-        /// The reader's priority level.
+        /// The rule's priority level.
         level: String,
     },
 }
@@ -77,27 +82,34 @@ impl ProxyError {
             ),
             ProxyError::Upstream(error) => upstream_refusal(error),
             ProxyError::Refused(refusal) => refusal.clone(),
-            ProxyError::Cache { error, rule, level } => {
-                let refusal = match error {
-                    CacheError::Status(status, _) => {
-                        let reason = match status.code {
-                            403 => Reason::Forbidden,
-                            504 => Reason::UpstreamTimeout,
-                            _ => Reason::BadRequest,
-                        };
-                        Refusal::new(reason, message)
-                    }
-                    CacheError::ReviewFailed(_) => {
-                        Refusal::new(Reason::UpstreamError, "the access review could not be made")
-                            .retry_after(Duration::from_secs(1))
-                    }
-                };
-                Refusal {
-                    rule: Some(rule.to_string()),
-                    level: Some(level.clone()),
-                    ..refusal
+            ProxyError::Cache(error) => match error {
+                CacheError::Status(status, _) => {
+                    let reason = match status.code {
+                        403 => Reason::Forbidden,
+                        504 => Reason::UpstreamTimeout,
+                        _ => Reason::BadRequest,
+                    };
+                    Refusal::new(reason, message)
                 }
-            }
+                CacheError::ReviewFailed(_) => {
+                    Refusal::new(Reason::UpstreamError, "the access review could not be made")
+                        .retry_after(Duration::from_secs(1))
+                }
+            },
+            ProxyError::Admitted { error, rule, level } => Refusal {
+                rule: Some(rule.to_string()),
+                level: Some(level.clone()),
+                ..error.refusal()
+            },
+        }
+    }
+
+    /// This error as a failure after admission by `rule` at `level`.
+    pub fn admitted(self, rule: Arc<str>, level: String) -> ProxyError {
+        ProxyError::Admitted {
+            error: Box::new(self),
+            rule,
+            level,
         }
     }
 
@@ -105,8 +117,10 @@ impl ProxyError {
     /// the cache wrote in the apiserver's words goes as it is, with Bulwark's headers; every
     /// other refusal is written by [`Refusal::into_response`].
     pub fn into_response(self, refusal: Refusal) -> Response<Body> {
-        let ProxyError::Cache { error, .. } = &self else {
-            return refusal.into_response();
+        let error = match self {
+            ProxyError::Admitted { error, .. } => return error.into_response(refusal),
+            ProxyError::Cache(error) => error,
+            _ => return refusal.into_response(),
         };
         let Some(mut response) = error.status_response() else {
             let mut response = refusal.into_response();
@@ -200,11 +214,8 @@ mod tests {
     #[tokio::test]
     async fn a_cache_refusal_is_the_apiservers_status_with_bulwarks_headers() {
         let forbidden = Status::failure(403, "Forbidden", "secrets \"one\" is forbidden", None);
-        let error = ProxyError::Cache {
-            error: CacheError::Status(Box::new(forbidden), "audit-1".into()),
-            rule: Arc::from("r"),
-            level: "l".into(),
-        };
+        let error = ProxyError::Cache(CacheError::Status(Box::new(forbidden), "audit-1".into()))
+            .admitted(Arc::from("r"), "l".into());
         let refusal = error.refusal();
         assert_eq!(refusal.reason, Reason::Forbidden);
         let response = error.into_response(refusal);
@@ -218,21 +229,37 @@ mod tests {
         let status: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(status["message"], "secrets \"one\" is forbidden");
 
-        let error = ProxyError::Cache {
-            error: CacheError::ReviewFailed(Arc::new(ReviewError::Status {
-                path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                message: "etcd is down".into(),
-            })),
-            rule: Arc::from("r"),
-            level: "l".into(),
-        };
+        let error = ProxyError::Cache(CacheError::ReviewFailed(Arc::new(ReviewError::Status {
+            path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: "etcd is down".into(),
+        })))
+        .admitted(Arc::from("r"), "l".into());
         let refusal = error.refusal();
         assert_eq!(refusal.reason, Reason::UpstreamError);
         assert_eq!(
             error.into_response(refusal).status(),
             StatusCode::BAD_GATEWAY
         );
+    }
+
+    #[test]
+    fn a_failure_after_admission_names_its_rule_and_level() {
+        let no = UpstreamError::NoHealthyReplica {
+            retry_after: Duration::from_secs(2),
+        };
+        let error = ProxyError::Upstream(no).admitted(Arc::from("r"), "l".into());
+        let refusal = error.refusal();
+        assert_eq!(refusal.reason, Reason::NoHealthyUpstream);
+        assert_eq!(refusal.retry_after, Some(Duration::from_secs(2)));
+        assert_eq!(
+            (refusal.rule.as_deref(), refusal.level.as_deref()),
+            (Some("r"), Some("l"))
+        );
+        let response = error.into_response(refusal);
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()["x-bulwark-rule"], "r");
+        assert_eq!(response.headers()["x-bulwark-level"], "l");
     }
 
     #[test]
@@ -309,17 +336,14 @@ mod tests {
                 path: format!("/var/run/secrets/{replica}/token").into(),
                 source: refused(),
             }),
-            ProxyError::Cache {
-                error: CacheError::ReviewFailed(Arc::new(ReviewError::Upstream {
-                    path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-                    source: UpstreamError::Connect {
-                        replica: replica.into(),
-                        source: Arc::new(std::io::Error::other("refused")),
-                    },
-                })),
-                rule: Arc::from("r"),
-                level: "l".into(),
-            },
+            ProxyError::Cache(CacheError::ReviewFailed(Arc::new(ReviewError::Upstream {
+                path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                source: UpstreamError::Connect {
+                    replica: replica.into(),
+                    source: Arc::new(std::io::Error::other("refused")),
+                },
+            })))
+            .admitted(Arc::from("r"), "l".into()),
         ];
         for error in errors {
             let detail = crate::report::chain(&error);

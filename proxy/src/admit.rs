@@ -10,21 +10,22 @@
 //! limits at all.
 //!
 //! Refusals are counted in `bulwark_rejected_requests_total` by the layer that answers them
-//! (`rescue::Rescue`), not here, so that each is counted once.
+//! (`stages::rescue::Rescue`), not here, so that each is counted once.
 //!
 //! Wiring: build one [`Admission`] from the rule set's levels and the [`Upstream`], call
 //! [`Admission::update_levels`] with the levels of every new rule set, and for each matched
 //! request [`Admission::admit`] it, saying where its answer comes from ([`Answer`]); the
-//! stage that does so for every request is [`layer`]. Keep the [`Permit`] alive until the response body ends; for a
-//! long-running request call [`Permit::release_seats`] at the response head, and for a watch
-//! keep [`Permit::watch_guard`] with the stream. A LIST's response teaches the cost model
-//! through [`hold`] with a [`Learn`]: the JSON size the apiserver built, measured on the
-//! wire where the response shows it ([`measure`]), so that costs follow the collection.
+//! stage that does so for every request is `stages::admit`. Keep the [`Permit`] alive until
+//! the response body ends; for a long-running request call [`Permit::release_seats`] at the
+//! response head, and for a watch keep [`Permit::watch_guard`] with the stream. A LIST's
+//! response teaches the cost model through [`hold`] with a [`Learn`]: the JSON size the
+//! apiserver built, measured on the wire where the response shows it ([`measure`]), so that
+//! costs follow the collection.
 
 mod budget;
 mod cost;
 pub(crate) mod flows;
-pub mod layer;
+mod local;
 pub mod measure;
 mod queue;
 #[cfg(test)]
@@ -51,6 +52,7 @@ use crate::upstream::Upstream;
 
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
 pub use flows::FlowWatch;
+pub use local::ProxyLocal;
 
 use cost::CostModel;
 use flows::{Bucket, Flows};

@@ -43,7 +43,6 @@ pub(crate) mod accept;
 pub mod audit;
 pub mod authz;
 mod informer;
-pub mod layer;
 pub mod protobuf;
 
 pub use accept::Encoding;
@@ -61,7 +60,6 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::Body;
-use crate::call::Held;
 use crate::classify::{RequestInfo, Verb};
 use crate::config::{self, GroupResource};
 use crate::identity::User;
@@ -1129,6 +1127,27 @@ pub struct Reader<'a> {
     pub headers: &'a HeaderMap,
     /// The client's address.
     pub peer: Option<IpAddr>,
+}
+
+/// Something held until dropped (admission's seats for a watch's initial state), whose
+/// owner the cache need not know.
+pub struct Held {
+    _thing: Box<dyn Send + Sync>,
+}
+
+impl Held {
+    /// Holds `thing` until this is dropped.
+    pub fn new(thing: impl Send + Sync + 'static) -> Held {
+        Held {
+            _thing: Box::new(thing),
+        }
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Held")
+    }
 }
 
 /// The apiserver's 403 for a denied request.

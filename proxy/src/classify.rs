@@ -14,7 +14,6 @@
 //! `/` or `.`, empty, `.` or `..` segments, malformed percent-encoding) and queries that Go
 //! would parse differently (malformed encoding, `;`) are refused with 400.
 
-pub mod layer;
 mod query;
 
 use std::fmt;

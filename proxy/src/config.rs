@@ -10,8 +10,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub mod files;
-
 /// The whole configuration file.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]

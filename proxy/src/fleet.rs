@@ -618,54 +618,5 @@ pub fn split(
     }
 }
 
-/// The fleet's [`Local`] over the real upstream pool and admission.
-pub struct ProxyLocal {
-    /// The apiserver replicas, for their LIST bytes in flight.
-    pub upstream: crate::upstream::Upstream,
-    /// Admission, for what waits and the levels.
-    pub admission: Arc<crate::admit::Admission>,
-}
-
-impl Local for ProxyLocal {
-    fn demand(&self) -> Demand {
-        let snapshot = self.upstream.snapshot();
-        let waiting = self.admission.fleet_demand();
-        let spread = waiting.list_bytes / (snapshot.len().max(1) as u64);
-        let mut demand = Demand::default();
-        for replica in snapshot {
-            demand.bytes.insert(
-                replica.name,
-                share::Bytes {
-                    wanted: replica.in_flight_bytes + spread,
-                    in_flight: replica.in_flight_bytes,
-                },
-            );
-        }
-        demand.seats = waiting.seats;
-        demand
-    }
-
-    fn statics(&self) -> Statics {
-        let budget = self.upstream.byte_budget();
-        Statics {
-            list_bytes: self
-                .upstream
-                .snapshot()
-                .into_iter()
-                .map(|r| (r.name, budget))
-                .collect(),
-            seats: self.admission.configured_seats(),
-        }
-    }
-
-    fn rate_demand(&self) -> BTreeMap<String, u64> {
-        self.admission.rate_demand()
-    }
-
-    fn shares_changed(&self) {
-        self.admission.redispatch();
-    }
-}
-
 #[cfg(test)]
 mod tests;

@@ -6,7 +6,6 @@
 //! [`forward`] submodule rewrites the request headers for the configured mode.
 
 pub mod forward;
-pub mod layer;
 pub mod limits;
 pub mod review;
 

@@ -2,18 +2,19 @@
 //!
 //! The modules follow the request path of DESIGN.md: [`listen`] → [`identity`] →
 //! [`classify`] → [`rules`] → [`admit`] → cache → [`upstream`], with [`metrics`] and [`admin`]
-//! beside it, [`config`] for the file that drives it all, and [`status`] as the one place
-//! that turns a refusal into a response.
+//! beside it, [`config`] for the file that drives it all, and [`status`] for what a refusal
+//! tells the client. [`stages`] strings them into the request path: it sits above them all,
+//! and none of them imports it.
 
 pub mod admin;
 pub mod admit;
 pub mod board;
 pub mod cache;
-pub mod call;
 pub mod certs;
 pub mod classify;
 pub mod coalesce;
 pub mod config;
+pub mod config_files;
 pub mod fleet;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -23,9 +24,9 @@ pub mod logs;
 pub mod metrics;
 pub mod process;
 pub mod report;
-pub mod rescue;
 pub mod rules;
 pub mod serve;
+pub mod stages;
 pub mod status;
 pub mod upstream;
 

@@ -153,7 +153,7 @@ fn check_config(path: &std::path::Path) -> ExitCode {
         Ok(config) => config,
         Err(ConfigError::Invalid(problems)) => {
             for problem in problems {
-                let line = bulwark::config::files::field_line(&text, &problem.field);
+                let line = bulwark::config_files::field_line(&text, &problem.field);
                 eprintln!("{}:{line}: {problem}", path.display());
             }
             return ExitCode::from(2);
@@ -166,7 +166,7 @@ fn check_config(path: &std::path::Path) -> ExitCode {
     if let Some(base) = path.parent() {
         config.resolve_paths(base);
     }
-    let problems = bulwark::config::files::check(&config, path, &text);
+    let problems = bulwark::config_files::check(&config, path, &text);
     for problem in &problems {
         eprintln!("{problem}");
     }

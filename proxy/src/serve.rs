@@ -1,75 +1,33 @@
-//! Wires the request path together, and starts and drains Bulwark.
-//!
-//! ```text
-//! listen ─▶ Rescue ─▶ Classify ─▶ Identify ─▶ Admit ─▶ Cache ─▶ Forward ─▶ upstream pool
-//! ```
-//! Each stage lives in its own module and hands the next a [`crate::call::Call`] with what
-//! it learned; every stage fails with a [`crate::status::ProxyError`], which `Rescue`
-//! answers, counts and logs.
+//! Builds every part from the configuration, wires the request path ([`crate::stages`])
+//! between the listener and the upstream pool, and starts and drains Bulwark.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use http::{Request, Response};
-use hyper::body::Incoming;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tower::{Service, ServiceBuilder};
 
-use crate::admit::Admission;
-use crate::admit::layer::Admit;
-use crate::cache::layer::Answer;
+use crate::admin;
+use crate::admit::{Admission, ProxyLocal};
 use crate::cache::{AuditLog, Cache};
-use crate::call::StageLayer;
-use crate::classify::layer::Classify;
 use crate::config::{self, Config};
 use crate::fleet::lease::UpstreamLeases;
 use crate::fleet::{self, Fleet, FleetShares};
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
-use crate::identity::layer::Identify;
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, ListenError, Listener};
 use crate::logs::access::AccessLog;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
-use crate::rescue::RescueLayer;
 use crate::rules::{RuleProblem, RuleSet, Rules};
-use crate::upstream::forward::Forward;
+use crate::stages::admit::Admit;
+use crate::stages::classify::Classify;
+use crate::stages::forward::Forward;
+use crate::stages::identity::Identify;
+use crate::stages::rescue::RescueLayer;
+use crate::stages::stack;
 use crate::upstream::{BodyBudget, Upstream, UpstreamError, UpstreamTls};
-use crate::{Body, BoxFuture, admin};
-
-/// The whole request path as one service, outermost stage first.
-pub fn stack(
-    rescue: RescueLayer,
-    classify: Classify,
-    identify: Identify,
-    admit: Admit,
-    forward: Forward,
-) -> impl Service<
-    Request<Incoming>,
-    Response = Response<Body>,
-    Error = Infallible,
-    Future = BoxFuture<Response<Body>, Infallible>,
-> + Clone
-+ Send
-+ 'static {
-    ServiceBuilder::new()
-        // One place that turns errors into statuses and counts every response.
-        .layer(rescue)
-        // Malformed paths never reach identity or upstream.
-        .layer(StageLayer(classify))
-        // Certificate, token review or the anonymous allowlist; 401 otherwise.
-        .layer(StageLayer(identify))
-        // Rule match, rate limit, fair queue, seats and LIST bytes, for every answer
-        // wherever it comes from; 429 otherwise.
-        .layer(StageLayer(admit))
-        // Reads the watch-fed cache was admitted to answer are answered here.
-        .layer(StageLayer(Answer))
-        // Everything else goes to a replica, as the client it acts for.
-        .service(forward)
-}
 
 /// Why Bulwark could not start.
 #[derive(Debug, thiserror::Error)]
@@ -212,7 +170,7 @@ impl Running {
                     &format!("{}{}", cfg.lease_prefix, settings.identity),
                     cfg.renew_interval,
                 ));
-                let local = fleet::ProxyLocal {
+                let local = ProxyLocal {
                     upstream: upstream.clone(),
                     admission: admission.clone(),
                 };

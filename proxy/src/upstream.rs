@@ -9,7 +9,6 @@
 
 mod body;
 mod buffer;
-pub mod forward;
 mod pick;
 mod pool;
 mod tls;

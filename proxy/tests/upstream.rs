@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bulwark::metrics::Metrics;
-use bulwark::status::ProxyError;
+use bulwark::stages::error::ProxyError;
 use bulwark::upstream::{
     RetryPolicy, Route, Upstream, UpstreamCredential, UpstreamError, UpstreamReplica, UpstreamTls,
 };

@@ -16,11 +16,11 @@ use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::Held;
 use super::accept::Encoding;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
-use crate::call::Held;
 use crate::identity::User;
 use crate::identity::review::ReviewError;
 use crate::metrics::Metrics;

@@ -1,8 +1,8 @@
-//! The access log: one JSON line per request, written by the [`Rescue`](crate::rescue)
-//! stage once the answer's head is known — who asked (user, source address, user agent),
-//! what (verb, resource, namespace, name), the answer (code, who served it, the rule and
-//! level, a refusal's reason), how long until the head, and the `Audit-Id` the answer and
-//! the apiserver's audit log carry. Refusals and 5xx are always written; other answers are
+//! The access log: one JSON line per request, written by the `stages::rescue::Rescue` stage
+//! once the answer's head is known — who asked (user, source address, user agent), what
+//! (verb, resource, namespace, name), the answer (code, who served it, the rule and level,
+//! a refusal's reason), how long until the head, and the `Audit-Id` the answer and the
+//! apiserver's audit log carry. Refusals and 5xx are always written; other answers are
 //! sampled at `accessLog.sample`.
 
 use std::net::SocketAddr;

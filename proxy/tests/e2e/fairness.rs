@@ -271,3 +271,108 @@ async fn the_access_log_has_a_line_per_request_with_its_audit_id_rule_and_reason
     );
     assert!(lines[0]["reason"].is_null() && lines[0]["servedBy"] == "upstream");
 }
+
+/// The one rejection counted for `rule` with `reason`, from the admin `/metrics`.
+async fn rejections(cluster: &Cluster, rule: &str, reason: &str) -> String {
+    let (_, metrics) = cluster.admin_get("/metrics").await;
+    metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("bulwark_rejected_requests_total")
+                && l.contains(&format!(r#"rule="{rule}""#))
+                && l.contains(&format!(r#"reason="{reason}""#))
+        })
+        .unwrap_or_else(|| panic!("no {reason} rejection counted for {rule}:\n{metrics}"))
+        .to_owned()
+}
+
+/// A refusal after admission — the apiservers cannot be reached — names the rule and level
+/// that admitted the request, as its answer would have, and is counted with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_after_admission_names_its_rule_and_level_and_is_counted_with_them() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        rules: RULES,
+        ..Setup::default()
+    })
+    .await;
+    let mut carol = cluster.client("carol", &[]).await;
+    assert_eq!(carol.get(SECRETS).await.status, 200);
+    cluster.fleet.replica(0).stop().await;
+    let refused = carol.get(SECRETS).await;
+    assert!(
+        [502, 503].contains(&refused.status.as_u16()),
+        "{}: {}",
+        refused.status,
+        refused.text()
+    );
+    let reason = refused.headers["x-bulwark-reason"].to_str().unwrap();
+    assert!(
+        ["upstream_error", "no_healthy_upstream"].contains(&reason),
+        "{reason}"
+    );
+    assert_eq!(refused.headers["x-bulwark-rule"], "everyone-else");
+    assert_eq!(refused.headers["x-bulwark-level"], "exempt");
+    let message = refused.json()["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("everyone-else") && message.contains("exempt"),
+        "{message}"
+    );
+    let line = rejections(&cluster, "everyone-else", reason).await;
+    assert!(
+        line.contains(r#"level="exempt""#) && line.ends_with(" 1"),
+        "{line}"
+    );
+}
+
+/// A body the request-body budget has no room for is refused after admission (429
+/// `body_budget`), with the rule and level that admitted it, and counted with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_budget_gets_429_with_its_rule_and_level_and_is_counted_with_them() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        rules: RULES,
+        settings: vec![
+            ("listen.limits.maxBodyBytes", "4096"),
+            ("listen.limits.bufferedBodyBytesPerFlow", "4Ki"),
+            ("listen.limits.bufferedBodyBytes", "4Ki"),
+        ],
+        ..Setup::default()
+    })
+    .await;
+    let put = || {
+        let body = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "held", "namespace": "default"},
+            "data": {"k": "x".repeat(3000)},
+        });
+        http::Request::put("https://127.0.0.1/api/v1/namespaces/default/configmaps/held")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                body.to_string(),
+            )))
+            .unwrap()
+    };
+    // The first body is held while the apiserver takes its time; the second finds no room.
+    cluster
+        .fleet
+        .replica(0)
+        .set_delay(std::time::Duration::from_secs(2));
+    let mut first = cluster.client("carol", &[]).await;
+    let held = tokio::spawn(async move { first.send(put()).await.status });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let mut carol = cluster.client("carol", &[]).await;
+    let refused = carol.send(put()).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.headers["x-bulwark-reason"], "body_budget");
+    assert_eq!(refused.headers["x-bulwark-rule"], "everyone-else");
+    assert_eq!(refused.headers["x-bulwark-level"], "exempt");
+    assert!(refused.headers.contains_key("retry-after"));
+    let line = rejections(&cluster, "everyone-else", "body_budget").await;
+    assert!(
+        line.contains(r#"level="exempt""#) && line.ends_with(" 1"),
+        "{line}"
+    );
+    assert_ne!(held.await.unwrap(), 429, "the first body had room");
+}

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::call::{Answered, Call, Classified, Labels, Next, Stage};
+use super::call::{Answered, Call, Classified, Labels, Next, Stage};
 use crate::metrics::{ResourceLabels, verb_label};
 
 /// Classifies the request (400 for malformed paths) and records its labels.
@@ -24,7 +24,7 @@ impl<B: Send + 'static> Stage<B> for Classify {
     type Out = Classified;
 
     async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
-        let info = super::classify(call.request.method(), call.request.uri())?;
+        let info = crate::classify::classify(call.request.method(), call.request.uri())?;
         let _ = call.report.labels.set(Labels {
             verb: verb_label(&info.verb),
             resource: self.resources.label(&info),

@@ -1,9 +1,9 @@
 //! The cache as a stage, between admission and forwarding: it answers the requests
 //! admission admitted as cached answers ([`Source::Cache`]) and passes the rest on.
 
-use super::Reader;
-use crate::call::{Admitted, Answered, Cached, Call, Next, Source, Stage, ToApiserver};
-use crate::status::ProxyError;
+use super::call::{Admitted, Answered, Cached, Call, Next, Source, Stage, ToApiserver};
+use super::error::ProxyError;
+use crate::cache::Reader;
 
 /// Answers a cached read, or passes the request on to be forwarded.
 #[derive(Clone, Copy, Default)]
@@ -18,7 +18,7 @@ impl<B: Send + 'static> Stage<B> for Answer {
         let Admitted {
             info,
             identity,
-            matched,
+            matched: _,
             source,
         } = admitted;
         match source {
@@ -38,11 +38,7 @@ impl<B: Send + 'static> Stage<B> for Answer {
                 // request's future through this stage as large, cached or not.
                 Box::pin(cache.answer(plan, &info, reader, initial_seats))
                     .await
-                    .map_err(|error| ProxyError::Cache {
-                        error,
-                        rule: matched.rule.clone(),
-                        level: matched.level.name.clone(),
-                    })
+                    .map_err(ProxyError::Cache)
             }
             Source::Upstream { replica, body_flow } => {
                 let facts = ToApiserver {

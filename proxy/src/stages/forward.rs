@@ -12,13 +12,13 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tower::Service;
 
-use super::{RetryPolicy, Route, Upstream};
-use crate::call::{Call, ToApiserver};
+use super::call::{Call, ToApiserver};
+use super::error::ProxyError;
 use crate::classify::Verb;
 use crate::config::Timeouts;
 use crate::identity::forward::Forwarding;
 use crate::metrics::ServedBy;
-use crate::status::ProxyError;
+use crate::upstream::{RetryPolicy, Route, Upstream};
 use crate::{Body, BoxFuture};
 
 /// Sends each request to a replica, as the client it acts for.

@@ -14,12 +14,12 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower::{Layer, Service};
 
-use crate::cache;
+use super::error::ProxyError;
+use crate::cache::{self, Held};
 use crate::classify::RequestInfo;
 use crate::identity::{Identity, User};
 use crate::listen::ConnInfo;
 use crate::rules::Matched;
-use crate::status::ProxyError;
 use crate::upstream::BodyFlow;
 use crate::{Body, BoxFuture};
 
@@ -176,26 +176,6 @@ pub struct ToApiserver {
     pub replica: Option<Arc<str>>,
     /// The flow whose share of the request-body budget holds the body.
     pub body_flow: BodyFlow,
-}
-
-/// Something held until dropped (admission's seats), whose owner the holder need not know.
-pub struct Held {
-    _thing: Box<dyn Send + Sync>,
-}
-
-impl Held {
-    /// Holds `thing` until this is dropped.
-    pub fn new(thing: impl Send + Sync + 'static) -> Held {
-        Held {
-            _thing: Box::new(thing),
-        }
-    }
-}
-
-impl std::fmt::Debug for Held {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Held")
-    }
 }
 
 /// What a stage (and the rest of the path after it) gives back: the response, or why

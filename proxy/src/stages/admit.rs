@@ -8,14 +8,14 @@ use std::sync::Arc;
 
 use http::{HeaderValue, Response};
 
-use super::{Admission, Answer, Learn, hold};
+use super::call::{Admitted, Answered, Cached, Call, Identified, Next, Source, Stage};
+use super::error::ProxyError;
 use crate::Body;
-use crate::cache::Cache;
-use crate::call::{Admitted, Answered, Cached, Call, Held, Identified, Next, Source, Stage};
+use crate::admit::{Admission, Answer, Learn, hold};
+use crate::cache::{Cache, Held};
 use crate::classify::Verb;
 use crate::identity::Identity;
 use crate::rules::Rules;
-use crate::status::ProxyError;
 use crate::upstream::{BodyBudget, BodyFlow};
 
 /// Decides whether, when and from where a request is answered.
@@ -106,15 +106,20 @@ impl<B: Send + 'static> Stage<B> for Admit {
         };
         let upstream = matches!(source, Source::Upstream { .. });
         drop(user);
-        let named = (matched.rule.clone(), matched.level.clone());
+        let (rule, level) = (matched.rule.clone(), matched.level.clone());
         let admitted = Admitted {
             info: info.clone(),
             identity: facts.identity,
             matched,
             source,
         };
-        let mut response = next.run(call.learn(admitted)).await?;
-        name_rule(&mut response, &named.0, &named.1.name);
+        // An answer names the rule and level that admitted it, and so does a refusal after
+        // admission (the cache's, the body budget's, the apiservers' failures).
+        let mut response = match next.run(call.learn(admitted)).await {
+            Ok(response) => response,
+            Err(error) => return Err(error.admitted(rule, level.name.clone())),
+        };
+        name_rule(&mut response, &rule, &level.name);
         if upstream && info.is_long_running() {
             permit.release_seats();
         }

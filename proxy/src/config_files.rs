@@ -14,7 +14,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::sign::CertifiedKey;
 use rustls::{InconsistentKeys, RootCertStore};
 
-use super::Config;
+use crate::config::Config;
 use crate::rules::RuleSet;
 use crate::rules::spans::Spans;
 

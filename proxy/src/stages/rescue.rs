@@ -13,13 +13,13 @@ use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
+use super::call::{Call, Labels};
+use super::error::ProxyError;
 use crate::board::{Board, IdentityRejections, Refused, Seen};
-use crate::call::{Call, Labels};
 use crate::listen::ConnInfo;
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
 use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
 use crate::metrics::{Metrics, ServedBy, code_label, method_label};
-use crate::status::ProxyError;
 use crate::{Body, BoxFuture};
 
 /// The window over which `/debug/flows` counts, and over which the identities the metric

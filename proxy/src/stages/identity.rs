@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use super::limits::Bound;
-use super::{Credential, Identity, IdentityError, TokenCache};
-use crate::call::{Answered, Call, Classified, Identified, Next, Stage};
+use super::call::{Answered, Call, Classified, Identified, Next, Stage};
+use crate::identity::limits::Bound;
+use crate::identity::{self, Credential, Identity, IdentityError, TokenCache};
 use crate::listen::ConnInfo;
 
 /// Establishes who the client is.
@@ -88,7 +88,7 @@ async fn identify(
         let user = conn
             .client_user
             .get_or_init(|| {
-                super::user_from_certificate(leaf).map_err(|e| match e {
+                identity::user_from_certificate(leaf).map_err(|e| match e {
                     IdentityError::BadCertificate(why) => why,
                     other => other.to_string(),
                 })
@@ -100,7 +100,7 @@ async fn identify(
             credential: Credential::Certificate,
         });
     }
-    if let Some(token) = super::bearer_token(headers)? {
+    if let Some(token) = identity::bearer_token(headers)? {
         let user = tokens
             .authenticate(&token, conn.map(|c| c.peer.ip()))
             .await?;

@@ -137,8 +137,11 @@ pub struct Components {
 
 struct Component {
     name: &'static str,
+    program: PathBuf,
+    args: Vec<OsString>,
     child: Child,
     log: PathBuf,
+    restarts: u64,
 }
 
 impl ControlPlane {
@@ -228,7 +231,14 @@ impl ControlPlane {
             let log = self.dir().join(format!("{name}.log"));
             let _ = std::fs::remove_file(&log);
             let child = spawn(name, &program, &args, &log, None)?;
-            running.push(Component { name, child, log });
+            running.push(Component {
+                name,
+                program,
+                args,
+                child,
+                log,
+                restarts: 0,
+            });
         }
         Ok(Components { running })
     }
@@ -253,6 +263,37 @@ impl Components {
                 log_tail(&c.log)
             ))
         })
+    }
+
+    /// Starts again every component that exited, as a kubelet restarts a static pod (a
+    /// controller manager that loses its leader Lease exits by design); returns what
+    /// exited, with the end of its log. Its log goes on in the same file.
+    pub fn restart_exited(&mut self) -> Vec<String> {
+        let mut restarted = Vec::new();
+        for c in &mut self.running {
+            let Ok(Some(status)) = c.child.try_wait() else {
+                continue;
+            };
+            restarted.push(format!(
+                "{} exited ({status}); the end of {}:\n{}",
+                c.name,
+                c.log.display(),
+                log_tail(&c.log)
+            ));
+            match spawn(c.name, &c.program, &c.args, &c.log, None) {
+                Ok(child) => {
+                    c.child = child;
+                    c.restarts += 1;
+                }
+                Err(e) => restarted.push(format!("{} could not start again: {e}", c.name)),
+            }
+        }
+        restarted
+    }
+
+    /// How many times each component was started again, by name.
+    pub fn restarts(&self) -> Vec<(&'static str, u64)> {
+        self.running.iter().map(|c| (c.name, c.restarts)).collect()
     }
 
     /// The log of `name` (`kube-controller-manager`, `kube-scheduler`, `kwok`).

@@ -199,6 +199,10 @@ pub struct ClusterRun {
     pub agents: Option<Class>,
     /// The storm's LISTs, when it ran.
     pub storm: Option<Class>,
+    /// How often kube-controller-manager, kube-scheduler and KWOK exited and were started
+    /// again during the burst (a controller manager that loses its leader Lease exits).
+    #[serde(default)]
+    pub component_restarts: BTreeMap<String, u64>,
 }
 
 /// One Job of the burst.
@@ -515,8 +519,8 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
     // After the settle time the run waits this much longer for unfinished Jobs.
     let grace = Duration::from_secs(180);
     loop {
-        if let Some(exited) = components.exited() {
-            anyhow::bail!("{exited}");
+        for exited in components.restart_exited() {
+            eprintln!("\ncluster: {exited}\ncluster: started it again");
         }
         let t = burst.elapsed().as_secs_f64();
         let previous = samples.last();
@@ -602,6 +606,11 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         None => None,
     };
     let agents = o.agents.then(|| agent_stats.summary(burst.elapsed()));
+    let component_restarts = components
+        .restarts()
+        .into_iter()
+        .map(|(name, n)| (name.to_owned(), n))
+        .collect();
     components.stop().await;
 
     ages.sort_by(f64::total_cmp);
@@ -642,6 +651,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         bulwark: cp.bulwark_cost(),
         agents,
         storm,
+        component_restarts,
     })
 }
 

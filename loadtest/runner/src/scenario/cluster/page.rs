@@ -17,8 +17,13 @@ pub(super) fn run_line(r: &ClusterRun) -> String {
     } else {
         format!("{done} of {} Jobs done", r.jobs.len())
     };
+    let restarts: u64 = r.component_restarts.values().sum();
+    let restarts = match restarts {
+        0 => String::new(),
+        n => format!(", {n} component restarts"),
+    };
     format!(
-        "{} NotReady, Lease renewal p99 {:.0} ms, {jobs}, {ooms} OOM kills",
+        "{} NotReady, Lease renewal p99 {:.0} ms, {jobs}, {ooms} OOM kills{restarts}",
         r.not_ready_max, r.lease_renewals.p99_ms
     )
 }
@@ -441,6 +446,18 @@ fn figures(r: &ClusterReport) -> Table {
         "node agents: requests, ok, 429, errors, p99 (ms)",
         &|run| class(&run.agents),
     ));
+    rows.push(row("components started again after exiting", &|run| {
+        let restarted: Vec<String> = run
+            .component_restarts
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect();
+        match restarted.is_empty() {
+            true => "none".into(),
+            false => restarted.join(", "),
+        }
+    }));
     rows.push(row("Bulwark: peak RSS (MiB), CPU (s)", &|run| {
         run.bulwark.as_ref().map_or("-".into(), |c| {
             format!("{}, {:.1}", c.peak_rss_bytes >> 20, c.cpu_seconds)

@@ -5,6 +5,7 @@ pub mod balancer;
 pub mod child;
 pub mod client;
 pub mod controlplane;
+pub mod floor;
 pub mod proxy_process;
 pub mod report;
 pub mod sandbox;

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 
 use bulwark_loadtest::controlplane::{self, ControlPlane};
 use bulwark_loadtest::scenario::{self, Options};
-use bulwark_loadtest::{proxy_process, report, sandbox};
+use bulwark_loadtest::{floor, proxy_process, report, sandbox};
 
 /// Bulwark's load tester: each scenario runs against a fresh simulated apiserver fleet,
 /// once directly (through an L4 balancer) and once through Bulwark, and prints a
@@ -38,7 +38,8 @@ struct Common {
     /// Multiplies object and client counts.
     #[arg(long, default_value_t = 1.0, value_parser = positive_scale)]
     scale: f64,
-    /// Run only these targets (comma-separated: `direct`, `bulwark`, `haproxy`, `nginx`).
+    /// Run only these targets (comma-separated: `direct`, `bulwark`, `haproxy`, `nginx`,
+    /// `floor`, ...).
     #[arg(long, hide = true)]
     only: Option<String>,
     /// informers, node-join: nodes ask for protobuf first
@@ -130,7 +131,8 @@ enum Command {
     EventsPoll(Common),
     /// A wave of new nodes start their informers within seconds.
     NodeJoin(Common),
-    /// Raw proxy overhead on a small GET: direct, Bulwark, haproxy and nginx.
+    /// Raw proxy overhead on a small GET: direct, haproxy, nginx, the floor (a bare proxy
+    /// of Bulwark's own crates) and Bulwark.
     Passthrough(Common),
     /// Thousands of TLS connections that collect a 401 and idle, while an authenticated
     /// client works and a new one connects: Bulwark's descriptors, memory and latency.
@@ -245,6 +247,29 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Runs the floor, the bare reverse proxy `passthrough` measures Bulwark against
+    /// (`src/floor.rs`; started by the scenario as its own process).
+    #[command(name = "__floor", hide = true)]
+    Floor {
+        /// Where to listen.
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        /// The serving certificate chain, PEM.
+        #[arg(long)]
+        cert: PathBuf,
+        /// Its private key, PEM.
+        #[arg(long)]
+        key: PathBuf,
+        /// The upstream's TLS address.
+        #[arg(long)]
+        upstream: std::net::SocketAddr,
+        /// The CA the upstream's certificate must chain to, PEM.
+        #[arg(long)]
+        upstream_ca: PathBuf,
+        /// Worker threads, each with its own runtime, listener and upstream connection.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+    },
 }
 
 /// Raises the open-file limit to the hard limit: scenarios open thousands of connections.
@@ -281,6 +306,24 @@ fn main() -> anyhow::Result<()> {
         let runtime = bulwark::serve::runtime().context("starting the async runtime")?;
         return runtime.block_on(proxy_process::serve(config));
     }
+    if let Command::Floor {
+        listen,
+        cert,
+        key,
+        upstream,
+        upstream_ca,
+        workers,
+    } = cli.command
+    {
+        return floor::run(&floor::Settings {
+            listen,
+            cert,
+            key,
+            upstream,
+            upstream_ca,
+            workers,
+        });
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -294,7 +337,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
         list_storm::ListStorm, passthrough, skew::Skew,
     };
     let (report, common) = match command {
-        Command::Bulwark { .. } => unreachable!("main runs Bulwark on its own runtime"),
+        Command::Bulwark { .. } | Command::Floor { .. } => {
+            unreachable!("main runs Bulwark and the floor on their own runtimes")
+        }
         Command::Report { json, html, charts } => return redraw(&json, html, charts),
         Command::Sandbox {
             dir,

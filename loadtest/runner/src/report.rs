@@ -50,7 +50,25 @@ pub struct BenchSetup {
     pub load_generator: String,
     /// Which cores the proxy, the upstream and the generator ran on.
     pub pinning: String,
+    /// The fixed rates the generator held, requests/s, each measured as the class
+    /// [`fixed_rate_class`] names.
+    #[serde(default)]
+    pub fixed_rates: Vec<u32>,
+    /// How many cores each target's processes were pinned to (none where unpinned).
+    #[serde(default)]
+    pub cores: BTreeMap<String, usize>,
 }
+
+/// The class of a bench's phase at a fixed `rate` (requests/s).
+pub fn fixed_rate_class(rate: u32) -> String {
+    format!("fixed_rate_{rate}")
+}
+
+/// The class of a bench's phase as fast as the target answers.
+pub const SATURATION: &str = "saturation";
+
+/// The target a bench's figures are held against: the bare proxy of `src/floor.rs`.
+pub const FLOOR: &str = "floor";
 
 /// Writes `(name, run)` pairs as a JSON object, keeping their order.
 fn as_map<S: serde::Serializer>(runs: &[(String, Run)], s: S) -> Result<S::Ok, S::Error> {
@@ -338,6 +356,18 @@ pub struct Class {
     pub rps: f64,
     /// Successful requests of each identity in the class.
     pub per_identity_ok: Vec<u64>,
+    /// The proxy process's CPU time (user + system) while this class's load ran, seconds:
+    /// benches (`passthrough`) only, where one class is one phase of load.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy_cpu_seconds: Option<f64>,
+}
+
+impl Class {
+    /// The proxy's CPU time per successful request, microseconds, where it was measured.
+    pub fn cpu_us_per_request(&self) -> Option<f64> {
+        let cpu = self.proxy_cpu_seconds?;
+        (self.ok > 0).then(|| cpu * 1e6 / self.ok as f64)
+    }
 }
 
 /// Jain's fairness index of a set of allocations: 1 when all are equal, 1/n when one gets
@@ -646,9 +676,108 @@ pub fn figures(report: &Report) -> Rows {
         rows.push(row("fairness (Jain)", &|r| {
             format!("{:.3}", jain(&get(r).per_identity_ok))
         }));
+        if runs.iter().any(|r| get(r).proxy_cpu_seconds.is_some()) {
+            rows.push(row("proxy CPU µs / request", &|r| {
+                get(r)
+                    .cpu_us_per_request()
+                    .map_or_else(|| "-".into(), |us| format!("{us:.1}"))
+            }));
+        }
     }
 
     rows
+}
+
+/// A bench's figures per target (`passthrough`), one row each in the order they ran:
+/// saturation throughput, the proxy's CPU time per request there, that throughput per core
+/// against the floor's on as many cores (`x floor`), and the mean and p99 latency each
+/// target adds to `direct`'s at every fixed rate (marked with the rate it reached where it
+/// fell more than 5% short). The first row is the header; `None` for other scenarios.
+pub fn bench_summary(report: &Report) -> Option<Vec<Vec<String>>> {
+    let bench = report.bench.as_ref()?;
+    let class = |run: &Run, name: &str| run.classes.get(name).cloned().unwrap_or_default();
+    let cores = |name: &str| bench.cores.get(name).copied().unwrap_or(1).max(1);
+    let per_core = |name: &str, run: &Run| class(run, SATURATION).rps / cores(name) as f64;
+    // The floor on as many cores as `name`, else the floor on one.
+    let floor_for = |name: &str| {
+        let floors = report.runs.iter().filter(|(n, _)| n.starts_with(FLOOR));
+        let same = floors.clone().find(|(n, _)| cores(n) == cores(name));
+        same.or_else(|| floors.clone().find(|(n, _)| n == FLOOR))
+    };
+    let direct = report
+        .runs
+        .iter()
+        .find(|(n, _)| n == "direct")
+        .map(|(_, r)| r);
+    let mut header = vec![
+        "target".to_string(),
+        "saturation req/s".into(),
+        "CPU µs/req".into(),
+        "x floor".into(),
+    ];
+    for rate in &bench.fixed_rates {
+        header.push(format!(
+            "+mean / +p99 µs at {}/s",
+            thousands(f64::from(*rate))
+        ));
+    }
+    let mut rows = vec![header];
+    for (name, run) in &report.runs {
+        let saturation = class(run, SATURATION);
+        let mut row = vec![
+            name.clone(),
+            thousands(saturation.rps),
+            saturation
+                .cpu_us_per_request()
+                .map_or_else(|| "-".into(), |us| format!("{us:.1}")),
+            match floor_for(name) {
+                Some((floor, f)) if name != "direct" && per_core(floor, f) > 0.0 => {
+                    format!("{:.2}", per_core(name, run) / per_core(floor, f))
+                }
+                _ => "-".into(),
+            },
+        ];
+        for rate in &bench.fixed_rates {
+            let phase = fixed_rate_class(*rate);
+            let c = class(run, &phase);
+            let base = direct.map(|d| class(d, &phase));
+            row.push(match base {
+                _ if c.ok == 0 => "-".into(),
+                Some(_) if name == "direct" => format!(
+                    "{:.0} / {:.0} (base)",
+                    c.mean_ms * 1000.0,
+                    c.p99_ms * 1000.0
+                ),
+                Some(d) if d.ok > 0 => {
+                    let mut cell = format!(
+                        "{:+.0} / {:+.0}",
+                        (c.mean_ms - d.mean_ms) * 1000.0,
+                        (c.p99_ms - d.p99_ms) * 1000.0
+                    );
+                    if c.rps < 0.95 * f64::from(*rate) {
+                        cell.push_str(&format!(" (at {}/s)", thousands(c.rps)));
+                    }
+                    cell
+                }
+                _ => "-".into(),
+            });
+        }
+        rows.push(row);
+    }
+    Some(rows)
+}
+
+/// A count rounded to a whole number, with thousands separated: `165,362`.
+pub fn thousands(n: f64) -> String {
+    let digits = format!("{:.0}", n.max(0.0));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// The comparison table: one column per run, one row per figure, grouped by apiserver,
@@ -657,12 +786,17 @@ pub fn table(report: &Report) -> String {
     let names: Vec<&String> = report.runs.iter().map(|(n, _)| n).collect();
     let runs = report.runs.len();
     let rows = figures(report);
-    let label_width = rows.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    // Widths in characters, as `format!` pads: labels may hold a `µ`.
+    let label_width = rows
+        .iter()
+        .map(|(l, _)| l.chars().count())
+        .max()
+        .unwrap_or(0);
     let widths: Vec<usize> = (0..runs)
         .map(|i| {
             rows.iter()
-                .map(|(_, cells)| cells[i].len())
-                .chain(std::iter::once(names[i].len()))
+                .map(|(_, cells)| cells[i].chars().count())
+                .chain(std::iter::once(names[i].chars().count()))
                 .max()
                 .unwrap_or(0)
         })
@@ -690,6 +824,44 @@ pub fn table(report: &Report) -> String {
             let _ = write!(out, "  {cell:>w$}");
         }
         out.push('\n');
+    }
+    if let Some(summary) = bench_summary(report) {
+        out.push('\n');
+        out.push_str(&aligned(&summary));
+    }
+    out
+}
+
+/// Rows of cells as text: the first column left-aligned, the others right-aligned, a rule
+/// under the first row.
+fn aligned(rows: &[Vec<String>]) -> String {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|i| {
+            rows.iter()
+                .filter_map(|r| r.get(i))
+                .map(|c| c.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for (n, row) in rows.iter().enumerate() {
+        let mut line = String::new();
+        for (i, (cell, w)) in row.iter().zip(&widths).enumerate() {
+            let pad = " ".repeat(w - cell.chars().count());
+            if i == 0 {
+                line.push_str(&format!("{cell}{pad}"));
+            } else {
+                line.push_str(&format!("  {pad}{cell}"));
+            }
+        }
+        out.push_str(&line);
+        out.push('\n');
+        if n == 0 {
+            out.push_str(&"-".repeat(line.chars().count()));
+            out.push('\n');
+        }
     }
     out
 }
@@ -725,6 +897,178 @@ mod tests {
             ("bulwark".to_string(), bulwark),
         ];
         Report::new("list-storm", 0.1, runs)
+    }
+
+    /// A bench as `passthrough` records it: direct, nginx (which falls short of the higher
+    /// rate), the floor and Bulwark on one and on two cores.
+    pub(crate) fn bench() -> Report {
+        let phase = |rps: f64, mean_ms: f64, p99_ms: f64, cpu: Option<f64>| Class {
+            requests: 10_000,
+            ok: 10_000,
+            rps,
+            mean_ms,
+            p99_ms,
+            proxy_cpu_seconds: cpu,
+            ..Class::default()
+        };
+        let run = |slow: f64, saturation: f64, cpu: Option<f64>| {
+            let mut run = Run::default();
+            run.classes.insert(
+                fixed_rate_class(2_000),
+                phase(2_000.0, 0.1 + slow, 0.3 + 2.0 * slow, cpu),
+            );
+            let rps = saturation.min(20_000.0);
+            run.classes.insert(
+                fixed_rate_class(20_000),
+                phase(rps, 0.2 + slow, 0.5 + 2.0 * slow, cpu),
+            );
+            run.classes
+                .insert(SATURATION.into(), phase(saturation, 1.0, 2.0, cpu));
+            run.proxy = cpu.map(|cpu_seconds| ProxyCost {
+                peak_rss_bytes: 1 << 20,
+                cpu_seconds,
+            });
+            run
+        };
+        let runs = vec![
+            ("direct".to_string(), run(0.0, 160_000.0, None)),
+            ("nginx".to_string(), run(0.5, 9_000.0, Some(0.2))),
+            ("floor".to_string(), run(0.1, 60_000.0, Some(0.1))),
+            (
+                "floor-2-workers".to_string(),
+                run(0.1, 80_000.0, Some(0.11)),
+            ),
+            ("bulwark".to_string(), run(1.0, 30_000.0, Some(0.2))),
+            (
+                "bulwark-2-workers".to_string(),
+                run(0.7, 60_000.0, Some(0.25)),
+            ),
+        ];
+        let mut report = Report::new("passthrough", 1.0, runs);
+        report.bench = Some(BenchSetup {
+            load_generator: "h2load".into(),
+            pinning: "cores".into(),
+            fixed_rates: vec![2_000, 20_000],
+            cores: [
+                ("nginx".to_string(), 1),
+                ("floor".to_string(), 1),
+                ("floor-2-workers".to_string(), 2),
+                ("bulwark".to_string(), 1),
+                ("bulwark-2-workers".to_string(), 2),
+            ]
+            .into(),
+        });
+        report
+    }
+
+    #[test]
+    fn a_bench_summary_holds_each_target_against_direct_and_the_floor() {
+        let summary = bench_summary(&bench()).unwrap();
+        assert_eq!(
+            summary[0],
+            [
+                "target",
+                "saturation req/s",
+                "CPU µs/req",
+                "x floor",
+                "+mean / +p99 µs at 2,000/s",
+                "+mean / +p99 µs at 20,000/s"
+            ]
+        );
+        let row = |name: &str| summary.iter().find(|r| r[0] == name).unwrap().clone();
+        assert_eq!(
+            row("direct"),
+            [
+                "direct",
+                "160,000",
+                "-",
+                "-",
+                "100 / 300 (base)",
+                "200 / 500 (base)"
+            ]
+        );
+        // 0.2 s of CPU over 10,000 requests; 30k/s against the one-core floor's 60k/s.
+        assert_eq!(
+            row("bulwark"),
+            [
+                "bulwark",
+                "30,000",
+                "20.0",
+                "0.50",
+                "+1000 / +2000",
+                "+1000 / +2000"
+            ]
+        );
+        // Two cores against the floor on two cores: 60k/s against 80k/s.
+        assert_eq!(row("bulwark-2-workers")[3], "0.75");
+        assert_eq!(row("floor")[3], "1.00");
+        assert_eq!(row("floor-2-workers")[3], "1.00");
+        // nginx holds 2,000/s but not 20,000/s: its latency there says so.
+        assert_eq!(row("nginx")[3], "0.15");
+        assert_eq!(row("nginx")[4], "+500 / +1000");
+        assert_eq!(row("nginx")[5], "+500 / +1000 (at 9,000/s)");
+        // Other scenarios have none.
+        assert!(bench_summary(&sample()).is_none());
+    }
+
+    #[test]
+    fn a_bench_reads_back_from_its_json_and_older_ones_without_the_new_fields() {
+        let text = serde_json::to_string(&bench()).unwrap();
+        let back: Report = serde_json::from_str(&text).unwrap();
+        assert_eq!(bench_summary(&back), bench_summary(&bench()));
+        let old = r#"{"scenario":"passthrough","scale":1.0,"runs":{"direct":{}},
+            "bench":{"load_generator":"h2load","pinning":"none"}}"#;
+        let old: Report = serde_json::from_str(old).unwrap();
+        assert_eq!(bench_summary(&old).unwrap().len(), 2);
+        let v = serde_json::to_value(sample()).unwrap();
+        assert!(
+            v["runs"]["bulwark"]["classes"]["storm"]
+                .get("proxy_cpu_seconds")
+                .is_none(),
+            "absent outside benches"
+        );
+    }
+
+    #[test]
+    fn cpu_per_request_needs_the_cpu_time_and_an_answer() {
+        let mut class = Class {
+            ok: 4,
+            proxy_cpu_seconds: Some(0.000_1),
+            ..Class::default()
+        };
+        assert_eq!(class.cpu_us_per_request(), Some(25.0));
+        class.ok = 0;
+        assert_eq!(class.cpu_us_per_request(), None);
+        assert_eq!(Class::default().cpu_us_per_request(), None);
+    }
+
+    #[test]
+    fn thousands_are_separated() {
+        assert_eq!(thousands(0.0), "0");
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1_000.0), "1,000");
+        assert_eq!(thousands(165_361.8), "165,362");
+        assert_eq!(thousands(1_234_567.0), "1,234,567");
+    }
+
+    #[test]
+    fn a_bench_table_ends_with_its_summary_aligned() {
+        let text = table(&bench());
+        assert!(text.contains("proxy CPU µs / request"), "{text}");
+        let summary: Vec<&str> = text
+            .lines()
+            .skip_while(|l| !l.starts_with("target"))
+            .collect();
+        assert_eq!(summary.len(), 2 + 6, "{text}");
+        let width = summary[0].chars().count();
+        assert!(
+            summary.iter().all(|l| l.chars().count() == width),
+            "aligned:\n{text}"
+        );
+        // The comparison table above it is aligned in characters too, `µ` and all.
+        let top: Vec<&str> = text.lines().skip(2).take_while(|l| !l.is_empty()).collect();
+        let width = top[0].chars().count();
+        assert!(top.iter().all(|l| l.chars().count() == width), "{text}");
     }
 
     #[test]

@@ -368,7 +368,7 @@ fn installed(program: &str) -> bool {
 }
 
 #[test]
-fn passthrough_measures_bulwark_with_h2load_without_its_limits() {
+fn passthrough_measures_bulwark_and_the_floor_with_h2load_without_bulwarks_limits() {
     if !(installed("h2load") && installed("nginx")) {
         // CI installs both (.ci/run); elsewhere the scenario says how to install them.
         assert!(
@@ -378,21 +378,24 @@ fn passthrough_measures_bulwark_with_h2load_without_its_limits() {
         eprintln!("h2load or nginx is not installed; skipping the passthrough smoke test");
         return;
     }
-    let report = run_with(
+    let (report, stdout) = run_table(
         "passthrough",
-        &["--duration", "2s"],
-        &["--only", "direct,bulwark"],
+        &["--duration", "3s"],
+        &["--only", "direct,floor,bulwark"],
     );
+    // The table ends with each target's summary against direct and the floor.
+    assert!(stdout.contains("x floor"), "{stdout}");
+    let classes = ["fixed_rate_2000", "fixed_rate_20000", "saturation"];
     assert!(
         report["bench"]["load_generator"]
             .as_str()
             .is_some_and(|g| g.starts_with("h2load")),
         "{report}"
     );
-    for run in ["direct", "bulwark"] {
-        let classes = &report["runs"][run]["classes"];
-        for class in ["fixed_rate", "saturation"] {
-            let c = &classes[class];
+    for run in ["direct", "floor", "bulwark"] {
+        let figures = &report["runs"][run]["classes"];
+        for class in classes {
+            let c = &figures[class];
             assert!(c["ok"].as_u64().unwrap() > 0, "{run} {class}: {c}");
             // h2load far above the catch-all's 20 requests/s is not refused: the scenario's
             // own rule exempts it, so the figures are the proxy's.
@@ -401,9 +404,9 @@ fn passthrough_measures_bulwark_with_h2load_without_its_limits() {
         }
         // Every answer came from the upstream: Bulwark forwarded each GET (its one token
         // review and its health probes come on top).
-        let answered: u64 = ["fixed_rate", "saturation"]
+        let answered: u64 = classes
             .iter()
-            .map(|c| classes[c]["ok"].as_u64().unwrap())
+            .map(|c| figures[c]["ok"].as_u64().unwrap())
             .sum();
         let upstream = report["runs"][run]["apiserver"]["upstream_requests"]
             .as_u64()
@@ -418,6 +421,21 @@ fn passthrough_measures_bulwark_with_h2load_without_its_limits() {
             .as_f64()
             .unwrap()
             > 0.0
+    );
+    // The proxies' CPU time in each phase, from /proc.
+    for run in ["floor", "bulwark"] {
+        for class in classes {
+            let cpu = &report["runs"][run]["classes"][class]["proxy_cpu_seconds"];
+            assert!(
+                cpu.as_f64().is_some_and(|s| s >= 0.0),
+                "{run} {class}: {cpu}"
+            );
+        }
+    }
+    assert!(
+        report["runs"]["direct"]["classes"]["saturation"]
+            .get("proxy_cpu_seconds")
+            .is_none()
     );
 }
 

@@ -1,13 +1,15 @@
 //! The charts of a scenario's report, drawn with plotters' SVG backend from the figures the
 //! report records: apiserver memory per replica (over time with the limit and OOM kills
 //! marked where a timeline was recorded, peaks otherwise), requests per replica, latency
-//! percentiles per class, and 429s by class (over time, or totals). Every run sits beside
-//! the others on the same scale, so direct and Bulwark compare at a glance.
+//! percentiles per class, and 429s by class (over time, or totals); for a bench
+//! (`passthrough`), each target's saturation throughput and CPU time per request beside
+//! the floor's, with the per-target summary. Every run sits beside the others on the same
+//! scale, so direct and Bulwark compare at a glance.
 
 use plotters::prelude::*;
 
 use super::html::{Chart, Item, Page, Section, Table};
-use super::{Report, Run, human_bytes};
+use super::{Report, Run, SATURATION, fixed_rate_class, human_bytes, thousands};
 
 /// A chart's size in pixels.
 const SIZE: (u32, u32) = (560, 340);
@@ -57,7 +59,11 @@ pub fn page(report: &Report) -> anyhow::Result<Page> {
         notes.push(format!("Load: {}", bench.load_generator));
         notes.push(format!("Pinning: {}", bench.pinning));
     }
-    let mut sections = vec![memory(report)?, requests(report)?];
+    let mut sections = Vec::new();
+    if let Some(summary) = super::bench_summary(report) {
+        sections.push(bench(report, summary)?);
+    }
+    sections.extend([memory(report)?, requests(report)?]);
     sections.push(latency(report)?);
     sections.push(rejected(report)?);
     sections.retain(|s| !s.items.is_empty());
@@ -107,8 +113,21 @@ fn peak_memory(run: &Run) -> u64 {
 }
 
 /// One line on what the run showed, from the figures every scenario records: OOM kills
-/// direct against the rest, else peak memory, and 429s.
+/// direct against the rest, else peak memory, and 429s; for a bench, each proxy's
+/// saturation throughput, CPU time per request and throughput against the floor's.
 pub fn verdict(report: &Report) -> String {
+    if let Some(summary) = super::bench_summary(report) {
+        let parts: Vec<String> = summary
+            .iter()
+            .skip(1)
+            .filter(|row| row[0] != "direct")
+            .map(|row| format!("{} {}/s, {} µs, {} x floor", row[0], row[1], row[2], row[3]))
+            .collect();
+        return format!(
+            "Saturation, CPU per request and throughput per core against the floor's: {}.",
+            parts.join("; ")
+        );
+    }
     let each = |f: &dyn Fn(&Run) -> String| -> String {
         let parts: Vec<String> = report
             .runs
@@ -165,6 +184,78 @@ fn with_rejected(report: &Report, mut line: String, each: &Each) -> String {
         line.push_str(&format!(" 429s: {}.", each(&|r| rejected(r).to_string())));
     }
     line
+}
+
+/// A bench's summary table, each target's saturation throughput, and the proxy's CPU time
+/// per request in every phase.
+fn bench(report: &Report, summary: Vec<Vec<String>>) -> anyhow::Result<Section> {
+    let mut rows = summary.into_iter();
+    let header = rows.next().unwrap_or_default();
+    let mut items = vec![Item::Table(Table {
+        header,
+        rows: rows.collect(),
+    })];
+    let series = report
+        .runs
+        .iter()
+        .map(|(n, r)| {
+            let rps = r.classes.get(SATURATION).map_or(0.0, |c| c.rps);
+            (n.clone(), vec![rps / 1000.0])
+        })
+        .collect();
+    let title = "Saturation throughput".to_string();
+    let svg = bars(&Bars {
+        title: &title,
+        y_desc: "thousand requests/s",
+        categories: vec!["saturation".into()],
+        series,
+        limit: None,
+        log_y: false,
+    })?;
+    items.push(Item::Chart(Chart { title, svg }));
+    let rates = report
+        .bench
+        .as_ref()
+        .map_or(&[][..], |b| &b.fixed_rates[..]);
+    let mut phases: Vec<(String, String)> = rates
+        .iter()
+        .map(|r| {
+            (
+                fixed_rate_class(*r),
+                format!("{}/s", thousands(f64::from(*r))),
+            )
+        })
+        .collect();
+    phases.push((SATURATION.into(), SATURATION.into()));
+    // Every run, direct's bars empty, so that each keeps its colour of the other charts.
+    let series: Vec<(String, Vec<f64>)> = report
+        .runs
+        .iter()
+        .map(|(n, r)| {
+            let cpu = |phase: &str| {
+                let class = r.classes.get(phase)?;
+                class.cpu_us_per_request()
+            };
+            let v = phases.iter().map(|(p, _)| cpu(p).unwrap_or(0.0)).collect();
+            (n.clone(), v)
+        })
+        .collect();
+    if series.iter().any(|(_, v)| v.iter().any(|us| *us > 0.0)) {
+        let title = "Proxy CPU time per request".to_string();
+        let svg = bars(&Bars {
+            title: &title,
+            y_desc: "µs",
+            categories: phases.into_iter().map(|(_, label)| label).collect(),
+            series,
+            limit: None,
+            log_y: false,
+        })?;
+        items.push(Item::Chart(Chart { title, svg }));
+    }
+    Ok(Section {
+        title: "Per target: throughput, CPU per request and added latency".into(),
+        items,
+    })
 }
 
 /// Apiserver memory: per replica over time where recorded, peaks per replica otherwise.
@@ -720,6 +811,35 @@ mod tests {
             verdict(&report),
             "Bulwark kept every apiserver up: OOM kills direct 4, bulwark 0. 429s: direct 0, bulwark 17."
         );
+    }
+
+    #[test]
+    fn a_bench_page_opens_with_its_summary_throughput_and_cpu_per_request() {
+        let report = super::super::tests::bench();
+        let page = page(&report).unwrap();
+        let first = &page.sections[0];
+        let Item::Table(summary) = &first.items[0] else {
+            panic!("the summary table comes first");
+        };
+        assert_eq!(summary.header[3], "x floor");
+        assert_eq!(summary.rows.len(), report.runs.len());
+        let titles: Vec<&str> = first
+            .items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Chart(c) => Some(c.title.as_str()),
+                Item::Table(_) => None,
+            })
+            .collect();
+        assert_eq!(
+            titles,
+            ["Saturation throughput", "Proxy CPU time per request"]
+        );
+        assert!(
+            page.verdict
+                .contains("bulwark 30,000/s, 20.0 µs, 0.50 x floor")
+        );
+        assert!(!page.verdict.contains("direct"), "{}", page.verdict);
     }
 
     #[test]

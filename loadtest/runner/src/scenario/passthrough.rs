@@ -1,15 +1,21 @@
 //! `passthrough`: what a proxy costs on a small GET, measured with a load generator that is
 //! not the bottleneck. h2load (nghttp2's) sends GETs of one small object over TLS and
-//! HTTP/2 — straight to the upstream, then through haproxy, nginx and Bulwark with one and
-//! with two worker threads — first at a fixed rate (the latency each proxy adds), then as
-//! fast as it can (each proxy's saturation throughput).
+//! HTTP/2 — straight to the upstream, then through haproxy, nginx, the floor and Bulwark,
+//! the last two with one and with two workers — first at two fixed rates (the latency each
+//! proxy adds), then as fast as it can (each proxy's saturation throughput). The proxy's
+//! CPU time over each phase, from `/proc`, gives its CPU cost per request.
+//!
+//! The floor (`crate::floor`) is a bare reverse proxy built from Bulwark's own crates,
+//! runtime and allocator, doing nothing but forward: what Bulwark costs above it is
+//! Bulwark's own work, and `x floor` in the summary is Bulwark's saturation throughput per
+//! core against the floor's.
 //!
 //! The upstream is nginx answering like an apiserver (the object, a TokenReview, `/readyz`)
 //! from static text, so that it is never the bottleneck: about 150k requests/s on one core
 //! here. The proxies and the upstream share one core and h2load has another (`taskset`),
 //! so a proxy's throughput is what is left of its core after the upstream's share; Bulwark
-//! with two workers gets both cores. Every proxy terminates TLS and speaks TLS upstream,
-//! HTTP/2 on both legs but for nginx, which speaks HTTP/1.1 upstream.
+//! and the floor with two workers get both cores. Every proxy terminates TLS and speaks TLS
+//! upstream, HTTP/2 on both legs but for nginx, which speaks HTTP/1.1 upstream.
 //!
 //! Bulwark does all its per-request work: the client's bearer token reviewed by
 //! TokenReview (cached), classification, a rule match (an exempt rule, so that no limit
@@ -31,7 +37,7 @@ use tokio::process::{Child, Command};
 use super::Options;
 use crate::child;
 use crate::client::{Target, new_histogram};
-use crate::proxy_process::{ProxyProcess, free_port, stop_child};
+use crate::proxy_process::{ProxyProcess, cost_of, free_port, stop_child};
 use crate::report::{self, Class, ProxyCost, Report, Run};
 
 /// The object every GET reads.
@@ -46,8 +52,8 @@ const CLIENT_TOKEN: &str = "passthrough-client-token";
 const CONNECTIONS: u32 = 20;
 /// See [`CONNECTIONS`].
 const STREAMS: u32 = 10;
-/// The fixed rate the added latency is measured at, requests/s over all connections.
-const FIXED_RATE: u32 = 2_000;
+/// The fixed rates the added latency is measured at, requests/s over all connections.
+const FIXED_RATES: [u32; 2] = [2_000, 20_000];
 /// Requests each target gets before it is measured (connections, the token review).
 const WARM_UP: u32 = 2_000;
 
@@ -70,15 +76,19 @@ enum Subject {
     Haproxy,
     /// h2load → nginx (one worker) → the upstream.
     Nginx,
+    /// h2load → the floor (`crate::floor`) with this many workers → the upstream.
+    Floor(usize),
     /// h2load → Bulwark with this many worker threads → the upstream.
     Bulwark(usize),
 }
 
 impl Subject {
-    const ALL: [Subject; 5] = [
+    const ALL: [Subject; 7] = [
         Subject::Direct,
         Subject::Haproxy,
         Subject::Nginx,
+        Subject::Floor(1),
+        Subject::Floor(2),
         Subject::Bulwark(1),
         Subject::Bulwark(2),
     ];
@@ -89,6 +99,8 @@ impl Subject {
             Subject::Direct => "direct",
             Subject::Haproxy => "haproxy",
             Subject::Nginx => "nginx",
+            Subject::Floor(1) => report::FLOOR,
+            Subject::Floor(_) => "floor-2-workers",
             Subject::Bulwark(1) => "bulwark",
             Subject::Bulwark(_) => "bulwark-2-workers",
         }
@@ -161,10 +173,12 @@ impl Pinning {
         })
     }
 
-    /// The cores of a subject's processes: Bulwark with two workers gets both.
+    /// The cores of a subject's processes: Bulwark and the floor with two workers get both.
     fn proxy_cores(&self, subject: Subject) -> String {
         match subject {
-            Subject::Bulwark(n) if n > 1 => format!("{},{}", self.proxy, self.load),
+            Subject::Bulwark(n) | Subject::Floor(n) if n > 1 => {
+                format!("{},{}", self.proxy, self.load)
+            }
             _ => self.proxy.to_string(),
         }
     }
@@ -172,8 +186,8 @@ impl Pinning {
     fn describe(pinning: Option<&Pinning>) -> String {
         match pinning {
             Some(p) => format!(
-                "upstream and proxy on core {}, h2load on core {} (Bulwark with two \
-                 workers: cores {})",
+                "upstream and proxy on core {}, h2load on core {} (the floor and Bulwark \
+                 with two workers: cores {})",
                 p.proxy,
                 p.load,
                 p.proxy_cores(Subject::Bulwark(2))
@@ -214,7 +228,7 @@ fn pinned(tools: &Tools, cores: Option<String>, program: &Path) -> Command {
 pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     let tools = Tools::find()?;
     let pinning = Pinning::choose(&tools);
-    let phase = opts.duration_or(Duration::from_secs(20)) / 2;
+    let phase = opts.duration_or(Duration::from_secs(30)) / (FIXED_RATES.len() as u32 + 1);
     let dir = tempfile::Builder::new()
         .prefix("bulwark-passthrough-")
         .tempdir()
@@ -241,14 +255,27 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         );
         runs.push((subject.name().to_string(), run));
     }
+    let cores = runs
+        .iter()
+        .filter_map(|(name, _)| {
+            let subject = Subject::ALL.into_iter().find(|s| s.name() == name)?;
+            let cores = pinning.as_ref()?.proxy_cores(subject);
+            Some((name.clone(), cores.split(',').count()))
+        })
+        .collect();
     let mut report = Report::new("passthrough", opts.scale, runs);
+    let rates: Vec<String> = FIXED_RATES.iter().map(u32::to_string).collect();
     report.bench = Some(report::BenchSetup {
         load_generator: format!(
             "{}, {CONNECTIONS} connections × {STREAMS} streams, one bearer token; fixed \
-             rate {FIXED_RATE} requests/s",
-            bench.h2load_version
+             rates {} requests/s, then saturation; {} s each",
+            bench.h2load_version,
+            rates.join(" and "),
+            phase.as_secs().max(1)
         ),
         pinning: Pinning::describe(pinning.as_ref()),
+        fixed_rates: FIXED_RATES.to_vec(),
+        cores,
     });
     Ok(report)
 }
@@ -276,8 +303,8 @@ struct Bench<'a> {
 enum Load {
     /// A fixed number of requests, as fast as they go, not measured.
     WarmUp,
-    /// [`FIXED_RATE`] requests/s for this long.
-    Fixed(Duration),
+    /// This many requests/s for this long.
+    Fixed(u32, Duration),
     /// As fast as the subject answers, for this long.
     Saturation(Duration),
 }
@@ -290,6 +317,15 @@ enum Front {
 }
 
 impl Front {
+    /// The proxy process's CPU time so far (user + system), seconds; none for `direct`.
+    fn cpu_seconds(&self) -> anyhow::Result<Option<f64>> {
+        Ok(match self {
+            Front::Upstream => None,
+            Front::External { child, .. } => Some(cost_of(child)?.cpu_seconds),
+            Front::Bulwark(process) => Some(process.cost()?.cpu_seconds),
+        })
+    }
+
     async fn stop(self, dir: &Path) -> anyhow::Result<Option<ProxyCost>> {
         Ok(match self {
             Front::Upstream => None,
@@ -373,8 +409,8 @@ impl<'a> Bench<'a> {
         Ok(bench)
     }
 
-    /// Starts `subject`, warms it up, measures it at the fixed rate and at saturation, and
-    /// stops it.
+    /// Starts `subject`, warms it up, measures it at each fixed rate and at saturation
+    /// (with the proxy's CPU time over each), and stops it.
     async fn measure(&self, subject: Subject, phase: Duration) -> anyhow::Result<Run> {
         let (addr, front) = self.front(subject).await?;
         let url = format!("https://{addr}{PATH}");
@@ -390,8 +426,20 @@ impl<'a> Bench<'a> {
             );
         }
         let before = self.upstream_requests().await?;
-        let fixed = self.h2load(&url, Load::Fixed(phase)).await?;
-        let saturation = self.h2load(&url, Load::Saturation(phase)).await?;
+        let mut classes = std::collections::BTreeMap::new();
+        let loads = FIXED_RATES
+            .iter()
+            .map(|rate| (report::fixed_rate_class(*rate), Load::Fixed(*rate, phase)))
+            .chain([(report::SATURATION.to_string(), Load::Saturation(phase))]);
+        for (name, load) in loads {
+            let cpu = front.cpu_seconds()?;
+            let mut class = self.h2load(&url, load).await?;
+            class.proxy_cpu_seconds = match (cpu, front.cpu_seconds()?) {
+                (Some(before), Some(after)) => Some(after - before),
+                _ => None,
+            };
+            classes.insert(name, class);
+        }
         // The second status read counts itself.
         let upstream = (self.upstream_requests().await?).saturating_sub(before + 1);
         let proxy = front.stop(&self.dir).await?;
@@ -402,11 +450,7 @@ impl<'a> Bench<'a> {
                 ..report::Apiserver::default()
             },
             proxy,
-            classes: [
-                ("fixed_rate".to_string(), fixed),
-                ("saturation".to_string(), saturation),
-            ]
-            .into(),
+            classes,
             event_delivery_p99_ms: None,
             watch_bytes_per_event: None,
             flood: None,
@@ -426,6 +470,25 @@ impl<'a> Bench<'a> {
         let (mut child, name) = match subject {
             Subject::Direct => return Ok((up, Front::Upstream)),
             Subject::Bulwark(workers) => return self.bulwark(workers, cores).await,
+            Subject::Floor(workers) => {
+                let exe = std::env::current_exe().context("locating this binary")?;
+                let mut command = pinned(self.tools, cores, &exe);
+                command
+                    .arg("__floor")
+                    .arg("--listen")
+                    .arg(addr.to_string())
+                    .arg("--cert")
+                    .arg(&self.serving.0)
+                    .arg("--key")
+                    .arg(&self.serving.1)
+                    .arg("--upstream")
+                    .arg(up.to_string())
+                    .arg("--upstream-ca")
+                    .arg(&self.upstream_ca)
+                    .arg("--workers")
+                    .arg(workers.to_string());
+                (spawn(command, dir, "floor")?, "floor")
+            }
             Subject::Haproxy => {
                 let bundle = dir.join("serving.pem");
                 std::fs::write(
@@ -541,9 +604,9 @@ backend upstream
         let seconds = |d: Duration| d.as_secs().max(1).to_string();
         match load {
             Load::WarmUp => command.arg("-n").arg(WARM_UP.to_string()),
-            Load::Fixed(d) => command
+            Load::Fixed(rate, d) => command
                 .arg("--rps")
-                .arg((FIXED_RATE / CONNECTIONS).to_string())
+                .arg((rate / CONNECTIONS).to_string())
                 .arg("-D")
                 .arg(seconds(d)),
             Load::Saturation(d) => command.arg("-D").arg(seconds(d)),
@@ -733,6 +796,8 @@ impl Summary {
             rps: if secs > 0.0 { ok as f64 / secs } else { 0.0 },
             // One bearer token: one identity.
             per_identity_ok: vec![ok],
+            // The caller reads the proxy's CPU time around the run.
+            proxy_cpu_seconds: None,
         }
     }
 }
@@ -793,6 +858,31 @@ time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
         assert!((class.p99_ms - 0.3).abs() < 0.001, "{class:?}");
         assert!((class.rps - 1.5).abs() < 1e-9);
         assert_eq!(class.per_identity_ok, vec![3]);
+    }
+
+    #[test]
+    fn the_floor_runs_between_the_other_proxies_and_bulwark_on_as_many_cores() {
+        let names: Vec<&str> = Subject::ALL.iter().map(|s| s.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "direct",
+                "haproxy",
+                "nginx",
+                "floor",
+                "floor-2-workers",
+                "bulwark",
+                "bulwark-2-workers"
+            ]
+        );
+        let pinning = Pinning { proxy: 0, load: 1 };
+        assert_eq!(pinning.proxy_cores(Subject::Floor(1)), "0");
+        assert_eq!(pinning.proxy_cores(Subject::Floor(2)), "0,1");
+        assert_eq!(
+            pinning.proxy_cores(Subject::Floor(2)),
+            pinning.proxy_cores(Subject::Bulwark(2))
+        );
+        assert_eq!(pinning.proxy_cores(Subject::Haproxy), "0");
     }
 
     #[test]

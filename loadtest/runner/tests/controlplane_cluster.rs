@@ -214,6 +214,10 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
         assert_eq!(run.not_ready_max, 0, "{front}: {run:#?}");
         assert!(run.jobs[0].done_s > 0.0, "{front}: {run:#?}");
         assert!(
+            run.jobs[0].running_s > 0.0 && run.jobs[0].running_s <= run.jobs[0].done_s,
+            "{front}: {run:#?}"
+        );
+        assert!(
             run.lease_age_max_s < f64::from(NODE_LEASE_SECONDS),
             "{front}: {run:#?}"
         );

@@ -214,6 +214,10 @@ pub struct JobFigures {
     pub pods: u64,
     /// Seconds from its creation to all its pods bound to nodes (0: never).
     pub scheduled_s: f64,
+    /// Seconds from its creation to all its pods Running (or past it, Succeeded) as KWOK
+    /// reports them (0: never, or not recorded).
+    #[serde(default)]
+    pub running_s: f64,
     /// Seconds from its creation to all its pods succeeded, run by KWOK (0: never).
     pub done_s: f64,
 }
@@ -539,9 +543,13 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         };
         not_ready_max = not_ready_max.max(not_ready);
         for figures in jobs.iter_mut().filter(|j| j.done_s == 0.0) {
-            let Ok((bound, succeeded)) = job_progress(&observer, &figures.name).await else {
+            let Ok((bound, running, succeeded)) = job_progress(&observer, &figures.name).await
+            else {
                 continue;
             };
+            if figures.running_s == 0.0 && running >= figures.pods {
+                figures.running_s = t;
+            }
             if figures.scheduled_s == 0.0 && bound >= figures.pods {
                 figures.scheduled_s = t;
                 last_bound = last_bound.max(t);
@@ -655,25 +663,31 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
     })
 }
 
-/// How many of a Job's pods are bound to nodes, and how many succeeded.
-async fn job_progress(admin: &Client, name: &str) -> anyhow::Result<(u64, u64)> {
+/// How many of a Job's pods are bound to nodes, how many are Running or past it, and how
+/// many succeeded.
+async fn job_progress(admin: &Client, name: &str) -> anyhow::Result<(u64, u64, u64)> {
     let pods = get(
         admin,
         &format!("/api/v1/namespaces/default/pods?labelSelector=job-name%3D{name}"),
     )
     .await?;
-    let bound = pods["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let items = || pods["items"].as_array().into_iter().flatten();
+    let bound = items()
         .filter(|p| p["spec"]["nodeName"].is_string())
+        .count() as u64;
+    let running = items()
+        .filter(|p| matches!(p["status"]["phase"].as_str(), Some("Running" | "Succeeded")))
         .count() as u64;
     let job = get(
         admin,
         &format!("/apis/batch/v1/namespaces/default/jobs/{name}"),
     )
     .await?;
-    Ok((bound, job["status"]["succeeded"].as_u64().unwrap_or(0)))
+    Ok((
+        bound,
+        running,
+        job["status"]["succeeded"].as_u64().unwrap_or(0),
+    ))
 }
 
 /// The storm: identities listing every Secret of the cluster with no resourceVersion,

@@ -132,7 +132,7 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
             })?,
         ));
         let title = format!(
-            "{}: the oldest node Lease (s) and nodes not Ready",
+            "{}: the oldest Lease, the slowest renewal (s), nodes not Ready",
             run.front
         );
         nodes.push(chart(
@@ -372,6 +372,16 @@ fn figures(r: &ClusterReport) -> Table {
                 "{:.1} / {:.1} / {:.1}",
                 run.lease_age_p50_s, run.lease_age_p99_s, run.lease_age_max_s
             )
+        }),
+        row("Jobs: seconds to all pods Running (-: never)", &|run| {
+            run.jobs
+                .iter()
+                .map(|j| match j.running_s {
+                    0.0 => "-".to_string(),
+                    s => format!("{s:.0}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
         }),
         row("Jobs: seconds to done (-: never)", &|run| {
             run.jobs

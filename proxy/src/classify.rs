@@ -16,6 +16,7 @@
 
 mod query;
 
+use std::borrow::Cow;
 use std::fmt;
 
 use http::Method;
@@ -313,24 +314,24 @@ fn classify_parts(
 
     // `/api/VERSION/...` or `/apis/GROUP/VERSION/...` with at least one part after the
     // version; anything shorter (discovery included) is a non-resource request.
-    let mut parts: &[String] = &segments;
-    let api_group = match parts.first().map(String::as_str) {
+    let mut parts: &[Cow<'_, str>] = &segments;
+    let api_group = match parts.first().map(|s| s.as_ref()) {
         Some("api") if parts.len() >= 3 => {
             parts = &parts[1..];
             String::new()
         }
         Some("apis") if parts.len() >= 4 => {
-            let group = parts[1].clone();
+            let group = parts[1].to_string();
             parts = &parts[2..];
             group
         }
         _ => return non_resource(),
     };
-    let api_version = parts[0].clone();
+    let api_version = parts[0].to_string();
     parts = &parts[1..];
 
     let watch_prefix = parts[0] == "watch";
-    let mut verb = match parts[0].as_str() {
+    let mut verb = match parts[0].as_ref() {
         "watch" => {
             if parts.len() < 2 {
                 return Err(ClassifyError::MissingResource {
@@ -370,17 +371,17 @@ fn classify_parts(
 
     let mut namespace = None;
     if parts[0] == "namespaces" && parts.len() > 1 {
-        namespace = Some(parts[1].clone());
+        namespace = Some(parts[1].to_string());
         // `namespaces/NS/RESOURCE/...` is a namespaced resource; `namespaces/NS`,
         // `namespaces/NS/status` and `namespaces/NS/finalize` are the namespace itself.
-        if parts.len() > 2 && !matches!(parts[2].as_str(), "status" | "finalize") {
+        if parts.len() > 2 && !matches!(parts[2].as_ref(), "status" | "finalize") {
             parts = &parts[2..];
         }
     }
 
-    let resource = parts[0].clone();
-    let name = parts.get(1).cloned();
-    let subresource = parts.get(2).cloned();
+    let resource = parts[0].to_string();
+    let name = parts.get(1).map(|s| s.to_string());
+    let subresource = parts.get(2).map(|s| s.to_string());
 
     if name.is_none() {
         match verb {
@@ -414,7 +415,8 @@ fn classify_parts(
 
 /// Splits an absolute path into decoded segments, refusing every shape that could be read
 /// two ways. `/` gives no segments; one trailing `/` is ignored, as the apiserver does.
-fn split_path(path: &str) -> Result<Vec<String>, ClassifyError> {
+/// A segment without escapes is borrowed from the path, not copied.
+fn split_path(path: &str) -> Result<Vec<Cow<'_, str>>, ClassifyError> {
     let err = |make: fn(String) -> ClassifyError| Err(make(path.to_owned()));
     let Some(body) = path.strip_prefix('/') else {
         return err(|path| ClassifyError::NotAbsolute { path });
@@ -433,13 +435,17 @@ fn split_path(path: &str) -> Result<Vec<String>, ClassifyError> {
             "." | ".." => return err(|path| ClassifyError::DotSegment { path }),
             _ => {}
         }
+        if !raw.contains('%') {
+            segments.push(Cow::Borrowed(raw));
+            continue;
+        }
         let Some(bytes) = percent_decode(raw, false) else {
             return err(|path| ClassifyError::BadPathEncoding { path });
         };
         let Ok(segment) = String::from_utf8(bytes) else {
             return err(|path| ClassifyError::BadPathEncoding { path });
         };
-        segments.push(segment);
+        segments.push(Cow::Owned(segment));
     }
     Ok(segments)
 }

@@ -433,15 +433,7 @@ impl Upstream {
             .timeout
             .filter(|_| !route.long_running)
             .map(|limit| Instant::now() + limit);
-        let work = self.inner.send(req, route, deadline);
-        match deadline {
-            // The attempts end themselves at the deadline, naming their replica; this ends
-            // what comes before them (reading the request body).
-            Some(deadline) => tokio::time::timeout_at(deadline, work)
-                .await
-                .map_err(|_| UpstreamError::Timeout { replica: None })?,
-            None => work.await,
-        }
+        self.inner.send(req, route, deadline).await
     }
 
     /// Replicas in rotation.
@@ -508,8 +500,17 @@ impl Inner {
                 .iter()
                 .position(|r| r.name == *name)
         });
-        // Held until the apiserver has answered (or every attempt failed).
-        let (body, _held) = buffer::buffer(body, &parts.headers, route.body_flow.as_ref()).await?;
+        // Held until the apiserver has answered (or every attempt failed). The attempts end
+        // themselves at the deadline, naming their replica; this ends the reading of the
+        // request body before them. (A body already whole, as every GET's, is ready at the
+        // first poll, so its timer is never armed.)
+        let buffered = buffer::buffer(body, &parts.headers, route.body_flow.as_ref());
+        let (body, _held) = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, buffered)
+                .await
+                .map_err(|_| UpstreamError::Timeout { replica: None })??,
+            None => buffered.await?,
+        };
         let path_and_query = parts
             .uri
             .path_and_query()
@@ -564,12 +565,16 @@ impl Inner {
                     .attempt_timeout
                     .map(|limit| Instant::now() + limit)
                     .filter(|limit| deadline.is_none_or(|deadline| *limit < deadline));
+                // One timer for whichever comes first: the attempt's limit, when set, is
+                // before the request's deadline.
                 tokio::select! {
                     biased;
                     done = attempt => Attempt::Done(done),
-                    () = until(deadline) => Attempt::Deadline,
                     _ = unresponsive.changed() => Attempt::Unanswered(RetryReason::Unresponsive),
-                    () = until(limit) => Attempt::Unanswered(RetryReason::AttemptTimeout),
+                    () = until(limit.or(deadline)) => match limit {
+                        Some(_) => Attempt::Unanswered(RetryReason::AttemptTimeout),
+                        None => Attempt::Deadline,
+                    },
                 }
             } else {
                 tokio::select! {

@@ -149,11 +149,14 @@ pub fn source_ips(headers: &http::HeaderMap, peer: Option<IpAddr>) -> Vec<String
 
 /// A new `Audit-Id`: a random RFC 4122 version 4 UUID.
 pub fn new_audit_id() -> String {
-    // From the thread's own generator (seeded from the OS, reseeded as it goes), not
-    // `Uuid::new_v4`, which asks the kernel for every one: a `getrandom` call per request.
-    uuid::Builder::from_random_bytes(rand::random())
-        .into_uuid()
-        .to_string()
+    new_uuid().to_string()
+}
+
+/// A random RFC 4122 version 4 UUID from the thread's own generator (seeded from the OS,
+/// reseeded as it goes), not `Uuid::new_v4`, which asks the kernel for every one: a
+/// `getrandom` call per request.
+pub fn new_uuid() -> uuid::Uuid {
+    uuid::Builder::from_random_bytes(rand::random()).into_uuid()
 }
 
 /// `2026-06-15T04:14:53.123456Z`.

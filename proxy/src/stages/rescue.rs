@@ -99,11 +99,9 @@ where
         let method = method_label(request.method());
         let audit_id = audit_id(request.headers_mut());
         let source = request.extensions().get::<ConnInfo>().map(|c| c.peer);
-        let user_agent = request
-            .headers()
-            .get(USER_AGENT)
-            .map(|v| cut(&String::from_utf8_lossy(v.as_bytes()), USER_AGENT_MAX).to_owned())
-            .unwrap_or_default();
+        // Kept as the header (a shared reference to the received bytes); made text only
+        // for a line that names it.
+        let user_agent = request.headers().get(USER_AGENT).cloned();
         let call = Call::new(request);
         let report = call.report.clone();
         let started = Instant::now();
@@ -143,6 +141,7 @@ where
                     let detail = crate::report::chain(&error);
                     let rule = refusal.rule.as_deref().unwrap_or("");
                     let level = refusal.level.as_deref().unwrap_or("");
+                    let user_agent = user_agent_text(user_agent.as_ref());
                     tracing::debug!(reason = %refusal.reason, error = %detail, "refused");
                     log.rejected(Rejection {
                         identity: who,
@@ -175,6 +174,7 @@ where
                 }
             };
             if let Some(access) = access {
+                let user_agent = user_agent_text(user_agent.as_ref());
                 // A refusal names its rule and level in its headers too.
                 let named = |name| {
                     response
@@ -236,10 +236,20 @@ fn audit_id(headers: &mut http::HeaderMap) -> HeaderValue {
     {
         return given.clone();
     }
-    let id = HeaderValue::from_str(&crate::cache::audit::new_audit_id())
-        .expect("a UUID is a valid header value");
+    let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+    let id = crate::cache::audit::new_uuid()
+        .hyphenated()
+        .encode_lower(&mut text);
+    let id = HeaderValue::from_str(id).expect("a UUID is a valid header value");
     headers.insert("audit-id", id.clone());
     id
+}
+
+/// The client's `User-Agent` as log lines carry it: at most [`USER_AGENT_MAX`] bytes.
+fn user_agent_text(header: Option<&HeaderValue>) -> String {
+    header.map_or_else(String::new, |v| {
+        cut(&String::from_utf8_lossy(v.as_bytes()), USER_AGENT_MAX).to_owned()
+    })
 }
 
 /// `text` cut to at most `max` bytes, at a character boundary.

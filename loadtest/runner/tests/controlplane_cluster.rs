@@ -280,6 +280,17 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
     );
     assert!(report.runs[0].bulwark.is_none() && bulwark.bulwark.is_some());
     let html = bulwark_loadtest::report::html::render(&cluster::page(&report).unwrap());
-    // Memory, nodes, LISTs and WATCHes, refusals: once per front door; the Jobs once.
-    assert_eq!(html.matches("<svg").count(), 9);
+    // Memory, nodes, LISTs and watches, requests per replica, refusals: once per front
+    // door; the Jobs once; latency of the probes, the agents and the storm once each.
+    assert_eq!(html.matches("<svg").count(), 14);
+    for run in &report.runs {
+        assert!(
+            run.samples
+                .iter()
+                .any(|s| s.requests_per_s.first().is_some_and(|r| *r > 0.0)),
+            "{}: {:#?}",
+            run.front,
+            run.samples
+        );
+    }
 }

@@ -263,11 +263,16 @@ fn the_recorded_cluster_run_renders_its_charts_in_chromium() {
         "no node went NotReady through Bulwark"
     );
     let page = cluster::page(&report).unwrap();
-    // Per front door: apiserver memory, Leases and NotReady, LISTs and WATCHes, 429s; the
-    // Jobs once.
+    // Per front door: apiserver memory, Leases and NotReady, LISTs and watches, 429s (and
+    // requests per replica where sampled); the Jobs once; latency per client class once.
+    let per_replica = report
+        .runs
+        .iter()
+        .filter(|r| r.samples.iter().any(|s| !s.requests_per_s.is_empty()))
+        .count();
     check_html(
         &bulwark_loadtest::report::html::render(&page),
         &cluster::verdict(&report),
-        1 + 4 * report.runs.len(),
+        1 + 3 + 4 * report.runs.len() + per_replica,
     );
 }

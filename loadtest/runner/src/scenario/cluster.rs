@@ -254,6 +254,10 @@ pub struct Sample {
     /// `apiserver_request_total`).
     #[serde(default)]
     pub lists_per_s: f64,
+    /// Requests per second each replica served since the last sample (its own
+    /// `apiserver_request_total`), by index.
+    #[serde(default)]
+    pub requests_per_s: Vec<f64>,
     /// Watches open at the apiservers (their `apiserver_longrunning_requests`).
     #[serde(default)]
     pub open_watches: f64,

@@ -80,6 +80,10 @@ pub(super) async fn scrape(cp: &ControlPlane, rates: &mut Rates, t: f64) -> Samp
             counters(&text, "apiserver_request_total", &["verb"]),
         );
         sample.lists_per_s += verbs.get("LIST").copied().unwrap_or(0.0) / dt;
+        if sample.requests_per_s.len() <= i {
+            sample.requests_per_s.resize(i + 1, 0.0);
+        }
+        sample.requests_per_s[i] = verbs.values().sum::<f64>() / dt;
         let events = rates.step(
             &format!("{source} events"),
             counters(&text, "apiserver_watch_events_total", &[]),

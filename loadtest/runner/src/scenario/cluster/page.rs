@@ -268,6 +268,8 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         limit: None,
         log_y: false,
     })?;
+    let latency = latency_bars(r)?;
+    let per_replica = replica_requests(r, x_max)?;
     let mut sections = vec![
         Section {
             title: "The apiservers' memory".into(),
@@ -283,7 +285,11 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         },
         Section {
             title: "What the apiservers served".into(),
-            items: calls,
+            items: calls.into_iter().chain(per_replica).collect(),
+        },
+        Section {
+            title: "Latency at the clients".into(),
+            items: latency,
         },
         Section {
             title: "Who was refused".into(),
@@ -309,6 +315,92 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         .collect(),
         sections,
     })
+}
+
+/// Where a run keeps a class's figures.
+type ClassOf = fn(&ClusterRun) -> Option<&Class>;
+
+/// Latency percentiles of each client class Bulwark's run times at the client (the probes'
+/// Lease renewals, the agents' lists, the storm's LISTs), the front doors side by side.
+fn latency_bars(r: &ClusterReport) -> anyhow::Result<Vec<Item>> {
+    let classes: [(&str, ClassOf); 3] = [
+        ("Lease renewals", |run| Some(&run.lease_renewals)),
+        ("node agents", |run| run.agents.as_ref()),
+        ("storm LISTs", |run| run.storm.as_ref()),
+    ];
+    let mut items = Vec::new();
+    for (class, of) in classes {
+        let series: Vec<(String, Vec<f64>)> = r
+            .runs
+            .iter()
+            .filter_map(|run| {
+                let c = of(run)?;
+                Some((run.front.clone(), vec![c.p50_ms, c.p99_ms, c.p999_ms]))
+            })
+            .collect();
+        if series.iter().all(|(_, v)| v.iter().all(|x| *x <= 0.0)) {
+            continue;
+        }
+        let title = format!("{class}: latency percentiles (ms, log scale)");
+        let svg = bars(&Bars {
+            title: &title,
+            y_desc: "ms",
+            categories: vec!["p50".into(), "p99".into(), "p99.9".into()],
+            series,
+            limit: None,
+            log_y: true,
+        })?;
+        items.push(chart(&title, svg));
+    }
+    Ok(items)
+}
+
+/// Requests per second each apiserver replica served, per front door (runs recorded
+/// before these were sampled have none, and draw none).
+fn replica_requests(r: &ClusterReport, x_max: f64) -> anyhow::Result<Vec<Item>> {
+    let y_max = r
+        .runs
+        .iter()
+        .flat_map(|run| &run.samples)
+        .flat_map(|s| s.requests_per_s.iter().copied())
+        .fold(1.0, f64::max);
+    let mut items = Vec::new();
+    for run in &r.runs {
+        let replicas = run
+            .samples
+            .iter()
+            .map(|s| s.requests_per_s.len())
+            .max()
+            .unwrap_or(0);
+        if replicas == 0 {
+            continue;
+        }
+        let series = (0..replicas)
+            .map(|i| {
+                let points = run
+                    .samples
+                    .iter()
+                    .map(|s| (s.t, s.requests_per_s.get(i).copied().unwrap_or(0.0)))
+                    .collect();
+                (format!("apiserver {i}"), colour(i), points)
+            })
+            .collect();
+        let title = format!("{}: requests per second per apiserver replica", run.front);
+        items.push(chart(
+            &title,
+            lines(&Lines {
+                title: &title,
+                y_desc: "requests/s",
+                series,
+                limit: None,
+                limit_label: "",
+                marks: Vec::new(),
+                x_max,
+                y_max: y_max * 1.05,
+            })?,
+        ));
+    }
+    Ok(items)
 }
 
 fn chart(title: &str, svg: String) -> Item {

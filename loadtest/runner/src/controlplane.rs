@@ -623,6 +623,35 @@ impl ControlPlane {
             .collect()
     }
 
+    /// Samples each replica's memory now and its peak (from its cgroup; 0 without a
+    /// memory limit) and its OOM kills so far, for progress lines and the report's
+    /// timeline; it holds the replicas' own handles, not the control plane.
+    pub fn replica_sampler(&self) -> crate::scenario::progress::Sampler {
+        let replicas: Vec<(Arc<Spec>, Arc<Shared>)> = self
+            .replicas
+            .iter()
+            .map(|r| (r.spec.clone(), r.shared.clone()))
+            .collect();
+        Arc::new(move || {
+            replicas
+                .iter()
+                .map(|(spec, shared)| crate::scenario::progress::ReplicaNow {
+                    memory_bytes: spec
+                        .cgroup
+                        .as_ref()
+                        .and_then(MemoryCgroup::usage_bytes)
+                        .unwrap_or(0),
+                    peak_bytes: spec
+                        .cgroup
+                        .as_ref()
+                        .and_then(MemoryCgroup::peak_bytes)
+                        .unwrap_or(0),
+                    ooms: shared.oom_kills.load(Ordering::Relaxed),
+                })
+                .collect()
+        })
+    }
+
     /// Each replica's memory now, from its cgroup (`None` without a memory limit).
     pub fn memory_usage(&self) -> Vec<Option<u64>> {
         self.replicas

@@ -432,6 +432,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let cp = scenario::on_controlplane::ControlPlaneOptions {
                 replicas: usize::from(a.replicas),
                 memory_limit: a.apiserver_memory_limit,
+                bulwark_exe: None,
             };
             let report = scenario::on_controlplane::list_storm(&opts(&a.common), &cp).await?;
             (report, a.common)
@@ -441,6 +442,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let cp = scenario::on_controlplane::ControlPlaneOptions {
                 replicas: usize::from(a.replicas),
                 memory_limit: a.apiserver_memory_limit,
+                bulwark_exe: None,
             };
             let report = scenario::fleet::run(&opts(&a.common), &cp).await?;
             (report, a.common)
@@ -450,6 +452,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let cp = scenario::on_controlplane::ControlPlaneOptions {
                 replicas: usize::from(a.replicas),
                 memory_limit: a.apiserver_memory_limit,
+                bulwark_exe: None,
             };
             let report = scenario::on_controlplane::informers(&opts(&a.common), &cp).await?;
             (report, a.common)

@@ -30,6 +30,8 @@ pub struct ControlPlaneOptions {
     pub replicas: usize,
     /// Each replica's memory limit in bytes.
     pub memory_limit: u64,
+    /// A `bulwark-loadtest` binary to run Bulwark with; `None` is this very binary.
+    pub bulwark_exe: Option<std::path::PathBuf>,
 }
 
 impl ControlPlaneOptions {
@@ -45,6 +47,7 @@ impl ControlPlaneOptions {
         options.apiserver_memory_limit = Some(self.memory_limit);
         options.seed = seeds.to_vec();
         options.open_rbac = true;
+        options.bulwark_exe = self.bulwark_exe.clone();
         options
     }
 
@@ -195,11 +198,24 @@ async fn one_run(
     };
     let duration = opts.duration_or(Duration::from_secs(60));
     let started = Instant::now();
+    // Each replica's memory over time, its OOM kills and each class's 429s, for the
+    // report's charts, with the progress line.
+    let timeline = Arc::new(std::sync::Mutex::new(report::Timeline::default()));
+    let sampler = cp.replica_sampler();
+    let timeline_progress = |mode: &'static str, classes: &Classes| {
+        super::progress::start(
+            mode,
+            classes,
+            cp_opts.memory_limit,
+            sampler.clone(),
+            timeline.clone(),
+        )
+    };
     let (classes, event_delivery_p99_ms, watch_bytes_per_event, upstream_watches) = match work {
         Work::ListStorm(sizes) => {
             let loads = list_storm::loads(cp.pki(), sizes);
             let (classes, all) = spawn_loads(&target, loads, started + duration)?;
-            let progress = progress(mode.name(), &classes);
+            let progress = timeline_progress(mode.name(), &classes);
             all.await.context("a client loop panicked")?;
             progress.abort();
             (classes, None, None, 0)
@@ -224,7 +240,7 @@ async fn one_run(
                 let window = Duration::from_secs(5).min(duration / 4);
                 let nodes = informers::drive_nodes(
                     &target,
-                    |c| progress(mode.name(), c),
+                    |c| timeline_progress(mode.name(), c),
                     cp.pki(),
                     sizes,
                     duration,
@@ -292,7 +308,9 @@ async fn one_run(
         watch_bytes_per_event,
         flood: None,
         fleet: None,
-        timeline: None,
+        timeline: Some(std::mem::take(
+            &mut *timeline.lock().unwrap_or_else(|e| e.into_inner()),
+        )),
     })
 }
 

@@ -118,17 +118,10 @@ where
             let (mut response, served_by, reason) = match inner.call(call).await {
                 Ok(response) => {
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
-                    let named = |name| {
-                        response
-                            .headers()
-                            .get(name)
-                            .and_then(|v: &HeaderValue| v.to_str().ok())
-                            .unwrap_or("")
-                    };
                     board.seen(Seen {
                         identity: report.who.get().map_or("-", String::as_str),
-                        rule: named("x-bulwark-rule"),
-                        level: named("x-bulwark-level"),
+                        rule: header_text(&response, "x-bulwark-rule"),
+                        level: header_text(&response, "x-bulwark-level"),
                         waited: report.waited.get().copied().unwrap_or_default(),
                         refused: None,
                     });
@@ -176,13 +169,6 @@ where
             if let Some(access) = access {
                 let user_agent = user_agent_text(user_agent.as_ref());
                 // A refusal names its rule and level in its headers too.
-                let named = |name| {
-                    response
-                        .headers()
-                        .get(name)
-                        .and_then(|v: &HeaderValue| v.to_str().ok())
-                        .unwrap_or("")
-                };
                 access.record(&AccessEntry {
                     audit_id: audit_id.to_str().unwrap_or(""),
                     user: report.who.get().map_or("-", String::as_str),
@@ -192,8 +178,8 @@ where
                     request: report.info.get().map(|i| &**i),
                     code: response.status().as_u16(),
                     served_by: served_by.as_str(),
-                    rule: named("x-bulwark-rule"),
-                    level: named("x-bulwark-level"),
+                    rule: header_text(&response, "x-bulwark-rule"),
+                    level: header_text(&response, "x-bulwark-level"),
                     reason,
                     took: started.elapsed(),
                 });
@@ -262,6 +248,15 @@ fn cut(text: &str, max: usize) -> &str {
         end -= 1;
     }
     &text[..end]
+}
+
+/// A response header's text, empty when absent or not text.
+fn header_text<'a>(response: &'a Response<Body>, name: &str) -> &'a str {
+    response
+        .headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
 }
 
 fn served_by(response: &Response<Body>) -> Option<ServedBy> {

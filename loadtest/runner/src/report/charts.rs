@@ -426,30 +426,42 @@ fn latency(report: &Report) -> anyhow::Result<Section> {
         title: "Latency of successful requests per class".into(),
         items: Vec::new(),
     };
+    let none = crate::report::Class::default();
     for class in classes(report) {
-        let series: Vec<(String, Vec<f64>)> = report
+        let runs = report
             .runs
             .iter()
-            .map(|(n, r)| {
-                let c = r.classes.get(&class).cloned().unwrap_or_default();
-                (n.clone(), vec![c.p50_ms, c.p99_ms, c.p999_ms])
-            })
-            .collect();
-        if series.iter().all(|(_, v)| v.iter().all(|x| *x <= 0.0)) {
-            continue;
+            .map(|(n, r)| (n.as_str(), r.classes.get(&class).unwrap_or(&none)));
+        if let Some(chart) = latency_chart(&class, runs)? {
+            section.items.push(Item::Chart(chart));
         }
-        let title = format!("{class}: latency percentiles (log scale)");
-        let svg = bars(&Bars {
-            title: &title,
-            y_desc: "ms",
-            categories: vec!["p50".into(), "p99".into(), "p99.9".into()],
-            series,
-            limit: None,
-            log_y: true,
-        })?;
-        section.items.push(Item::Chart(Chart { title, svg }));
     }
     Ok(section)
+}
+
+/// One class's latency percentiles of successful requests (p50, p99, p99.9), a bar per
+/// run in each group, on a log scale; `None` when no run has any.
+pub fn latency_chart<'a>(
+    class: &str,
+    runs: impl IntoIterator<Item = (&'a str, &'a crate::report::Class)>,
+) -> anyhow::Result<Option<Chart>> {
+    let series: Vec<(String, Vec<f64>)> = runs
+        .into_iter()
+        .map(|(run, c)| (run.to_owned(), vec![c.p50_ms, c.p99_ms, c.p999_ms]))
+        .collect();
+    if series.iter().all(|(_, v)| v.iter().all(|x| *x <= 0.0)) {
+        return Ok(None);
+    }
+    let title = format!("{class}: latency percentiles (ms, log scale)");
+    let svg = bars(&Bars {
+        title: &title,
+        y_desc: "ms",
+        categories: vec!["p50".into(), "p99".into(), "p99.9".into()],
+        series,
+        limit: None,
+        log_y: true,
+    })?;
+    Ok(Some(Chart { title, svg }))
 }
 
 /// 429s by class: over time where a timeline was recorded, totals otherwise.

@@ -757,6 +757,20 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// A client of the front door as node `name`'s kubelet: `system:node:<name>` in
+/// `system:nodes`, with a client certificate.
+fn node_client(cp: &ControlPlane, target: &Target, name: &str) -> Option<crate::client::Client> {
+    let cert = cp
+        .pki()
+        .client_ca
+        .client_cert(&format!("system:node:{name}"), &["system:nodes"]);
+    let identity = crate::client::Identity {
+        cert_pem: cert.cert_pem,
+        key_pem: cert.key_pem,
+    };
+    crate::client::Client::new(target, &identity).ok()
+}
+
 /// The namespace of the agents' Secrets, one per node, named after it.
 const AGENT_NAMESPACE: &str = "kwok-agents";
 
@@ -849,15 +863,7 @@ fn start_agents(
     (0..nodes)
         .filter_map(|i| {
             let name = format!("kwok-node-{i}");
-            let cert = cp
-                .pki()
-                .client_ca
-                .client_cert(&format!("system:node:{name}"), &["system:nodes"]);
-            let identity = crate::client::Identity {
-                cert_pem: cert.cert_pem,
-                key_pem: cert.key_pem,
-            };
-            let client = crate::client::Client::new(target, &identity).ok()?;
+            let client = node_client(cp, target, &name)?;
             let stats = stats.clone();
             let start = tokio::time::Instant::now() + Duration::from_millis(10 * i as u64);
             Some(tokio::spawn(async move {

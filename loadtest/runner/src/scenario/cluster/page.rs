@@ -1,10 +1,10 @@
 //! The `cluster` scenario's report: each chart once per front door, side by side on the
 //! same axes, and the figures in a column per front door.
 
-use super::{ClusterReport, ClusterRun};
+use super::{ClusterReport, ClusterRun, JobFigures};
 use crate::controlplane::NODE_LEASE_SECONDS;
 use crate::report::Class;
-use crate::report::charts::{Bars, Lines, bars, colour, lines};
+use crate::report::charts::{Bars, Lines, bars, colour, latency_chart, lines};
 use crate::report::html::{Chart, Item, Page, Section, Table};
 
 /// A run's figures on one line.
@@ -330,27 +330,13 @@ fn latency_bars(r: &ClusterReport) -> anyhow::Result<Vec<Item>> {
     ];
     let mut items = Vec::new();
     for (class, of) in classes {
-        let series: Vec<(String, Vec<f64>)> = r
+        let runs = r
             .runs
             .iter()
-            .filter_map(|run| {
-                let c = of(run)?;
-                Some((run.front.clone(), vec![c.p50_ms, c.p99_ms, c.p999_ms]))
-            })
-            .collect();
-        if series.iter().all(|(_, v)| v.iter().all(|x| *x <= 0.0)) {
-            continue;
+            .filter_map(|run| Some((run.front.as_str(), of(run)?)));
+        if let Some(chart) = latency_chart(class, runs)? {
+            items.push(Item::Chart(chart));
         }
-        let title = format!("{class}: latency percentiles (ms, log scale)");
-        let svg = bars(&Bars {
-            title: &title,
-            y_desc: "ms",
-            categories: vec!["p50".into(), "p99".into(), "p99.9".into()],
-            series,
-            limit: None,
-            log_y: true,
-        })?;
-        items.push(chart(&title, svg));
     }
     Ok(items)
 }
@@ -466,24 +452,10 @@ fn figures(r: &ClusterReport) -> Table {
             )
         }),
         row("Jobs: seconds to all pods Running (-: never)", &|run| {
-            run.jobs
-                .iter()
-                .map(|j| match j.running_s {
-                    0.0 => "-".to_string(),
-                    s => format!("{s:.0}"),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
+            job_seconds(run, |j| j.running_s)
         }),
         row("Jobs: seconds to done (-: never)", &|run| {
-            run.jobs
-                .iter()
-                .map(|j| match j.done_s {
-                    0.0 => "-".to_string(),
-                    s => format!("{s:.0}"),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
+            job_seconds(run, |j| j.done_s)
         }),
         row("pods bound per second", &|run| {
             format!("{:.1}", run.scheduling_pods_per_s)
@@ -566,6 +538,18 @@ fn figures(r: &ClusterReport) -> Table {
         })
     }));
     Table { header, rows }
+}
+
+/// Each Job's seconds to one of its moments, `-` where it never came.
+fn job_seconds(run: &ClusterRun, at: fn(&JobFigures) -> f64) -> String {
+    run.jobs
+        .iter()
+        .map(|j| match at(j) {
+            0.0 => "-".to_string(),
+            s => format!("{s:.0}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// What Bulwark matched per rule, and every refusal by who refused whom.

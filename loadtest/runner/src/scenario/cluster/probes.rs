@@ -45,15 +45,7 @@ pub(super) fn start_probes(
     (0..probes)
         .filter_map(|i| {
             let name = probe_name(i);
-            let cert = cp
-                .pki()
-                .client_ca
-                .client_cert(&format!("system:node:{name}"), &["system:nodes"]);
-            let identity = crate::client::Identity {
-                cert_pem: cert.cert_pem,
-                key_pem: cert.key_pem,
-            };
-            let mut client = crate::client::Client::new(target, &identity).ok()?;
+            let mut client = super::node_client(cp, target, &name)?;
             let stats = stats.clone();
             let slowest = slowest.clone();
             let mut stop = stop.clone();

@@ -9,7 +9,7 @@ use bulwark::admit::{Admission, AdmissionConfig, Answer, LocalBudget};
 use bulwark::classify::classify;
 use bulwark::identity::User;
 use bulwark::metrics::Metrics;
-use bulwark::rules::{LevelSpec, Matched, Mode, Rate};
+use bulwark::rules::{LevelSpec, Matched, Mode, Rate, RuleHeaders};
 use criterion::{Criterion, criterion_group, criterion_main};
 use hdrhistogram::Histogram;
 
@@ -40,7 +40,7 @@ fn bench(c: &mut Criterion) {
         .map(|i| Matched {
             rule: Arc::from("agents"),
             level: level.clone(),
-            flow: format!("agents/system:node:node-{i}"),
+            flow: format!("agents/system:node:node-{i}").into(),
             rate: Some(Rate {
                 qps: 1e9,
                 burst: 1_000_000,
@@ -48,6 +48,7 @@ fn bench(c: &mut Criterion) {
             watches: Some(10),
             mode: Mode::Enforce,
             staleness: None,
+            headers: RuleHeaders::default(),
         })
         .collect();
     let get = classify(

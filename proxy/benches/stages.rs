@@ -52,7 +52,7 @@ fn bench(c: &mut Criterion) {
     let forwarding =
         Forwarding::new(IdentityMode::FrontProxy, None, None).expect("a forwarding policy");
     let identity = Identity::User {
-        user: user.clone(),
+        user: Arc::new(user.clone()),
         credential: Credential::Certificate,
     };
     let mut request_headers = HeaderMap::new();

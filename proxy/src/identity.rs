@@ -60,8 +60,8 @@ pub enum Credential {
 pub enum Identity {
     /// An authenticated user.
     User {
-        /// Who.
-        user: User,
+        /// Who (shared with the token cache and the connection: never copied per request).
+        user: Arc<User>,
         /// How they proved it.
         credential: Credential,
     },

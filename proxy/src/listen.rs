@@ -48,7 +48,7 @@ pub struct ConnInfo {
     pub client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
     /// The user the client certificate names, read once per connection by the first
     /// request that needs it (`Err`: why the certificate names no user).
-    pub client_user: Arc<OnceLock<Result<User, String>>>,
+    pub client_user: Arc<OnceLock<Result<Arc<User>, String>>>,
     /// Whether this request came over HTTP/2.
     pub http2: bool,
     /// Where the identity stage reports whether the connection's requests authenticate.

@@ -112,16 +112,24 @@ pub(crate) struct CompiledRule {
     watches: Option<u32>,
     mode: Mode,
     staleness: Option<Duration>,
+    headers: RuleHeaders,
+}
+
+/// `rule/key`, made in one allocation.
+fn flow_key(rule: &str, key: &str) -> Arc<str> {
+    let mut flow = String::with_capacity(rule.len() + 1 + key.len());
+    flow.push_str(rule);
+    flow.push('/');
+    flow.push_str(key);
+    Arc::from(flow)
 }
 
 impl CompiledRule {
     fn matched(&self, user: &User, info: &RequestInfo) -> Matched {
         let flow = match self.flow {
-            FlowBy::User => format!("{}/{}", self.name, user.username),
-            FlowBy::Namespace => {
-                format!("{}/{}", self.name, info.namespace.as_deref().unwrap_or(""))
-            }
-            FlowBy::None => self.name.to_string(),
+            FlowBy::User => flow_key(&self.name, &user.username),
+            FlowBy::Namespace => flow_key(&self.name, info.namespace.as_deref().unwrap_or("")),
+            FlowBy::None => self.name.clone(),
         };
         Matched {
             rule: self.name.clone(),
@@ -131,6 +139,7 @@ impl CompiledRule {
             watches: self.watches,
             mode: self.mode,
             staleness: self.staleness,
+            headers: self.headers.clone(),
         }
     }
 

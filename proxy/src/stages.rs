@@ -23,18 +23,19 @@ use std::convert::Infallible;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use tower::{Service, ServiceBuilder};
+use tower::{Layer, Service};
 
 use self::admit::Admit;
 use self::cache::Answer;
-use self::call::StageLayer;
+use self::call::Staged;
 use self::classify::Classify;
 use self::forward::Forward;
 use self::identity::Identify;
 use self::rescue::RescueLayer;
 use crate::{Body, BoxFuture};
 
-/// The whole request path as one service, outermost stage first.
+/// The whole request path as one service, outermost stage first. The stages after
+/// `Rescue` make one future per request, boxed once.
 pub fn stack(
     rescue: RescueLayer,
     classify: Classify,
@@ -49,18 +50,23 @@ pub fn stack(
 > + Clone
 + Send
 + 'static {
-    ServiceBuilder::new()
-        // One place that turns errors into statuses and counts every response.
-        .layer(rescue)
+    // One place that turns errors into statuses and counts every response.
+    rescue.layer(
         // Malformed paths never reach identity or upstream.
-        .layer(StageLayer(classify))
-        // Certificate, token review or the anonymous allowlist; 401 otherwise.
-        .layer(StageLayer(identify))
-        // Rule match, rate limit, fair queue, seats and LIST bytes, for every answer
-        // wherever it comes from; 429 otherwise.
-        .layer(StageLayer(admit))
-        // Reads the watch-fed cache was admitted to answer are answered here.
-        .layer(StageLayer(Answer))
-        // Everything else goes to a replica, as the client it acts for.
-        .service(forward)
+        Staged::new(
+            classify,
+            // Certificate, token review or the anonymous allowlist; 401 otherwise.
+            Staged::new(
+                identify,
+                // Rule match, rate limit, fair queue, seats and LIST bytes, for every
+                // answer wherever it comes from; 429 otherwise.
+                Staged::new(
+                    admit,
+                    // Reads the watch-fed cache was admitted to answer are answered here;
+                    // everything else goes to a replica, as the client it acts for.
+                    Staged::new(Answer, forward),
+                ),
+            ),
+        ),
+    )
 }

@@ -7,7 +7,12 @@ use std::time::Duration;
 
 use apimachinery::status::{Cause, Details, Status};
 use bytes::Bytes;
-use http::{HeaderValue, StatusCode};
+use http::{HeaderName, HeaderValue, StatusCode};
+
+/// The rule that admitted (or refused) a request, on every answer that has one.
+pub const X_BULWARK_RULE: HeaderName = HeaderName::from_static("x-bulwark-rule");
+/// The rule's priority level.
+pub const X_BULWARK_LEVEL: HeaderName = HeaderName::from_static("x-bulwark-level");
 
 /// Why Bulwark answered by itself: one enum for the metric label, the `X-Bulwark-Reason`
 /// header, the `Status` message and the logs (DESIGN.md Contracts).
@@ -214,10 +219,7 @@ impl Refusal {
                 HeaderValue::from(retry_after_secs(after)),
             );
         }
-        for (name, value) in [
-            ("x-bulwark-rule", &self.rule),
-            ("x-bulwark-level", &self.level),
-        ] {
+        for (name, value) in [(X_BULWARK_RULE, &self.rule), (X_BULWARK_LEVEL, &self.level)] {
             if let Some(value) = value.as_deref().and_then(|v| HeaderValue::from_str(v).ok()) {
                 headers.insert(name, value);
             }

@@ -10,7 +10,7 @@ use bulwark::classify::classify;
 use bulwark::config;
 use bulwark::identity::User;
 use bulwark::metrics::Metrics;
-use bulwark::rules::{LevelSpec, Matched, Mode};
+use bulwark::rules::{LevelSpec, Matched, Mode, RuleHeaders};
 use bulwark::upstream::{Upstream, UpstreamTls};
 
 /// Two replicas (never connected to) with a heap headroom of 5,000 bytes: a LIST budget of
@@ -40,6 +40,7 @@ fn matched(level: &Arc<LevelSpec>, flow: &str) -> Matched {
         watches: None,
         mode: Mode::Enforce,
         staleness: None,
+        headers: RuleHeaders::default(),
     }
 }
 

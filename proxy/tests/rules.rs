@@ -191,7 +191,7 @@ fn the_examples_load_and_route_their_clients() {
     assert_eq!(m.level.name, "list-heavy");
     assert_eq!(m.level.seats, 8);
     assert_eq!(
-        m.flow,
+        &*m.flow,
         "secret-operators/system:serviceaccount:ops:secret-sync"
     );
     assert_eq!(m.rate.map(|r| (r.qps, r.burst)), Some((5.0, 10)));
@@ -207,12 +207,12 @@ fn the_examples_load_and_route_their_clients() {
     );
     assert_eq!(&*heartbeat.rule, "node-heartbeats");
     assert!(heartbeat.level.exempt);
-    assert_eq!(heartbeat.flow, "node-heartbeats/system:node:node-7");
+    assert_eq!(&*heartbeat.flow, "node-heartbeats/system:node:node-7");
     let status = route(&kubelet, "patch", "/api/v1/nodes/node-7/status");
     assert_eq!(&*status.rule, "node-status");
     let pods = route(&kubelet, "watch", "/api/v1/pods");
     assert_eq!(&*pods.rule, "kubelets");
-    assert_eq!(pods.flow, "kubelets/system:node:node-7");
+    assert_eq!(&*pods.flow, "kubelets/system:node:node-7");
 
     let proxy = user("system:serviceaccount:kube-system:kube-proxy", &[]);
     assert_eq!(
@@ -254,7 +254,7 @@ fn the_examples_load_and_route_their_clients() {
     let m = route(&storm, "list", "/api/v1/secrets");
     assert_eq!(&*m.rule, "cluster-wide-secret-lists");
     assert_eq!(m.level.name, "list-heavy");
-    assert_eq!(m.flow, "cluster-wide-secret-lists/storm-17");
+    assert_eq!(&*m.flow, "cluster-wide-secret-lists/storm-17");
     assert_eq!(
         &*route(&storm, "list", "/api/v1/namespaces/ns-1/secrets").rule,
         "catch-all"
@@ -264,7 +264,7 @@ fn the_examples_load_and_route_their_clients() {
     let m = route(&nobody, "list", "/api/v1/namespaces/web/secrets");
     assert_eq!(&*m.rule, "catch-all");
     assert_eq!(m.level.name, "catch-all");
-    assert_eq!(m.flow, "catch-all/alice");
+    assert_eq!(&*m.flow, "catch-all/alice");
     assert!(m.rate.is_some());
     let m = route(&nobody, "get", "/version");
     assert_eq!(&*m.rule, "catch-all");
@@ -297,11 +297,11 @@ fn flows_are_keyed_by_user_namespace_or_nothing() {
     let list = rules::request_for("list", "/api/v1/namespaces/web/pods").unwrap();
     let all = rules::request_for("list", "/api/v1/pods").unwrap();
     let m = set.matches(&user("x", &["a"]), &list);
-    assert_eq!(m.flow, "by-ns/web");
+    assert_eq!(&*m.flow, "by-ns/web");
     let m = set.matches(&user("x", &["a"]), &all);
-    assert_eq!(m.flow, "by-ns/");
+    assert_eq!(&*m.flow, "by-ns/");
     let m = set.matches(&user("y", &["b"]), &list);
-    assert_eq!(m.flow, "one");
+    assert_eq!(&*m.flow, "one");
     let json = set.to_json();
     let rule = json["rules"]
         .as_array()
@@ -392,7 +392,7 @@ fn only_nodes_and_control_plane_identities_heartbeat_unthrottled() {
         &scheduler,
         &rules::request_for("update", &lease("kube-system")).unwrap(),
     );
-    assert_eq!(m.flow, "leader-election/system:kube-scheduler");
+    assert_eq!(&*m.flow, "leader-election/system:kube-scheduler");
 }
 
 #[test]

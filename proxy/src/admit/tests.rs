@@ -12,7 +12,7 @@ use tokio::time::{Instant, sleep};
 use super::queue::{deal, flow_hash};
 use super::*;
 use crate::classify::classify;
-use crate::rules::{LevelSpec, Matched, Mode, Rate};
+use crate::rules::{LevelSpec, Matched, Mode, Rate, RuleHeaders};
 
 fn level(name: &str, seats: u32, queues: u32, hand: u32, queue_length: u32) -> Arc<LevelSpec> {
     Arc::new(LevelSpec {
@@ -35,6 +35,7 @@ fn matched(level: &Arc<LevelSpec>, flow: &str) -> Matched {
         watches: None,
         mode: Mode::Enforce,
         staleness: None,
+        headers: RuleHeaders::default(),
     }
 }
 

@@ -328,7 +328,7 @@ mod tests {
 
     fn alice() -> Identity {
         Identity::User {
-            user: User {
+            user: Arc::new(User {
                 username: "alice".into(),
                 uid: Some("u-1".into()),
                 groups: vec!["dev".into(), "system:authenticated".into()],
@@ -336,7 +336,7 @@ mod tests {
                     "authentication.kubernetes.io/pod-name".into(),
                     vec!["web-0".into()],
                 )]),
-            },
+            }),
             credential: Credential::Token("secret-token".into()),
         }
     }

@@ -70,7 +70,7 @@ enum NoOutcome {
 #[derive(Debug, Clone)]
 enum Refreshed {
     /// The review said yes again.
-    Accepted(User),
+    Accepted(Arc<User>),
     /// The review said no: the token is refused from now on.
     Rejected(String),
     /// No answer, or no slot to ask in: the token is served as it was, within `maxAge`.
@@ -81,7 +81,7 @@ type Refresh = Shared<BoxFuture<'static, Refreshed>>;
 
 /// An accepted token, and when it is to be reviewed again.
 struct Known {
-    user: User,
+    user: Arc<User>,
     /// From here, a request starts the token's re-review in the background.
     refresh_from: Instant,
     /// Until here, the review that accepted it is trusted as it is.
@@ -97,7 +97,7 @@ struct Known {
 
 impl Known {
     /// A token accepted now for `user`, under the configured lifetimes and its own expiry.
-    fn accepted(settings: &config::TokenReview, token: &str, user: User) -> Known {
+    fn accepted(settings: &config::TokenReview, token: &str, user: Arc<User>) -> Known {
         let now = Instant::now();
         let left = token_lifetime(token);
         let (fresh, refresh, hard) = match left {
@@ -123,9 +123,9 @@ impl Known {
 /// What a request with an accepted token does.
 enum Step {
     /// It is answered with this user now.
-    Serve(User),
+    Serve(Arc<User>),
     /// It waits for the re-review, and is answered with this user if that has no answer.
-    Await(Refresh, User),
+    Await(Refresh, Arc<User>),
 }
 
 type KnownTokens = Arc<Mutex<LruCache<Key, Known>>>;
@@ -168,7 +168,7 @@ impl TokenCache {
         &self,
         token: &str,
         source: Option<IpAddr>,
-    ) -> Result<User, IdentityError> {
+    ) -> Result<Arc<User>, IdentityError> {
         if token.len() > self.settings.max_token_bytes {
             return Err(IdentityError::TokenTooLong(self.settings.max_token_bytes));
         }
@@ -275,7 +275,9 @@ impl TokenCache {
                 Err(_) => Err("limited"),
             };
             let (result, refreshed) = match answer {
-                Ok(ReviewOutcome::Authenticated(user)) => ("allowed", Refreshed::Accepted(user)),
+                Ok(ReviewOutcome::Authenticated(user)) => {
+                    ("allowed", Refreshed::Accepted(Arc::new(user)))
+                }
                 Ok(ReviewOutcome::Rejected(why)) => ("denied", Refreshed::Rejected(why)),
                 Err(result) => (result, Refreshed::NoAnswer),
             };
@@ -330,7 +332,7 @@ impl TokenCache {
                 .await
                 .map_err(|e| NoOutcome::Failed(Arc::new(e)))?;
             if let ReviewOutcome::Authenticated(user) = &outcome {
-                let accepted = Known::accepted(&settings, &token, user.clone());
+                let accepted = Known::accepted(&settings, &token, Arc::new(user.clone()));
                 known
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -349,9 +351,9 @@ impl TokenCache {
     }
 }
 
-fn into_result(outcome: ReviewOutcome) -> Result<User, IdentityError> {
+fn into_result(outcome: ReviewOutcome) -> Result<Arc<User>, IdentityError> {
     match outcome {
-        ReviewOutcome::Authenticated(user) => Ok(user),
+        ReviewOutcome::Authenticated(user) => Ok(Arc::new(user)),
         ReviewOutcome::Rejected(why) => Err(IdentityError::TokenRejected(why)),
     }
 }

@@ -382,7 +382,7 @@ struct Tracked<S> {
     inner: S,
     peer: SocketAddr,
     client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
-    client_user: Arc<std::sync::OnceLock<Result<crate::identity::User, String>>>,
+    client_user: Arc<std::sync::OnceLock<Result<Arc<crate::identity::User>, String>>>,
     auth: Arc<ConnAuth>,
     requests: Arc<Requests>,
     goaway: Arc<Notify>,

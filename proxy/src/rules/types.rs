@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::HeaderValue;
+
 /// A level as written in a rule file (or built in: `exempt`, `catch-all`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LevelSpec {
@@ -63,7 +65,7 @@ pub struct Matched {
     /// The rule's priority level.
     pub level: Arc<LevelSpec>,
     /// The flow key: `rule/user`, `rule/namespace` or `rule`.
-    pub flow: String,
+    pub flow: Arc<str>,
     /// The per-flow token bucket, if the rule has one.
     pub rate: Option<Rate>,
     /// Most open watches per flow, if limited.
@@ -72,4 +74,26 @@ pub struct Matched {
     pub mode: Mode,
     /// How stale a cached read may be for this identity, if the rule opts into it.
     pub staleness: Option<Duration>,
+    /// The rule and level as the headers of every answer name them.
+    pub headers: RuleHeaders,
+}
+
+/// `X-Bulwark-Rule` and `X-Bulwark-Level` of a rule, made once when the rule is compiled
+/// (a name that is not a valid header value is left out).
+#[derive(Clone, Debug, Default)]
+pub struct RuleHeaders {
+    /// The rule's name.
+    pub rule: Option<HeaderValue>,
+    /// Its level's name.
+    pub level: Option<HeaderValue>,
+}
+
+impl RuleHeaders {
+    /// The headers naming `rule` at `level`.
+    pub fn new(rule: &str, level: &str) -> RuleHeaders {
+        RuleHeaders {
+            rule: HeaderValue::from_str(rule).ok(),
+            level: HeaderValue::from_str(level).ok(),
+        }
+    }
 }

@@ -9,7 +9,7 @@ use super::discovery;
 use super::matcher::{self, Matcher};
 use super::schema::{FlowDoc, LevelDoc, ModeDoc, RuleDoc, RuleFile};
 use super::spans::{Pos, Spans};
-use super::types::{FlowBy, LevelSpec, Mode, Rate};
+use super::types::{FlowBy, LevelSpec, Mode, Rate, RuleHeaders};
 use super::{CompiledRule, RuleProblem};
 
 /// Highest precedence a file may give.
@@ -413,6 +413,7 @@ fn rule(
     match (level, matcher) {
         (Some(level), Some(matcher)) if problems.is_empty() => {
             let compiled = CompiledRule {
+                headers: RuleHeaders::new(&doc.name, &level.name),
                 name: Arc::from(doc.name.as_str()),
                 precedence: u32::try_from(doc.precedence).unwrap_or(u32::MAX),
                 source: None,
@@ -447,6 +448,7 @@ pub(crate) fn catch_all_rule(levels: &[Arc<LevelSpec>]) -> CompiledRule {
         .cloned()
         .unwrap_or_else(|| Arc::new(builtin::catch_all_level()));
     CompiledRule {
+        headers: RuleHeaders::new(CATCH_ALL, &level.name),
         name: Arc::from(CATCH_ALL),
         precedence: u32::MAX,
         source: None,

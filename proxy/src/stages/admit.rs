@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use http::{HeaderValue, Response};
+use http::Response;
 
 use super::call::{Admitted, Answered, Cached, Call, Identified, Next, Source, Stage};
 use super::error::ProxyError;
@@ -15,7 +15,8 @@ use crate::admit::{Admission, Answer, Learn, hold};
 use crate::cache::{Cache, Held};
 use crate::classify::Verb;
 use crate::identity::Identity;
-use crate::rules::Rules;
+use crate::rules::{RuleHeaders, Rules};
+use crate::status::{X_BULWARK_LEVEL, X_BULWARK_RULE};
 use crate::upstream::{BodyBudget, BodyFlow};
 
 /// Decides whether, when and from where a request is answered.
@@ -49,7 +50,7 @@ impl<B: Send + 'static> Stage<B> for Admit {
     type In = Identified;
     type Out = Admitted;
 
-    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, next: &N) -> Answered {
         let Admit {
             rules,
             admission,
@@ -100,13 +101,17 @@ impl<B: Send + 'static> Stage<B> for Admit {
                 // The body is held for retries within its flow's budget, exempt or not.
                 body_flow: BodyFlow {
                     budget: bodies.clone(),
-                    flow: Arc::from(matched.flow.as_str()),
+                    flow: matched.flow.clone(),
                 },
             },
         };
         let upstream = matches!(source, Source::Upstream { .. });
         drop(user);
-        let (rule, level) = (matched.rule.clone(), matched.level.clone());
+        let (rule, level, headers) = (
+            matched.rule.clone(),
+            matched.level.clone(),
+            matched.headers.clone(),
+        );
         let admitted = Admitted {
             info: info.clone(),
             identity: facts.identity,
@@ -119,7 +124,7 @@ impl<B: Send + 'static> Stage<B> for Admit {
             Ok(response) => response,
             Err(error) => return Err(error.admitted(rule, level.name.clone())),
         };
-        name_rule(&mut response, &rule, &level.name);
+        name_rule(&mut response, headers);
         if upstream && info.is_long_running() {
             permit.release_seats();
         }
@@ -146,10 +151,10 @@ fn scope_bytes(cache: &Cache, info: &crate::classify::RequestInfo) -> Option<u64
 }
 
 /// Names the rule and level on a response.
-fn name_rule(response: &mut Response<Body>, rule: &str, level: &str) {
+fn name_rule(response: &mut Response<Body>, named: RuleHeaders) {
     let headers = response.headers_mut();
-    for (name, value) in [("x-bulwark-rule", rule), ("x-bulwark-level", level)] {
-        if let Ok(value) = HeaderValue::from_str(value) {
+    for (name, value) in [(X_BULWARK_RULE, named.rule), (X_BULWARK_LEVEL, named.level)] {
+        if let Some(value) = value {
             headers.insert(name, value);
         }
     }

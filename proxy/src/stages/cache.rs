@@ -13,7 +13,7 @@ impl<B: Send + 'static> Stage<B> for Answer {
     type In = Admitted;
     type Out = ToApiserver;
 
-    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, next: &N) -> Answered {
         let (admitted, call) = call.take_facts();
         let Admitted {
             info,

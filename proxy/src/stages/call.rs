@@ -9,19 +9,17 @@
 use std::borrow::Cow;
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tower::{Layer, Service};
 
 use super::error::ProxyError;
+use crate::Body;
 use crate::cache::{self, Held};
 use crate::classify::RequestInfo;
 use crate::identity::{Identity, User};
 use crate::listen::ConnInfo;
 use crate::rules::Matched;
 use crate::upstream::BodyFlow;
-use crate::{Body, BoxFuture};
 
 /// A request and what the stages so far know about it (`F`).
 pub struct Call<B, F> {
@@ -79,12 +77,23 @@ impl<B, F> Call<B, F> {
 pub struct Report {
     /// The verb and resource labels (classification).
     pub labels: OnceLock<Labels>,
-    /// The client's user name (identity).
-    pub who: OnceLock<String>,
+    /// The client's user, `None` for an anonymous request (identity); see [`Report::who`].
+    pub user: OnceLock<Option<Arc<User>>>,
     /// What the request asks for (classification).
     pub info: OnceLock<Arc<RequestInfo>>,
     /// How long the request waited for admission (admission).
     pub waited: OnceLock<std::time::Duration>,
+}
+
+impl Report {
+    /// The client's user name: `-` before (or without) identity.
+    pub fn who(&self) -> &str {
+        match self.user.get() {
+            Some(Some(user)) => &user.username,
+            Some(None) => "system:anonymous",
+            None => "-",
+        }
+    }
 }
 
 /// The metric labels of one request.
@@ -158,7 +167,7 @@ pub struct Cached {
     /// The cache.
     pub cache: Arc<cache::Cache>,
     /// The reader the cache authorizes (the cache answers identified users only).
-    pub reader: User,
+    pub reader: Arc<User>,
     /// What it will answer.
     pub plan: cache::Plan,
     /// For a watch that starts with the current state: the seats it holds until that
@@ -183,33 +192,17 @@ pub struct ToApiserver {
 pub type Answered = Result<Response<Body>, ProxyError>;
 
 /// The rest of the request path after a stage: what takes the call with that stage's facts
-/// added.
-pub trait Next<B, F>: Clone + Send + Sync + 'static {
+/// added. Its future is not boxed: the stages after `Rescue` make one future, which
+/// `Rescue` boxes once per request.
+pub trait Next<B, F>: Send + Sync + 'static {
     /// Hands the call on.
-    fn run(&mut self, call: Call<B, F>) -> BoxFuture<Response<Body>, ProxyError>;
-}
-
-impl<T, B, F> Next<B, F> for T
-where
-    T: Service<
-            Call<B, F>,
-            Response = Response<Body>,
-            Error = ProxyError,
-            Future = BoxFuture<Response<Body>, ProxyError>,
-        > + Clone
-        + Send
-        + Sync
-        + 'static,
-{
-    fn run(&mut self, call: Call<B, F>) -> BoxFuture<Response<Body>, ProxyError> {
-        self.call(call)
-    }
+    fn run(&self, call: Call<B, F>) -> impl Future<Output = Answered> + Send;
 }
 
 /// One stage of the request path: it takes the call with the facts of the stages before
 /// it (`In`) and either answers it itself (an answer or a [`ProxyError`]) or hands `next`
-/// the call with its own facts added (`Out`). [`Staged`] makes it a tower service.
-pub trait Stage<B>: Clone + Send + Sync + 'static {
+/// the call with its own facts added (`Out`). [`Staged`] puts it in front of the rest.
+pub trait Stage<B>: Send + Sync + 'static {
     /// The facts this stage needs.
     type In;
     /// The facts it hands on.
@@ -219,59 +212,29 @@ pub trait Stage<B>: Clone + Send + Sync + 'static {
     fn run<N: Next<B, Self::Out>>(
         &self,
         call: Call<B, Self::In>,
-        next: N,
-    ) -> impl Future<Output = Result<Response<Body>, ProxyError>> + Send;
+        next: &N,
+    ) -> impl Future<Output = Answered> + Send;
 }
 
-/// A [`Stage`] in front of the rest of the path, as a tower service. Cloned for every
-/// call (tower's `call` takes `&mut self`), so it is one `Arc`: cloning it does not clone
-/// every stage behind it.
+/// A [`Stage`] in front of the rest of the path (`next`).
 pub struct Staged<T, S> {
-    shared: Arc<(T, S)>,
+    stage: T,
+    next: S,
 }
 
-impl<T, S> Clone for Staged<T, S> {
-    fn clone(&self) -> Self {
-        Staged {
-            shared: self.shared.clone(),
-        }
+impl<T, S> Staged<T, S> {
+    /// `stage`, then `next`.
+    pub fn new(stage: T, next: S) -> Staged<T, S> {
+        Staged { stage, next }
     }
 }
 
-impl<T, S, B> Service<Call<B, T::In>> for Staged<T, S>
+impl<T, S, B> Next<B, T::In> for Staged<T, S>
 where
     T: Stage<B>,
     S: Next<B, T::Out>,
-    T::In: Send + 'static,
-    B: Send + 'static,
 {
-    type Response = Response<Body>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Response<Body>, ProxyError>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        // Every stage is always ready: waiting (fair queues) happens per call.
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, call: Call<B, T::In>) -> Self::Future {
-        let shared = self.shared.clone();
-        Box::pin(async move {
-            let (stage, next) = &*shared;
-            Stage::run(stage, call, next.clone()).await
-        })
-    }
-}
-
-/// The tower layer of a [`Stage`].
-#[derive(Clone)]
-pub struct StageLayer<T>(pub T);
-
-impl<T: Clone, S> Layer<S> for StageLayer<T> {
-    type Service = Staged<T, S>;
-    fn layer(&self, next: S) -> Staged<T, S> {
-        Staged {
-            shared: Arc::new((self.0.clone(), next)),
-        }
+    fn run(&self, call: Call<B, T::In>) -> impl Future<Output = Answered> + Send {
+        self.stage.run(call, &self.next)
     }
 }

@@ -23,7 +23,7 @@ impl<B: Send + 'static> Stage<B> for Classify {
     type In = ();
     type Out = Classified;
 
-    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, next: &N) -> Answered {
         let info = crate::classify::classify(call.request.method(), call.request.uri())?;
         let _ = call.report.labels.set(Labels {
             verb: verb_label(&info.verb),

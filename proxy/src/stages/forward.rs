@@ -2,24 +2,23 @@
 //! (`identity::forward`), adds `X-Forwarded-For`, and sends the request to a replica
 //! through the pool.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::{HeaderValue, Request, Response};
+use http::{HeaderValue, Request};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tower::Service;
 
-use super::call::{Call, ToApiserver};
+use super::call::{Answered, Call, Next, ToApiserver};
 use super::error::ProxyError;
+use crate::Body;
 use crate::classify::Verb;
 use crate::config::Timeouts;
 use crate::identity::forward::Forwarding;
 use crate::metrics::ServedBy;
 use crate::upstream::{RetryPolicy, Route, Upstream};
-use crate::{Body, BoxFuture};
 
 /// Sends each request to a replica, as the client it acts for.
 #[derive(Clone)]
@@ -85,24 +84,15 @@ impl Forward {
     }
 }
 
-impl Service<Call<Incoming, ToApiserver>> for Forward {
-    type Response = Response<Body>;
-    type Error = ProxyError;
-    type Future = BoxFuture<Response<Body>, ProxyError>;
-
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, call: Call<Incoming, ToApiserver>) -> Self::Future {
+impl Next<Incoming, ToApiserver> for Forward {
+    fn run(&self, call: Call<Incoming, ToApiserver>) -> impl Future<Output = Answered> + Send {
         let prepared = self.prepare(call);
-        let upstream = self.upstream.clone();
-        Box::pin(async move {
+        async move {
             let (request, route) = prepared?;
-            let mut response = upstream.send(request, route).await?;
+            let mut response = self.upstream.send(request, route).await?;
             response.extensions_mut().insert(ServedBy::Upstream);
             Ok(response)
-        })
+        }
     }
 }
 

@@ -30,7 +30,7 @@ impl<B: Send + 'static> Stage<B> for Identify {
     type In = Classified;
     type Out = Identified;
 
-    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, mut next: N) -> Answered {
+    async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, next: &N) -> Answered {
         if let Some(refused) = call.conn.as_ref().and_then(|c| c.auth.given_up()) {
             // A request that crossed the GOAWAY of a connection closed for its refusals
             // (HTTP/2 lets it in until the client reads the GOAWAY) costs no review.
@@ -50,7 +50,11 @@ impl<B: Send + 'static> Stage<B> for Identify {
         }
         drop(identifying);
         let identity = identity?;
-        let _ = call.report.who.set(identity.name().to_string());
+        let user = match &identity {
+            Identity::User { user, .. } => Some(user.clone()),
+            Identity::Anonymous => None,
+        };
+        let _ = call.report.user.set(user);
         let info = call.facts.info.clone();
         next.run(call.learn(Identified { info, identity })).await
     }
@@ -88,10 +92,12 @@ async fn identify(
         let user = conn
             .client_user
             .get_or_init(|| {
-                identity::user_from_certificate(leaf).map_err(|e| match e {
-                    IdentityError::BadCertificate(why) => why,
-                    other => other.to_string(),
-                })
+                identity::user_from_certificate(leaf)
+                    .map(Arc::new)
+                    .map_err(|e| match e {
+                        IdentityError::BadCertificate(why) => why,
+                        other => other.to_string(),
+                    })
             })
             .clone()
             .map_err(IdentityError::BadCertificate)?;

@@ -13,8 +13,7 @@ use http::{HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::call::{Call, Labels};
-use super::error::ProxyError;
+use super::call::{Call, Labels, Next};
 use crate::board::{Board, IdentityRejections, Refused, Seen};
 use crate::listen::ConnInfo;
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
@@ -68,23 +67,30 @@ impl<S> Layer<S> for RescueLayer {
     type Service = Rescue<S>;
     fn layer(&self, inner: S) -> Rescue<S> {
         Rescue {
-            inner,
+            inner: Arc::new(inner),
             shared: self.shared.clone(),
         }
     }
 }
 
 /// Answers every request: the inner stages' response, or the refusal for their error.
-#[derive(Clone)]
 pub struct Rescue<S> {
-    inner: S,
+    inner: Arc<S>,
     shared: Arc<Shared>,
+}
+
+impl<S> Clone for Rescue<S> {
+    fn clone(&self) -> Self {
+        Rescue {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
 }
 
 impl<S, B> Service<Request<B>> for Rescue<S>
 where
-    S: Service<Call<B, ()>, Response = Response<Body>, Error = ProxyError> + Clone + Send + 'static,
-    S::Future: Send,
+    S: Next<B, ()>,
     B: Send + 'static,
 {
     type Response = Response<Body>;
@@ -106,7 +112,7 @@ where
         let report = call.report.clone();
         let started = Instant::now();
         let shared = self.shared.clone();
-        let mut inner = self.inner.clone();
+        let inner = self.inner.clone();
         Box::pin(async move {
             let Shared {
                 metrics,
@@ -115,11 +121,11 @@ where
                 identities,
                 access,
             } = &*shared;
-            let (mut response, served_by, reason) = match inner.call(call).await {
+            let (mut response, served_by, reason) = match inner.run(call).await {
                 Ok(response) => {
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
                     board.seen(Seen {
-                        identity: report.who.get().map_or("-", String::as_str),
+                        identity: report.who(),
                         rule: header_text(&response, "x-bulwark-rule"),
                         level: header_text(&response, "x-bulwark-level"),
                         waited: report.waited.get().copied().unwrap_or_default(),
@@ -128,7 +134,7 @@ where
                     (response, served_by, None)
                 }
                 Err(error) => {
-                    let who = report.who.get().map_or("-", String::as_str);
+                    let who = report.who();
                     let info = report.info.get().map(|i| &**i);
                     let refusal = error.refusal();
                     let detail = crate::report::chain(&error);
@@ -171,7 +177,7 @@ where
                 // A refusal names its rule and level in its headers too.
                 access.record(&AccessEntry {
                     audit_id: audit_id.to_str().unwrap_or(""),
-                    user: report.who.get().map_or("-", String::as_str),
+                    user: report.who(),
                     source,
                     user_agent: &user_agent,
                     method,

@@ -160,13 +160,13 @@ pub struct Permit {
     seats: Option<SeatGrant>,
     watch: Option<FlowWatch>,
     expected_bytes: u64,
-    level: Option<String>,
+    level: Option<Arc<LevelSpec>>,
 }
 
 impl std::fmt::Debug for Permit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Permit")
-            .field("level", &self.level)
+            .field("level", &self.level.as_ref().map(|l| &l.name))
             .field("seats", &self.seats.is_some())
             .field("replica", &self.replica())
             .field("expected_bytes", &self.expected_bytes)
@@ -414,7 +414,7 @@ impl Admission {
     fn admit_watch_only(&self, m: &Matched, user: &User) -> Result<Permit, Refusal> {
         let level = self.level(&m.level);
         let mut permit = Permit {
-            level: Some(level.spec.name.clone()),
+            level: Some(level.spec.clone()),
             ..Permit::default()
         };
         if !m.level.exempt {
@@ -471,7 +471,7 @@ impl Admission {
     ) -> Result<Permit, Refusal> {
         if m.level.exempt {
             return Ok(Permit {
-                level: Some(m.level.name.clone()),
+                level: Some(m.level.clone()),
                 ..Permit::default()
             });
         }
@@ -482,7 +482,7 @@ impl Admission {
         let shadow = m.mode == Mode::Shadow;
 
         let mut permit = Permit {
-            level: Some(level.spec.name.clone()),
+            level: Some(level.spec.clone()),
             ..Permit::default()
         };
         if info.verb == Verb::Watch {

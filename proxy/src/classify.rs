@@ -416,7 +416,11 @@ fn classify_parts(
 /// Splits an absolute path into decoded segments, refusing every shape that could be read
 /// two ways. `/` gives no segments; one trailing `/` is ignored, as the apiserver does.
 /// A segment without escapes is borrowed from the path, not copied.
-fn split_path(path: &str) -> Result<Vec<Cow<'_, str>>, ClassifyError> {
+/// A path's segments: as many as a resource path has (`/apis/G/V/namespaces/N/R/NAME/S`)
+/// stay off the heap.
+type Segments<'a> = smallvec::SmallVec<[Cow<'a, str>; 10]>;
+
+fn split_path(path: &str) -> Result<Segments<'_>, ClassifyError> {
     let err = |make: fn(String) -> ClassifyError| Err(make(path.to_owned()));
     let Some(body) = path.strip_prefix('/') else {
         return err(|path| ClassifyError::NotAbsolute { path });
@@ -425,10 +429,10 @@ fn split_path(path: &str) -> Result<Vec<Cow<'_, str>>, ClassifyError> {
         return err(|path| ClassifyError::EncodedSeparator { path });
     }
     if body.is_empty() {
-        return Ok(Vec::new());
+        return Ok(Segments::new());
     }
     let body = body.strip_suffix('/').unwrap_or(body);
-    let mut segments = Vec::new();
+    let mut segments = Segments::new();
     for raw in body.split('/') {
         match raw {
             "" => return err(|path| ClassifyError::EmptySegment { path }),

@@ -9,6 +9,10 @@ use apimachinery::status::{Cause, Details, Status};
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
+/// The request's audit ID, as the apiserver names it.
+pub const AUDIT_ID: HeaderName = HeaderName::from_static("audit-id");
+/// The addresses a request came through.
+pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// The rule that admitted (or refused) a request, on every answer that has one.
 pub const X_BULWARK_RULE: HeaderName = HeaderName::from_static("x-bulwark-rule");
 /// The rule's priority level.

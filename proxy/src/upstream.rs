@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
+use http::uri::Authority;
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -516,10 +517,12 @@ impl Inner {
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        let mut headers = parts.headers;
+        let path_and_query = share(&mut headers, path_and_query);
         let resendable = Resendable {
             method: parts.method,
             path_and_query,
-            headers: parts.headers,
+            headers,
             body,
             upgrade,
         };
@@ -534,7 +537,7 @@ impl Inner {
         let read = route.retry == RetryPolicy::Read && !resendable.upgrade;
         let started = Instant::now();
         let replicas = self.balancer.replicas().len();
-        let mut tried = Vec::with_capacity(replicas + 1);
+        let mut tried = pick::Replicas::new();
         let mut only_not_sent = true;
         let mut last_error = None;
         // The replica that failed the last attempt and why, counted once a retry starts.
@@ -697,7 +700,8 @@ impl Inner {
             UpstreamCredential::Own => self.tls.own_bearer().map_err(Failure::Fatal)?,
             _ => None,
         };
-        let request = build_request(resendable, &replica.name, bearer).map_err(Failure::Fatal)?;
+        let request =
+            build_request(resendable, &replica.authority, bearer).map_err(Failure::Fatal)?;
         if resendable.upgrade {
             // Boxed like the pool's connects: only upgrades take this path.
             let mut sender = Box::pin(self.pool.connect_http1(&replica, index, credential))
@@ -951,13 +955,13 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// HTTP/1.1 in origin form with `Host` for an upgrade.
 fn build_request(
     resendable: &Resendable,
-    authority: &str,
+    authority: &Authority,
     bearer: Option<HeaderValue>,
 ) -> Result<Request<ReqBody>, UpstreamError> {
     let mut headers = resendable.headers.clone();
     let (uri, version) = if resendable.upgrade {
-        let host = HeaderValue::from_str(authority)
-            .map_err(|_| UpstreamError::Config(format!("{authority:?} cannot be a Host header")))?;
+        let host = HeaderValue::from_str(authority.as_str())
+            .map_err(|_| UpstreamError::Config(format!("{authority} cannot be a Host header")))?;
         headers.insert(header::HOST, host);
         (
             Uri::from(resendable.path_and_query.clone()),
@@ -969,10 +973,10 @@ fn build_request(
         strip_hop_by_hop(&mut headers);
         let uri = Uri::builder()
             .scheme("https")
-            .authority(authority)
+            .authority(authority.clone())
             .path_and_query(resendable.path_and_query.clone())
             .build()
-            .map_err(|e| UpstreamError::Config(format!("{authority:?} as authority: {e}")))?;
+            .map_err(|e| UpstreamError::Config(format!("{authority} as authority: {e}")))?;
         (uri, Version::HTTP_2)
     };
     if let Some(bearer) = bearer
@@ -988,9 +992,37 @@ fn build_request(
     Ok(request)
 }
 
+/// Moves the header values and the path of a request that may be sent more than once into
+/// one shared buffer, so that each attempt's copy shares them: a value as the client's
+/// HTTP/2 connection decoded it is copied into a buffer of its own the first time it is
+/// cloned, one allocation per header per request. Returns the path, shared.
+fn share(headers: &mut HeaderMap, path: http::uri::PathAndQuery) -> http::uri::PathAndQuery {
+    let size = path.as_str().len() + headers.values().map(HeaderValue::len).sum::<usize>();
+    let mut buffer = bytes::BytesMut::with_capacity(size);
+    buffer.extend_from_slice(path.as_str().as_bytes());
+    for value in headers.values() {
+        buffer.extend_from_slice(value.as_bytes());
+    }
+    let mut buffer = buffer.freeze();
+    let path = http::uri::PathAndQuery::from_maybe_shared(buffer.split_to(path.as_str().len()))
+        .unwrap_or(path);
+    for value in headers.values_mut() {
+        let bytes = buffer.split_to(value.len());
+        if let Ok(mut shared) = HeaderValue::from_maybe_shared(bytes) {
+            shared.set_sensitive(value.is_sensitive());
+            *value = shared;
+        }
+    }
+    path
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn authority(text: &str) -> Authority {
+        text.parse().unwrap()
+    }
 
     fn resendable(upgrade: bool) -> Resendable {
         let mut headers = HeaderMap::new();
@@ -1008,8 +1040,31 @@ mod tests {
     }
 
     #[test]
+    fn a_request_kept_for_retries_keeps_every_header_and_its_path() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-remote-user", HeaderValue::from_static("alice"));
+        headers.append("x-remote-group", HeaderValue::from_static("dev"));
+        headers.append("x-remote-group", HeaderValue::from_static(""));
+        headers.append(
+            "x-remote-group",
+            HeaderValue::from_static("system:authenticated"),
+        );
+        let mut token = HeaderValue::from_static("Bearer secret");
+        token.set_sensitive(true);
+        headers.insert(header::AUTHORIZATION, token);
+        let before = headers.clone();
+        let path = share(&mut headers, "/api/v1/pods?limit=5".parse().unwrap());
+        assert_eq!(path, "/api/v1/pods?limit=5");
+        assert_eq!(headers, before);
+        assert!(headers[header::AUTHORIZATION].is_sensitive());
+        assert!(!headers["x-remote-user"].is_sensitive());
+        let groups: Vec<_> = headers.get_all("x-remote-group").iter().collect();
+        assert_eq!(groups, ["dev", "", "system:authenticated"]);
+    }
+
+    #[test]
     fn an_http2_request_names_the_replica_as_authority_and_keeps_the_path_bytes() {
-        let req = build_request(&resendable(false), "10.0.0.1:6443", None).unwrap();
+        let req = build_request(&resendable(false), &authority("10.0.0.1:6443"), None).unwrap();
         assert_eq!(
             req.uri().to_string(),
             "https://10.0.0.1:6443/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
@@ -1035,7 +1090,7 @@ mod tests {
             header::TRANSFER_ENCODING,
             HeaderValue::from_static("chunked"),
         );
-        let req = build_request(&t, "a:1", None).unwrap();
+        let req = build_request(&t, &authority("a:1"), None).unwrap();
         for name in [
             "connection",
             "x-hop",
@@ -1050,7 +1105,7 @@ mod tests {
 
     #[test]
     fn an_upgrade_goes_in_origin_form_with_the_replica_as_host() {
-        let req = build_request(&resendable(true), "10.0.0.1:6443", None).unwrap();
+        let req = build_request(&resendable(true), &authority("10.0.0.1:6443"), None).unwrap();
         assert_eq!(
             req.uri().to_string(),
             "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
@@ -1062,14 +1117,15 @@ mod tests {
     #[test]
     fn the_own_token_is_added_only_when_no_authorization_is_present() {
         let bearer = HeaderValue::from_static("Bearer own");
-        let req = build_request(&resendable(false), "a:1", Some(bearer.clone())).unwrap();
+        let req =
+            build_request(&resendable(false), &authority("a:1"), Some(bearer.clone())).unwrap();
         assert_eq!(req.headers()[header::AUTHORIZATION], "Bearer own");
         let mut t = resendable(false);
         t.headers.insert(
             header::AUTHORIZATION,
             HeaderValue::from_static("Bearer user"),
         );
-        let req = build_request(&t, "a:1", Some(bearer)).unwrap();
+        let req = build_request(&t, &authority("a:1"), Some(bearer)).unwrap();
         assert_eq!(req.headers()[header::AUTHORIZATION], "Bearer user");
     }
 

@@ -244,7 +244,7 @@ pub fn response(
         HeaderValue::from_static("no-cache, private"),
     );
     if let Ok(id) = HeaderValue::from_str(audit_id) {
-        headers.insert("audit-id", id);
+        headers.insert(crate::status::AUDIT_ID, id);
     }
     response
         .extensions_mut()

@@ -17,7 +17,7 @@ use crate::Body;
 use crate::classify::Verb;
 use crate::config::Timeouts;
 use crate::identity::forward::Forwarding;
-use crate::metrics::ServedBy;
+use crate::status::X_FORWARDED_FOR;
 use crate::upstream::{RetryPolicy, Route, Upstream};
 
 /// Sends each request to a replica, as the client it acts for.
@@ -89,9 +89,8 @@ impl Next<Incoming, ToApiserver> for Forward {
         let prepared = self.prepare(call);
         async move {
             let (request, route) = prepared?;
-            let mut response = self.upstream.send(request, route).await?;
-            response.extensions_mut().insert(ServedBy::Upstream);
-            Ok(response)
+            // Served by the upstream: what `Rescue` counts a response without `ServedBy` as.
+            Ok(self.upstream.send(request, route).await?)
         }
     }
 }
@@ -112,19 +111,36 @@ fn own_timeout(query: Option<&str>) -> Option<Duration> {
 
 /// Appends the client's address to `X-Forwarded-For`, after any the client sent.
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_string();
-    let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(existing) => format!("{existing}, {ip}"),
-        None => ip,
-    };
-    if let Ok(value) = HeaderValue::from_str(&value) {
-        headers.insert("x-forwarded-for", value);
+    use std::fmt::Write;
+    let mut value = String::new();
+    if let Some(existing) = headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+        value.push_str(existing);
+        value.push_str(", ");
+    }
+    let _ = write!(value, "{}", peer.ip());
+    // The text is taken as it is: no second copy.
+    if let Ok(value) = HeaderValue::from_maybe_shared(bytes::Bytes::from(value)) {
+        headers.insert(X_FORWARDED_FOR, value);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_client_address_follows_those_it_came_through() {
+        let peer: SocketAddr = "192.0.2.7:5000".parse().unwrap();
+        let mut headers = http::HeaderMap::new();
+        append_forwarded_for(&mut headers, peer);
+        assert_eq!(headers[X_FORWARDED_FOR], "192.0.2.7");
+        headers.insert(
+            X_FORWARDED_FOR,
+            HeaderValue::from_static("10.0.0.1, 10.0.0.2"),
+        );
+        append_forwarded_for(&mut headers, "[2001:db8::1]:443".parse().unwrap());
+        assert_eq!(headers[X_FORWARDED_FOR], "10.0.0.1, 10.0.0.2, 2001:db8::1");
+    }
 
     #[test]
     fn the_own_timeout_is_read_as_the_apiserver_reads_it() {

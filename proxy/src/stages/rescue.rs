@@ -19,6 +19,7 @@ use crate::listen::ConnInfo;
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
 use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
 use crate::metrics::{Metrics, ServedBy, code_label, method_label};
+use crate::status::AUDIT_ID;
 use crate::{Body, BoxFuture};
 
 /// The window over which `/debug/flows` counts, and over which the identities the metric
@@ -192,7 +193,7 @@ where
             }
             // The apiserver's and the cache's answers already carry it; Bulwark's own do
             // from here.
-            response.headers_mut().entry("audit-id").or_insert(audit_id);
+            response.headers_mut().entry(AUDIT_ID).or_insert(audit_id);
             let labels = report.labels.get().cloned().unwrap_or(Labels {
                 verb: method,
                 resource: Arc::from(""),
@@ -221,7 +222,7 @@ const AUDIT_ID_MAX: usize = 128;
 /// The request's `Audit-Id`: the client's when it is usable, else a new UUID; either way
 /// set on the request, so that the apiserver's audit log and the cache's use it too.
 fn audit_id(headers: &mut http::HeaderMap) -> HeaderValue {
-    if let Some(given) = headers.get("audit-id")
+    if let Some(given) = headers.get(AUDIT_ID)
         && !given.is_empty()
         && given.len() <= AUDIT_ID_MAX
         && given.as_bytes().iter().all(|b| b.is_ascii_graphic())
@@ -233,7 +234,7 @@ fn audit_id(headers: &mut http::HeaderMap) -> HeaderValue {
         .hyphenated()
         .encode_lower(&mut text);
     let id = HeaderValue::from_str(id).expect("a UUID is a valid header value");
-    headers.insert("audit-id", id.clone());
+    headers.insert(AUDIT_ID, id.clone());
     id
 }
 

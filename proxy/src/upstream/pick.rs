@@ -8,12 +8,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use http::uri::Authority;
 use prometheus::{IntCounter, IntGauge};
 use rand::Rng;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{ReplicaView, UpstreamError};
+
+/// Indexes of replicas: as many as a control plane has kept in place, not on the heap.
+pub(crate) type Replicas = smallvec::SmallVec<[usize; 8]>;
 use crate::metrics::Metrics;
 
 /// How much a replica that answered 429 counts against itself while throttled: its load is
@@ -93,6 +97,8 @@ pub(crate) struct Replica {
     pub(crate) host: String,
     /// Port part of the address.
     pub(crate) port: u16,
+    /// The address as every request's `:authority` (or `Host`) names it.
+    pub(crate) authority: Authority,
     pending: AtomicU64,
     watches: AtomicU64,
     in_flight_bytes: AtomicU64,
@@ -137,11 +143,14 @@ impl Replica {
             Some(port) => port.parse().map_err(|_| bad("port is not a number"))?,
             None => 443,
         };
+        let authority = Authority::from_maybe_shared(bytes::Bytes::from(name.to_owned()))
+            .map_err(|_| bad("not a host and port"))?;
         let label = [name];
         Ok(Self {
             name: name.into(),
             host: host.to_owned(),
             port,
+            authority,
             pending: AtomicU64::new(0),
             watches: AtomicU64::new(0),
             in_flight_bytes: AtomicU64::new(0),
@@ -361,7 +370,7 @@ impl Balancer {
         rng: &mut impl Rng,
     ) -> Option<usize> {
         let (health, in_rotation) = self.rotation(now);
-        let fresh: Vec<usize> = in_rotation
+        let fresh: Replicas = in_rotation
             .iter()
             .copied()
             .filter(|i| !exclude.contains(i))
@@ -414,10 +423,10 @@ impl Balancer {
 
     /// Every replica's health now, and the replicas a request may go to: those in
     /// rotation, or all of them when more than half are out.
-    fn rotation(&self, now: Instant) -> (MutexGuard<'_, Vec<Health>>, Vec<usize>) {
+    fn rotation(&self, now: Instant) -> (MutexGuard<'_, Vec<Health>>, Replicas) {
         let health = self.health(now);
         let out = health.iter().filter(|h| h.out(now)).count();
-        let in_rotation: Vec<usize> = if out * 2 > health.len() {
+        let in_rotation: Replicas = if out * 2 > health.len() {
             (0..health.len()).collect()
         } else {
             (0..health.len()).filter(|&i| !health[i].out(now)).collect()

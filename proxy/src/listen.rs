@@ -15,15 +15,19 @@ mod reload;
 mod tls;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use http::{Request, Response};
 use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::CertificateDer;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -288,6 +292,59 @@ pub enum ListenError {
     Accept(std::io::Error),
 }
 
+/// The request path a listener serves: one tower service, cloned per connection, that
+/// answers every request itself (its errors already turned into statuses).
+pub trait RequestPath:
+    tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible, Future: Send>
+    + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S> RequestPath for S where
+    S: tower::Service<
+            Request<Incoming>,
+            Response = Response<Body>,
+            Error = Infallible,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static
+{
+}
+
+/// A connection the caller opened, with no TLS of its own: an in-memory pair, for one.
+pub trait HandoffIo: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> HandoffIo for T {}
+
+/// Serves connections that did not come through the listener's socket, on the request path
+/// every accepted connection takes from its HTTP layer on: [`ConnInfo`], open-request
+/// counting, the idle and unauthenticated timeouts, the GOAWAY chance and the drain. What
+/// comes before that on a socket is not there: no PROXY header, no TLS (so no client
+/// certificate) and no connection caps. For benchmarks of the whole request path over an
+/// in-memory connection pair, where TLS would measure rustls instead of Bulwark.
+#[derive(Clone)]
+pub struct Handoff(Arc<ServeOne>);
+
+/// Serves one connection from the given address until it ends.
+type ServeOne = dyn Fn(Box<dyn HandoffIo>, SocketAddr) -> Pin<Box<dyn Future<Output = ()> + Send>>
+    + Send
+    + Sync;
+
+impl Handoff {
+    /// Serves `io` as a connection from `peer` until it closes, is idle, does not
+    /// authenticate, or the drain closes it. The future owns what it needs: spawn it.
+    pub fn serve(
+        &self,
+        io: impl HandoffIo,
+        peer: SocketAddr,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        (self.0)(Box::new(io), peer)
+    }
+}
+
 /// A bound client listener with its TLS configuration loaded; [`Listener::serve`] runs it.
 pub struct Listener {
     tcp: TcpListener,
@@ -353,6 +410,26 @@ impl Listener {
         self.connections.clone()
     }
 
+    /// A [`Handoff`] that serves connections the caller opened with `service`, with this
+    /// listener's HTTP settings and limits, until the drain closes them.
+    pub fn handoff<S>(&self, service: S, drain: watch::Receiver<DrainPhase>) -> Handoff
+    where
+        S: RequestPath + Sync,
+    {
+        let settings = self.settings.clone();
+        Handoff(Arc::new(move |io, peer| {
+            let (settings, service, drain) = (settings.clone(), service.clone(), drain.clone());
+            Box::pin(async move {
+                let peer = conn::Peer {
+                    addr: peer,
+                    client_chain: None,
+                    started: tokio::time::Instant::now(),
+                };
+                conn::serve_http(TokioIo::new(io), peer, &settings, service, drain).await;
+            })
+        }))
+    }
+
     /// Accepts and serves connections until the drain reaches [`DrainPhase::GoAway`], then
     /// stops accepting (the socket is closed) and returns once every connection has ended,
     /// gracefully or at [`DrainPhase::Close`]. If the drain sender is dropped the listener
@@ -363,11 +440,7 @@ impl Listener {
         mut drain: watch::Receiver<DrainPhase>,
     ) -> Result<(), ListenError>
     where
-        S: tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-            + Clone
-            + Send
-            + 'static,
-        S::Future: Send,
+        S: RequestPath,
     {
         let Listener {
             tcp,

@@ -1,6 +1,7 @@
 //! Builds every part from the configuration, wires the request path ([`crate::stages`])
 //! between the listener and the upstream pool, and starts and drains Bulwark.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +17,7 @@ use crate::fleet::lease::UpstreamLeases;
 use crate::fleet::{self, Fleet, FleetShares};
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{TokenCache, UpstreamReviewer};
-use crate::listen::{DrainPhase, ListenError, Listener};
+use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener};
 use crate::logs::access::AccessLog;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
@@ -61,6 +62,7 @@ pub struct Running {
     /// Shared state of the admin endpoints.
     pub admin: Arc<admin::State>,
     drain: watch::Sender<DrainPhase>,
+    handoff: Handoff,
     shutdown: config::Shutdown,
     tasks: Vec<JoinHandle<()>>,
     /// The file logs (audit), reopened on SIGHUP and flushed at the end of the drain.
@@ -217,6 +219,7 @@ impl Running {
         let addr = listener.local_addr();
         listener.spawn_reload();
         let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
+        let handoff = listener.handoff(service.clone(), drain_rx.clone());
         let serving = tokio::spawn(async move {
             if let Err(e) = listener.serve(service, drain_rx).await {
                 tracing::error!(error = %e, "listener stopped");
@@ -257,6 +260,7 @@ impl Running {
             admin_addr,
             admin,
             drain,
+            handoff,
             shutdown: config.listen.shutdown.clone(),
             tasks: [serving, admin_task, levels_follow]
                 .into_iter()
@@ -265,6 +269,18 @@ impl Running {
                 .collect(),
             files,
         })
+    }
+
+    /// Serves a connection the caller opened (one end of an in-memory pair, for one) from
+    /// `peer` on the whole request path the listener's connections take, less what comes
+    /// before HTTP on a socket: no PROXY header, no TLS, no connection caps ([`Handoff`]).
+    /// The future ends with the connection or at the drain's close; spawn it.
+    pub fn serve_connection(
+        &self,
+        io: impl HandoffIo,
+        peer: SocketAddr,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        self.handoff.serve(io, peer)
     }
 
     /// Blocks until every line the file logs (audit) took so far is in their files, for

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use bulwark::config::{Listen, ListenLimits, Shutdown};
-use bulwark::listen::{ConnInfo, Connections, DrainPhase, ListenError, Listener, Reloader};
+use bulwark::listen::{
+    ConnInfo, Connections, DrainPhase, Handoff, ListenError, Listener, Reloader,
+};
 use bulwark::{Body, BoxError};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -227,6 +229,7 @@ struct Server {
     connections: Connections,
     reloader: Reloader,
     reload: Option<JoinHandle<()>>,
+    handoff: Handoff,
 }
 
 impl Server {
@@ -238,6 +241,7 @@ impl Server {
         let reload = watch_files.then(|| listener.spawn_reload());
         let connections = listener.connections();
         let reloader = listener.reloader();
+        let handoff = listener.handoff(test_service(seen.clone()), drain_rx.clone());
         let serve = tokio::spawn(listener.serve(test_service(seen.clone()), drain_rx));
         Ok(Self {
             addr,
@@ -247,6 +251,7 @@ impl Server {
             connections,
             reloader,
             reload,
+            handoff,
         })
     }
 
@@ -424,6 +429,37 @@ async fn within<T>(what: &str, fut: impl Future<Output = T>) -> Result<T> {
     tokio::time::timeout(PATIENCE, fut)
         .await
         .with_context(|| format!("{what}: not within {PATIENCE:?}"))
+}
+
+// ---------------------------------------------------------------------------------------
+// Connections handed over
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_handed_over_connection_is_served_as_its_peer_until_the_drain() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, Some(&ca))?;
+    let server = Server::start(&listen_config(&mount, true, limits()), false).await?;
+    let (client, served) = tokio::io::duplex(64 * 1024);
+    let peer = SocketAddr::from(([192, 0, 2, 7], 40_000));
+    let serving = tokio::spawn(server.handoff.serve(served, peer));
+
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(client)).await?;
+    let _conn = tokio::spawn(conn);
+    let response = sender.send_request(get("/")).await?;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.into_body().collect().await?.to_bytes(), "ok");
+    let info = server.last_seen().context("service saw a request")?;
+    assert_eq!(info.peer, peer, "the address the caller gave");
+    assert!(info.client_chain.is_none(), "no TLS, no certificate");
+    assert!(info.http2);
+
+    // The drain ends it as it ends the listener's own connections.
+    server.drain.send(DrainPhase::GoAway)?;
+    within("the handed-over connection closed", serving).await??;
+    assert!(sender.send_request(get("/")).await.is_err());
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------

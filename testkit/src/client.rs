@@ -1,5 +1,5 @@
-//! Clients that speak real TLS and HTTP/2 to Bulwark, and plain HTTP/1.1 to its admin
-//! listener.
+//! Clients that speak real TLS and HTTP/2 to Bulwark (or HTTP/2 alone over an in-memory
+//! connection), and plain HTTP/1.1 to its admin listener.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -86,7 +86,16 @@ impl Client {
             .connect(ServerName::try_from("127.0.0.1").expect("name"), tcp)
             .await
             .map_err(|e| format!("TLS handshake: {e}"))?;
-        let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+        Client::plain(tls).await
+    }
+
+    /// HTTP/2 over a connection as it is, adding no TLS: a TLS stream ([`Client::over`]),
+    /// or one end of an in-memory pair whose other end `Running::serve_connection` serves.
+    pub async fn plain<I>(io: I) -> Result<Client, String>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(io))
             .await
             .map_err(|e| format!("HTTP/2 handshake: {e}"))?;
         tokio::spawn(conn);

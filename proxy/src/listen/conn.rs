@@ -26,7 +26,7 @@ use tower::ServiceExt;
 use super::caps::Connections;
 use super::proxy_header::{self, Trust};
 use super::tls::TlsState;
-use super::{ConnAuth, ConnInfo, DrainPhase};
+use super::{ConnAuth, ConnInfo, DrainPhase, RequestPath};
 use crate::metrics::Metrics;
 use crate::{Body, BoxError, config};
 
@@ -112,11 +112,7 @@ pub(super) async fn serve<S>(
     service: S,
     mut drain: watch::Receiver<DrainPhase>,
 ) where
-    S: tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
+    S: RequestPath,
 {
     let started = tokio::time::Instant::now();
     let header = proxy_header::accept(
@@ -169,7 +165,47 @@ pub(super) async fn serve<S>(
         .1
         .peer_certificates()
         .map(|chain| Arc::new(chain.iter().map(|c| c.clone().into_owned()).collect()));
+    serve_http(
+        TokioIo::new(stream),
+        Peer {
+            addr: peer,
+            client_chain,
+            started,
+        },
+        &settings,
+        service,
+        drain,
+    )
+    .await;
+}
 
+/// Who is on an established connection, and since when.
+pub(super) struct Peer {
+    /// The client's address.
+    pub(super) addr: SocketAddr,
+    /// The client certificate chain the handshake verified, if any.
+    pub(super) client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
+    /// When the connection was accepted: the unauthenticated timeout runs from here.
+    pub(super) started: tokio::time::Instant,
+}
+
+/// Serves HTTP/1.1 or HTTP/2 on a connection past its PROXY header and TLS handshake until
+/// it closes, is idle, does not authenticate, or the drain closes it.
+pub(super) async fn serve_http<I, S>(
+    io: I,
+    peer: Peer,
+    settings: &Settings,
+    service: S,
+    mut drain: watch::Receiver<DrainPhase>,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: RequestPath,
+{
+    let Peer {
+        addr: peer,
+        client_chain,
+        started,
+    } = peer;
     let (requests, mut open_rx) = Requests::new();
     let goaway = Arc::new(Notify::new());
     let auth = Arc::new(ConnAuth::new(settings.max_unauthenticated_requests));
@@ -183,9 +219,7 @@ pub(super) async fn serve<S>(
         goaway: goaway.clone(),
         goaway_chance: settings.goaway_chance,
     };
-    let conn = settings
-        .builder
-        .serve_connection_with_upgrades(TokioIo::new(stream), tracked);
+    let conn = settings.builder.serve_connection_with_upgrades(io, tracked);
     tokio::pin!(conn);
 
     let mut shutting_down = false;
@@ -393,11 +427,7 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 impl<S> hyper::service::Service<Request<Incoming>> for Tracked<S>
 where
-    S: tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
+    S: RequestPath,
 {
     type Response = Response<TrackedBody>;
     type Error = Infallible;

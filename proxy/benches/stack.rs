@@ -1,0 +1,230 @@
+//! The whole request path per request, against the floor on the same connection, so that
+//! the cost of the plumbing between the stages shows as a number (README "Benchmarks"):
+//!
+//! - `stack/floor`: hyper's server on the client's connection, rewriting each request's
+//!   URI and forwarding it on one hyper HTTP/2 client connection to the upstream: the least
+//!   a proxy built from Bulwark's crates costs (as `bulwark-loadtest`'s floor);
+//! - `stack/bulwark`: Bulwark's whole request path as `Running::start` builds it (Rescue,
+//!   Classify, Identify with the token review cached, Admit under an exempt rule, the cache
+//!   off, Forward through the upstream pool in front-proxy mode), served on the client's
+//!   connection by the listener's HTTP layer (`Running::serve_connection`).
+//!
+//! `stack/bulwark` − `stack/floor` is what Bulwark's request path costs above hyper's: the
+//! stages' own work (`--bench stages`) and the plumbing between them. Both subjects answer
+//! the same request (a GET of one small object with a bearer token) from the same client to
+//! the same upstream, all on one current-thread runtime: one core runs the client, the
+//! proxy and the upstream, so a figure is the time of one request through all three.
+//!
+//! The client's leg is an in-memory pair (`tokio::io::duplex`) with no TLS, so neither
+//! figure has a client handshake or client-side encryption in it; a socket's PROXY header
+//! and connection caps are not on it either. The upstream's leg is real, as Bulwark's pool
+//! requires: TLS over TCP on 127.0.0.1 to hyper's server answering constants.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bulwark::listen::ServingTls;
+use bulwark::metrics::Metrics;
+use bulwark::serve::Running;
+use bulwark_sim::pki::{Ca, Pki};
+use bulwark_testkit::{BulwarkConfig, Client, Credentials, Names, get, with_token};
+use bytes::Bytes;
+use criterion::{Criterion, criterion_group, criterion_main};
+use http::uri::{Authority, Scheme};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use rustls::pki_types::ServerName;
+use tokio::io::DuplexStream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
+use tokio_rustls::TlsConnector;
+
+/// The object every GET reads.
+const PATH: &str = "/api/v1/namespaces/ns-0/configmaps/configmap-0";
+/// What the upstream answers to it.
+const OBJECT: &str = r#"{"kind":"ConfigMap","apiVersion":"v1","metadata":{"name":"configmap-0","namespace":"ns-0","resourceVersion":"1"},"data":{"k":"v"}}"#;
+/// What the upstream answers to every TokenReview.
+const REVIEW: &str = r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{"authenticated":true,"user":{"username":"stack","groups":["system:authenticated"]}}}"#;
+/// The client's bearer token.
+const TOKEN: &str = "stack-bench-token";
+/// Each direction's buffer of the in-memory pair.
+const PAIR_BUFFER: usize = 64 * 1024;
+/// Bulwark exempts the client, so that no limit shapes the figure (as `passthrough` does).
+const MEASURED_RULE: &str = r#"
+rules:
+  - name: stack-measurement
+    precedence: 100
+    match:
+      groups: ["system:authenticated"]
+    level: exempt
+"#;
+
+fn bench(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let dir = tempfile::tempdir().expect("a folder for the certificates and rules");
+    let pki = Pki::new();
+    let upstream = runtime.block_on(upstream(&pki, dir.path()));
+    let mut floor = runtime.block_on(floor(&pki, upstream));
+    let (running, mut bulwark) = runtime.block_on(bulwark(&pki, upstream, dir.path()));
+
+    let mut group = c.benchmark_group("stack");
+    group.bench_function("floor", |b| {
+        b.iter_custom(|n| requests(&runtime, &mut floor, n))
+    });
+    group.bench_function("bulwark", |b| {
+        b.iter_custom(|n| requests(&runtime, &mut bulwark, n))
+    });
+    group.finish();
+    runtime.block_on(running.drain());
+}
+
+/// The time `n` requests take one after another on `client`, each answer read whole.
+fn requests(runtime: &Runtime, client: &mut Client, n: u64) -> Duration {
+    runtime.block_on(async {
+        let start = Instant::now();
+        for _ in 0..n {
+            let answer = client.send(with_token(get(PATH), TOKEN)).await;
+            assert_eq!(answer.status, StatusCode::OK);
+        }
+        start.elapsed()
+    })
+}
+
+/// A client on one end of an in-memory pair whose other end `serve` serves.
+async fn pair(serve: impl FnOnce(DuplexStream)) -> Client {
+    let (client, served) = tokio::io::duplex(PAIR_BUFFER);
+    serve(served);
+    let mut client = Client::plain(client).await.expect("the HTTP/2 handshake");
+    // The first answer is the smoke check (and, through Bulwark, the token review the
+    // measured requests find cached).
+    let answer = client.send(with_token(get(PATH), TOKEN)).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.text());
+    assert_eq!(answer.text(), OBJECT);
+    client
+}
+
+/// The upstream: hyper's server over TLS on 127.0.0.1 (Bulwark's own serving TLS, with a
+/// certificate from `pki`'s server CA written into `dir`), answering every TokenReview with
+/// [`REVIEW`], [`PATH`] with [`OBJECT`] and anything else (the pool's readiness probes)
+/// with `ok`.
+async fn upstream(pki: &Pki, dir: &Path) -> SocketAddr {
+    let (cert, key) = pki
+        .server_ca
+        .server_cert(&["127.0.0.1"])
+        .write(dir, "upstream")
+        .expect("the upstream's certificate");
+    let tls = ServingTls::load(&cert, &key, &Metrics::new()).expect("the upstream's TLS");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+    let addr = listener.local_addr().expect("the port");
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let acceptor = tls.acceptor();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let _ = auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(tls), service_fn(answer))
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let path = request.uri().path();
+    let body = if path.ends_with("/tokenreviews") {
+        REVIEW
+    } else if path == PATH {
+        OBJECT
+    } else {
+        "ok"
+    };
+    Ok(Response::builder()
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .expect("a response"))
+}
+
+/// A client of the floor: hyper's auto server on the pair with every setting its default,
+/// forwarding on one HTTP/2 connection over TLS to `upstream`.
+async fn floor(pki: &Pki, upstream: SocketAddr) -> Client {
+    let connector = TlsConnector::from(Arc::new(bulwark_testkit::tls_config(pki, None)));
+    let tcp = TcpStream::connect(upstream).await.expect("the upstream");
+    tcp.set_nodelay(true).expect("TCP_NODELAY");
+    let tls = connector
+        .connect(ServerName::from(upstream.ip()), tcp)
+        .await
+        .expect("the upstream's TLS handshake");
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .expect("the upstream's HTTP/2 handshake");
+    tokio::spawn(connection);
+    let authority = Authority::try_from(upstream.to_string()).expect("an authority");
+    let service = service_fn(move |mut request: Request<Incoming>| {
+        let mut sender = sender.clone();
+        let mut parts = request.uri().clone().into_parts();
+        parts.scheme = Some(Scheme::HTTPS);
+        parts.authority = Some(authority.clone());
+        *request.uri_mut() = Uri::from_parts(parts).expect("the upstream's URI");
+        async move { sender.send_request(request).await }
+    });
+    pair(|served| {
+        tokio::spawn(async move {
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(served), service)
+                .await;
+        });
+    })
+    .await
+}
+
+/// Bulwark started as production starts it, in front of `upstream` as `passthrough`
+/// configures it (its exempt rule, the cache off), and a client of its request path.
+async fn bulwark(pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Client) {
+    let serving_ca = Ca::new("stack-bench-serving-ca");
+    let credentials =
+        Credentials::mint(dir, pki, &serving_ca, Names::default()).expect("the certificates");
+    let rules = dir.join("rules");
+    std::fs::create_dir_all(&rules).expect("the rules folder");
+    std::fs::write(rules.join("stack.yaml"), MEASURED_RULE).expect("the rule file");
+    let mut config = BulwarkConfig::new(credentials, vec![upstream]);
+    config.cache = false;
+    config.rules = Some(rules);
+    let running = Running::start(config.config())
+        .await
+        .expect("bulwark starts");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Err(why) = running.admin.ready() {
+        assert!(
+            Instant::now() < deadline,
+            "bulwark never became ready: {why}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let peer = SocketAddr::from(([127, 0, 0, 1], 40_000));
+    let client = pair(|served| {
+        tokio::spawn(running.serve_connection(served, peer));
+    })
+    .await;
+    (running, client)
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -2,6 +2,7 @@
 //! so that the binary and the integration tests in `tests/` share one copy.
 
 pub mod balancer;
+pub mod calibrate;
 pub mod child;
 pub mod client;
 pub mod controlplane;

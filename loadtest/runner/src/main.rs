@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 
 use bulwark_loadtest::controlplane::{self, ControlPlane};
 use bulwark_loadtest::scenario::{self, Options};
-use bulwark_loadtest::{floor, proxy_process, report, sandbox};
+use bulwark_loadtest::{calibrate, floor, proxy_process, report, sandbox};
 
 /// Bulwark's load tester: each scenario runs against a fresh simulated apiserver fleet,
 /// once directly (through an L4 balancer) and once through Bulwark, and prints a
@@ -247,6 +247,10 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Times a fixed amount of CPU and memory work and prints its milliseconds
+    /// (`src/calibrate.rs`; run by `passthrough` on the proxy's core).
+    #[command(name = "__calibrate", hide = true)]
+    Calibrate,
     /// Runs the floor, the bare reverse proxy `passthrough` measures Bulwark against
     /// (`src/floor.rs`; started by the scenario as its own process).
     #[command(name = "__floor", hide = true)]
@@ -306,6 +310,10 @@ fn main() -> anyhow::Result<()> {
         let runtime = bulwark::serve::runtime().context("starting the async runtime")?;
         return runtime.block_on(proxy_process::serve(config));
     }
+    if let Command::Calibrate = cli.command {
+        println!("{:.3}", calibrate::run().as_secs_f64() * 1e3);
+        return Ok(());
+    }
     if let Command::Floor {
         listen,
         cert,
@@ -337,7 +345,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         list_storm::ListStorm, passthrough, skew::Skew,
     };
     let (report, common) = match command {
-        Command::Bulwark { .. } | Command::Floor { .. } => {
+        Command::Bulwark { .. } | Command::Floor { .. } | Command::Calibrate => {
             unreachable!("main runs Bulwark and the floor on their own runtimes")
         }
         Command::Report { json, html, charts } => return redraw(&json, html, charts),

@@ -360,6 +360,11 @@ pub struct Class {
     /// benches (`passthrough`) only, where one class is one phase of load.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_cpu_seconds: Option<f64>,
+    /// How long the fixed work of `calibrate` took on the proxy's core just before this
+    /// class's load, milliseconds (`passthrough`'s saturation only): the higher, the slower
+    /// the machine was at the time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration_ms: Option<f64>,
 }
 
 impl Class {
@@ -709,12 +714,22 @@ pub fn bench_summary(report: &Report) -> Option<Vec<Vec<String>>> {
         .iter()
         .find(|(n, _)| n == "direct")
         .map(|(_, r)| r);
+    let calibrations: Vec<f64> = report
+        .runs
+        .iter()
+        .filter_map(|(_, run)| class(run, SATURATION).calibration_ms)
+        .collect();
+    let fastest = calibrations.iter().copied().reduce(f64::min);
     let mut header = vec![
         "target".to_string(),
         "saturation req/s".into(),
         "CPU µs/req".into(),
         "x floor".into(),
     ];
+    if fastest.is_some() {
+        header.push("core ms".into());
+        header.push("CPU µs/req at fastest core".into());
+    }
     for rate in &bench.fixed_rates {
         header.push(format!(
             "+mean / +p99 µs at {}/s",
@@ -737,6 +752,23 @@ pub fn bench_summary(report: &Report) -> Option<Vec<Vec<String>>> {
                 _ => "-".into(),
             },
         ];
+        if let Some(fastest) = fastest {
+            let cpu = saturation.cpu_us_per_request();
+            match (saturation.calibration_ms, cpu) {
+                (Some(ms), Some(cpu)) => {
+                    row.push(format!("{ms:.0}"));
+                    row.push(format!(
+                        "{:.1}",
+                        crate::calibrate::at_speed(cpu, ms, fastest)
+                    ));
+                }
+                (Some(ms), None) => {
+                    row.push(format!("{ms:.0}"));
+                    row.push("-".into());
+                }
+                _ => row.extend(["-".to_string(), "-".to_string()]),
+            }
+        }
         for rate in &bench.fixed_rates {
             let phase = fixed_rate_class(*rate);
             let c = class(run, &phase);
@@ -1009,6 +1041,23 @@ mod tests {
         assert_eq!(row("nginx")[5], "+500 / +1000 (at 9,000/s)");
         // Other scenarios have none.
         assert!(bench_summary(&sample()).is_none());
+    }
+
+    #[test]
+    fn a_bench_with_calibrations_reads_each_proxy_against_the_fastest_core() {
+        let mut report = bench();
+        for (name, ms) in [("floor", 300.0), ("bulwark", 450.0)] {
+            let run = &mut report.runs.iter_mut().find(|(n, _)| n == name).unwrap().1;
+            run.classes.get_mut(SATURATION).unwrap().calibration_ms = Some(ms);
+        }
+        let summary = bench_summary(&report).unwrap();
+        assert_eq!(summary[0][4..6], ["core ms", "CPU µs/req at fastest core"]);
+        let row = |name: &str| summary.iter().find(|r| r[0] == name).unwrap().clone();
+        // 20 µs on a core half again as slow as the floor's: 13.3 µs at the floor's speed.
+        assert_eq!(row("bulwark")[2..6], ["20.0", "0.50", "450", "13.3"]);
+        assert_eq!(row("floor")[2..6], ["10.0", "1.00", "300", "10.0"]);
+        assert_eq!(row("direct")[4..6], ["-", "-"]);
+        assert_eq!(row("bulwark")[6], "+1000 / +2000");
     }
 
     #[test]

@@ -432,12 +432,17 @@ impl<'a> Bench<'a> {
             .map(|rate| (report::fixed_rate_class(*rate), Load::Fixed(*rate, phase)))
             .chain([(report::SATURATION.to_string(), Load::Saturation(phase))]);
         for (name, load) in loads {
+            let calibration_ms = match load {
+                Load::Saturation(_) => Some(self.calibrate(subject).await?),
+                _ => None,
+            };
             let cpu = front.cpu_seconds()?;
             let mut class = self.h2load(&url, load).await?;
             class.proxy_cpu_seconds = match (cpu, front.cpu_seconds()?) {
                 (Some(before), Some(after)) => Some(after - before),
                 _ => None,
             };
+            class.calibration_ms = calibration_ms;
             classes.insert(name, class);
         }
         // The second status read counts itself.
@@ -457,6 +462,27 @@ impl<'a> Bench<'a> {
             fleet: None,
             timeline: None,
         })
+    }
+
+    /// How fast the subject's first core is now: `calibrate`'s fixed work there, pinned
+    /// like the proxy, in milliseconds.
+    async fn calibrate(&self, subject: Subject) -> anyhow::Result<f64> {
+        let cores = self.pinning.as_ref().map(|p| {
+            let cores = p.proxy_cores(subject);
+            cores.split(',').next().unwrap_or_default().to_string()
+        });
+        let exe = std::env::current_exe().context("finding this program")?;
+        let output = pinned(self.tools, cores, &exe)
+            .arg("__calibrate")
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .await
+            .context("running the calibration")?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        text.trim()
+            .parse()
+            .with_context(|| format!("the calibration printed {text:?}"))
     }
 
     /// Starts the subject's proxy, pinned; returns where h2load connects.
@@ -796,8 +822,10 @@ impl Summary {
             rps: if secs > 0.0 { ok as f64 / secs } else { 0.0 },
             // One bearer token: one identity.
             per_identity_ok: vec![ok],
-            // The caller reads the proxy's CPU time around the run.
+            // The caller reads the proxy's CPU time around the run, and the core's speed
+            // before it.
             proxy_cpu_seconds: None,
+            calibration_ms: None,
         }
     }
 }

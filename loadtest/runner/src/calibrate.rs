@@ -3,10 +3,12 @@
 //! On a shared (virtual) machine the same work takes a different time from one minute to
 //! the next: its cores' other hyperthreads, caches and memory bandwidth belong to other
 //! tenants too. On the development machine this work took between 300 and 490 ms within
-//! half a minute. `passthrough` runs it on the proxy's core just before each saturation
-//! phase (`__calibrate`, a process of its own, pinned), so that a proxy's CPU time per
-//! request can be read against how fast the core was at the time, and the swing of the
-//! figures from one run to the next is seen for what it is.
+//! half a minute, and between 52 and 187 ms on an idle core within ten seconds.
+//! `passthrough` runs it on the proxy's core just before and just after each saturation
+//! phase (`__calibrate`, a process of its own, pinned), so that the swing of the figures
+//! from one run to the next is seen for what it is. Two samples of a tenth of a second
+//! cannot correct a phase of several seconds: they show the machine's state, they do not
+//! rescale the figures.
 
 use std::time::{Duration, Instant};
 
@@ -33,24 +35,10 @@ pub fn run() -> Duration {
     started.elapsed()
 }
 
-/// `cpu_us` as it would have been on a core as fast as the fastest calibration, `fastest_ms`,
-/// given that this one took `ms`.
-pub fn at_speed(cpu_us: f64, ms: f64, fastest_ms: f64) -> f64 {
-    if ms <= 0.0 {
-        return cpu_us;
-    }
-    cpu_us * fastest_ms / ms
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
-    fn the_work_takes_time_and_slower_cores_scale_down() {
-        assert!(run() > Duration::ZERO);
-        assert_eq!(at_speed(30.0, 450.0, 300.0), 20.0);
-        assert_eq!(at_speed(30.0, 300.0, 300.0), 30.0);
-        assert_eq!(at_speed(30.0, 0.0, 300.0), 30.0);
+    fn the_work_takes_time() {
+        assert!(super::run() > std::time::Duration::ZERO);
     }
 }

@@ -360,11 +360,11 @@ pub struct Class {
     /// benches (`passthrough`) only, where one class is one phase of load.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proxy_cpu_seconds: Option<f64>,
-    /// How long the fixed work of `calibrate` took on the proxy's core just before this
-    /// class's load, milliseconds (`passthrough`'s saturation only): the higher, the slower
-    /// the machine was at the time.
+    /// How long the fixed work of `calibrate` took on the proxy's core just before and
+    /// just after this class's load, milliseconds (`passthrough`'s saturation only): the
+    /// higher, the slower the machine was at the time.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub calibration_ms: Option<f64>,
+    pub calibration_ms: Option<(f64, f64)>,
 }
 
 impl Class {
@@ -714,21 +714,18 @@ pub fn bench_summary(report: &Report) -> Option<Vec<Vec<String>>> {
         .iter()
         .find(|(n, _)| n == "direct")
         .map(|(_, r)| r);
-    let calibrations: Vec<f64> = report
+    let calibrated = report
         .runs
         .iter()
-        .filter_map(|(_, run)| class(run, SATURATION).calibration_ms)
-        .collect();
-    let fastest = calibrations.iter().copied().reduce(f64::min);
+        .any(|(_, run)| class(run, SATURATION).calibration_ms.is_some());
     let mut header = vec![
         "target".to_string(),
         "saturation req/s".into(),
         "CPU µs/req".into(),
         "x floor".into(),
     ];
-    if fastest.is_some() {
-        header.push("core ms".into());
-        header.push("CPU µs/req at fastest core".into());
+    if calibrated {
+        header.push("core ms before / after".into());
     }
     for rate in &bench.fixed_rates {
         header.push(format!(
@@ -752,22 +749,11 @@ pub fn bench_summary(report: &Report) -> Option<Vec<Vec<String>>> {
                 _ => "-".into(),
             },
         ];
-        if let Some(fastest) = fastest {
-            let cpu = saturation.cpu_us_per_request();
-            match (saturation.calibration_ms, cpu) {
-                (Some(ms), Some(cpu)) => {
-                    row.push(format!("{ms:.0}"));
-                    row.push(format!(
-                        "{:.1}",
-                        crate::calibrate::at_speed(cpu, ms, fastest)
-                    ));
-                }
-                (Some(ms), None) => {
-                    row.push(format!("{ms:.0}"));
-                    row.push("-".into());
-                }
-                _ => row.extend(["-".to_string(), "-".to_string()]),
-            }
+        if calibrated {
+            row.push(match saturation.calibration_ms {
+                Some((before, after)) => format!("{before:.0} / {after:.0}"),
+                None => "-".into(),
+            });
         }
         for rate in &bench.fixed_rates {
             let phase = fixed_rate_class(*rate);
@@ -1044,20 +1030,19 @@ mod tests {
     }
 
     #[test]
-    fn a_bench_with_calibrations_reads_each_proxy_against_the_fastest_core() {
+    fn a_bench_with_calibrations_says_how_fast_the_core_was_around_each_saturation() {
         let mut report = bench();
-        for (name, ms) in [("floor", 300.0), ("bulwark", 450.0)] {
+        for (name, ms) in [("floor", (300.0, 310.0)), ("bulwark", (450.0, 290.0))] {
             let run = &mut report.runs.iter_mut().find(|(n, _)| n == name).unwrap().1;
             run.classes.get_mut(SATURATION).unwrap().calibration_ms = Some(ms);
         }
         let summary = bench_summary(&report).unwrap();
-        assert_eq!(summary[0][4..6], ["core ms", "CPU µs/req at fastest core"]);
+        assert_eq!(summary[0][4], "core ms before / after");
         let row = |name: &str| summary.iter().find(|r| r[0] == name).unwrap().clone();
-        // 20 µs on a core half again as slow as the floor's: 13.3 µs at the floor's speed.
-        assert_eq!(row("bulwark")[2..6], ["20.0", "0.50", "450", "13.3"]);
-        assert_eq!(row("floor")[2..6], ["10.0", "1.00", "300", "10.0"]);
-        assert_eq!(row("direct")[4..6], ["-", "-"]);
-        assert_eq!(row("bulwark")[6], "+1000 / +2000");
+        assert_eq!(row("bulwark")[2..5], ["20.0", "0.50", "450 / 290"]);
+        assert_eq!(row("floor")[4], "300 / 310");
+        assert_eq!(row("direct")[4], "-");
+        assert_eq!(row("bulwark")[5], "+1000 / +2000");
     }
 
     #[test]

@@ -432,7 +432,7 @@ impl<'a> Bench<'a> {
             .map(|rate| (report::fixed_rate_class(*rate), Load::Fixed(*rate, phase)))
             .chain([(report::SATURATION.to_string(), Load::Saturation(phase))]);
         for (name, load) in loads {
-            let calibration_ms = match load {
+            let speed_before = match load {
                 Load::Saturation(_) => Some(self.calibrate(subject).await?),
                 _ => None,
             };
@@ -442,7 +442,9 @@ impl<'a> Bench<'a> {
                 (Some(before), Some(after)) => Some(after - before),
                 _ => None,
             };
-            class.calibration_ms = calibration_ms;
+            if let Some(speed_before) = speed_before {
+                class.calibration_ms = Some((speed_before, self.calibrate(subject).await?));
+            }
             classes.insert(name, class);
         }
         // The second status read counts itself.

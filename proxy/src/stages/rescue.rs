@@ -221,19 +221,25 @@ const AUDIT_ID_MAX: usize = 128;
 
 /// The request's `Audit-Id`: the client's when it is usable, else a new UUID; either way
 /// set on the request, so that the apiserver's audit log and the cache's use it too.
+///
+/// Marked sensitive, so that HTTP/2 sends it as a literal that is never put in the HPACK
+/// table, to the apiserver and back to the client: a value used once would only push the
+/// headers that do repeat (the identity headers, the rule's) out of the table.
 fn audit_id(headers: &mut http::HeaderMap) -> HeaderValue {
-    if let Some(given) = headers.get(AUDIT_ID)
+    if let Some(given) = headers.get_mut(AUDIT_ID)
         && !given.is_empty()
         && given.len() <= AUDIT_ID_MAX
         && given.as_bytes().iter().all(|b| b.is_ascii_graphic())
     {
+        given.set_sensitive(true);
         return given.clone();
     }
     let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
     let id = crate::cache::audit::new_uuid()
         .hyphenated()
         .encode_lower(&mut text);
-    let id = HeaderValue::from_str(id).expect("a UUID is a valid header value");
+    let mut id = HeaderValue::from_str(id).expect("a UUID is a valid header value");
+    id.set_sensitive(true);
     headers.insert(AUDIT_ID, id.clone());
     id
 }
@@ -268,4 +274,32 @@ fn header_text<'a>(response: &'a Response<Body>, name: &str) -> &'a str {
 
 fn served_by(response: &Response<Body>) -> Option<ServedBy> {
     response.extensions().get::<ServedBy>().copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_request_has_an_audit_id_kept_out_of_the_hpack_table() {
+        let mut headers = http::HeaderMap::new();
+        let made = audit_id(&mut headers);
+        assert_eq!(made.len(), 36);
+        assert_eq!(headers[AUDIT_ID], made);
+        assert!(made.is_sensitive() && headers[AUDIT_ID].is_sensitive());
+
+        let mut headers = http::HeaderMap::new();
+        headers.insert(AUDIT_ID, HeaderValue::from_static("client-chose-this"));
+        let kept = audit_id(&mut headers);
+        assert_eq!(kept, "client-chose-this");
+        assert!(kept.is_sensitive() && headers[AUDIT_ID].is_sensitive());
+
+        for unusable in ["", "has space", &"x".repeat(AUDIT_ID_MAX + 1)] {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(AUDIT_ID, HeaderValue::from_str(unusable).unwrap());
+            let id = audit_id(&mut headers);
+            assert_eq!(id.len(), 36, "{unusable:?} replaced by a UUID");
+            assert_eq!(headers[AUDIT_ID], id);
+        }
+    }
 }

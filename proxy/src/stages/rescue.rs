@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::header::USER_AGENT;
-use http::{HeaderValue, Request, Response};
+use http::{HeaderName, HeaderValue, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
@@ -19,7 +19,7 @@ use crate::listen::ConnInfo;
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
 use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
 use crate::metrics::{Metrics, ServedBy, code_label, method_label};
-use crate::status::AUDIT_ID;
+use crate::status::{AUDIT_ID, X_BULWARK_LEVEL, X_BULWARK_RULE};
 use crate::{Body, BoxFuture};
 
 /// The window over which `/debug/flows` counts, and over which the identities the metric
@@ -127,8 +127,8 @@ where
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
                     board.seen(Seen {
                         identity: report.who(),
-                        rule: header_text(&response, "x-bulwark-rule"),
-                        level: header_text(&response, "x-bulwark-level"),
+                        rule: header_text(&response, X_BULWARK_RULE),
+                        level: header_text(&response, X_BULWARK_LEVEL),
                         waited: report.waited.get().copied().unwrap_or_default(),
                         refused: None,
                     });
@@ -185,8 +185,8 @@ where
                     request: report.info.get().map(|i| &**i),
                     code: response.status().as_u16(),
                     served_by: served_by.as_str(),
-                    rule: header_text(&response, "x-bulwark-rule"),
-                    level: header_text(&response, "x-bulwark-level"),
+                    rule: header_text(&response, X_BULWARK_RULE),
+                    level: header_text(&response, X_BULWARK_LEVEL),
                     reason,
                     took: started.elapsed(),
                 });
@@ -264,7 +264,7 @@ fn cut(text: &str, max: usize) -> &str {
 }
 
 /// A response header's text, empty when absent or not text.
-fn header_text<'a>(response: &'a Response<Body>, name: &str) -> &'a str {
+fn header_text(response: &Response<Body>, name: HeaderName) -> &str {
     response
         .headers()
         .get(name)

@@ -926,6 +926,18 @@ fn wants_upgrade(headers: &HeaderMap) -> bool {
 /// Removes the HTTP/1.1 connection-level headers an HTTP/2 request must not carry (hyper
 /// would drop them too, but with a warning per request).
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most requests carry none: one look at the names they have, not a lookup per name.
+    let hop = |name: &header::HeaderName| {
+        name == header::CONNECTION
+            || name == header::TRANSFER_ENCODING
+            || name == header::UPGRADE
+            || name == header::TE
+            || name == "keep-alive"
+            || name == "proxy-connection"
+    };
+    if !headers.keys().any(hop) {
+        return;
+    }
     let named: Vec<String> = headers
         .get_all(header::CONNECTION)
         .iter()

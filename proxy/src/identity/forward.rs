@@ -228,6 +228,15 @@ impl Forwarding {
     }
 
     fn strip_request_headers(&self, headers: &mut HeaderMap) {
+        let forged = |name: &HeaderName| {
+            self.names.strip.contains(name)
+                || (self.names.strip_prefixes.iter())
+                    .any(|prefix| name.as_str().starts_with(prefix.as_str()))
+        };
+        // Most requests carry none: one look at the names they have, not a lookup per name.
+        if !headers.keys().any(forged) {
+            return;
+        }
         for name in &self.names.strip {
             headers.remove(name);
         }
@@ -300,6 +309,13 @@ fn value(text: &str) -> Result<HeaderValue, ForwardError> {
 /// Removes the headers of this hop: those `Connection` names and the fixed list. An upgrade
 /// keeps `Connection: upgrade` and `Upgrade`, which its own upstream connection needs.
 fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    // Most requests carry none: one look at the names they have, not a lookup per name.
+    let hop = |name: &HeaderName| {
+        name == CONNECTION || name == UPGRADE || HOP_BY_HOP.contains(&name.as_str())
+    };
+    if !headers.keys().any(hop) {
+        return;
+    }
     let listed: Vec<String> = headers
         .get_all(CONNECTION)
         .iter()

@@ -21,16 +21,24 @@ use crate::listen::ConnInfo;
 use crate::rules::Matched;
 use crate::upstream::BodyFlow;
 
-/// A request and what the stages so far know about it (`F`).
+/// A request and what the stages so far know about it (`F`). The request, its connection
+/// and its report are boxed once ([`Exchange`], reached through `Deref`), so that handing
+/// the call from stage to stage moves a pointer and the facts: each stage's future holds
+/// its call for as long as it runs, and the stages' futures nest.
 pub struct Call<B, F> {
+    exchange: Box<Exchange<B>>,
+    /// What the stages so far learned.
+    pub facts: F,
+}
+
+/// What every stage sees of a call, whatever it learned.
+pub struct Exchange<B> {
     /// The request as the client sent it.
     pub request: Request<B>,
     /// The connection it came on; `None` only for requests made in tests.
     pub conn: Option<ConnInfo>,
     /// What `Rescue` reports for the request, whatever stage answers it.
     pub report: Arc<Report>,
-    /// What the stages so far learned.
-    pub facts: F,
 }
 
 impl<B> Call<B, ()> {
@@ -39,9 +47,11 @@ impl<B> Call<B, ()> {
     pub fn new(mut request: Request<B>) -> Call<B, ()> {
         let conn = request.extensions_mut().remove::<ConnInfo>();
         Call {
-            request,
-            conn,
-            report: Arc::default(),
+            exchange: Box::new(Exchange {
+                request,
+                conn,
+                report: Arc::default(),
+            }),
             facts: (),
         }
     }
@@ -51,23 +61,36 @@ impl<B, F> Call<B, F> {
     /// The same call with the facts of one more stage.
     pub fn learn<G>(self, facts: G) -> Call<B, G> {
         Call {
-            request: self.request,
-            conn: self.conn,
-            report: self.report,
+            exchange: self.exchange,
             facts,
         }
     }
 
     /// The facts, and the call without them (to hand on with others).
     pub fn take_facts(self) -> (F, Call<B, ()>) {
-        let facts = self.facts;
         let call = Call {
-            request: self.request,
-            conn: self.conn,
-            report: self.report,
+            exchange: self.exchange,
             facts: (),
         };
-        (facts, call)
+        (self.facts, call)
+    }
+
+    /// The request, its connection and its report, out of the call.
+    pub fn into_exchange(self) -> Exchange<B> {
+        *self.exchange
+    }
+}
+
+impl<B, F> std::ops::Deref for Call<B, F> {
+    type Target = Exchange<B>;
+    fn deref(&self) -> &Exchange<B> {
+        &self.exchange
+    }
+}
+
+impl<B, F> std::ops::DerefMut for Call<B, F> {
+    fn deref_mut(&mut self) -> &mut Exchange<B> {
+        &mut self.exchange
     }
 }
 

@@ -52,12 +52,13 @@ impl Forward {
             replica,
             body_flow,
         } = facts;
-        let (mut parts, body) = call.request.into_parts();
+        let exchange = call.into_exchange();
+        let (mut parts, body) = exchange.request.into_parts();
         let upgrade = info.is_upgrade() && parts.headers.contains_key(http::header::UPGRADE);
         let credential = self
             .forwarding
             .prepare(&identity, &mut parts.headers, upgrade)?;
-        if let Some(conn) = &call.conn {
+        if let Some(conn) = &exchange.conn {
             append_forwarded_for(&mut parts.headers, conn.peer);
         }
         // Keep only path and query: the pool sets scheme and authority per replica.

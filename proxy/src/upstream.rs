@@ -425,16 +425,19 @@ impl Upstream {
     /// Forwards a request (origin-form URI, identity headers already rewritten) to a
     /// replica and returns its response head with a streaming body. Sets scheme,
     /// authority and `Host` for the replica; the path bytes go unchanged.
-    pub async fn send(
+    ///
+    /// Not an `async fn`: its future is the exchange's own, without a second copy of the
+    /// request and route around it.
+    pub fn send(
         &self,
         req: Request<Body>,
         route: Route,
-    ) -> Result<Response<Body>, UpstreamError> {
+    ) -> impl Future<Output = Result<Response<Body>, UpstreamError>> + Send + '_ {
         let deadline = route
             .timeout
             .filter(|_| !route.long_running)
             .map(|limit| Instant::now() + limit);
-        self.inner.send(req, route, deadline).await
+        self.inner.send(req, route, deadline)
     }
 
     /// Replicas in rotation.
@@ -478,22 +481,16 @@ impl Upstream {
 }
 
 impl Inner {
-    async fn send(
+    /// The request is taken apart before the future is made: an `async fn` would keep it
+    /// (240 bytes) twice in its future, which is in every forwarded request's.
+    fn send(
         &self,
         mut req: Request<Body>,
         route: Route,
         deadline: Option<Instant>,
-    ) -> Result<Response<Body>, UpstreamError> {
+    ) -> impl Future<Output = Result<Response<Body>, UpstreamError>> + Send + '_ {
         let upgrade = wants_upgrade(req.headers());
-        let mut downstream_upgrade = if upgrade {
-            Some(
-                req.extensions_mut()
-                    .remove::<OnUpgrade>()
-                    .ok_or(UpstreamError::NotUpgradable)?,
-            )
-        } else {
-            None
-        };
+        let downstream_upgrade = upgrade.then(|| req.extensions_mut().remove::<OnUpgrade>());
         let (parts, body) = req.into_parts();
         let preferred = route.replica.as_ref().and_then(|name| {
             self.balancer
@@ -501,178 +498,184 @@ impl Inner {
                 .iter()
                 .position(|r| r.name == *name)
         });
-        // Held until the apiserver has answered (or every attempt failed). The attempts end
-        // themselves at the deadline, naming their replica; this ends the reading of the
-        // request body before them. (A body already whole, as every GET's, is ready at the
-        // first poll, so its timer is never armed.)
-        let buffered = buffer::buffer(body, &parts.headers, route.body_flow.as_ref());
-        let (body, _held) = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, buffered)
-                .await
-                .map_err(|_| UpstreamError::Timeout { replica: None })??,
-            None => buffered.await?,
-        };
-        let path_and_query = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-        let mut headers = parts.headers;
-        let path_and_query = share(&mut headers, path_and_query);
-        let resendable = Resendable {
-            method: parts.method,
-            path_and_query,
-            headers,
-            body,
-            upgrade,
-        };
-        let load = if route.watch {
-            Load::Watches
-        } else {
-            Load::Requests
-        };
-        // A read may leave a replica that has not answered: at its attempt limit, or when
-        // the replica is ejected for not answering its probe. A write waits: it may have
-        // arrived, and it is never sent twice.
-        let read = route.retry == RetryPolicy::Read && !resendable.upgrade;
-        let started = Instant::now();
-        let replicas = self.balancer.replicas().len();
-        let mut tried = pick::Replicas::new();
-        let mut only_not_sent = true;
-        let mut last_error = None;
-        // The replica that failed the last attempt and why, counted once a retry starts.
-        let mut retrying: Option<(usize, RetryReason)> = None;
-        let mut resends = 0;
-        for _ in 0..=replicas {
-            let preferred = preferred
-                .filter(|&i| tried.is_empty() && self.balancer.in_rotation(i, Instant::now()));
-            let Some(index) = preferred.or_else(|| self.pick(load, &tried)) else {
-                break;
+        async move {
+            let mut downstream_upgrade = match downstream_upgrade {
+                Some(on_upgrade) => Some(on_upgrade.ok_or(UpstreamError::NotUpgradable)?),
+                None => None,
             };
-            if let Some((failed, why)) = retrying.take() {
-                let unanswered =
-                    matches!(why, RetryReason::AttemptTimeout | RetryReason::Unresponsive);
-                // A replica that did not answer is not asked again: only another may help.
-                if unanswered && tried.contains(&index) {
-                    break;
-                }
-                self.balancer.replica(failed).count_retry(why);
-            }
-            tried.push(index);
-            let replica = self.balancer.replica(index).clone();
-            let attempt = self.attempt(index, route.credential, &resendable);
-            let attempt = if read {
-                // Subscribed before the request leaves, so an ejection during it is seen.
-                let mut unresponsive = replica.unresponsive();
-                let limit = route
-                    .attempt_timeout
-                    .map(|limit| Instant::now() + limit)
-                    .filter(|limit| deadline.is_none_or(|deadline| *limit < deadline));
-                // One timer for whichever comes first: the attempt's limit, when set, is
-                // before the request's deadline.
-                tokio::select! {
-                    biased;
-                    done = attempt => Attempt::Done(done),
-                    _ = unresponsive.changed() => Attempt::Unanswered(RetryReason::Unresponsive),
-                    () = until(limit.or(deadline)) => match limit {
-                        Some(_) => Attempt::Unanswered(RetryReason::AttemptTimeout),
-                        None => Attempt::Deadline,
-                    },
-                }
+            // Held until the apiserver has answered (or every attempt failed). The attempts end
+            // themselves at the deadline, naming their replica; this ends the reading of the
+            // request body before them. (A body already whole, as every GET's, is ready at the
+            // first poll, so its timer is never armed.)
+            let buffered = buffer::buffer(body, &parts.headers, route.body_flow.as_ref());
+            let (body, _held) = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, buffered)
+                    .await
+                    .map_err(|_| UpstreamError::Timeout { replica: None })??,
+                None => buffered.await?,
+            };
+            let path_and_query = parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+            let mut headers = parts.headers;
+            let path_and_query = share(&mut headers, path_and_query);
+            let resendable = Resendable {
+                method: parts.method,
+                path_and_query,
+                headers,
+                body,
+                upgrade,
+            };
+            let load = if route.watch {
+                Load::Watches
             } else {
-                tokio::select! {
-                    biased;
-                    done = attempt => Attempt::Done(done),
-                    () = until(deadline) => Attempt::Deadline,
-                }
+                Load::Requests
             };
-            let name = replica.name.clone();
-            let outcome = match attempt {
-                Attempt::Done(outcome) => outcome,
-                Attempt::Deadline => {
-                    replica.count_response(None);
-                    tracing::warn!(replica = %name, "no response head before the request's deadline");
-                    return Err(UpstreamError::Timeout {
-                        replica: Some(name),
-                    });
-                }
-                Attempt::Unanswered(why) => {
-                    replica.count_response(None);
-                    only_not_sent = false;
-                    last_error = Some(UpstreamError::Timeout {
-                        replica: Some(name.clone()),
-                    });
-                    if resends >= MAX_RESENDS {
-                        tracing::warn!(replica = %name, ?why, "read unanswered; no retry left");
+            // A read may leave a replica that has not answered: at its attempt limit, or when
+            // the replica is ejected for not answering its probe. A write waits: it may have
+            // arrived, and it is never sent twice.
+            let read = route.retry == RetryPolicy::Read && !resendable.upgrade;
+            let started = Instant::now();
+            let replicas = self.balancer.replicas().len();
+            let mut tried = pick::Replicas::new();
+            let mut only_not_sent = true;
+            let mut last_error = None;
+            // The replica that failed the last attempt and why, counted once a retry starts.
+            let mut retrying: Option<(usize, RetryReason)> = None;
+            let mut resends = 0;
+            for _ in 0..=replicas {
+                let preferred = preferred
+                    .filter(|&i| tried.is_empty() && self.balancer.in_rotation(i, Instant::now()));
+                let Some(index) = preferred.or_else(|| self.pick(load, &tried)) else {
+                    break;
+                };
+                if let Some((failed, why)) = retrying.take() {
+                    let unanswered =
+                        matches!(why, RetryReason::AttemptTimeout | RetryReason::Unresponsive);
+                    // A replica that did not answer is not asked again: only another may help.
+                    if unanswered && tried.contains(&index) {
                         break;
                     }
-                    tracing::info!(replica = %name, ?why, "read unanswered; retrying on another replica");
-                    resends += 1;
-                    retrying = Some((index, why));
-                    continue;
+                    self.balancer.replica(failed).count_retry(why);
                 }
-            };
-            match outcome {
-                Ok((response, lease)) => {
-                    return Ok(self.respond(
-                        index,
-                        response,
-                        lease,
-                        route,
-                        &mut downstream_upgrade,
-                    ));
-                }
-                Err(failure) => {
-                    replica.count_response(None);
-                    match failure {
-                        Failure::Fatal(error) => return Err(error),
-                        Failure::NotSent { error, eject } => {
-                            tracing::debug!(replica = %name, error = %Chain(&error), "not sent; retrying");
-                            self.eject(index, eject);
-                            last_error = Some(error);
-                            retrying = Some((index, RetryReason::NotSent));
+                tried.push(index);
+                let replica = self.balancer.replica(index).clone();
+                let attempt = self.attempt(index, route.credential, &resendable);
+                let attempt = if read {
+                    // Subscribed before the request leaves, so an ejection during it is seen.
+                    let mut unresponsive = replica.unresponsive();
+                    let limit = route
+                        .attempt_timeout
+                        .map(|limit| Instant::now() + limit)
+                        .filter(|limit| deadline.is_none_or(|deadline| *limit < deadline));
+                    // One timer for whichever comes first: the attempt's limit, when set, is
+                    // before the request's deadline.
+                    tokio::select! {
+                        biased;
+                        done = attempt => Attempt::Done(done),
+                        _ = unresponsive.changed() => Attempt::Unanswered(RetryReason::Unresponsive),
+                        () = until(limit.or(deadline)) => match limit {
+                            Some(_) => Attempt::Unanswered(RetryReason::AttemptTimeout),
+                            None => Attempt::Deadline,
+                        },
+                    }
+                } else {
+                    tokio::select! {
+                        biased;
+                        done = attempt => Attempt::Done(done),
+                        () = until(deadline) => Attempt::Deadline,
+                    }
+                };
+                let name = replica.name.clone();
+                let outcome = match attempt {
+                    Attempt::Done(outcome) => outcome,
+                    Attempt::Deadline => {
+                        replica.count_response(None);
+                        tracing::warn!(replica = %name, "no response head before the request's deadline");
+                        return Err(UpstreamError::Timeout {
+                            replica: Some(name),
+                        });
+                    }
+                    Attempt::Unanswered(why) => {
+                        replica.count_response(None);
+                        only_not_sent = false;
+                        last_error = Some(UpstreamError::Timeout {
+                            replica: Some(name.clone()),
+                        });
+                        if resends >= MAX_RESENDS {
+                            tracing::warn!(replica = %name, ?why, "read unanswered; no retry left");
+                            break;
                         }
-                        Failure::MaybeSent { error, eject } => {
-                            self.eject(index, eject);
-                            only_not_sent = false;
-                            if !read {
-                                tracing::warn!(replica = %name, error = %Chain(&error), "write may have arrived; not retried");
-                                return Err(UpstreamError::Interrupted(Arc::new(error)));
-                            }
-                            if route
-                                .client_timeout
-                                .is_some_and(|limit| started.elapsed() >= limit)
-                            {
-                                // The apiserver ends a request at its own `timeout` (Go's
-                                // timeout handler resets the stream): past it, the answer is
-                                // the client's 504, not a second try it no longer waits for.
-                                tracing::debug!(replica = %name, error = %Chain(&error), "read ended at its own timeout");
-                                return Err(UpstreamError::Timeout {
-                                    replica: Some(name.clone()),
-                                });
-                            }
-                            if resends >= MAX_RESENDS {
-                                tracing::warn!(replica = %name, error = %Chain(&error), "read failed; no retry left");
+                        tracing::info!(replica = %name, ?why, "read unanswered; retrying on another replica");
+                        resends += 1;
+                        retrying = Some((index, why));
+                        continue;
+                    }
+                };
+                match outcome {
+                    Ok((response, lease)) => {
+                        return Ok(self.respond(
+                            index,
+                            response,
+                            lease,
+                            route,
+                            &mut downstream_upgrade,
+                        ));
+                    }
+                    Err(failure) => {
+                        replica.count_response(None);
+                        match failure {
+                            Failure::Fatal(error) => return Err(error),
+                            Failure::NotSent { error, eject } => {
+                                tracing::debug!(replica = %name, error = %Chain(&error), "not sent; retrying");
+                                self.eject(index, eject);
                                 last_error = Some(error);
-                                break;
+                                retrying = Some((index, RetryReason::NotSent));
                             }
-                            tracing::debug!(replica = %name, error = %Chain(&error), "read failed; retrying");
-                            last_error = Some(error);
-                            resends += 1;
-                            retrying = Some((index, RetryReason::Reset));
+                            Failure::MaybeSent { error, eject } => {
+                                self.eject(index, eject);
+                                only_not_sent = false;
+                                if !read {
+                                    tracing::warn!(replica = %name, error = %Chain(&error), "write may have arrived; not retried");
+                                    return Err(UpstreamError::Interrupted(Arc::new(error)));
+                                }
+                                if route
+                                    .client_timeout
+                                    .is_some_and(|limit| started.elapsed() >= limit)
+                                {
+                                    // The apiserver ends a request at its own `timeout` (Go's
+                                    // timeout handler resets the stream): past it, the answer is
+                                    // the client's 504, not a second try it no longer waits for.
+                                    tracing::debug!(replica = %name, error = %Chain(&error), "read ended at its own timeout");
+                                    return Err(UpstreamError::Timeout {
+                                        replica: Some(name.clone()),
+                                    });
+                                }
+                                if resends >= MAX_RESENDS {
+                                    tracing::warn!(replica = %name, error = %Chain(&error), "read failed; no retry left");
+                                    last_error = Some(error);
+                                    break;
+                                }
+                                tracing::debug!(replica = %name, error = %Chain(&error), "read failed; retrying");
+                                last_error = Some(error);
+                                resends += 1;
+                                retrying = Some((index, RetryReason::Reset));
+                            }
                         }
                     }
                 }
             }
+            let no_replica = UpstreamError::NoHealthyReplica {
+                retry_after: self.balancer.retry_after(Instant::now()),
+            };
+            Err(match last_error {
+                Some(_) if only_not_sent => no_replica,
+                Some(error) => error,
+                None => no_replica,
+            })
         }
-        let no_replica = UpstreamError::NoHealthyReplica {
-            retry_after: self.balancer.retry_after(Instant::now()),
-        };
-        Err(match last_error {
-            Some(_) if only_not_sent => no_replica,
-            Some(error) => error,
-            None => no_replica,
-        })
     }
 
     fn pick(&self, load: Load, tried: &[usize]) -> Option<usize> {

@@ -7,6 +7,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::TryFutureExt;
+use futures::future::{self, Either};
 use http::{HeaderValue, Request};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -87,11 +89,15 @@ impl Forward {
 
 impl Next<Incoming, ToApiserver> for Forward {
     fn run(&self, call: Call<Incoming, ToApiserver>) -> impl Future<Output = Answered> + Send {
-        let prepared = self.prepare(call);
-        async move {
-            let (request, route) = prepared?;
+        // The request is rewritten and taken apart before any future is made, and no
+        // future of this stage's own wraps the exchange's: every forwarded request's future
+        // holds it.
+        match self.prepare(call) {
             // Served by the upstream: what `Rescue` counts a response without `ServedBy` as.
-            Ok(self.upstream.send(request, route).await?)
+            Ok((request, route)) => {
+                Either::Left(self.upstream.send(request, route).map_err(ProxyError::from))
+            }
+            Err(error) => Either::Right(future::ready(Err(error))),
         }
     }
 }

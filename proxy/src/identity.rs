@@ -55,6 +55,9 @@ pub enum Credential {
     Token(String),
 }
 
+/// The user name of a request on the anonymous allowlist, as the apiserver names it.
+pub const ANONYMOUS: &str = "system:anonymous";
+
 /// The identity of one request, put into its extensions by [`identify`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Identity {
@@ -71,7 +74,7 @@ pub enum Identity {
 
 impl Identity {
     /// The user, when there is one.
-    pub fn user(&self) -> Option<&User> {
+    pub fn user(&self) -> Option<&Arc<User>> {
         match self {
             Identity::User { user, .. } => Some(user),
             Identity::Anonymous => None,
@@ -82,7 +85,7 @@ impl Identity {
     pub fn name(&self) -> &str {
         self.user()
             .map(|u| u.username.as_str())
-            .unwrap_or("system:anonymous")
+            .unwrap_or(ANONYMOUS)
     }
 }
 

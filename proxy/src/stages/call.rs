@@ -16,7 +16,7 @@ use super::error::ProxyError;
 use crate::Body;
 use crate::cache::{self, Held};
 use crate::classify::RequestInfo;
-use crate::identity::{Identity, User};
+use crate::identity::{ANONYMOUS, Identity, User};
 use crate::listen::ConnInfo;
 use crate::rules::Matched;
 use crate::upstream::BodyFlow;
@@ -113,7 +113,7 @@ impl Report {
     pub fn who(&self) -> &str {
         match self.user.get() {
             Some(Some(user)) => &user.username,
-            Some(None) => "system:anonymous",
+            Some(None) => ANONYMOUS,
             None => "-",
         }
     }
@@ -151,7 +151,7 @@ impl Identified {
         match &self.identity {
             Identity::User { user, .. } => Cow::Borrowed(user),
             Identity::Anonymous => Cow::Owned(User {
-                username: "system:anonymous".into(),
+                username: ANONYMOUS.into(),
                 groups: vec!["system:unauthenticated".into()],
                 ..User::default()
             }),

@@ -50,11 +50,7 @@ impl<B: Send + 'static> Stage<B> for Identify {
         }
         drop(identifying);
         let identity = identity?;
-        let user = match &identity {
-            Identity::User { user, .. } => Some(user.clone()),
-            Identity::Anonymous => None,
-        };
-        let _ = call.report.user.set(user);
+        let _ = call.report.user.set(identity.user().cloned());
         let info = call.facts.info.clone();
         next.run(call.learn(Identified { info, identity })).await
     }

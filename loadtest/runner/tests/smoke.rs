@@ -504,3 +504,21 @@ fn conn_flood_is_closed_for_not_authenticating_while_the_other_clients_are_serve
     let class = &run["classes"]["authenticated"];
     assert_eq!(class["errors"], 0, "{class}");
 }
+
+/// `passthrough` reads the core's speed from `__calibrate`: one number of milliseconds on
+/// its own line, for work that takes a measurable time.
+#[test]
+fn calibrate_prints_how_long_its_work_took_in_milliseconds() {
+    let out = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
+        .arg("__calibrate")
+        .output()
+        .expect("the binary runs");
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let ms: f64 = stdout
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("one number, not {stdout:?}"));
+    assert!(ms > 1.0 && ms < 600_000.0, "{ms} ms");
+    assert_eq!(stdout.lines().count(), 1, "{stdout:?}");
+}

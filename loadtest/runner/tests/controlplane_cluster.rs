@@ -201,7 +201,9 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
     options.jobs = 1;
     options.pods_per_job = 20;
     options.replicas = 1;
-    options.settle = Duration::from_secs(8);
+    // Past two renewal periods (10 s), so that each probe renews at least twice whenever its
+    // first renewal falls: with 8 s a run whose Job ended quickly saw one renewal a probe.
+    options.settle = Duration::from_secs(21);
     options.storm = 2;
     options.storm_secrets = 20;
     options.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));

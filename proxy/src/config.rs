@@ -121,6 +121,9 @@ fn default_lease_duration() -> Duration {
     Duration::from_secs(10)
 }
 
+/// The most `listen.workers`: a thread each, and more threads than cores only add switches.
+pub const MAX_WORKERS: usize = 1024;
+
 /// The client-facing listener (DESIGN.md step 1).
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -149,6 +152,12 @@ pub struct Listen {
     /// The PROXY protocol (v1 and v2) from the load balancers in front; off when absent.
     #[serde(default)]
     pub proxy_protocol: Option<ProxyProtocol>,
+    /// Threads that serve client connections, each on a single-threaded runtime with its
+    /// own upstream connections; a connection goes to the one with the fewest open. Set it
+    /// to the cores Bulwark may use (its CPU limit). 0 (the default) serves them on the
+    /// process's main runtime, which `TOKIO_WORKER_THREADS` sizes.
+    #[serde(default)]
+    pub workers: usize,
 }
 
 /// Which peers may tell Bulwark the client's address with a PROXY protocol header, as
@@ -1144,6 +1153,15 @@ impl Config {
         }
         // A zero pause is a valid choice (no balancer to wait for); a zero grace is not.
         p.positive("listen.shutdown.grace", listen.shutdown.grace);
+        if listen.workers > MAX_WORKERS {
+            p.add(
+                "listen.workers",
+                format!(
+                    "{} is more than {MAX_WORKERS}; give it the cores Bulwark may use",
+                    listen.workers
+                ),
+            );
+        }
     }
 
     fn validate_upstream(&self, p: &mut Problems) {

@@ -13,6 +13,7 @@ mod conn;
 mod proxy_header;
 mod reload;
 mod tls;
+mod workers;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -30,7 +31,7 @@ use rustls::pki_types::CertificateDer;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
 
 use crate::Body;
 use crate::config;
@@ -40,6 +41,7 @@ use crate::metrics::Metrics;
 pub use caps::{Connections, raise_open_file_limit};
 #[doc(hidden)]
 pub use proxy_header::at_start as proxy_header_at_start;
+pub use workers::Worker;
 
 /// What the request path learns from the connection; inserted into every request's extensions.
 #[derive(Debug, Clone)]
@@ -430,26 +432,60 @@ impl Listener {
         }))
     }
 
-    /// Accepts and serves connections until the drain reaches [`DrainPhase::GoAway`], then
-    /// stops accepting (the socket is closed) and returns once every connection has ended,
-    /// gracefully or at [`DrainPhase::Close`]. If the drain sender is dropped the listener
-    /// keeps serving. Errors of single connections are logged, never returned.
+    /// Accepts connections and serves them on this runtime until the drain reaches
+    /// [`DrainPhase::GoAway`], then stops accepting (the socket is closed) and returns once
+    /// every connection has ended, gracefully or at [`DrainPhase::Close`]. If the drain
+    /// sender is dropped the listener keeps serving. Errors of single connections are
+    /// logged, never returned.
     pub async fn serve<S>(
         self,
         service: S,
-        mut drain: watch::Receiver<DrainPhase>,
+        drain: watch::Receiver<DrainPhase>,
     ) -> Result<(), ListenError>
     where
         S: RequestPath,
     {
+        let dispatch = workers::Dispatch::local(service, self.shared(&drain));
+        self.accept(dispatch, drain).await
+    }
+
+    /// As [`Listener::serve`], with each connection served by one of `workers`' threads,
+    /// the one with the fewest open connections when it is accepted. Dropping the future
+    /// stops the threads and drops their connections.
+    pub async fn serve_on<S>(
+        self,
+        workers: Vec<Worker<S>>,
+        drain: watch::Receiver<DrainPhase>,
+    ) -> Result<(), ListenError>
+    where
+        S: RequestPath,
+    {
+        let dispatch = workers::Dispatch::threads(workers, self.shared(&drain))
+            .map_err(ListenError::Accept)?;
+        self.accept(dispatch, drain).await
+    }
+
+    fn shared(&self, drain: &watch::Receiver<DrainPhase>) -> workers::Shared {
+        workers::Shared {
+            tls: self.tls.clone(),
+            settings: self.settings.clone(),
+            connections: self.connections.clone(),
+            drain: drain.clone(),
+        }
+    }
+
+    /// The accept loop: admits each connection within the caps and hands it on.
+    async fn accept(
+        self,
+        mut dispatch: workers::Dispatch,
+        mut drain: watch::Receiver<DrainPhase>,
+    ) -> Result<(), ListenError> {
         let Listener {
             tcp,
-            tls,
             settings,
             connections,
             ..
         } = self;
-        let mut tasks = JoinSet::new();
         let mut drain_open = true;
         let mut result = Ok(());
         while *drain.borrow_and_update() == DrainPhase::Serving {
@@ -460,26 +496,10 @@ impl Listener {
                         if let Err(error) = stream.set_nodelay(true) {
                             tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
                         }
-                        let guard = match connections.admit() {
-                            Ok(guard) => guard,
-                            Err(full) => {
-                                refuse(stream, full.reason(), &settings);
-                                continue;
-                            }
-                        };
-                        let serve = conn::serve(
-                            stream,
-                            peer,
-                            tls.clone(),
-                            settings.clone(),
-                            connections.clone(),
-                            service.clone(),
-                            drain.clone(),
-                        );
-                        tasks.spawn(async move {
-                            serve.await;
-                            drop(guard);
-                        });
+                        match connections.admit() {
+                            Ok(guard) => dispatch.hand(stream, peer, guard),
+                            Err(full) => refuse(stream, full.reason(), &settings),
+                        }
                     }
                     Err(error) => match accept_error(&error) {
                         AcceptError::Transient => {}
@@ -493,11 +513,6 @@ impl Listener {
                         }
                     },
                 },
-                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
-                    if let Err(error) = joined {
-                        tracing::error!(%error, "a client connection task failed");
-                    }
-                }
                 changed = drain.changed(), if drain_open => {
                     if changed.is_err() {
                         drain_open = false;
@@ -508,12 +523,11 @@ impl Listener {
         // Closing the socket now makes new connections fail fast so that clients and load
         // balancers pick another replica.
         drop(tcp);
-        tracing::info!(open = tasks.len(), "stopped accepting client connections");
-        while let Some(joined) = tasks.join_next().await {
-            if let Err(error) = joined {
-                tracing::error!(%error, "a client connection task failed");
-            }
-        }
+        tracing::info!(
+            open = connections.open(),
+            "stopped accepting client connections"
+        );
+        dispatch.finish().await;
         result
     }
 }

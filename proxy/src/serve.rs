@@ -17,7 +17,7 @@ use crate::fleet::lease::UpstreamLeases;
 use crate::fleet::{self, Fleet, FleetShares};
 use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
 use crate::identity::{TokenCache, UpstreamReviewer};
-use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener};
+use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener, Worker};
 use crate::logs::access::AccessLog;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
@@ -48,6 +48,9 @@ pub enum StartError {
     /// The admin listener's certificate.
     #[error("admin.tls: {0}")]
     AdminTls(#[source] ListenError),
+    /// A worker thread's runtime.
+    #[error("listen.workers: cannot build a worker's runtime: {0}")]
+    Workers(#[source] std::io::Error),
     /// The rule files are invalid.
     #[error("rules: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Rules(Vec<RuleProblem>),
@@ -200,20 +203,32 @@ impl Running {
         };
         let rescue = RescueLayer::new(metrics.clone(), config.metrics.identities, access);
         let board = rescue.board();
-        let service = stack(
-            rescue,
-            Classify::new(ResourceLabels::new(
-                config.cache.resources.iter().map(String::as_str),
-            )),
-            Identify::new(tokens, config.identity.anonymous.clone()),
-            Admit::new(
-                rules.clone(),
-                admission.clone(),
-                cache.clone(),
-                BodyBudget::new(&config.listen.limits),
-            ),
-            forward,
+        let classify = Classify::new(ResourceLabels::new(
+            config.cache.resources.iter().map(String::as_str),
+        ));
+        let identify = Identify::new(tokens, config.identity.anonymous.clone());
+        let admit = Admit::new(
+            rules.clone(),
+            admission.clone(),
+            cache.clone(),
+            BodyBudget::new(&config.listen.limits),
         );
+        // Every worker's request path shares every stage's state; only the connections
+        // to the apiservers are each worker's own.
+        let path = move |forward: Forward| {
+            stack(
+                rescue.clone(),
+                classify.clone(),
+                identify.clone(),
+                admit.clone(),
+                forward,
+            )
+        };
+        let workers = (0..config.listen.workers)
+            .map(|_| Worker::new(path(forward.with_own_connections())))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(StartError::Workers)?;
+        let service = path(forward);
 
         let listener = Listener::bind(&config.listen, &metrics).await?;
         let addr = listener.local_addr();
@@ -221,7 +236,12 @@ impl Running {
         let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
         let handoff = listener.handoff(service.clone(), drain_rx.clone());
         let serving = tokio::spawn(async move {
-            if let Err(e) = listener.serve(service, drain_rx).await {
+            let served = if workers.is_empty() {
+                listener.serve(service, drain_rx).await
+            } else {
+                listener.serve_on(workers, drain_rx).await
+            };
+            if let Err(e) = served {
                 tracing::error!(error = %e, "listener stopped");
             }
         });

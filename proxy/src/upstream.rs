@@ -13,7 +13,7 @@ mod pick;
 mod pool;
 mod tls;
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -298,8 +298,11 @@ pub struct Upstream {
 }
 
 struct Inner {
-    balancer: Balancer,
-    pool: Pool,
+    /// Shared by every worker's view ([`Upstream::with_own_connections`]).
+    balancer: Arc<Balancer>,
+    pool: Arc<Pool>,
+    /// Every view's pool, for the connection counts of [`Upstream::snapshot`].
+    pools: Arc<Mutex<Vec<Weak<Pool>>>>,
     tls: UpstreamTls,
     stall_timeout: Duration,
     probe_interval: Duration,
@@ -379,16 +382,17 @@ impl Upstream {
             byte_budget,
             &metrics,
         )?;
-        let pool = Pool::new(
+        let pool = Arc::new(Pool::new(
             balancer.replicas(),
             cfg.server_name.as_deref(),
             tls.clone(),
             cfg.timeouts.connect,
             cfg.streams_per_connection,
-        )?;
+        )?);
         Ok(Self {
             inner: Arc::new(Inner {
-                balancer,
+                balancer: Arc::new(balancer),
+                pools: Arc::new(Mutex::new(vec![Arc::downgrade(&pool)])),
                 pool,
                 tls,
                 stall_timeout: cfg.stall_timeout,
@@ -397,6 +401,32 @@ impl Upstream {
                 probes: Mutex::new(Vec::new()),
             }),
         })
+    }
+
+    /// The same replicas, health, ejections and byte budgets, with connections of its own:
+    /// a worker thread's view, whose connections are opened (and their tasks run) on the
+    /// worker's runtime, so that a request and its upstream stream never change threads.
+    /// Probes stay with `self`.
+    pub fn with_own_connections(&self) -> Upstream {
+        let inner = &self.inner;
+        let pool = Arc::new(inner.pool.empty_like());
+        inner
+            .pools
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::downgrade(&pool));
+        Upstream {
+            inner: Arc::new(Inner {
+                balancer: inner.balancer.clone(),
+                pool,
+                pools: inner.pools.clone(),
+                tls: inner.tls.clone(),
+                stall_timeout: inner.stall_timeout,
+                probe_interval: inner.probe_interval,
+                byte_budget: inner.byte_budget,
+                probes: Mutex::new(Vec::new()),
+            }),
+        }
     }
 
     /// Starts probing each replica's `/readyz` every `probe_interval` with the Own
@@ -453,9 +483,12 @@ impl Upstream {
     /// Every replica's state.
     pub fn snapshot(&self) -> Vec<ReplicaView> {
         let inner = &self.inner;
-        inner
-            .balancer
-            .snapshot(Instant::now(), |i| inner.pool.connections(i))
+        let mut pools = inner.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.retain(|pool| pool.strong_count() > 0);
+        let pools: Vec<Arc<Pool>> = pools.iter().filter_map(Weak::upgrade).collect();
+        inner.balancer.snapshot(Instant::now(), |i| {
+            pools.iter().map(|pool| pool.connections(i)).sum()
+        })
     }
 
     /// One replica's in-flight LIST byte budget: heap headroom ÷ 5 ÷ Bulwark replicas.

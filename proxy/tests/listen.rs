@@ -15,7 +15,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, bail};
 use bulwark::config::{Listen, ListenLimits, Shutdown};
 use bulwark::listen::{
-    ConnInfo, Connections, DrainPhase, Handoff, ListenError, Listener, Reloader,
+    ConnInfo, Connections, DrainPhase, Handoff, ListenError, Listener, Reloader, Worker,
 };
 use bulwark::{Body, BoxError};
 use bytes::Bytes;
@@ -217,6 +217,7 @@ fn listen_config(mount: &SecretMount, client_ca: bool, limits: ListenLimits) -> 
         goaway_chance: 0.0,
         shutdown: Shutdown::default(),
         proxy_protocol: None,
+        workers: 0,
     }
 }
 
@@ -234,6 +235,11 @@ struct Server {
 
 impl Server {
     async fn start(cfg: &Listen, watch_files: bool) -> Result<Self> {
+        Self::start_on(cfg, watch_files, 0).await
+    }
+
+    /// Serves on `workers` threads of its own, or on the test's runtime with 0.
+    async fn start_on(cfg: &Listen, watch_files: bool, workers: usize) -> Result<Self> {
         let listener = Listener::bind(cfg, &bulwark::metrics::Metrics::new()).await?;
         let addr = listener.local_addr();
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -242,7 +248,14 @@ impl Server {
         let connections = listener.connections();
         let reloader = listener.reloader();
         let handoff = listener.handoff(test_service(seen.clone()), drain_rx.clone());
-        let serve = tokio::spawn(listener.serve(test_service(seen.clone()), drain_rx));
+        let serve = if workers == 0 {
+            tokio::spawn(listener.serve(test_service(seen.clone()), drain_rx))
+        } else {
+            let workers = (0..workers)
+                .map(|_| Worker::new(test_service(seen.clone())))
+                .collect::<Result<Vec<_>, _>>()?;
+            tokio::spawn(listener.serve_on(workers, drain_rx))
+        };
         Ok(Self {
             addr,
             seen,
@@ -270,7 +283,8 @@ impl Drop for Server {
 }
 
 /// `/quiet`: one line, then a body that stays open and silent (a quiet watch).
-/// `/ticks`: a line every 50 ms, forever. Anything else: `200 ok`.
+/// `/ticks`: a line every 50 ms, forever. `/thread`: the name of the thread serving it.
+/// Anything else: `200 ok`.
 fn test_service(
     seen: Arc<Mutex<Vec<ConnInfo>>>,
 ) -> impl tower::Service<Request<Incoming>, Response = Response<Body>, Error = Infallible, Future: Send>
@@ -293,6 +307,12 @@ fn test_service(
                     tokio_stream_interval(Duration::from_millis(50)).map(|()| data("tick\n")),
                 )
                 .boxed_unsync(),
+                "/thread" => bulwark::full(
+                    std::thread::current()
+                        .name()
+                        .unwrap_or("unnamed")
+                        .to_owned(),
+                ),
                 _ => bulwark::full("ok"),
             };
             Ok::<_, Infallible>(Response::new(body))
@@ -841,6 +861,15 @@ async fn goaway_chance_one_sends_every_http2_client_away_after_its_request() -> 
 
 #[tokio::test]
 async fn drain_goaway_finishes_streams_then_close_drops_them() -> Result<()> {
+    drain_goaway_finishes_streams_then_close_drops_them_on(0).await
+}
+
+#[tokio::test]
+async fn on_worker_threads_drain_goaway_finishes_streams_then_close_drops_them() -> Result<()> {
+    drain_goaway_finishes_streams_then_close_drops_them_on(2).await
+}
+
+async fn drain_goaway_finishes_streams_then_close_drops_them_on(workers: usize) -> Result<()> {
     let ca = Ca::new("bulwark-ca")?;
     let mount = SecretMount::new(&ca.server()?, None)?;
     // hyper's header read timeout also ends idle HTTP/1.1 keep-alive connections; keep it
@@ -849,7 +878,8 @@ async fn drain_goaway_finishes_streams_then_close_drops_them() -> Result<()> {
         header_read_timeout: Duration::from_secs(30),
         ..limits()
     };
-    let mut server = Server::start(&listen_config(&mount, false, limits), false).await?;
+    let mut server =
+        Server::start_on(&listen_config(&mount, false, limits), false, workers).await?;
 
     let (mut streaming, _stream_conn) = h2(server.addr, client_tls(&ca, &[b"h2"], None)?).await?;
     let mut ticks = streaming.send_request(get("/ticks")).await?.into_body();
@@ -893,6 +923,64 @@ async fn drain_goaway_finishes_streams_then_close_drops_them() -> Result<()> {
     ended.await?;
     within("serve returned", &mut server.serve).await???;
     assert_eq!(server.connections.open(), 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn connections_spread_evenly_over_worker_threads_and_each_stays_on_its_own() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let server = Server::start_on(&listen_config(&mount, false, limits()), false, 2).await?;
+    let mut served_by = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let (mut client, conn) = h2(server.addr, client_tls(&ca, &[b"h2"], None)?).await?;
+        let mut threads = Vec::new();
+        for _ in 0..3 {
+            let body = client.send_request(get("/thread")).await?.into_body();
+            threads.push(String::from_utf8(
+                body.collect().await?.to_bytes().to_vec(),
+            )?);
+        }
+        threads.dedup();
+        assert_eq!(threads.len(), 1, "one connection, one thread: {threads:?}");
+        served_by.push(threads.remove(0));
+        clients.push((client, conn));
+    }
+    served_by.sort();
+    assert_eq!(
+        served_by,
+        [
+            "bulwark-worker-0",
+            "bulwark-worker-0",
+            "bulwark-worker-1",
+            "bulwark-worker-1"
+        ],
+        "each connection goes to the worker with the fewest open"
+    );
+    assert_eq!(server.connections.open(), 4);
+    Ok(())
+}
+
+#[tokio::test]
+async fn stopping_a_listener_on_worker_threads_drops_their_connections() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let server = Server::start_on(&listen_config(&mount, false, limits()), false, 2).await?;
+    let (mut client, conn) = h2(server.addr, client_tls(&ca, &[b"h2"], None)?).await?;
+    let mut ticks = client.send_request(get("/ticks")).await?.into_body();
+    assert_eq!(next_data(&mut ticks).await?, "tick\n");
+    assert_eq!(server.connections.open(), 1);
+    let connections = server.connections.clone();
+    // Aborts the listener's task, as a drain's end or a dropped runtime does.
+    drop(server);
+    let _ = within("the worker's connection closed", conn).await?;
+    within("the connection's slot given back", async {
+        while connections.open() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await?;
     Ok(())
 }
 

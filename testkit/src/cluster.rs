@@ -65,6 +65,9 @@ pub struct Setup {
     /// Whether Bulwark's watch-fed cache runs (off where a test watches what reaches the
     /// apiservers).
     pub cache: bool,
+    /// Threads serving Bulwark's client connections (`listen.workers`); 0 serves them on
+    /// the test's runtime.
+    pub workers: usize,
     /// Further settings of Bulwark's configuration: dotted path, YAML value.
     pub settings: Vec<(&'static str, &'static str)>,
     /// A last change to the parsed configuration.
@@ -89,6 +92,7 @@ impl Default for Setup {
             rules: UNLIMITED_RULES,
             rules_folder: None,
             cache: false,
+            workers: 0,
             settings: Vec::new(),
             tweak: |_| {},
             policy: policy(),
@@ -230,6 +234,9 @@ impl Cluster {
         config.rules = Some(rules);
         config.cache = setup.cache;
         config.audit = Some(dir.join("audit.jsonl"));
+        if setup.workers > 0 {
+            config = config.set("listen.workers", &setup.workers.to_string());
+        }
         for (at, yaml) in setup.settings {
             config = config.set(at, yaml);
         }

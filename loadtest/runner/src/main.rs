@@ -66,6 +66,19 @@ struct OnControlPlaneArgs {
     apiserver_memory_limit: u64,
 }
 
+/// `passthrough`'s options.
+#[derive(Args, Debug, Clone)]
+struct PassthroughArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Worker counts to measure the floor, Bulwark and haproxy with (comma-separated,
+    /// e.g. `1,2,4,8`). Default: the floor and Bulwark with 1 and 2, haproxy with 1. Where
+    /// the machine has the most of them plus four cores, the proxies, the upstream and
+    /// h2load each get cores of their own.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=256))]
+    workers: Vec<u16>,
+}
+
 /// `fleet`'s options: a real control plane always.
 #[derive(Args, Debug, Clone)]
 struct FleetArgs {
@@ -133,7 +146,7 @@ enum Command {
     NodeJoin(Common),
     /// Raw proxy overhead on a small GET: direct, haproxy, nginx, the floor (a bare proxy
     /// of Bulwark's own crates) and Bulwark.
-    Passthrough(Common),
+    Passthrough(PassthroughArgs),
     /// Thousands of TLS connections that collect a 401 and idle, while an authenticated
     /// client works and a new one connects: Bulwark's descriptors, memory and latency.
     ConnFlood(ConnFloodArgs),
@@ -469,7 +482,13 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::EventsPoll(c) => (scenario::run(&EventsPoll, &opts(&c)).await?, c),
         Command::NodeJoin(c) => (scenario::run(&NodeJoin, &opts(&c)).await?, c),
         Command::Demo(c) => (scenario::run(&Demo, &opts(&c)).await?, c),
-        Command::Passthrough(c) => (passthrough::run(&opts(&c)).await?, c),
+        Command::Passthrough(a) => {
+            let workers: Vec<usize> = a.workers.iter().map(|&n| usize::from(n)).collect();
+            (
+                passthrough::run(&opts(&a.common), &workers).await?,
+                a.common,
+            )
+        }
         Command::ConnFlood(a) => {
             let flood = scenario::conn_flood::FloodOptions {
                 connections: a.connections,

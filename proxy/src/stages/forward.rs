@@ -40,6 +40,15 @@ impl Forward {
         }
     }
 
+    /// The same forwarding over the upstream's view with connections of its own, for one
+    /// worker thread ([`Upstream::with_own_connections`]).
+    pub fn with_own_connections(&self) -> Forward {
+        Forward {
+            upstream: self.upstream.with_own_connections(),
+            ..self.clone()
+        }
+    }
+
     /// Rewrites the request for the apiserver and routes it: all the work before the
     /// upstream exchange, done before any future is made, so that the one future boxed per
     /// request holds only the exchange.

@@ -128,6 +128,17 @@ impl Pool {
         })
     }
 
+    /// A pool for the same replicas with the same settings, and no connection yet.
+    pub(crate) fn empty_like(&self) -> Pool {
+        Pool {
+            sets: self.sets.iter().map(|_| Default::default()).collect(),
+            server_names: self.server_names.clone(),
+            tls: self.tls.clone(),
+            connect_timeout: self.connect_timeout,
+            streams_per_connection: self.streams_per_connection,
+        }
+    }
+
     /// Connections open to a replica, all credentials together.
     pub(crate) fn connections(&self, replica: usize) -> usize {
         self.sets[replica]

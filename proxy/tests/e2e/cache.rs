@@ -15,7 +15,7 @@ async fn synced(replicas: usize, seed: Vec<&'static str>, rules: &'static str) -
         seed,
         cache: true,
         rules,
-        ..Setup::default()
+        ..super::setup()
     })
     .await
     .ready()

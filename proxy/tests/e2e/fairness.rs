@@ -33,7 +33,7 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
     let cluster = Cluster::start(Setup {
         replicas: 1,
         rules: RULES,
-        ..Setup::default()
+        ..super::setup()
     })
     .await;
     let mut alice = cluster.client("alice", &[]).await;
@@ -116,7 +116,7 @@ async fn a_gzip_or_table_list_teaches_the_cost_model_the_json_the_apiserver_buil
         replicas: 1,
         seed: vec!["configmaps=100x100KiB@team"],
         rules: bulwark_testkit::ALICE_LISTS_RULES,
-        ..Setup::default()
+        ..super::setup()
     })
     .await;
     let mut alice = cluster.client("alice", &[]).await;
@@ -165,7 +165,7 @@ async fn the_throttled_identity_is_named_by_debug_flows_the_metric_and_every_ans
         replicas: 1,
         rules: RULES,
         settings: vec![("metrics.identities", "5")],
-        ..Setup::default()
+        ..super::setup()
     })
     .await;
     let mut alice = cluster.client("alice", &[]).await;
@@ -238,7 +238,7 @@ async fn the_access_log_has_a_line_per_request_with_its_audit_id_rule_and_reason
         replicas: 1,
         rules: RULES,
         settings: vec![("accessLog", setting)],
-        ..Setup::default()
+        ..super::setup()
     })
     .await;
     let mut alice = cluster.client("alice", &[]).await;
@@ -293,7 +293,7 @@ async fn a_refusal_after_admission_names_its_rule_and_level_and_is_counted_with_
     let cluster = Cluster::start(Setup {
         replicas: 1,
         rules: RULES,
-        ..Setup::default()
+        ..super::setup()
     })
     .await;
     let mut carol = cluster.client("carol", &[]).await;
@@ -337,7 +337,7 @@ async fn a_body_over_the_budget_gets_429_with_its_rule_and_level_and_is_counted_
             ("listen.limits.bufferedBodyBytesPerFlow", "4Ki"),
             ("listen.limits.bufferedBodyBytes", "4Ki"),
         ],
-        ..Setup::default()
+        ..super::setup()
     })
     .await;
     let put = || {

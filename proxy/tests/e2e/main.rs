@@ -11,3 +11,10 @@ mod identity;
 mod kube_client;
 mod oncall;
 mod streaming;
+
+/// The setup the fairness and cache tests start from: Bulwark serving on the test's runtime.
+fn setup() -> bulwark_testkit::Setup {
+    bulwark_testkit::Setup::default()
+}
+
+mod on_workers;

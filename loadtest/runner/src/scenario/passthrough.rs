@@ -48,10 +48,15 @@ const OBJECT: &str = r#"{"kind":"ConfigMap","apiVersion":"v1","metadata":{"name"
 const REVIEW: &str = r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{"authenticated":true,"user":{"username":"passthrough","groups":["system:authenticated"]}}}"#;
 /// The bearer token h2load sends.
 const CLIENT_TOKEN: &str = "passthrough-client-token";
-/// h2load's connections and concurrent streams on each.
+/// h2load's connections where it has one core, and concurrent streams on each.
 const CONNECTIONS: u32 = 20;
 /// See [`CONNECTIONS`].
 const STREAMS: u32 = 10;
+/// h2load's connections per worker of the most workers measured where it has cores of its
+/// own, so that every worker gets several.
+const CONNECTIONS_PER_WORKER: u32 = 8;
+/// The worker counts measured unless `--workers` says otherwise.
+pub const DEFAULT_WORKERS: [usize; 2] = [1, 2];
 /// The fixed rates the added latency is measured at, requests/s over all connections.
 const FIXED_RATES: [u32; 2] = [2_000, 20_000];
 /// Requests each target gets before it is measured (connections, the token review).
@@ -72,37 +77,50 @@ rules:
 enum Subject {
     /// h2load → the upstream.
     Direct,
-    /// h2load → haproxy (one thread) → the upstream.
-    Haproxy,
+    /// h2load → haproxy with this many threads → the upstream.
+    Haproxy(usize),
     /// h2load → nginx (one worker) → the upstream.
     Nginx,
     /// h2load → the floor (`crate::floor`) with this many workers → the upstream.
     Floor(usize),
-    /// h2load → Bulwark with this many worker threads → the upstream.
+    /// h2load → Bulwark with this many worker threads (`listen.workers`) → the upstream.
     Bulwark(usize),
 }
 
 impl Subject {
-    const ALL: [Subject; 7] = [
-        Subject::Direct,
-        Subject::Haproxy,
-        Subject::Nginx,
-        Subject::Floor(1),
-        Subject::Floor(2),
-        Subject::Bulwark(1),
-        Subject::Bulwark(2),
-    ];
+    /// What a run measures, in order: direct, haproxy, nginx, then the floor and Bulwark
+    /// with each of `workers`. haproxy runs with each of `workers` too when they were asked
+    /// for (`explicit`), else with one thread only.
+    fn all(workers: &[usize], explicit: bool) -> Vec<Subject> {
+        let haproxy = if explicit { workers } else { &[1][..] };
+        let mut all = vec![Subject::Direct];
+        all.extend(haproxy.iter().map(|&n| Subject::Haproxy(n)));
+        all.push(Subject::Nginx);
+        all.extend(workers.iter().map(|&n| Subject::Floor(n)));
+        all.extend(workers.iter().map(|&n| Subject::Bulwark(n)));
+        all
+    }
 
-    /// The run's name in the report.
-    fn name(self) -> &'static str {
+    /// Workers (threads) of the proxy; one for those that have no such setting.
+    fn workers(self) -> usize {
         match self {
+            Subject::Haproxy(n) | Subject::Floor(n) | Subject::Bulwark(n) => n.max(1),
+            Subject::Direct | Subject::Nginx => 1,
+        }
+    }
+
+    /// The run's name in the report: `bulwark`, `bulwark-2-workers`, ...
+    fn name(self) -> String {
+        let base = match self {
             Subject::Direct => "direct",
-            Subject::Haproxy => "haproxy",
+            Subject::Haproxy(_) => "haproxy",
             Subject::Nginx => "nginx",
-            Subject::Floor(1) => report::FLOOR,
-            Subject::Floor(_) => "floor-2-workers",
-            Subject::Bulwark(1) => "bulwark",
-            Subject::Bulwark(_) => "bulwark-2-workers",
+            Subject::Floor(_) => report::FLOOR,
+            Subject::Bulwark(_) => "bulwark",
+        };
+        match self.workers() {
+            1 => base.to_string(),
+            n => format!("{base}-{n}-workers"),
         }
     }
 }
@@ -151,45 +169,79 @@ impl Tools {
     }
 }
 
-/// Which cores the proxies (with the upstream) and the load generator run on.
-#[derive(Clone, Debug)]
+/// Which cores the proxies, the upstream and the load generator run on.
+#[derive(Clone, Debug, PartialEq)]
 struct Pinning {
-    proxy: usize,
-    load: usize,
+    /// The proxies' cores, in the order workers take them.
+    proxy: Vec<usize>,
+    /// The upstream's (one nginx worker each).
+    upstream: Vec<usize>,
+    /// h2load's (one thread each).
+    load: Vec<usize>,
 }
 
 impl Pinning {
-    /// The first two cores this process may run on, when `taskset` is there to pin.
-    fn choose(tools: &Tools) -> Option<Pinning> {
+    /// The cores this process may run on, when `taskset` is there to pin.
+    fn choose(tools: &Tools, most_workers: usize) -> Option<Pinning> {
         tools.taskset.as_ref()?;
         let status = std::fs::read_to_string("/proc/self/status").ok()?;
         let list = status
             .lines()
             .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
-        let mut cores = cpu_list(list).into_iter();
+        Pinning::over(&cpu_list(list), most_workers)
+    }
+
+    /// With room for it (the most workers and at least two cores each for the upstream
+    /// and h2load), each gets cores of its own: the proxies the first, the upstream and
+    /// h2load half the rest each. Otherwise the proxy and the upstream share the first core
+    /// and h2load has the second, and a proxy with more workers takes as many of the cores
+    /// as there are.
+    fn over(cores: &[usize], most_workers: usize) -> Option<Pinning> {
+        let most_workers = most_workers.max(1);
+        if cores.len() >= most_workers + 4 && most_workers > 1 {
+            let (proxy, rest) = cores.split_at(most_workers);
+            let (upstream, load) = rest.split_at(rest.len() / 2);
+            return Some(Pinning {
+                proxy: proxy.to_vec(),
+                upstream: upstream.to_vec(),
+                load: load.to_vec(),
+            });
+        }
+        let (first, second) = (*cores.first()?, *cores.get(1)?);
         Some(Pinning {
-            proxy: cores.next()?,
-            load: cores.next()?,
+            proxy: cores.to_vec(),
+            upstream: vec![first],
+            load: vec![second],
         })
     }
 
-    /// The cores of a subject's processes: Bulwark and the floor with two workers get both.
+    /// Whether the proxies have cores of their own (not shared with the upstream).
+    fn wide(&self) -> bool {
+        !self.upstream.contains(&self.proxy[0])
+    }
+
+    /// The cores of a subject's processes: as many as it has workers.
     fn proxy_cores(&self, subject: Subject) -> String {
-        match subject {
-            Subject::Bulwark(n) | Subject::Floor(n) if n > 1 => {
-                format!("{},{}", self.proxy, self.load)
-            }
-            _ => self.proxy.to_string(),
-        }
+        let n = subject.workers().min(self.proxy.len());
+        join(&self.proxy[..n])
     }
 
     fn describe(pinning: Option<&Pinning>) -> String {
         match pinning {
+            Some(p) if p.wide() => format!(
+                "proxies on cores {} (as many as they have workers), the upstream (nginx, \
+                 {} workers) on cores {}, h2load ({} threads) on cores {}",
+                join(&p.proxy),
+                p.upstream.len(),
+                join(&p.upstream),
+                p.load.len(),
+                join(&p.load)
+            ),
             Some(p) => format!(
                 "upstream and proxy on core {}, h2load on core {} (the floor and Bulwark \
                  with two workers: cores {})",
-                p.proxy,
-                p.load,
+                p.proxy[0],
+                p.load[0],
                 p.proxy_cores(Subject::Bulwark(2))
             ),
             None => "none: taskset is missing or this machine has one core, so the proxy, \
@@ -197,6 +249,14 @@ impl Pinning {
                 .into(),
         }
     }
+}
+
+fn join(cores: &[usize]) -> String {
+    cores
+        .iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The cores of a CPU list as the kernel writes it (`0-3,8,10-11`), in order.
@@ -224,18 +284,31 @@ fn pinned(tools: &Tools, cores: Option<String>, program: &Path) -> Command {
     }
 }
 
-/// Runs the scenario against every subject that is installed.
-pub async fn run(opts: &Options) -> anyhow::Result<Report> {
+/// Runs the scenario against every subject that is installed, the floor and Bulwark (and
+/// haproxy, when they are given) with each of `workers` (default [`DEFAULT_WORKERS`]).
+pub async fn run(opts: &Options, workers: &[usize]) -> anyhow::Result<Report> {
     let tools = Tools::find()?;
-    let pinning = Pinning::choose(&tools);
+    let explicit = !workers.is_empty();
+    let workers = if explicit {
+        workers
+    } else {
+        &DEFAULT_WORKERS[..]
+    };
+    let most_workers = workers.iter().copied().max().unwrap_or(1);
+    let pinning = Pinning::choose(&tools, most_workers);
+    let subjects = Subject::all(workers, explicit);
+    let connections = match &pinning {
+        Some(p) if p.wide() => CONNECTIONS.max(CONNECTIONS_PER_WORKER * most_workers as u32),
+        _ => CONNECTIONS,
+    };
     let phase = opts.duration_or(Duration::from_secs(30)) / (FIXED_RATES.len() as u32 + 1);
     let dir = tempfile::Builder::new()
         .prefix("bulwark-passthrough-")
         .tempdir()
         .context("creating the run's folder")?;
-    let bench = Bench::start(dir.path(), &tools, pinning.clone()).await?;
+    let bench = Bench::start(dir.path(), &tools, pinning.clone(), connections).await?;
     let mut runs = Vec::new();
-    for subject in Subject::ALL {
+    for &subject in &subjects {
         if opts
             .only
             .as_deref()
@@ -243,7 +316,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         {
             continue;
         }
-        if subject == Subject::Haproxy && tools.haproxy.is_none() {
+        if matches!(subject, Subject::Haproxy(_)) && tools.haproxy.is_none() {
             continue;
         }
         eprintln!("== passthrough ({}): starting", subject.name());
@@ -253,13 +326,13 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
             subject.name(),
             run.classes.get("saturation").map_or(0.0, |c| c.rps)
         );
-        runs.push((subject.name().to_string(), run));
+        runs.push((subject.name(), run));
     }
     let cores = runs
         .iter()
         .filter_map(|(name, _)| {
-            let subject = Subject::ALL.into_iter().find(|s| s.name() == name)?;
-            let cores = pinning.as_ref()?.proxy_cores(subject);
+            let subject = subjects.iter().find(|s| s.name() == *name)?;
+            let cores = pinning.as_ref()?.proxy_cores(*subject);
             Some((name.clone(), cores.split(',').count()))
         })
         .collect();
@@ -267,9 +340,10 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     let rates: Vec<String> = FIXED_RATES.iter().map(u32::to_string).collect();
     report.bench = Some(report::BenchSetup {
         load_generator: format!(
-            "{}, {CONNECTIONS} connections × {STREAMS} streams, one bearer token; fixed \
-             rates {} requests/s, then saturation; {} s each",
+            "{}, {connections} connections × {STREAMS} streams on {} threads, one bearer \
+             token; fixed rates {} requests/s, then saturation; {} s each",
             bench.h2load_version,
+            bench.threads(),
             rates.join(" and "),
             phase.as_secs().max(1)
         ),
@@ -290,12 +364,23 @@ struct Bench<'a> {
     serving: (PathBuf, PathBuf),
     /// The CA that signed it, which the proxies verify the upstream with.
     upstream_ca: PathBuf,
+    /// h2load's connections.
+    connections: u32,
     upstream: Child,
     /// The upstream's TLS listener.
     upstream_addr: SocketAddr,
     /// The upstream's plain listener for `stub_status` (its request count).
     status_addr: SocketAddr,
     h2load_version: String,
+}
+
+impl Drop for Bench<'_> {
+    /// The upstream with several workers is a master and its workers: stop them all.
+    fn drop(&mut self) {
+        if let Some(pid) = self.upstream.id() {
+            child::signal_group(pid, rustix::process::Signal::KILL);
+        }
+    }
 }
 
 /// How h2load loads a subject.
@@ -345,6 +430,7 @@ impl<'a> Bench<'a> {
         dir: &Path,
         tools: &'a Tools,
         pinning: Option<Pinning>,
+        connections: u32,
     ) -> anyhow::Result<Bench<'a>> {
         let pki = Pki::new();
         let (crt, key) = pki
@@ -353,6 +439,7 @@ impl<'a> Bench<'a> {
             .write(dir, "upstream")?;
         let upstream_ca = dir.join("upstream-ca.crt");
         std::fs::write(&upstream_ca, pki.server_ca.cert_pem())?;
+        let upstream_workers = pinning.as_ref().map_or(1, |p| p.upstream.len());
         let upstream_addr = free_port()?;
         let status_addr = free_port()?;
         let config = format!(
@@ -373,13 +460,13 @@ impl<'a> Bench<'a> {
   }}
 }}
 "#,
-            head = nginx_head(dir, "upstream"),
+            head = nginx_head(dir, "upstream", upstream_workers),
             crt = crt.display(),
             key = key.display(),
         );
         let path = dir.join("upstream.conf");
         std::fs::write(&path, config)?;
-        let cores = pinning.as_ref().map(|p| p.proxy.to_string());
+        let cores = pinning.as_ref().map(|p| join(&p.upstream));
         let mut command = pinned(tools, cores, &tools.nginx);
         command.arg("-c").arg(&path).arg("-p").arg(dir);
         let upstream = spawn(command, dir, "upstream")?;
@@ -394,6 +481,7 @@ impl<'a> Bench<'a> {
             pki,
             serving: (crt, key),
             upstream_ca,
+            connections,
             upstream,
             upstream_addr,
             status_addr,
@@ -517,7 +605,7 @@ impl<'a> Bench<'a> {
                     .arg(workers.to_string());
                 (spawn(command, dir, "floor")?, "floor")
             }
-            Subject::Haproxy => {
+            Subject::Haproxy(threads) => {
                 let bundle = dir.join("serving.pem");
                 std::fs::write(
                     &bundle,
@@ -527,7 +615,7 @@ impl<'a> Bench<'a> {
                 let config = format!(
                     r#"global
   maxconn 8000
-  nbthread 1
+  nbthread {threads}
 defaults
   mode http
   timeout connect 5s
@@ -573,7 +661,7 @@ backend upstream
   }}
 }}
 "#,
-                    head = nginx_head(dir, "nginx"),
+                    head = nginx_head(dir, "nginx", 1),
                     d = dir.display(),
                 );
                 let path = dir.join("nginx.conf");
@@ -605,11 +693,15 @@ backend upstream
         config.cache = false;
         config.rules = Some(rules);
         config.shutdown = (Duration::ZERO, Duration::from_secs(2));
+        // Each worker a thread with its own runtime and upstream connection, as the
+        // floor's; the main runtime, left with the probes and the admin listener, one
+        // thread.
+        let config = config.set("listen.workers", &workers.to_string());
         let path = dir.join("bulwark.yaml");
         config.write(&path)?;
         let exe = std::env::current_exe().context("locating this binary")?;
         let mut command = pinned(self.tools, cores, &exe);
-        command.env("TOKIO_WORKER_THREADS", workers.to_string());
+        command.env("TOKIO_WORKER_THREADS", "1");
         let target = Target {
             addr: config.listen,
             ca_pem: serving_ca.cert_pem(),
@@ -618,13 +710,20 @@ backend upstream
         Ok((config.listen, Front::Bulwark(process)))
     }
 
+    /// h2load's threads: one per core it has.
+    fn threads(&self) -> usize {
+        self.pinning.as_ref().map_or(1, |p| p.load.len())
+    }
+
     /// Runs h2load against `url` and reads what it saw.
     async fn h2load(&self, url: &str, load: Load) -> anyhow::Result<Class> {
-        let cores = self.pinning.as_ref().map(|p| p.load.to_string());
+        let cores = self.pinning.as_ref().map(|p| join(&p.load));
         let mut command = pinned(self.tools, cores, &self.tools.h2load);
         command
+            .arg("-t")
+            .arg(self.threads().to_string())
             .arg("-c")
-            .arg(CONNECTIONS.to_string())
+            .arg(self.connections.to_string())
             .arg("-m")
             .arg(STREAMS.to_string())
             .arg("-H")
@@ -634,7 +733,7 @@ backend upstream
             Load::WarmUp => command.arg("-n").arg(WARM_UP.to_string()),
             Load::Fixed(rate, d) => command
                 .arg("--rps")
-                .arg((rate / CONNECTIONS).to_string())
+                .arg((rate / self.connections).max(1).to_string())
                 .arg("-D")
                 .arg(seconds(d)),
             Load::Saturation(d) => command.arg("-D").arg(seconds(d)),
@@ -681,13 +780,15 @@ backend upstream
     }
 }
 
-/// The start of an nginx configuration: one worker in the foreground with its pid, error
-/// log (`NAME.log`, which a stop quotes) and body buffers in `dir`, and an `http` block
-/// without an access log, left open.
-fn nginx_head(dir: &Path, name: &str) -> String {
+/// The start of an nginx configuration: `workers` workers in the foreground (one is the
+/// process itself, with no master, so that its CPU time is the process's) with its pid,
+/// error log (`NAME.log`, which a stop quotes) and body buffers in `dir`, and an `http`
+/// block without an access log, left open.
+fn nginx_head(dir: &Path, name: &str, workers: usize) -> String {
     let d = dir.display();
+    let master = if workers > 1 { "on" } else { "off" };
     format!(
-        "daemon off; master_process off; worker_processes 1; pid {d}/{name}.pid;
+        "daemon off; master_process {master}; worker_processes {workers}; pid {d}/{name}.pid;
 error_log {d}/{name}.log warn;
 events {{ worker_connections 8000; }}
 http {{
@@ -892,9 +993,11 @@ time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
 
     #[test]
     fn the_floor_runs_between_the_other_proxies_and_bulwark_on_as_many_cores() {
-        let names: Vec<&str> = Subject::ALL.iter().map(|s| s.name()).collect();
+        let names = |subjects: Vec<Subject>| -> Vec<String> {
+            subjects.into_iter().map(Subject::name).collect()
+        };
         assert_eq!(
-            names,
+            names(Subject::all(&DEFAULT_WORKERS, false)),
             [
                 "direct",
                 "haproxy",
@@ -905,14 +1008,48 @@ time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
                 "bulwark-2-workers"
             ]
         );
-        let pinning = Pinning { proxy: 0, load: 1 };
+        assert_eq!(
+            names(Subject::all(&[1, 4], true)),
+            [
+                "direct",
+                "haproxy",
+                "haproxy-4-workers",
+                "nginx",
+                "floor",
+                "floor-4-workers",
+                "bulwark",
+                "bulwark-4-workers"
+            ]
+        );
+        // Two cores: the proxy shares the first with the upstream, h2load has the second,
+        // and two workers take both.
+        let pinning = Pinning::over(&[0, 1], 2).expect("two cores pin");
+        assert!(!pinning.wide());
         assert_eq!(pinning.proxy_cores(Subject::Floor(1)), "0");
         assert_eq!(pinning.proxy_cores(Subject::Floor(2)), "0,1");
         assert_eq!(
             pinning.proxy_cores(Subject::Floor(2)),
             pinning.proxy_cores(Subject::Bulwark(2))
         );
-        assert_eq!(pinning.proxy_cores(Subject::Haproxy), "0");
+        assert_eq!(pinning.proxy_cores(Subject::Haproxy(1)), "0");
+        assert_eq!((pinning.upstream, pinning.load), (vec![0], vec![1]));
+        assert_eq!(Pinning::over(&[3], 1), None, "one core cannot be pinned");
+    }
+
+    #[test]
+    fn with_cores_to_spare_the_proxies_the_upstream_and_h2load_each_get_their_own() {
+        let cores: Vec<usize> = (0..16).collect();
+        let pinning = Pinning::over(&cores, 8).expect("sixteen cores pin");
+        assert!(pinning.wide());
+        assert_eq!(pinning.proxy_cores(Subject::Bulwark(1)), "0");
+        assert_eq!(pinning.proxy_cores(Subject::Floor(4)), "0,1,2,3");
+        assert_eq!(pinning.proxy_cores(Subject::Haproxy(8)), "0,1,2,3,4,5,6,7");
+        assert_eq!(pinning.upstream, [8, 9, 10, 11]);
+        assert_eq!(pinning.load, [12, 13, 14, 15]);
+        // Too few cores for eight workers and the rest: back to sharing.
+        let narrow = Pinning::over(&cores[..10], 8).expect("ten cores pin");
+        assert!(!narrow.wide());
+        assert_eq!(narrow.proxy_cores(Subject::Bulwark(8)), "0,1,2,3,4,5,6,7");
     }
 
     #[test]

@@ -87,6 +87,11 @@ pub(crate) struct Pool {
     streams_per_connection: u32,
 }
 
+/// The first of the connections (by their streams in use) with a slot free under `limit`.
+fn first_with_room(in_use: impl IntoIterator<Item = u32>, limit: u32) -> Option<usize> {
+    in_use.into_iter().position(|streams| streams < limit)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // The data under these locks stays consistent even if a holder panicked.
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -192,25 +197,29 @@ impl Pool {
         }
     }
 
-    /// The least used live connection with a free stream slot, if any; drops closed
+    /// The oldest live connection with a free stream slot, if any; drops closed
     /// connections and extra idle ones on the way.
+    ///
+    /// Streams are packed onto the first connections rather than spread over all: the
+    /// frames of many streams then leave and arrive in one write and one read, and after a
+    /// burst the extra connections fall idle and close. This is how Go's HTTP/2 transport
+    /// and Envoy use a pool too.
     fn lease(&self, set: &ConnSet) -> Option<(Lease, http2::SendRequest<ReqBody>)> {
         let mut conns = lock(&set.conns);
         conns.retain(|c| !c.sender.is_closed());
-        let now = Instant::now();
-        let mut position = 0;
-        conns.retain(|c| {
-            let idle = c.in_use.load(Ordering::Acquire) == 0
-                && now.saturating_duration_since(*lock(&c.idle_since)) >= IDLE_CLOSE;
-            position += 1;
-            // Keep the first connection even when idle; it is the warm one.
-            position == 1 || !idle
-        });
-        let conn = conns
-            .iter()
-            .filter(|c| c.in_use.load(Ordering::Acquire) < self.streams_per_connection)
-            .min_by_key(|c| c.in_use.load(Ordering::Acquire))?
-            .clone();
+        if conns.len() > 1 {
+            let now = Instant::now();
+            let mut position = 0;
+            conns.retain(|c| {
+                let idle = c.in_use.load(Ordering::Acquire) == 0
+                    && now.saturating_duration_since(*lock(&c.idle_since)) >= IDLE_CLOSE;
+                position += 1;
+                // Keep the first connection even when idle; it is the warm one.
+                position == 1 || !idle
+            });
+        }
+        let in_use = conns.iter().map(|c| c.in_use.load(Ordering::Acquire));
+        let conn = conns[first_with_room(in_use, self.streams_per_connection)?].clone();
         conn.in_use.fetch_add(1, Ordering::AcqRel);
         let sender = conn.sender.clone();
         Some((Lease { conn }, sender))
@@ -336,5 +345,19 @@ impl Pool {
         tokio::time::timeout(self.connect_timeout, connect)
             .await
             .map_err(|_| self.connect_timed_out(replica))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_with_room;
+
+    #[test]
+    fn streams_fill_the_oldest_connection_with_room_before_the_next() {
+        // Not the least used (the third): the first with room, so streams share writes.
+        assert_eq!(first_with_room([1, 1, 0], 100), Some(0));
+        assert_eq!(first_with_room([100, 99, 0], 100), Some(1));
+        assert_eq!(first_with_room([100, 100], 100), None);
+        assert_eq!(first_with_room([], 100), None);
     }
 }

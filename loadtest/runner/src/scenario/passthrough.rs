@@ -20,7 +20,10 @@
 //! Bulwark does all its per-request work: the client's bearer token reviewed by
 //! TokenReview (cached), classification, a rule match (an exempt rule, so that no limit
 //! shapes the figures), admission, metrics, the replica pick and the front-proxy headers;
-//! its cache is off.
+//! its cache is off. Like the floor's, its workers are threads with a runtime and upstream
+//! connections each (`listen.workers`), and like the floor and haproxy it puts as many
+//! streams on an upstream connection as the upstream takes (`upstream.streamsPerConnection`
+//! 1,000 here; 100, the kube-apiserver's limit, by default).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -55,6 +58,8 @@ const STREAMS: u32 = 10;
 /// h2load's connections per worker of the most workers measured where it has cores of its
 /// own, so that every worker gets several.
 const CONNECTIONS_PER_WORKER: u32 = 8;
+/// Concurrent streams the upstream takes on one connection.
+const UPSTREAM_STREAMS: u32 = 1_000;
 /// The worker counts measured unless `--workers` says otherwise.
 pub const DEFAULT_WORKERS: [usize; 2] = [1, 2];
 /// The fixed rates the added latency is measured at, requests/s over all connections.
@@ -448,7 +453,7 @@ impl<'a> Bench<'a> {
     listen {upstream_addr} ssl http2;
     ssl_certificate {crt};
     ssl_certificate_key {key};
-    http2_max_concurrent_streams 1000;
+    http2_max_concurrent_streams {UPSTREAM_STREAMS};
     keepalive_requests 100000000;
     location = /readyz {{ return 200 'ok'; }}
     location = /apis/authentication.k8s.io/v1/tokenreviews {{ return 201 '{REVIEW}'; }}
@@ -697,6 +702,13 @@ backend upstream
         // floor's; the main runtime, left with the probes and the admin listener, one
         // thread.
         let config = config.set("listen.workers", &workers.to_string());
+        // The upstream takes 1,000 streams on a connection, and the floor and haproxy use
+        // as many as it takes; Bulwark's default, 100, is the kube-apiserver's limit, at
+        // which h2load's 200 to 640 streams would need two to seven connections.
+        let config = config.set(
+            "upstream.streamsPerConnection",
+            &UPSTREAM_STREAMS.to_string(),
+        );
         let path = dir.join("bulwark.yaml");
         config.write(&path)?;
         let exe = std::env::current_exe().context("locating this binary")?;

@@ -35,7 +35,7 @@ fn main() -> ExitCode {
             // take all the descriptors the system allows, as Go programs do.
             let descriptors = bulwark::listen::raise_open_file_limit();
             tracing::info!(descriptors, "open-file limit");
-            let runtime = match bulwark::serve::runtime() {
+            let runtime = match bulwark::serve::runtime_beside(config.listen.workers) {
                 Ok(runtime) => runtime,
                 Err(e) => {
                     eprintln!("bulwark: cannot start the runtime: {e}");

@@ -358,14 +358,25 @@ fn reopen_on_hangup(files: Vec<LineFile>) -> Option<JoinHandle<()>> {
 /// `TOKIO_WORKER_THREADS=1` its single-threaded one, which serves the same work on one core
 /// without the work-stealing machinery (about 35k small GETs a second instead of 27k).
 pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
-    let one = std::env::var("TOKIO_WORKER_THREADS").is_ok_and(|n| n.trim() == "1");
-    if one {
-        tokio::runtime::Builder::new_current_thread()
+    runtime_beside(0)
+}
+
+/// The main runtime beside `workers` worker threads (`listen.workers`) as [`runtime`] builds
+/// it, but with workers and no `TOKIO_WORKER_THREADS`, two threads: what is left to it (the
+/// accept loop, probes, the admin listener, the watch cache's informers, the fleet's Leases)
+/// needs no more, and a thread per core beside the workers would only sit idle.
+pub fn runtime_beside(workers: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let threads = std::env::var("TOKIO_WORKER_THREADS").ok();
+    if threads.as_deref().is_some_and(|n| n.trim() == "1") {
+        return tokio::runtime::Builder::new_current_thread()
             .enable_all()
-            .build()
-    } else {
-        tokio::runtime::Runtime::new()
+            .build();
     }
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if threads.is_none() && workers > 0 {
+        builder.worker_threads(2);
+    }
+    builder.enable_all().build()
 }
 
 /// Runs until SIGTERM or Ctrl-C, then drains.

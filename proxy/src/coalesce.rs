@@ -59,13 +59,17 @@ struct State<K: Hash + Eq, V, E> {
 /// The cache: keys `K`, answers `V`, fetch failures `E`.
 pub struct Coalescing<K: Hash + Eq, V, E> {
     state: Mutex<State<K, V, E>>,
+    /// The runtime fetches run on: the one the cache was made on. Lookups come from every
+    /// worker thread's runtime, and a shared fetch must not live on one of them (its
+    /// timers and connections would die with that worker, under the others' feet).
+    home: Option<tokio::runtime::Handle>,
 }
 
 impl<K, V, E> Coalescing<K, V, E>
 where
     K: Hash + Eq + Clone,
-    V: Clone,
-    E: Clone,
+    V: Clone + Send + 'static,
+    E: Clone + Send + 'static,
 {
     /// A cache that keeps at most `positive` positive and `negative` negative answers (at
     /// least one each).
@@ -77,7 +81,25 @@ where
                 negative: lru::LruCache::new(bound(negative)),
                 pending: HashMap::new(),
             }),
+            home: tokio::runtime::Handle::try_current().ok(),
         }
+    }
+
+    /// `fetch` as a task on the cache's runtime, where there is one.
+    fn at_home(&self, fetch: BoxFuture<'static, Result<V, E>>) -> BoxFuture<'static, Result<V, E>> {
+        let Some(home) = &self.home else {
+            return fetch;
+        };
+        let task = home.spawn(fetch);
+        async move {
+            match task.await {
+                Ok(result) => result,
+                Err(failed) if failed.is_panic() => std::panic::resume_unwind(failed.into_panic()),
+                // Cancelled: the home runtime is shutting down, and the process with it.
+                Err(_) => std::future::pending().await,
+            }
+        }
+        .boxed()
     }
 
     /// The answer for `key`: remembered, or from the fetch under way for it, or from a new
@@ -98,7 +120,7 @@ where
             match state.pending.get(&key) {
                 Some(pending) => pending.clone(),
                 None => {
-                    let pending = start()?.shared();
+                    let pending = self.at_home(start()?).shared();
                     state.pending.insert(key.clone(), pending.clone());
                     pending
                 }

@@ -962,11 +962,63 @@ async fn connections_spread_evenly_over_worker_threads_and_each_stays_on_its_own
     Ok(())
 }
 
+/// The name of the thread that serves a request on `client`'s connection.
+async fn serving_thread(client: &mut H2Sender) -> Result<String> {
+    let body = client.send_request(get("/thread")).await?.into_body();
+    Ok(String::from_utf8(
+        body.collect().await?.to_bytes().to_vec(),
+    )?)
+}
+
 #[tokio::test]
-async fn stopping_a_listener_on_worker_threads_drops_their_connections() -> Result<()> {
+async fn a_new_connection_goes_to_the_worker_with_the_fewest_open() -> Result<()> {
     let ca = Ca::new("bulwark-ca")?;
     let mount = SecretMount::new(&ca.server()?, None)?;
     let server = Server::start_on(&listen_config(&mount, false, limits()), false, 2).await?;
+    let tls = || client_tls(&ca, &[b"h2"], None);
+    let (mut a, a_conn) = h2(server.addr, tls()?).await?;
+    let (mut b, _b_conn) = h2(server.addr, tls()?).await?;
+    let (mut c, c_conn) = h2(server.addr, tls()?).await?;
+    let (on_a, on_b, on_c) = (
+        serving_thread(&mut a).await?,
+        serving_thread(&mut b).await?,
+        serving_thread(&mut c).await?,
+    );
+    assert_ne!(on_a, on_b, "the second connection goes to the idle worker");
+    assert_eq!(on_a, on_c, "a tie goes round");
+    // Both of one worker's connections close: it has none open, the other one.
+    drop((a, c));
+    a_conn.abort();
+    c_conn.abort();
+    within("two connections closed", async {
+        while server.connections.open() > 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await?;
+    let (mut d, _d_conn) = h2(server.addr, tls()?).await?;
+    assert_eq!(
+        serving_thread(&mut d).await?,
+        on_a,
+        "the next connection goes to the worker with none open, not the next in turn"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn stopping_a_listener_on_worker_threads_drops_their_connections() -> Result<()> {
+    stopping_a_listener_drops_its_connections_on(2).await
+}
+
+#[tokio::test]
+async fn stopping_a_listener_on_its_runtime_drops_its_connections() -> Result<()> {
+    stopping_a_listener_drops_its_connections_on(0).await
+}
+
+async fn stopping_a_listener_drops_its_connections_on(workers: usize) -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let server = Server::start_on(&listen_config(&mount, false, limits()), false, workers).await?;
     let (mut client, conn) = h2(server.addr, client_tls(&ca, &[b"h2"], None)?).await?;
     let mut ticks = client.send_request(get("/ticks")).await?.into_body();
     assert_eq!(next_data(&mut ticks).await?, "tick\n");

@@ -142,6 +142,9 @@ pub struct TokenCache {
     /// `known`, so its positive side stays empty).
     outcomes: Outcomes,
     metrics: Metrics,
+    /// Where background refreshes run: the runtime the cache was made on, not a worker
+    /// thread's (see [`Coalescing`]).
+    home: Option<tokio::runtime::Handle>,
 }
 
 impl TokenCache {
@@ -159,6 +162,7 @@ impl TokenCache {
             outcomes: Arc::new(Coalescing::new(1, settings.max_rejected_entries)),
             settings,
             metrics,
+            home: tokio::runtime::Handle::try_current().ok(),
         }
     }
 
@@ -269,7 +273,7 @@ impl TokenCache {
             self.metrics.clone(),
         );
         let token = token.to_owned();
-        let refresh = async move {
+        let work = async move {
             let answer = match limits.refresh_slot().await {
                 Ok(_slot) => reviewer.review(&token).await.map_err(|_| "error"),
                 Err(_) => Err("limited"),
@@ -304,10 +308,15 @@ impl TokenCache {
                 }
             }
             refreshed
-        }
-        .boxed()
-        .shared();
-        tokio::spawn(refresh.clone());
+        };
+        // Runs on the cache's own runtime; waiters on any worker's only wait for its end.
+        let task = match &self.home {
+            Some(home) => home.spawn(work),
+            None => tokio::spawn(work),
+        };
+        let refresh = async move { task.await.unwrap_or(Refreshed::NoAnswer) }
+            .boxed()
+            .shared();
         Some(refresh)
     }
 

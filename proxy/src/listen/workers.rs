@@ -28,8 +28,19 @@ use super::{DrainPhase, RequestPath};
 /// own request path. Made before the listener serves, so that a runtime that cannot be
 /// built stops the start rather than a connection.
 pub struct Worker<S> {
-    runtime: Runtime,
+    /// Taken by the thread that runs it; see the `Drop`.
+    runtime: Option<Runtime>,
     service: S,
+}
+
+impl<S> Drop for Worker<S> {
+    /// A worker that never ran (the start failed after it was made) drops its runtime
+    /// without waiting: a runtime dropped the usual way inside another's task panics.
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
 }
 
 impl<S: RequestPath> Worker<S> {
@@ -38,7 +49,10 @@ impl<S: RequestPath> Worker<S> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        Ok(Worker { runtime, service })
+        Ok(Worker {
+            runtime: Some(runtime),
+            service,
+        })
     }
 }
 
@@ -77,7 +91,18 @@ pub(super) struct Dispatch {
     ended: Vec<oneshot::Receiver<()>>,
     /// Dropped with the dispatch: a worker thread then stops at once, dropping what it
     /// still serves, so that an aborted listener leaves no thread behind.
-    _stop: Vec<oneshot::Sender<()>>,
+    stop: Vec<oneshot::Sender<()>>,
+    /// The one worker of [`Dispatch::local`], aborted with the dispatch for the same
+    /// reason.
+    local: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Dispatch {
+    fn drop(&mut self) {
+        if let Some(local) = &self.local {
+            local.abort();
+        }
+    }
 }
 
 impl Dispatch {
@@ -86,15 +111,16 @@ impl Dispatch {
         let (lane, accepted) = lane();
         let open = lane.open.clone();
         let (ended_tx, ended) = oneshot::channel();
-        tokio::spawn(async move {
-            serve(accepted, open, service, shared).await;
+        let local = tokio::spawn(async move {
+            serve(accepted, open, service, shared, Until::Ended).await;
             drop(ended_tx);
         });
         Dispatch {
             lanes: vec![lane],
             next: 0,
             ended: vec![ended],
-            _stop: Vec::new(),
+            stop: Vec::new(),
+            local: Some(local),
         }
     }
 
@@ -108,9 +134,14 @@ impl Dispatch {
             lanes: Vec::with_capacity(workers.len()),
             next: 0,
             ended: Vec::with_capacity(workers.len()),
-            _stop: Vec::with_capacity(workers.len()),
+            stop: Vec::with_capacity(workers.len()),
+            local: None,
         };
-        for (index, Worker { runtime, service }) in workers.into_iter().enumerate() {
+        for (index, mut worker) in workers.into_iter().enumerate() {
+            let Some(runtime) = worker.runtime.take() else {
+                continue;
+            };
+            let service = worker.service.clone();
             let (lane, accepted) = lane();
             let open = lane.open.clone();
             let (ended_tx, ended) = oneshot::channel::<()>();
@@ -121,7 +152,7 @@ impl Dispatch {
                 .spawn(move || {
                     runtime.block_on(async move {
                         tokio::select! {
-                            () = serve(accepted, open, service, shared) => {}
+                            () = serve(accepted, open, service, shared, Until::Close) => {}
                             _ = stop => {}
                         }
                     });
@@ -132,7 +163,7 @@ impl Dispatch {
                 })?;
             dispatch.lanes.push(lane);
             dispatch.ended.push(ended);
-            dispatch._stop.push(stop_tx);
+            dispatch.stop.push(stop_tx);
         }
         Ok(dispatch)
     }
@@ -185,15 +216,9 @@ impl Dispatch {
     }
 
     /// Stops handing out connections and waits until every worker has served its last.
-    pub(super) async fn finish(self) {
-        let Dispatch {
-            lanes,
-            ended,
-            _stop,
-            ..
-        } = self;
-        drop(lanes);
-        for worker in ended {
+    pub(super) async fn finish(mut self) {
+        self.lanes.clear();
+        for worker in std::mem::take(&mut self.ended) {
             let _ = worker.await;
         }
     }
@@ -224,6 +249,7 @@ async fn serve<S: RequestPath>(
     open: Arc<AtomicUsize>,
     service: S,
     shared: Shared,
+    until: Until,
 ) {
     let mut tasks = JoinSet::new();
     loop {
@@ -268,4 +294,19 @@ async fn serve<S: RequestPath>(
             tracing::error!(%error, "a client connection task failed");
         }
     }
+    if until == Until::Close {
+        let mut drain = shared.drain.clone();
+        conn::phase_reached(&mut drain, DrainPhase::Close).await;
+    }
+}
+
+/// How long a worker's loop lasts once the accept loop has stopped.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Until its connections have ended: on the listener's runtime, which lives on.
+    Ended,
+    /// Until the drain closes everything: a worker thread's runtime ends with its loop,
+    /// and an upgraded connection (exec, attach, port-forward) goes on in a task of its own
+    /// after its HTTP connection has ended, which must last as long as on the main runtime.
+    Close,
 }

@@ -4,7 +4,7 @@
 //! Pure bookkeeping over atomics and one mutex: no I/O, so every rule is tested in memory
 //! under paused tokio time.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -280,12 +280,28 @@ impl Health {
     fn out(&self, now: Instant) -> bool {
         self.probe_failed || self.ejected_until.is_some_and(|until| now < until)
     }
+
+    /// Anything but a replica in rotation with a clean record.
+    fn troubled(&self, now: Instant) -> bool {
+        self.probe_failed
+            || self.ejected_until.is_some()
+            || self.ejections > 0
+            || self.throttled_until.is_some_and(|until| now < until)
+    }
 }
 
 /// The replicas, their health, and the pick.
 pub(crate) struct Balancer {
     replicas: Vec<Arc<Replica>>,
     health: Mutex<Vec<Health>>,
+    /// Whether any replica's health may be troubled ([`Health::troubled`]). While not,
+    /// every replica is in rotation, unthrottled, with nothing for a success to clear, and
+    /// the pick and the success of every request skip the lock, which the workers'
+    /// threads would otherwise pass between them a few times a request. Set under the lock
+    /// by whatever troubles a replica; cleared by the next look at the table that finds
+    /// none troubled. A pick that reads it just before another thread ejects a replica
+    /// is one that took the lock just before the ejection.
+    troubled: AtomicBool,
     eject_base: Duration,
     eject_max: Duration,
     /// In-flight LIST bytes that weigh as much as one pending request.
@@ -320,6 +336,7 @@ impl Balancer {
         Ok(Self {
             replicas,
             health: Mutex::new(health),
+            troubled: AtomicBool::new(false),
             eject_base,
             eject_max: eject_max.max(eject_base),
             byte_unit: (byte_budget / 100).max(1),
@@ -346,16 +363,29 @@ impl Balancer {
                 }
             }
         }
+        let troubled = health.iter().any(|h| h.troubled(now));
+        self.troubled.store(troubled, Ordering::Release);
         health
+    }
+
+    /// Whether the health table must be looked at; see `troubled`.
+    fn calm(&self) -> bool {
+        !self.troubled.load(Ordering::Acquire)
     }
 
     /// Whether one replica is in rotation now.
     pub(crate) fn in_rotation(&self, index: usize, now: Instant) -> bool {
+        if self.calm() {
+            return index < self.replicas.len();
+        }
         self.health(now).get(index).is_some_and(|h| !h.out(now))
     }
 
     /// Replicas in rotation now.
     pub(crate) fn healthy(&self, now: Instant) -> usize {
+        if self.calm() {
+            return self.replicas.len();
+        }
         self.health(now).iter().filter(|h| !h.out(now)).count()
     }
 
@@ -370,6 +400,11 @@ impl Balancer {
         rng: &mut impl Rng,
     ) -> Option<usize> {
         let (health, in_rotation) = self.rotation(now);
+        let throttled = |i: usize| {
+            health
+                .as_ref()
+                .is_some_and(|h| h[i].throttled_until.is_some_and(|until| now < until))
+        };
         let fresh: Replicas = in_rotation
             .iter()
             .copied()
@@ -386,10 +421,7 @@ impl Balancer {
                     b += 1;
                 }
                 let (a, b) = (candidates[a], candidates[b]);
-                let score = |i: usize| {
-                    let throttled = health[i].throttled_until.is_some_and(|until| now < until);
-                    self.score(i, load, throttled)
-                };
+                let score = |i: usize| self.score(i, load, throttled(i));
                 Some(if score(b) < score(a) { b } else { a })
             }
         }
@@ -423,7 +455,12 @@ impl Balancer {
 
     /// Every replica's health now, and the replicas a request may go to: those in
     /// rotation, or all of them when more than half are out.
-    fn rotation(&self, now: Instant) -> (MutexGuard<'_, Vec<Health>>, Replicas) {
+    /// The health table (none while calm: every replica is in rotation, unthrottled) and
+    /// the replicas in rotation.
+    fn rotation(&self, now: Instant) -> (Option<MutexGuard<'_, Vec<Health>>>, Replicas) {
+        if self.calm() {
+            return (None, (0..self.replicas.len()).collect());
+        }
         let health = self.health(now);
         let out = health.iter().filter(|h| h.out(now)).count();
         let in_rotation: Replicas = if out * 2 > health.len() {
@@ -431,7 +468,7 @@ impl Balancer {
         } else {
             (0..health.len()).filter(|&i| !health[i].out(now)).collect()
         };
-        (health, in_rotation)
+        (Some(health), in_rotation)
     }
 
     fn score(&self, index: usize, load: Load, throttled: bool) -> f64 {
@@ -473,6 +510,7 @@ impl Balancer {
             .min(self.eject_max);
         h.ejected_until = Some(now + backoff);
         h.ejections = h.ejections.saturating_add(1);
+        self.troubled.store(true, Ordering::Release);
         if matches!(cause, EjectCause::Probe | EjectCause::Unresponsive) {
             h.probe_failed = true;
         }
@@ -492,6 +530,9 @@ impl Balancer {
     /// A request got a response head from the replica: its connection-level failures are
     /// over, so the backoff starts from `eject_base` again. A failed probe still holds.
     pub(crate) fn succeeded(&self, index: usize, now: Instant) {
+        if self.calm() {
+            return;
+        }
         let mut health = self.health(now);
         let h = &mut health[index];
         if !h.probe_failed && (h.ejections > 0 || h.ejected_until.is_some()) {
@@ -520,6 +561,7 @@ impl Balancer {
         let until = now + for_how_long.min(THROTTLE_MAX);
         let h = &mut health[index];
         h.throttled_until = Some(h.throttled_until.map_or(until, |u| u.max(until)));
+        self.troubled.store(true, Ordering::Release);
     }
 
     /// When a client refused for lack of a replica should try again: when the first
@@ -768,6 +810,41 @@ mod tests {
         assert!(b.eject(0, EjectCause::Connect, Instant::now()));
         tokio::time::advance(BASE).await;
         assert_eq!(b.healthy(Instant::now()), 3);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_lock_free_pick_holds_only_while_every_replica_is_calm() {
+        let (b, _) = balancer(3);
+        let mut rng = StdRng::seed_from_u64(7);
+        assert!(b.calm(), "a new fleet is calm");
+        assert_eq!(b.healthy(Instant::now()), 3);
+        // An ejection is seen by the very next pick, lock-free or not.
+        assert!(b.eject(1, EjectCause::Connect, Instant::now()));
+        assert!(!b.calm());
+        assert!(!b.in_rotation(1, Instant::now()));
+        assert_eq!(spread(&b, Load::Requests, 30, &mut rng)[1], 0);
+        // Back after the backoff, but its ejection count stands until a success clears it.
+        tokio::time::advance(BASE).await;
+        assert_eq!(b.healthy(Instant::now()), 3);
+        assert!(!b.calm(), "a success has yet to reset the backoff");
+        b.succeeded(1, Instant::now());
+        assert_eq!(b.healthy(Instant::now()), 3);
+        assert!(b.calm(), "nothing left to clear");
+        // A 429 of the replica's own weighs until it ends, then the fleet is calm again.
+        b.throttle(0, Duration::from_secs(5), Instant::now());
+        assert!(!b.calm());
+        assert!(b.snapshot(Instant::now(), |_| 0)[0].throttled);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(b.healthy(Instant::now()), 3);
+        assert!(b.calm());
+        // A failed probe holds the replica out until a probe succeeds.
+        assert!(b.eject(2, EjectCause::Probe, Instant::now()));
+        tokio::time::advance(MAX).await;
+        assert!(!b.in_rotation(2, Instant::now()));
+        b.probe_ok(2, Instant::now());
+        assert!(b.in_rotation(2, Instant::now()));
+        assert_eq!(b.healthy(Instant::now()), 3);
+        assert!(b.calm());
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

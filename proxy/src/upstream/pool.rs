@@ -85,6 +85,11 @@ pub(crate) struct Pool {
     tls: UpstreamTls,
     connect_timeout: Duration,
     streams_per_connection: u32,
+    /// Where new connections are made and driven: the runtime the pool was made on, for a
+    /// pool that every worker thread uses (the main one: reviews, probes, the watch cache,
+    /// the fleet's Leases), so that its connections never live on one worker's runtime and
+    /// die with it. `None` for a worker's own pool, whose connections live on the worker.
+    home: Option<tokio::runtime::Handle>,
 }
 
 /// The first of the connections (by their streams in use) with a slot free under `limit`.
@@ -130,6 +135,7 @@ impl Pool {
             tls,
             connect_timeout,
             streams_per_connection: streams_per_connection.max(1),
+            home: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
@@ -141,6 +147,7 @@ impl Pool {
             tls: self.tls.clone(),
             connect_timeout: self.connect_timeout,
             streams_per_connection: self.streams_per_connection,
+            home: None,
         }
     }
 
@@ -159,8 +166,8 @@ impl Pool {
     /// A stream slot and a sender on a connection to the replica with the credential,
     /// opening a connection when every existing one is full.
     pub(crate) async fn acquire(
-        &self,
-        replica: &Replica,
+        self: &Arc<Self>,
+        replica: &Arc<Replica>,
         index: usize,
         credential: UpstreamCredential,
     ) -> Result<(Lease, http2::SendRequest<ReqBody>), UpstreamError> {
@@ -178,9 +185,24 @@ impl Pool {
         {
             return Err(error.clone());
         }
-        // Boxed: a connection's TLS handshake is a large future, and every request's
-        // future would carry (and move) it inline although almost none connects.
-        match Box::pin(self.connect_h2(replica, index, credential)).await {
+        let connect = {
+            let (pool, replica) = (self.clone(), replica.clone());
+            async move { pool.connect_h2(&replica, index, credential).await }
+        };
+        let connected = match &self.home {
+            Some(home) => home.spawn(connect).await.unwrap_or_else(|failed| {
+                Err(UpstreamError::Connect {
+                    replica: replica.name.clone(),
+                    source: Arc::new(std::io::Error::other(format!(
+                        "the connecting task ended: {failed}"
+                    ))),
+                })
+            }),
+            // Boxed: a connection's TLS handshake is a large future, and every request's
+            // future would carry (and move) it inline although almost none connects.
+            None => Box::pin(connect).await,
+        };
+        match connected {
             Ok(sender) => {
                 let conn = Arc::new(Conn {
                     sender: sender.clone(),

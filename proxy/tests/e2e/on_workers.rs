@@ -63,3 +63,30 @@ async fn each_worker_has_its_own_upstream_connections_and_the_snapshot_counts_th
         "new connections to the replica for two clients: on one runtime, on two workers"
     );
 }
+
+/// A start that fails after the workers' runtimes are made (here: the address is taken)
+/// is the error it is, as without workers, not a panic of a runtime dropped in a task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_fails_after_the_workers_are_made_says_why() {
+    use bulwark::serve::{Running, StartError};
+    use bulwark_testkit::{Cluster, Setup};
+
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let address = taken.local_addr().expect("its address").to_string();
+    let config = cluster
+        .config
+        .clone()
+        .set("listen.workers", "2")
+        .set("listen.address", &address);
+    let failed = Running::start(config.config()).await.err();
+    assert!(
+        matches!(failed, Some(StartError::Listen(_))),
+        "{:?}",
+        failed.map(|e| e.to_string())
+    );
+}

@@ -450,8 +450,10 @@ impl Listener {
     }
 
     /// As [`Listener::serve`], with each connection served by one of `workers`' threads,
-    /// the one with the fewest open connections when it is accepted. Dropping the future
-    /// stops the threads and drops their connections.
+    /// the one with the fewest open connections when it is accepted, and returning only at
+    /// [`DrainPhase::Close`] (a thread's runtime ends with it, and an upgraded connection
+    /// lives on past its HTTP connection). Dropping the future stops the threads and drops
+    /// their connections.
     pub async fn serve_on<S>(
         self,
         workers: Vec<Worker<S>>,
@@ -541,7 +543,7 @@ fn refuse(stream: tokio::net::TcpStream, reason: &'static str, settings: &conn::
 }
 
 /// Makes closing `stream` send a reset (SO_LINGER 0) rather than a FIN.
-fn reset_on_close(stream: &tokio::net::TcpStream) {
+fn reset_on_close(stream: &impl std::os::fd::AsFd) {
     if let Err(error) = socket2::SockRef::from(stream).set_linger(Some(Duration::ZERO)) {
         tracing::debug!(%error, "cannot set SO_LINGER");
     }

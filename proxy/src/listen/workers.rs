@@ -124,7 +124,7 @@ impl Dispatch {
         }
     }
 
-    /// One thread per worker, each running its runtime until its connections have ended
+    /// One thread per worker, each running its runtime until the drain closes everything
     /// after the accept loop stopped, or the dispatch is dropped.
     pub(super) fn threads<S: RequestPath>(
         workers: Vec<Worker<S>>,
@@ -211,8 +211,7 @@ impl Dispatch {
                 }
             }
         }
-        let _ =
-            socket2::SockRef::from(&accepted.stream).set_linger(Some(std::time::Duration::ZERO));
+        super::reset_on_close(&accepted.stream);
     }
 
     /// Stops handing out connections and waits until every worker has served its last.

@@ -310,8 +310,10 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> anyhow::Result<()> {
     raise_fd_limit();
     let cli = Cli::parse();
-    if let Command::Bulwark { config } = &cli.command {
-        // Bulwark on the runtime the `bulwark` binary builds.
+    if matches!(cli.command, Command::Bulwark { .. } | Command::Floor { .. }) {
+        // The subscriber the `bulwark` binary installs, in the floor too: without one,
+        // every span hyper and h2 make falls back to the `log` crate (the tree enables
+        // tracing's `log` feature), a cost per request that a bare proxy does not pay.
         // Colours only on a terminal, as the `bulwark` binary: the scenarios send its
         // stderr to a log file.
         use std::io::IsTerminal as _;
@@ -320,6 +322,9 @@ fn main() -> anyhow::Result<()> {
             .with_ansi(std::io::stderr().is_terminal())
             .with_writer(std::io::stderr)
             .init();
+    }
+    if let Command::Bulwark { config } = &cli.command {
+        // Bulwark on the runtime the `bulwark` binary builds.
         let runtime = bulwark::serve::runtime().context("starting the async runtime")?;
         return runtime.block_on(proxy_process::serve(config));
     }

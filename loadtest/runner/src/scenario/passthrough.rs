@@ -594,7 +594,9 @@ impl<'a> Bench<'a> {
             Subject::Floor(workers) => {
                 let exe = std::env::current_exe().context("locating this binary")?;
                 let mut command = pinned(self.tools, cores, &exe);
+                // Logs at Bulwark's level (`ProxyProcess` sets the same).
                 command
+                    .env("RUST_LOG", "warn")
                     .arg("__floor")
                     .arg("--listen")
                     .arg(addr.to_string())

@@ -211,9 +211,8 @@ impl Board {
         &self.shards[(hash as usize) % self.shards.len()]
     }
 
-    /// Counts one answered or refused request.
-    pub fn seen(&self, seen: Seen<'_>) {
-        let now = Instant::now();
+    /// Counts one answered or refused request, answered at `now`.
+    pub fn seen(&self, seen: Seen<'_>, now: Instant) {
         let w = self.window_at(now);
         let mut shard = self
             .shard(seen.identity)
@@ -497,12 +496,15 @@ mod tests {
     async fn the_board_lists_the_busiest_and_the_most_refused_flows_with_their_rates() {
         let board = Board::new(Duration::from_secs(10));
         for _ in 0..200 {
-            board.seen(seen("busy", "all", None));
+            board.seen(seen("busy", "all", None), Instant::now());
         }
         for _ in 0..30 {
-            board.seen(seen("storm", "lists", Some(refusal(Reason::RateLimited))));
+            board.seen(
+                seen("storm", "lists", Some(refusal(Reason::RateLimited))),
+                Instant::now(),
+            );
         }
-        board.seen(seen("storm", "lists", None));
+        board.seen(seen("storm", "lists", None), Instant::now());
         tokio::time::advance(Duration::from_secs(10)).await;
         let view = board.view();
         assert_eq!(view.flows, 2);
@@ -532,7 +534,7 @@ mod tests {
         let board = Board::new(Duration::from_secs(10));
         let names: Vec<String> = (0..MAX_FLOWS * 2).map(|i| format!("node-{i}")).collect();
         for name in &names {
-            board.seen(seen(name, "nodes", None));
+            board.seen(seen(name, "nodes", None), Instant::now());
         }
         let view = board.view();
         assert!(view.flows <= MAX_FLOWS, "{} flows", view.flows);
@@ -540,7 +542,7 @@ mod tests {
         assert_eq!(view.busiest.len(), LISTED);
         // The flows of a window long gone make room for new ones.
         tokio::time::advance(Duration::from_secs(30)).await;
-        board.seen(seen("newcomer", "nodes", None));
+        board.seen(seen("newcomer", "nodes", None), Instant::now());
         assert_eq!(board.view().flows, 1);
     }
 

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::CertificateDer;
@@ -49,6 +49,9 @@ pub struct ConnInfo {
     /// The client's address: the one a trusted balancer's PROXY header carries, else the
     /// peer's.
     pub peer: SocketAddr,
+    /// `peer`'s IP as a header value (what `X-Forwarded-For` appends), made once per
+    /// connection.
+    pub peer_ip: HeaderValue,
     /// The client certificate chain (leaf first), present only when the client sent one and it
     /// verified against the configured client CA.
     pub client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,

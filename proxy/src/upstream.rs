@@ -33,7 +33,7 @@ use crate::metrics::Metrics;
 use crate::report::{Chain, SharedError, find_source};
 
 use body::{Framing, OnFailure};
-use pick::{Balancer, EjectCause, Load, PendingGuard, ReplicaWatch, RetryReason};
+use pick::{Balancer, EjectCause, Load, Now, PendingGuard, ReplicaWatch, RetryReason};
 use pool::{Lease, Pool, ReqBody};
 
 pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
@@ -367,6 +367,33 @@ struct Resendable {
     upgrade: bool,
 }
 
+impl Resendable {
+    /// The request as every attempt sends it again. What is the same for every attempt is
+    /// done once, here: over HTTP/2, no `Host` header (the host goes as `:authority`, and a
+    /// `Host` beside it must not differ) and no hop-by-hop headers; the header values and
+    /// the path are moved into one shared buffer ([`share`]).
+    fn new(
+        method: Method,
+        path_and_query: http::uri::PathAndQuery,
+        mut headers: HeaderMap,
+        body: Bytes,
+        upgrade: bool,
+    ) -> Resendable {
+        if !upgrade {
+            headers.remove(header::HOST);
+            strip_hop_by_hop(&mut headers);
+        }
+        let path_and_query = share(&mut headers, path_and_query);
+        Resendable {
+            method,
+            path_and_query,
+            headers,
+            body,
+            upgrade,
+        }
+    }
+}
+
 impl Upstream {
     /// The pool for the configured replicas. Opens no connection yet.
     pub fn new(
@@ -463,11 +490,14 @@ impl Upstream {
         req: Request<Body>,
         route: Route,
     ) -> impl Future<Output = Result<Response<Body>, UpstreamError>> + Send + '_ {
+        // One clock read for the exchange's start, its deadline and its first attempt's
+        // limit.
+        let started = Instant::now();
         let deadline = route
             .timeout
             .filter(|_| !route.long_running)
-            .map(|limit| Instant::now() + limit);
-        self.inner.send(req, route, deadline)
+            .map(|limit| started + limit);
+        self.inner.send(req, route, started, deadline)
     }
 
     /// Replicas in rotation.
@@ -520,6 +550,7 @@ impl Inner {
         &self,
         mut req: Request<Body>,
         route: Route,
+        started: Instant,
         deadline: Option<Instant>,
     ) -> impl Future<Output = Result<Response<Body>, UpstreamError>> + Send + '_ {
         let upgrade = wants_upgrade(req.headers());
@@ -552,15 +583,8 @@ impl Inner {
                 .path_and_query()
                 .cloned()
                 .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
-            let mut headers = parts.headers;
-            let path_and_query = share(&mut headers, path_and_query);
-            let resendable = Resendable {
-                method: parts.method,
-                path_and_query,
-                headers,
-                body,
-                upgrade,
-            };
+            let resendable =
+                Resendable::new(parts.method, path_and_query, parts.headers, body, upgrade);
             let load = if route.watch {
                 Load::Watches
             } else {
@@ -570,7 +594,6 @@ impl Inner {
             // the replica is ejected for not answering its probe. A write waits: it may have
             // arrived, and it is never sent twice.
             let read = route.retry == RetryPolicy::Read && !resendable.upgrade;
-            let started = Instant::now();
             let replicas = self.balancer.replicas().len();
             let mut tried = pick::Replicas::new();
             let mut only_not_sent = true;
@@ -580,7 +603,7 @@ impl Inner {
             let mut resends = 0;
             for _ in 0..=replicas {
                 let preferred = preferred
-                    .filter(|&i| tried.is_empty() && self.balancer.in_rotation(i, Instant::now()));
+                    .filter(|&i| tried.is_empty() && self.balancer.in_rotation(i, Now::default()));
                 let Some(index) = preferred.or_else(|| self.pick(load, &tried)) else {
                     break;
                 };
@@ -599,9 +622,15 @@ impl Inner {
                 let attempt = if read {
                     // Subscribed before the request leaves, so an ejection during it is seen.
                     let mut unresponsive = replica.unresponsive();
+                    // The first attempt starts when the exchange does.
+                    let at = if tried.len() == 1 {
+                        started
+                    } else {
+                        Instant::now()
+                    };
                     let limit = route
                         .attempt_timeout
-                        .map(|limit| Instant::now() + limit)
+                        .map(|limit| at + limit)
                         .filter(|limit| deadline.is_none_or(|deadline| *limit < deadline));
                     // One timer for whichever comes first: the attempt's limit, when set, is
                     // before the request's deadline.
@@ -714,7 +743,7 @@ impl Inner {
     fn pick(&self, load: Load, tried: &[usize]) -> Option<usize> {
         // The thread-local RNG is not Send; keep it inside this synchronous call.
         self.balancer
-            .pick(load, tried, Instant::now(), &mut rand::rng())
+            .pick(load, tried, Now::default(), &mut rand::rng())
     }
 
     fn eject(&self, index: usize, cause: Option<EjectCause>) {
@@ -782,13 +811,12 @@ impl Inner {
         route: Route,
         downstream_upgrade: &mut Option<OnUpgrade>,
     ) -> Response<Body> {
-        let now = Instant::now();
         let replica = self.balancer.replica(index).clone();
         let status = response.status();
         replica.count_response(Some(status));
-        self.balancer.succeeded(index, now);
+        self.balancer.succeeded(index, Now::default());
         if let Some(for_how_long) = replica_throttle(status, response.headers()) {
-            self.balancer.throttle(index, for_how_long, now);
+            self.balancer.throttle(index, for_how_long, Instant::now());
         }
         if status == StatusCode::SWITCHING_PROTOCOLS
             && let Some(downstream) = downstream_upgrade.take()
@@ -1016,9 +1044,7 @@ fn build_request(
             Version::HTTP_11,
         )
     } else {
-        // HTTP/2 carries the host as :authority; a Host header beside it must not differ.
-        headers.remove(header::HOST);
-        strip_hop_by_hop(&mut headers);
+        // Without Host or hop-by-hop headers since `Resendable` was made.
         let uri = Uri::builder()
             .scheme("https")
             .authority(authority.clone())
@@ -1073,18 +1099,24 @@ mod tests {
     }
 
     fn resendable(upgrade: bool) -> Resendable {
+        resendable_with(upgrade, HeaderMap::new())
+    }
+
+    /// A GET kept for retries, with `extra` headers besides its own.
+    fn resendable_with(upgrade: bool, extra: HeaderMap) -> Resendable {
         let mut headers = HeaderMap::new();
         headers.insert(header::HOST, HeaderValue::from_static("bulwark.example"));
         headers.insert("x-remote-user", HeaderValue::from_static("alice"));
-        Resendable {
-            method: Method::GET,
-            path_and_query: "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
+        headers.extend(extra);
+        Resendable::new(
+            Method::GET,
+            "/api/v1/namespaces/a/pods?labelSelector=a%3Db&limit=5"
                 .parse()
                 .unwrap(),
             headers,
-            body: Bytes::new(),
+            Bytes::new(),
             upgrade,
-        }
+        )
     }
 
     #[test]
@@ -1124,20 +1156,19 @@ mod tests {
 
     #[test]
     fn connection_level_headers_do_not_go_over_http2() {
-        let mut t = resendable(false);
-        t.headers.insert(
+        let mut hop = HeaderMap::new();
+        hop.insert(
             header::CONNECTION,
             HeaderValue::from_static("keep-alive, x-hop"),
         );
-        t.headers.insert("x-hop", HeaderValue::from_static("1"));
-        t.headers
-            .insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        t.headers
-            .insert(header::TE, HeaderValue::from_static("gzip"));
-        t.headers.insert(
+        hop.insert("x-hop", HeaderValue::from_static("1"));
+        hop.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        hop.insert(header::TE, HeaderValue::from_static("gzip"));
+        hop.insert(
             header::TRANSFER_ENCODING,
             HeaderValue::from_static("chunked"),
         );
+        let t = resendable_with(false, hop);
         let req = build_request(&t, &authority("a:1"), None).unwrap();
         for name in [
             "connection",

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, Version};
+use http::{HeaderValue, Request, Response, Version};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -212,6 +212,7 @@ pub(super) async fn serve_http<I, S>(
     let tracked = Tracked {
         inner: service,
         peer,
+        peer_ip: ip_header(peer),
         client_chain,
         client_user: Arc::default(),
         auth: auth.clone(),
@@ -409,12 +410,23 @@ impl Drop for OpenGuard {
     }
 }
 
+/// `peer`'s IP as a header value, whose clones share its bytes.
+fn ip_header(peer: SocketAddr) -> HeaderValue {
+    let value = HeaderValue::from_maybe_shared(Bytes::from(peer.ip().to_string()))
+        .expect("an IP address is a valid header value");
+    // Cloned once here, so that the value's buffer is shared from the start and every
+    // request's clone only counts a reference.
+    drop(value.clone());
+    value
+}
+
 /// The service hyper drives: inserts [`ConnInfo`], counts open requests, rolls the GOAWAY
 /// chance, and hands the request to the caller's tower service.
 #[derive(Clone)]
 struct Tracked<S> {
     inner: S,
     peer: SocketAddr,
+    peer_ip: HeaderValue,
     client_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
     client_user: Arc<std::sync::OnceLock<Result<Arc<crate::identity::User>, String>>>,
     auth: Arc<ConnAuth>,
@@ -423,21 +435,20 @@ struct Tracked<S> {
     goaway_chance: f64,
 }
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
 impl<S> hyper::service::Service<Request<Incoming>> for Tracked<S>
 where
     S: RequestPath,
 {
     type Response = Response<TrackedBody>;
     type Error = Infallible;
-    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+    type Future = TrackedAnswer<S>;
 
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         let guard = OpenGuard::new(self.requests.clone());
         let http2 = req.version() == Version::HTTP_2;
         req.extensions_mut().insert(ConnInfo {
             peer: self.peer,
+            peer_ip: self.peer_ip.clone(),
             client_chain: self.client_chain.clone(),
             client_user: self.client_user.clone(),
             http2,
@@ -446,19 +457,43 @@ where
         let goaway =
             (http2 && self.goaway_chance > 0.0 && rand::random::<f64>() < self.goaway_chance)
                 .then(|| self.goaway.clone());
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            let response = inner.oneshot(req).await?;
-            // After the response head: GOAWAY lets this stream (and any other in flight)
-            // finish while new requests go to a new connection.
-            if let Some(goaway) = goaway {
-                goaway.notify_one();
-            }
-            Ok(response.map(|inner| TrackedBody {
-                inner,
-                guard: Some(guard),
-            }))
-        })
+        TrackedAnswer {
+            answer: self.inner.clone().oneshot(req),
+            guard: Some(guard),
+            goaway,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The inner service's answer to one request, whose body keeps the request counted as
+    /// open. A future of its own rather than a boxed `async` block: the inner service's
+    /// future is boxed already, and this saves every request a second allocation and a
+    /// copy of it.
+    struct TrackedAnswer<S>
+    where
+        S: RequestPath,
+    {
+        #[pin]
+        answer: tower::util::Oneshot<S, Request<Incoming>>,
+        guard: Option<OpenGuard>,
+        goaway: Option<Arc<Notify>>,
+    }
+}
+
+impl<S: RequestPath> Future for TrackedAnswer<S> {
+    type Output = Result<Response<TrackedBody>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let response = std::task::ready!(this.answer.poll(cx))?;
+        // After the response head: GOAWAY lets this stream (and any other in flight)
+        // finish while new requests go to a new connection.
+        if let Some(goaway) = this.goaway.take() {
+            goaway.notify_one();
+        }
+        let guard = this.guard.take();
+        Poll::Ready(Ok(response.map(|inner| TrackedBody { inner, guard })))
     }
 }
 

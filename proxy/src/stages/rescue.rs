@@ -122,16 +122,24 @@ where
                 identities,
                 access,
             } = &*shared;
-            let (mut response, served_by, reason) = match inner.run(call).await {
+            let answered = inner.run(call).await;
+            // The one clock read after the answer: the request's duration and the board's
+            // time of it.
+            let ended = Instant::now();
+            let took = ended.duration_since(started);
+            let (mut response, served_by, reason) = match answered {
                 Ok(response) => {
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
-                    board.seen(Seen {
-                        identity: report.who(),
-                        rule: header_text(&response, X_BULWARK_RULE),
-                        level: header_text(&response, X_BULWARK_LEVEL),
-                        waited: report.waited.get().copied().unwrap_or_default(),
-                        refused: None,
-                    });
+                    board.seen(
+                        Seen {
+                            identity: report.who(),
+                            rule: header_text(&response, X_BULWARK_RULE),
+                            level: header_text(&response, X_BULWARK_LEVEL),
+                            waited: report.waited.get().copied().unwrap_or_default(),
+                            refused: None,
+                        },
+                        ended,
+                    );
                     (response, served_by, None)
                 }
                 Err(error) => {
@@ -156,17 +164,20 @@ where
                     });
                     metrics.reject(rule, level, refusal.reason);
                     identities.rejected(who, refusal.reason);
-                    board.seen(Seen {
-                        identity: who,
-                        rule,
-                        level,
-                        waited: report.waited.get().copied().unwrap_or_default(),
-                        refused: Some(Refused {
-                            reason: refusal.reason,
-                            info,
-                            audit_id: audit_id.to_str().unwrap_or(""),
-                        }),
-                    });
+                    board.seen(
+                        Seen {
+                            identity: who,
+                            rule,
+                            level,
+                            waited: report.waited.get().copied().unwrap_or_default(),
+                            refused: Some(Refused {
+                                reason: refusal.reason,
+                                info,
+                                audit_id: audit_id.to_str().unwrap_or(""),
+                            }),
+                        },
+                        ended,
+                    );
                     let reason = refusal.reason;
                     let response = error.into_response(refusal);
                     let served_by = served_by(&response).unwrap_or(ServedBy::Bulwark);
@@ -188,7 +199,7 @@ where
                     rule: header_text(&response, X_BULWARK_RULE),
                     level: header_text(&response, X_BULWARK_LEVEL),
                     reason,
-                    took: started.elapsed(),
+                    took,
                 });
             }
             // The apiserver's and the cache's answers already carry it; Bulwark's own do
@@ -210,7 +221,7 @@ where
             metrics
                 .request_duration_seconds
                 .with_label_values(&[labels.verb, served_by.as_str()])
-                .observe(started.elapsed().as_secs_f64());
+                .observe(took.as_secs_f64());
             Ok(response)
         })
     }

@@ -290,6 +290,24 @@ impl Health {
     }
 }
 
+/// The time a balancer decision is made at, read from the clock at most once, and only
+/// if the decision needs it: while every replica is calm, a pick and a success need none.
+#[derive(Debug, Default)]
+pub(crate) struct Now(std::cell::OnceCell<Instant>);
+
+impl Now {
+    /// The time, read now if it was not given or read before.
+    pub(crate) fn get(&self) -> Instant {
+        *self.0.get_or_init(Instant::now)
+    }
+}
+
+impl From<Instant> for Now {
+    fn from(at: Instant) -> Now {
+        Now(std::cell::OnceCell::from(at))
+    }
+}
+
 /// The replicas, their health, and the pick.
 pub(crate) struct Balancer {
     replicas: Vec<Arc<Replica>>,
@@ -374,10 +392,11 @@ impl Balancer {
     }
 
     /// Whether one replica is in rotation now.
-    pub(crate) fn in_rotation(&self, index: usize, now: Instant) -> bool {
+    pub(crate) fn in_rotation(&self, index: usize, now: impl Into<Now>) -> bool {
         if self.calm() {
             return index < self.replicas.len();
         }
+        let now = now.into().get();
         self.health(now).get(index).is_some_and(|h| !h.out(now))
     }
 
@@ -396,14 +415,15 @@ impl Balancer {
         &self,
         load: Load,
         exclude: &[usize],
-        now: Instant,
+        now: impl Into<Now>,
         rng: &mut impl Rng,
     ) -> Option<usize> {
-        let (health, in_rotation) = self.rotation(now);
+        let now = now.into();
+        let (health, in_rotation) = self.rotation(&now);
         let throttled = |i: usize| {
             health
                 .as_ref()
-                .is_some_and(|h| h[i].throttled_until.is_some_and(|until| now < until))
+                .is_some_and(|h| h[i].throttled_until.is_some_and(|until| now.get() < until))
         };
         let fresh: Replicas = in_rotation
             .iter()
@@ -444,7 +464,7 @@ impl Balancer {
         if fits_on(chosen) {
             return Some(chosen);
         }
-        let (health, in_rotation) = self.rotation(now);
+        let (health, in_rotation) = self.rotation(&Now::from(now));
         drop(health);
         in_rotation
             .into_iter()
@@ -457,10 +477,11 @@ impl Balancer {
     /// rotation, or all of them when more than half are out.
     /// The health table (none while calm: every replica is in rotation, unthrottled) and
     /// the replicas in rotation.
-    fn rotation(&self, now: Instant) -> (Option<MutexGuard<'_, Vec<Health>>>, Replicas) {
+    fn rotation(&self, now: &Now) -> (Option<MutexGuard<'_, Vec<Health>>>, Replicas) {
         if self.calm() {
             return (None, (0..self.replicas.len()).collect());
         }
+        let now = now.get();
         let health = self.health(now);
         let out = health.iter().filter(|h| h.out(now)).count();
         let in_rotation: Replicas = if out * 2 > health.len() {
@@ -529,11 +550,11 @@ impl Balancer {
 
     /// A request got a response head from the replica: its connection-level failures are
     /// over, so the backoff starts from `eject_base` again. A failed probe still holds.
-    pub(crate) fn succeeded(&self, index: usize, now: Instant) {
+    pub(crate) fn succeeded(&self, index: usize, now: impl Into<Now>) {
         if self.calm() {
             return;
         }
-        let mut health = self.health(now);
+        let mut health = self.health(now.into().get());
         let h = &mut health[index];
         if !h.probe_failed && (h.ejections > 0 || h.ejected_until.is_some()) {
             h.ejections = 0;

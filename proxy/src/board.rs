@@ -264,8 +264,8 @@ impl Board {
                 reason: refused.reason,
                 verb: info.map_or_else(String::new, |i| verb_label(&i.verb).to_owned()),
                 resource: info.map_or_else(String::new, resource_of),
-                namespace: info.and_then(|i| i.namespace.clone()),
-                name: info.and_then(|i| i.name.clone()),
+                namespace: info.and_then(|i| i.namespace.as_deref().map(str::to_owned)),
+                name: info.and_then(|i| i.name.as_deref().map(str::to_owned)),
                 audit_id: refused.audit_id.to_owned(),
             });
         }
@@ -366,7 +366,7 @@ fn resource_of(info: &RequestInfo) -> String {
     if !info.resource_request {
         return info.path.clone();
     }
-    let mut resource = info.resource.clone();
+    let mut resource = info.resource.as_str().to_owned();
     if !info.api_group.is_empty() {
         resource.push('.');
         resource.push_str(&info.api_group);

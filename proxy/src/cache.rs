@@ -500,7 +500,7 @@ impl Cache {
             FieldSelector::parse(q.field_selector.as_deref().unwrap_or_default()),
         ) {
             (Ok(labels), Ok(fields)) => watch::Filter {
-                namespace: info.namespace.clone(),
+                namespace: info.namespace.as_deref().map(str::to_owned),
                 labels,
                 fields,
             },
@@ -605,7 +605,7 @@ impl Cache {
         if !self.fresh(store, freshness, staleness) {
             return Err(GoUpstream::Miss("not fresh enough"));
         }
-        Ok((Planned::Get { name }, 0))
+        Ok((Planned::Get { name: name.into() }, 0))
     }
 
     fn plan_list(
@@ -791,7 +791,12 @@ impl Cache {
             group: kind.group.clone(),
             version: kind.version.clone(),
             resource: kind.resource.clone(),
-            namespace: request.info.namespace.clone().unwrap_or_default(),
+            namespace: request
+                .info
+                .namespace
+                .as_deref()
+                .unwrap_or_default()
+                .to_owned(),
             name: name.to_owned(),
         };
         match self.access.check(request.user, &attrs).await {

@@ -19,6 +19,7 @@ mod query;
 use std::borrow::Cow;
 use std::fmt;
 
+use compact_str::CompactString;
 use http::Method;
 
 pub use query::Query;
@@ -96,20 +97,20 @@ pub struct RequestInfo {
     /// Whether the path is in the resource API (`/api/v1/...`, `/apis/G/V/...`).
     pub resource_request: bool,
     /// API group; `""` for the core group and for non-resource requests.
-    pub api_group: String,
+    pub api_group: CompactString,
     /// API version; `""` for non-resource requests.
-    pub api_version: String,
+    pub api_version: CompactString,
     /// Namespace of the request. As in the apiserver, a request for the namespace object
     /// `namespaces/NAME` has namespace `NAME`.
-    pub namespace: Option<String>,
+    pub namespace: Option<CompactString>,
     /// Resource, e.g. `pods`; `""` for non-resource requests.
-    pub resource: String,
+    pub resource: CompactString,
     /// Subresource, e.g. `status`, `log`, `exec`, `proxy`.
-    pub subresource: Option<String>,
+    pub subresource: Option<CompactString>,
     /// Object name from the path. A list or watch narrowed by `fieldSelector=metadata.name=X`
     /// keeps `None` here (the name decides get vs list); see
     /// [`RequestInfo::field_selector_name`].
-    pub name: Option<String>,
+    pub name: Option<CompactString>,
     /// The verb came from the legacy `/watch/` path prefix. The apiserver then takes the
     /// object name from the path only, never from `fieldSelector=metadata.name=X`.
     pub watch_prefix: bool,
@@ -300,10 +301,10 @@ fn classify_parts(
         Ok(RequestInfo {
             verb: Verb::NonResource(method.clone()),
             resource_request: false,
-            api_group: String::new(),
-            api_version: String::new(),
+            api_group: CompactString::default(),
+            api_version: CompactString::default(),
             namespace: None,
-            resource: String::new(),
+            resource: CompactString::default(),
             subresource: None,
             name: None,
             watch_prefix: false,
@@ -318,16 +319,16 @@ fn classify_parts(
     let api_group = match parts.first().map(|s| s.as_ref()) {
         Some("api") if parts.len() >= 3 => {
             parts = &parts[1..];
-            String::new()
+            CompactString::default()
         }
         Some("apis") if parts.len() >= 4 => {
-            let group = parts[1].to_string();
+            let group = CompactString::new(&parts[1]);
             parts = &parts[2..];
             group
         }
         _ => return non_resource(),
     };
-    let api_version = parts[0].to_string();
+    let api_version = CompactString::new(&parts[0]);
     parts = &parts[1..];
 
     let watch_prefix = parts[0] == "watch";
@@ -371,7 +372,7 @@ fn classify_parts(
 
     let mut namespace = None;
     if parts[0] == "namespaces" && parts.len() > 1 {
-        namespace = Some(parts[1].to_string());
+        namespace = Some(CompactString::new(&parts[1]));
         // `namespaces/NS/RESOURCE/...` is a namespaced resource; `namespaces/NS`,
         // `namespaces/NS/status` and `namespaces/NS/finalize` are the namespace itself.
         if parts.len() > 2 && !matches!(parts[2].as_ref(), "status" | "finalize") {
@@ -379,9 +380,9 @@ fn classify_parts(
         }
     }
 
-    let resource = parts[0].to_string();
-    let name = parts.get(1).map(|s| s.to_string());
-    let subresource = parts.get(2).map(|s| s.to_string());
+    let resource = CompactString::new(&parts[0]);
+    let name = parts.get(1).map(CompactString::new);
+    let subresource = parts.get(2).map(CompactString::new);
 
     if name.is_none() {
         match verb {

@@ -73,9 +73,9 @@ fn from_etcd(info: &RequestInfo) -> bool {
 
 fn scope(info: &RequestInfo) -> Scope {
     Scope {
-        group: info.api_group.clone(),
-        resource: info.resource.clone(),
-        namespace: info.namespace.clone(),
+        group: info.api_group.as_str().to_owned(),
+        resource: info.resource.as_str().to_owned(),
+        namespace: info.namespace.as_deref().map(str::to_owned),
     }
 }
 

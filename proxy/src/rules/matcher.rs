@@ -504,7 +504,7 @@ impl Matcher {
                 if !self.resources_match(info) {
                     let resource = match &info.subresource {
                         Some(sub) => format!("{}/{sub}", info.resource),
-                        None => info.resource.clone(),
+                        None => info.resource.as_str().to_owned(),
                     };
                     why.push(format!(
                         "resources: {resource} in group {:?} is not one of [{}]",

@@ -154,7 +154,7 @@ fn scope_bytes(cache: &Cache, info: &crate::classify::RequestInfo) -> Option<u64
     let resource = if info.api_group.is_empty() {
         info.resource.clone()
     } else {
-        format!("{}.{}", info.resource, info.api_group)
+        compact_str::format_compact!("{}.{}", info.resource, info.api_group)
     };
     cache
         .scope_size(&resource, info.namespace.as_deref())

@@ -32,7 +32,7 @@ use bulwark::serve::Running;
 use bulwark_sim::pki::{Ca, Pki};
 use bulwark_testkit::{BulwarkConfig, Client, Credentials, Names, get, with_token};
 use bytes::Bytes;
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use http::uri::{Authority, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::Full;
@@ -227,4 +227,53 @@ async fn bulwark(pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Clien
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);
+
+/// Criterion's timings, or, with `STACK_COUNT=N` and `STACK_SUBJECT=floor|bulwark` set, `N`
+/// requests through one subject after as many to warm it, for an instruction count:
+/// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='stack::counted'`
+/// counts only the `N` (README "Benchmarks"). Instructions do not swing with the machine
+/// as times do, so a change worth a fraction of a microsecond shows.
+fn main() {
+    // Warnings only, as the `bulwark` binary runs by default: without a subscriber, every
+    // span hyper and h2 make would fall back to the `log` crate.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+        .init();
+    let count = std::env::var("STACK_COUNT").ok();
+    let Some(count) = count.and_then(|n| n.parse::<u64>().ok()) else {
+        benches();
+        Criterion::default().configure_from_args().final_summary();
+        return;
+    };
+    let subject = std::env::var("STACK_SUBJECT").unwrap_or_default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let dir = tempfile::tempdir().expect("a folder for the certificates and rules");
+    let pki = Pki::new();
+    let upstream = runtime.block_on(upstream(&pki, dir.path()));
+    let (running, mut client) = match subject.as_str() {
+        "floor" => (None, runtime.block_on(floor(&pki, upstream))),
+        "bulwark" => {
+            let (running, client) = runtime.block_on(bulwark(&pki, upstream, dir.path()));
+            (Some(running), client)
+        }
+        other => panic!("STACK_SUBJECT must be floor or bulwark, not {other:?}"),
+    };
+    requests(&runtime, &mut client, count);
+    let took = counted(&runtime, &mut client, count);
+    println!(
+        "{subject}: {count} requests, {:.1} µs each",
+        took.as_secs_f64() * 1e6 / count as f64
+    );
+    if let Some(running) = running {
+        runtime.block_on(running.drain());
+    }
+}
+
+/// The requests an instruction count counts (see `main`).
+#[inline(never)]
+fn counted(runtime: &Runtime, client: &mut Client, n: u64) -> Duration {
+    requests(runtime, client, n)
+}

@@ -36,6 +36,7 @@ use tokio::task::JoinHandle;
 use crate::Body;
 use crate::config;
 use crate::identity::User;
+use crate::identity::review::TokenMemo;
 use crate::metrics::Metrics;
 
 pub use caps::{Connections, raise_open_file_limit};
@@ -79,6 +80,8 @@ pub struct ConnAuth {
     /// Whether a request could not be identified through no fault of the client's (no
     /// review could be made) since the last look.
     excused: AtomicBool,
+    /// The connection's last bearer token and whom it was accepted for.
+    token: TokenMemo,
 }
 
 impl ConnAuth {
@@ -91,7 +94,13 @@ impl ConnAuth {
             give_up: Notify::new(),
             identifying: AtomicU32::new(0),
             excused: AtomicBool::new(false),
+            token: TokenMemo::default(),
         }
+    }
+
+    /// The connection's last bearer token and whom it was accepted for.
+    pub fn token(&self) -> &TokenMemo {
+        &self.token
     }
 
     /// Counts a request of a connection that has not authenticated yet as being identified

@@ -122,10 +122,64 @@ impl Known {
 
 /// What a request with an accepted token does.
 enum Step {
-    /// It is answered with this user now.
-    Serve(Arc<User>),
+    /// It is answered with this user now; until the time given, so is every request with
+    /// the token (its re-review is not due before).
+    Serve(Arc<User>, Option<Instant>),
     /// It waits for the re-review, and is answered with this user if that has no answer.
     Await(Refresh, Arc<User>),
+}
+
+/// The last token a connection presented and the user it was accepted for. The
+/// connection's next requests with the same token are answered from here, without the
+/// cache's hash and its lock shared by every worker, until the cache would start the
+/// token's re-review; a request then goes through the cache again. One per connection.
+#[derive(Default)]
+pub struct TokenMemo(Mutex<Option<Remembered>>);
+
+/// Never shows the token.
+impl std::fmt::Debug for TokenMemo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let memo = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        f.debug_struct("TokenMemo")
+            .field("user", &memo.as_ref().map(|m| &m.user.username))
+            .field("until", &memo.as_ref().map(|m| m.until))
+            .finish()
+    }
+}
+
+struct Remembered {
+    token: Box<str>,
+    user: Arc<User>,
+    until: Instant,
+}
+
+impl TokenMemo {
+    /// The user `token` was accepted for, if it is the token remembered and `now` is
+    /// before its re-review is due.
+    fn recall(&self, token: &str, now: Instant) -> Option<Arc<User>> {
+        let memo = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        memo.as_ref()
+            .filter(|m| now < m.until && *m.token == *token)
+            .map(|m| m.user.clone())
+    }
+
+    /// Remembers `token` as `user`'s until `until`, in place of any other.
+    fn remember(&self, token: &str, user: Arc<User>, until: Instant) {
+        let mut memo = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match memo.as_mut() {
+            Some(m) if *m.token == *token => {
+                m.user = user;
+                m.until = until;
+            }
+            _ => {
+                *memo = Some(Remembered {
+                    token: token.into(),
+                    user,
+                    until,
+                })
+            }
+        }
+    }
 }
 
 type KnownTokens = Arc<Mutex<LruCache<Key, Known>>>;
@@ -142,6 +196,9 @@ pub struct TokenCache {
     /// `known`, so its positive side stays empty).
     outcomes: Outcomes,
     metrics: Metrics,
+    /// `bulwark_authz_reviews_total{kind="token",result="cached"}`, which nearly every
+    /// request counts.
+    cached: prometheus::IntCounter,
     /// Where background refreshes run: the runtime the cache was made on, not a worker
     /// thread's (see [`Coalescing`]).
     home: Option<tokio::runtime::Handle>,
@@ -161,6 +218,9 @@ impl TokenCache {
             known: Arc::new(Mutex::new(LruCache::new(entries))),
             outcomes: Arc::new(Coalescing::new(1, settings.max_rejected_entries)),
             settings,
+            cached: metrics
+                .authz_reviews_total
+                .with_label_values(&["token", "cached"]),
             metrics,
             home: tokio::runtime::Handle::try_current().ok(),
         }
@@ -173,13 +233,32 @@ impl TokenCache {
         token: &str,
         source: Option<IpAddr>,
     ) -> Result<Arc<User>, IdentityError> {
+        self.authenticate_on(token, source, None).await
+    }
+
+    /// [`TokenCache::authenticate`] for a request on a connection that remembers its last
+    /// token in `memo`.
+    pub async fn authenticate_on(
+        &self,
+        token: &str,
+        source: Option<IpAddr>,
+        memo: Option<&TokenMemo>,
+    ) -> Result<Arc<User>, IdentityError> {
         if token.len() > self.settings.max_token_bytes {
             return Err(IdentityError::TokenTooLong(self.settings.max_token_bytes));
         }
+        let now = Instant::now();
+        if let Some(user) = memo.and_then(|memo| memo.recall(token, now)) {
+            self.cached.inc();
+            return Ok(user);
+        }
         let key: Key = Sha256::digest(token.as_bytes()).into();
-        match self.known_step(key, token) {
-            Some(Step::Serve(user)) => {
-                self.count("cached");
+        match self.known_step(key, token, now) {
+            Some(Step::Serve(user, until)) => {
+                if let (Some(memo), Some(until)) = (memo, until) {
+                    memo.remember(token, user.clone(), until);
+                }
+                self.cached.inc();
                 return Ok(user);
             }
             Some(Step::Await(refresh, user)) => {
@@ -206,7 +285,7 @@ impl TokenCache {
                 return Err(IdentityError::ReviewLimited(limited));
             }
             Ok(Lookup::Cached(outcome)) => {
-                self.count("cached");
+                self.cached.inc();
                 return into_result(outcome);
             }
             Ok(Lookup::Fetched { result, recorded }) => {
@@ -230,8 +309,7 @@ impl TokenCache {
 
     /// What a request does with a token accepted before, starting its re-review when due;
     /// `None` for a token not (or no longer) accepted.
-    fn known_step(&self, key: Key, token: &str) -> Option<Step> {
-        let now = Instant::now();
+    fn known_step(&self, key: Key, token: &str, now: Instant) -> Option<Step> {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         let entry = known.get_mut(&key)?;
         if now >= entry.hard_until {
@@ -240,10 +318,13 @@ impl TokenCache {
         }
         let user = entry.user.clone();
         if now < entry.fresh_until {
-            if now >= entry.refresh_from && entry.refresh.is_none() {
+            if now < entry.refresh_from {
+                return Some(Step::Serve(user, Some(entry.refresh_from)));
+            }
+            if entry.refresh.is_none() {
                 entry.refresh = self.start_refresh(key, token);
             }
-            return Some(Step::Serve(user));
+            return Some(Step::Serve(user, None));
         }
         // Past the ttl: wait for a re-review, unless the last one had no answer (then
         // another is tried in the background) or none may be made now.
@@ -252,7 +333,7 @@ impl TokenCache {
         }
         match &entry.refresh {
             Some(refresh) if !entry.failed => Some(Step::Await(refresh.clone(), user)),
-            _ => Some(Step::Serve(user)),
+            _ => Some(Step::Serve(user, None)),
         }
     }
 
@@ -629,6 +710,49 @@ mod tests {
     }
 
     const HERE: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_remembers_its_token_until_its_re_review_is_due() {
+        let (reviewer, cache) = cache();
+        let memo = TokenMemo::default();
+        let on = |token| cache.authenticate_on(token, HERE, Some(&memo));
+        assert_eq!(on("good").await.unwrap().username, "alice");
+        // Remembered from the second request, which found it in the cache.
+        on("good").await.unwrap();
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert_eq!(on("good").await.unwrap().username, "alice");
+        assert_eq!(reviewer.calls(), 1);
+        // Due for its re-review: the connection's request starts it, as any other would.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        on("good").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(reviewer.calls(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_remembered_token_answers_for_no_other() {
+        let (_, cache) = cache();
+        let memo = TokenMemo::default();
+        cache
+            .authenticate_on("good", HERE, Some(&memo))
+            .await
+            .unwrap();
+        cache
+            .authenticate_on("good", HERE, Some(&memo))
+            .await
+            .unwrap();
+        let other = cache.authenticate_on("bad", HERE, Some(&memo)).await;
+        assert!(
+            matches!(&other, Err(IdentityError::TokenRejected(why)) if why == "expired"),
+            "{other:?}"
+        );
+        let longer = cache.authenticate_on("goodbye", HERE, Some(&memo)).await;
+        assert_eq!(
+            longer.unwrap().username,
+            "alice",
+            "reviewed as its own token"
+        );
+    }
 
     #[tokio::test(start_paused = true)]
     async fn an_idle_token_is_cached_for_the_ttl_then_reviewed_again() {

@@ -104,7 +104,11 @@ async fn identify(
     }
     if let Some(token) = identity::bearer_token(headers)? {
         let user = tokens
-            .authenticate(&token, conn.map(|c| c.peer.ip()))
+            .authenticate_on(
+                &token,
+                conn.map(|c| c.peer.ip()),
+                conn.map(|c| c.auth.token()),
+            )
             .await?;
         return Ok(Identity::User {
             user,

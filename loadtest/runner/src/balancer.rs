@@ -76,9 +76,9 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// A backend that answers each connection with its own name.
-    async fn backend(name: &'static str) -> (SocketAddr, JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    /// A backend on `ip` that answers each connection with its own name.
+    async fn backend(name: &'static str, ip: &str) -> (SocketAddr, JoinHandle<()>) {
+        let listener = TcpListener::bind((ip, 0)).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             while let Ok((mut c, _)) = listener.accept().await {
@@ -97,8 +97,10 @@ mod tests {
 
     #[tokio::test]
     async fn round_robin_spreads_connections_and_preferring_pins_them_until_the_first_is_down() {
-        let (a, a_task) = backend("a").await;
-        let (b, _b_task) = backend("b").await;
+        // The backend that goes down listens on an address of its own: once it is gone, no
+        // listener of another test running beside this one can be given its port.
+        let (a, a_task) = backend("a", "127.0.0.2").await;
+        let (b, _b_task) = backend("b", "127.0.0.1").await;
         let rr = Balancer::start(vec![a, b], Pick::RoundRobin).await.unwrap();
         let mut seen = Vec::new();
         for _ in 0..4 {

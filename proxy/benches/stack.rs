@@ -161,6 +161,21 @@ async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Inf
         .expect("a response"))
 }
 
+/// A client of the upstream's answers with no proxy between: hyper's auto server answering
+/// as [`upstream`] does on the other end of the pair. The floor's count less this one is
+/// what the floor's proxy costs (its two HTTP/2 connections, and the TLS and sockets of its
+/// upstream leg on both ends), the base that Bulwark's count is compared with.
+async fn direct() -> Client {
+    pair(|served| {
+        tokio::spawn(async move {
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(served), service_fn(answer))
+                .await;
+        });
+    })
+    .await
+}
+
 /// A client of the floor: hyper's auto server on the pair with every setting its default,
 /// forwarding on one HTTP/2 connection over TLS to `upstream`.
 async fn floor(pki: &Pki, upstream: SocketAddr) -> Client {
@@ -228,7 +243,7 @@ async fn bulwark(pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Clien
 
 criterion_group!(benches, bench);
 
-/// Criterion's timings, or, with `STACK_COUNT=N` and `STACK_SUBJECT=floor|bulwark` set, `N`
+/// Criterion's timings, or, with `STACK_COUNT=N` and `STACK_SUBJECT=direct|floor|bulwark` set, `N`
 /// requests through one subject after as many to warm it, for an instruction count:
 /// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='stack::counted'`
 /// counts only the `N` (README "Benchmarks"). Instructions do not swing with the machine
@@ -254,12 +269,13 @@ fn main() {
     let pki = Pki::new();
     let upstream = runtime.block_on(upstream(&pki, dir.path()));
     let (running, mut client) = match subject.as_str() {
+        "direct" => (None, runtime.block_on(direct())),
         "floor" => (None, runtime.block_on(floor(&pki, upstream))),
         "bulwark" => {
             let (running, client) = runtime.block_on(bulwark(&pki, upstream, dir.path()));
             (Some(running), client)
         }
-        other => panic!("STACK_SUBJECT must be floor or bulwark, not {other:?}"),
+        other => panic!("STACK_SUBJECT must be direct, floor or bulwark, not {other:?}"),
     };
     requests(&runtime, &mut client, count);
     let took = counted(&runtime, &mut client, count);

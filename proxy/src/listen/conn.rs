@@ -7,11 +7,12 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::task::AtomicWaker;
 use http::{HeaderValue, Request, Response, Version};
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
@@ -196,7 +197,7 @@ pub(super) async fn serve_http<I, S>(
     peer: Peer,
     settings: &Settings,
     service: S,
-    mut drain: watch::Receiver<DrainPhase>,
+    drain: watch::Receiver<DrainPhase>,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     S: RequestPath,
@@ -206,7 +207,7 @@ pub(super) async fn serve_http<I, S>(
         client_chain,
         started,
     } = peer;
-    let (requests, mut open_rx) = Requests::new();
+    let requests = Requests::new(started);
     let goaway = Arc::new(Notify::new());
     let auth = Arc::new(ConnAuth::new(settings.max_unauthenticated_requests));
     let tracked = Tracked {
@@ -216,104 +217,241 @@ pub(super) async fn serve_http<I, S>(
         client_chain,
         client_user: Arc::default(),
         auth: auth.clone(),
-        requests,
+        requests: requests.clone(),
         goaway: goaway.clone(),
         goaway_chance: settings.goaway_chance,
     };
     let conn = settings.builder.serve_connection_with_upgrades(io, tracked);
     tokio::pin!(conn);
 
-    let mut shutting_down = false;
-    let mut drain_open = true;
-    let auth_deadline = tokio::time::sleep_until(started + settings.unauthenticated_timeout);
-    tokio::pin!(auth_deadline);
-    let mut auth_pending = true;
-    let mut extensions = 0;
-    let hard_close = tokio::time::sleep(Duration::ZERO);
-    tokio::pin!(hard_close);
-    let mut closing = false;
+    let mut control = Control {
+        peer,
+        settings,
+        auth: &auth,
+        requests: &requests,
+        goaway: &goaway,
+        drain,
+        drain_open: true,
+        shutting_down: false,
+        idle_from: tokio::time::Instant::now(),
+        auth_deadline: Box::pin(tokio::time::sleep_until(
+            started + settings.unauthenticated_timeout,
+        )),
+        auth_pending: true,
+        extensions: 0,
+        hard_close: None,
+    };
     // A handshake that finished while the drain moved on: the loop below only sees changes
     // from here on.
-    match *drain.borrow_and_update() {
+    match *control.drain.borrow_and_update() {
         DrainPhase::Serving => {}
         DrainPhase::GoAway => {
             conn.as_mut().graceful_shutdown();
-            shutting_down = true;
+            control.shutting_down = true;
         }
         DrainPhase::Close => return,
     }
+    let gate = Gate::new();
     loop {
-        tokio::select! {
-            done = conn.as_mut() => {
+        let next = control.next();
+        tokio::pin!(next);
+        gate.open();
+        let step = std::future::poll_fn(|cx| {
+            if let Poll::Ready(done) = conn.as_mut().poll(cx) {
+                return Poll::Ready(Err(done));
+            }
+            gate.poll(next.as_mut(), cx).map(Ok)
+        })
+        .await;
+        match step {
+            Err(done) => {
                 if let Err(error) = done {
                     tracing::debug!(%peer, %error, "client connection ended with an error");
                 }
                 return;
             }
-            () = idle(&mut open_rx, settings.header_read_timeout, settings.idle_timeout) => {
-                if shutting_down {
-                    // Told to go away a whole idle period ago and still here with nothing
-                    // open: the client is not cooperating.
-                    tracing::debug!(%peer, "closing a connection that ignored its shutdown");
-                    return;
+            Ok(Action::Shutdown) => conn.as_mut().graceful_shutdown(),
+            Ok(Action::Close) => return,
+        }
+    }
+}
+
+/// What a connection's [`Control`] asks of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    /// GOAWAY for HTTP/2, `Connection: close` for HTTP/1.1: open requests finish.
+    Shutdown,
+    /// Drop the connection now.
+    Close,
+}
+
+/// What ends a connection besides its client: the idle timer, the authentication deadline,
+/// credentials refused too often, the GOAWAY chance and the drain.
+struct Control<'a> {
+    peer: SocketAddr,
+    settings: &'a Settings,
+    auth: &'a ConnAuth,
+    requests: &'a Requests,
+    goaway: &'a Notify,
+    drain: watch::Receiver<DrainPhase>,
+    /// Whether anybody can still drain (the sender is alive).
+    drain_open: bool,
+    /// Whether the connection has been told to shut down.
+    shutting_down: bool,
+    /// The idle clock counts from here at the earliest: the connection's start, then the
+    /// shutdown the idle timer asked for.
+    idle_from: tokio::time::Instant,
+    auth_deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Whether the authentication deadline is still to be looked at.
+    auth_pending: bool,
+    /// Authentication periods added for requests that could not be identified through no
+    /// fault of the client's.
+    extensions: u32,
+    /// When a connection closed for not authenticating is dropped, whatever it has open.
+    hard_close: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Control<'_> {
+    /// The next thing the connection must do; it has been done to the control's state.
+    async fn next(&mut self) -> Action {
+        let peer = self.peer;
+        loop {
+            let closing = self.hard_close.is_some();
+            let hard_close = async {
+                match self.hard_close.as_mut() {
+                    Some(sleep) => sleep.as_mut().await,
+                    None => std::future::pending().await,
                 }
-                tracing::debug!(%peer, "closing an idle connection");
-                conn.as_mut().graceful_shutdown();
-                shutting_down = true;
-            }
-            () = &mut auth_deadline, if auth_pending => {
-                if extensions < MAX_EXTENSIONS && auth.deserves_more_time() {
-                    // A review still running or refused by Bulwark's own budget (an
-                    // apiserver outage, a restart's backlog) is not the client's fault; a
-                    // flood that keeps the budget spent gets no more than a few periods.
-                    extensions += 1;
-                    auth_deadline
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + settings.unauthenticated_timeout);
-                    continue;
+            };
+            tokio::select! {
+                biased;
+                // GOAWAY lets the last refusals reach the client; a hostile one that holds
+                // its streams open gets no longer than this.
+                () = hard_close => return Action::Close,
+                () = idle(
+                    self.requests,
+                    self.idle_from,
+                    self.settings.header_read_timeout,
+                    self.settings.idle_timeout,
+                ) => {
+                    if self.shutting_down {
+                        // Told to go away a whole idle period ago and still here with
+                        // nothing open: the client is not cooperating.
+                        tracing::debug!(%peer, "closing a connection that ignored its shutdown");
+                        return Action::Close;
+                    }
+                    tracing::debug!(%peer, "closing an idle connection");
+                    self.idle_from = tokio::time::Instant::now();
+                    return self.shut_down();
                 }
-                auth_pending = false;
-                if !auth.authenticated() {
-                    tracing::debug!(%peer, "closing a connection that never authenticated");
-                    settings.closed("unauthenticated_timeout");
-                    conn.as_mut().graceful_shutdown();
-                    shutting_down = true;
-                    hard_close.as_mut().reset(tokio::time::Instant::now() + LAST_WORDS);
-                    closing = true;
+                () = self.auth_deadline.as_mut(), if self.auth_pending => {
+                    if self.extensions < MAX_EXTENSIONS && self.auth.deserves_more_time() {
+                        // A review still running or refused by Bulwark's own budget (an
+                        // apiserver outage, a restart's backlog) is not the client's fault;
+                        // a flood that keeps the budget spent gets no more than a few
+                        // periods.
+                        self.extensions += 1;
+                        let next = tokio::time::Instant::now() + self.settings.unauthenticated_timeout;
+                        self.auth_deadline.as_mut().reset(next);
+                        continue;
+                    }
+                    self.auth_pending = false;
+                    if !self.auth.authenticated() {
+                        tracing::debug!(%peer, "closing a connection that never authenticated");
+                        return self.close_soon("unauthenticated_timeout");
+                    }
                 }
-            }
-            () = auth.give_up.notified(), if !closing => {
-                tracing::debug!(%peer, "closing a connection whose credentials keep failing");
-                settings.closed("unauthenticated_requests");
-                conn.as_mut().graceful_shutdown();
-                shutting_down = true;
-                hard_close.as_mut().reset(tokio::time::Instant::now() + LAST_WORDS);
-                closing = true;
-            }
-            // GOAWAY lets the last refusals reach the client; a hostile one that holds its
-            // streams open gets no longer than this.
-            () = &mut hard_close, if closing => return,
-            () = goaway.notified(), if !shutting_down => {
-                tracing::debug!(%peer, "GOAWAY chance: asking the client to reconnect");
-                conn.as_mut().graceful_shutdown();
-                shutting_down = true;
-            }
-            changed = drain.changed(), if drain_open => {
-                if changed.is_err() {
-                    // Nobody can drain any more; keep serving.
-                    drain_open = false;
-                    continue;
+                () = self.auth.give_up.notified(), if !closing => {
+                    tracing::debug!(%peer, "closing a connection whose credentials keep failing");
+                    return self.close_soon("unauthenticated_requests");
                 }
-                match *drain.borrow_and_update() {
-                    DrainPhase::Serving => {}
-                    DrainPhase::GoAway => if !shutting_down {
-                        conn.as_mut().graceful_shutdown();
-                        shutting_down = true;
-                    },
-                    DrainPhase::Close => return,
+                () = self.goaway.notified(), if !self.shutting_down => {
+                    tracing::debug!(%peer, "GOAWAY chance: asking the client to reconnect");
+                    return self.shut_down();
+                }
+                changed = self.drain.changed(), if self.drain_open => {
+                    if changed.is_err() {
+                        // Nobody can drain any more; keep serving.
+                        self.drain_open = false;
+                        continue;
+                    }
+                    let phase = *self.drain.borrow_and_update();
+                    match phase {
+                        DrainPhase::Serving => {}
+                        DrainPhase::GoAway => if !self.shutting_down {
+                            return self.shut_down();
+                        },
+                        DrainPhase::Close => return Action::Close,
+                    }
                 }
             }
         }
+    }
+
+    fn shut_down(&mut self) -> Action {
+        self.shutting_down = true;
+        Action::Shutdown
+    }
+
+    /// Shuts the connection down for not authenticating, and drops it [`LAST_WORDS`] later.
+    fn close_soon(&mut self, reason: &'static str) -> Action {
+        self.settings.closed(reason);
+        self.hard_close = Some(Box::pin(tokio::time::sleep(LAST_WORDS)));
+        self.shut_down()
+    }
+}
+
+/// Polls a connection's [`Control`] only after one of the signals it waits on woke the
+/// task. The task wakes for every request's frames; polling the control's `Notify`s, drain
+/// watch and timers on each of those wakes took their locks a dozen times a request.
+struct Gate {
+    flag: Arc<GateFlag>,
+    /// Wakes `flag`'s task through the flag: the waker the control is polled with.
+    waker: Waker,
+}
+
+struct GateFlag {
+    woken: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for GateFlag {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl Gate {
+    fn new() -> Gate {
+        let flag = Arc::new(GateFlag {
+            woken: AtomicBool::new(true),
+            task: AtomicWaker::new(),
+        });
+        Gate {
+            waker: Waker::from(flag.clone()),
+            flag,
+        }
+    }
+
+    /// Lets the next [`Gate::poll`] through: a new future has not been polled yet.
+    fn open(&self) {
+        self.flag.woken.store(true, Ordering::Release);
+    }
+
+    /// Polls `future` if something woke it since its last poll (or it is new), with a
+    /// waker that wakes `cx`'s task; `Pending` without polling it otherwise.
+    fn poll<F: Future>(&self, future: Pin<&mut F>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        // Registered before the flag is read: a wake between the two is seen by the read.
+        self.flag.task.register(cx.waker());
+        if !self.flag.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        future.poll(&mut Context::from_waker(&self.waker))
     }
 }
 
@@ -324,69 +462,89 @@ pub(super) async fn phase_reached(drain: &mut watch::Receiver<DrainPhase>, phase
     }
 }
 
-/// What the idle timer needs to know about a connection's requests.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-struct Activity {
-    /// Whether a request's response has not ended yet (a watch counts until its stream
-    /// ends).
-    busy: bool,
-    /// Whether any request has arrived yet.
-    started: bool,
-}
-
-/// A connection's open requests: counted on every request, told to the idle timer only when
-/// the connection goes from idle to busy or back. Under load it never does, so the
-/// connection's task is not woken twice per request for it (`notify_waiters` and the
-/// connection's poll were about 2% of a saturated core).
+/// A connection's open requests and, when none is open, since when. The idle timer reads
+/// them when it fires rather than being told of every request: under load a connection is
+/// never idle, and at a low rate it goes idle after every request, which woke its task twice
+/// a request and re-armed the timer each time.
 struct Requests {
     open: AtomicUsize,
-    activity: watch::Sender<Activity>,
+    /// When the last request ended, in nanoseconds after `base` plus one; [`UNKNOWN`]
+    /// while a request is open or its end is being written, [`NEVER`] before the first.
+    idle_since: AtomicU64,
+    base: tokio::time::Instant,
+}
+
+const UNKNOWN: u64 = 0;
+const NEVER: u64 = u64::MAX;
+
+/// What the idle timer finds when it looks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Activity {
+    /// A request is open (a watch counts until its stream ends).
+    Busy,
+    /// Nothing has been open since then.
+    IdleSince(tokio::time::Instant),
+    /// No request has arrived yet.
+    NeverUsed,
 }
 
 impl Requests {
-    fn new() -> (Arc<Requests>, watch::Receiver<Activity>) {
-        let (activity, rx) = watch::channel(Activity::default());
-        let requests = Requests {
+    fn new(base: tokio::time::Instant) -> Arc<Requests> {
+        Arc::new(Requests {
             open: AtomicUsize::new(0),
-            activity,
-        };
-        (Arc::new(requests), rx)
+            idle_since: AtomicU64::new(NEVER),
+            base,
+        })
     }
 
-    /// Tells the idle timer whether anything is open now. Called after every crossing of
-    /// zero, it reads the count then, so the last one called after the last crossing
-    /// leaves the right state even when two race.
-    fn publish(&self) {
-        self.activity.send_if_modified(|a| {
-            let now = Activity {
-                busy: self.open.load(Ordering::Acquire) > 0,
-                started: true,
-            };
-            std::mem::replace(a, now) != now
-        });
+    fn activity(&self) -> Activity {
+        if self.open.load(Ordering::Acquire) > 0 {
+            return Activity::Busy;
+        }
+        match self.idle_since.load(Ordering::Acquire) {
+            NEVER => Activity::NeverUsed,
+            // The last request's end is being written: idle from about now.
+            UNKNOWN => Activity::IdleSince(tokio::time::Instant::now()),
+            since => Activity::IdleSince(self.base + Duration::from_nanos(since - 1)),
+        }
+    }
+
+    fn opened(&self) {
+        if self.open.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.idle_since.store(UNKNOWN, Ordering::Release);
+        }
+    }
+
+    fn closed(&self) {
+        if self.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let since = tokio::time::Instant::now().saturating_duration_since(self.base);
+            let since = u64::try_from(since.as_nanos()).unwrap_or(NEVER - 1);
+            self.idle_since
+                .store(since.saturating_add(1).min(NEVER - 1), Ordering::Release);
+        }
     }
 }
 
-/// Resolves when the connection has had no open request for the idle limit. Before its first
-/// request a connection gets only the header read timeout: a client that completes TLS and
-/// then sends nothing (or trickles an HTTP/2 HEADERS frame) does not hold a slot for the
-/// whole idle timeout.
-async fn idle(activity: &mut watch::Receiver<Activity>, first: Duration, limit: Duration) {
+/// Resolves once the connection has had nothing open for `limit`, counted from `from` at
+/// the earliest. Before its first request a connection gets only `first` (the header read
+/// timeout): a client that completes TLS and then sends nothing (or trickles an HTTP/2
+/// HEADERS frame) does not hold a slot for the whole idle timeout.
+async fn idle(requests: &Requests, from: tokio::time::Instant, first: Duration, limit: Duration) {
+    let sleep = tokio::time::sleep_until(from + first.min(limit));
+    tokio::pin!(sleep);
     loop {
-        let now = *activity.borrow_and_update();
-        let changed = if now.busy {
-            activity.changed().await
-        } else {
-            let limit = if now.started { limit } else { first.min(limit) };
-            match tokio::time::timeout(limit, activity.changed()).await {
-                Ok(changed) => changed,
-                Err(_) => return,
-            }
+        sleep.as_mut().await;
+        let now = tokio::time::Instant::now();
+        let end = match requests.activity() {
+            // Looked at again a whole period later: an open request ends no sooner.
+            Activity::Busy => now + limit,
+            Activity::NeverUsed => return,
+            Activity::IdleSince(since) => since.max(from) + limit,
         };
-        if changed.is_err() {
-            // The service (and with it the sender) is gone: the connection is ending anyway.
-            std::future::pending::<()>().await;
+        if end <= now {
+            return;
         }
+        sleep.as_mut().reset(end);
     }
 }
 
@@ -395,18 +553,14 @@ struct OpenGuard(Arc<Requests>);
 
 impl OpenGuard {
     fn new(requests: Arc<Requests>) -> Self {
-        if requests.open.fetch_add(1, Ordering::AcqRel) == 0 {
-            requests.publish();
-        }
+        requests.opened();
         Self(requests)
     }
 }
 
 impl Drop for OpenGuard {
     fn drop(&mut self) {
-        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.publish();
-        }
+        self.0.closed();
     }
 }
 
@@ -534,75 +688,146 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn idle_counts_only_time_with_nothing_open() {
-        let (tx, mut rx) = Requests::new();
+        let start = tokio::time::Instant::now();
+        let tx = Requests::new(start);
         let first = Duration::from_secs(1);
         let limit = Duration::from_secs(10);
-        let start = tokio::time::Instant::now();
 
         // Before any request: the short first limit.
-        idle(&mut rx, first, limit).await;
+        idle(&tx, start, first, limit).await;
         assert_eq!(start.elapsed(), first);
 
         // A request open for a long time (a quiet watch) is never idle.
         let guard = OpenGuard::new(tx.clone());
-        let waited = tokio::time::timeout(Duration::from_secs(3600), idle(&mut rx, first, limit));
+        let waited =
+            tokio::time::timeout(Duration::from_secs(3600), idle(&tx, start, first, limit));
         assert!(waited.await.is_err(), "an open request is not idle");
 
-        // Once it ends, the full idle limit runs from that moment.
+        // Once it ends, the full idle limit runs from that moment, also for a timer that
+        // was waiting when it ended.
+        let waiting = tokio::spawn({
+            let tx = tx.clone();
+            async move { idle(&tx, start, first, limit).await }
+        });
+        tokio::time::sleep(Duration::from_secs(7)).await;
         let ended = tokio::time::Instant::now();
         drop(guard);
-        idle(&mut rx, first, limit).await;
+        idle(&tx, start, first, limit).await;
         assert_eq!(ended.elapsed(), limit);
+        waiting.await.expect("the waiting timer");
+        assert_eq!(ended.elapsed(), limit);
+
+        // Counted from a later start (the shutdown it asked for) when given one.
+        let from = tokio::time::Instant::now();
+        idle(&tx, from, first, limit).await;
+        assert_eq!(from.elapsed(), limit);
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn activity_restarts_the_idle_clock() {
-        let (tx, mut rx) = Requests::new();
+        let start = tokio::time::Instant::now();
+        let tx = Requests::new(start);
         let limit = Duration::from_secs(10);
         drop(OpenGuard::new(tx.clone()));
-        let start = tokio::time::Instant::now();
         let tx2 = tx.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(6)).await;
             drop(OpenGuard::new(tx2));
         });
-        idle(&mut rx, limit, limit).await;
+        idle(&tx, start, limit, limit).await;
         assert_eq!(start.elapsed(), Duration::from_secs(16));
+    }
+
+    /// Counts its wakes.
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn requests_do_not_wake_the_idle_timer() {
+        let start = tokio::time::Instant::now();
+        let tx = Requests::new(start);
+        let limit = Duration::from_secs(10);
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let timer = idle(&tx, start, limit, limit);
+        tokio::pin!(timer);
+        assert!(timer.as_mut().poll(&mut cx).is_pending());
+        // Requests come and go, one at a time and several at once.
+        for _ in 0..100 {
+            let one = OpenGuard::new(tx.clone());
+            let two = OpenGuard::new(tx.clone());
+            drop(one);
+            drop(two);
+        }
+        tokio::task::yield_now().await;
+        assert_eq!(wakes.0.load(Ordering::Relaxed), 0, "no request woke it");
+        assert_eq!(tx.activity(), Activity::IdleSince(start));
+    }
+
+    #[test]
+    fn the_gate_polls_a_future_only_after_it_was_woken() {
+        let gate = Gate::new();
+        let polls = AtomicUsize::new(0);
+        let its_waker = std::sync::Mutex::new(None::<Waker>);
+        let counted = std::future::poll_fn(|cx| {
+            polls.fetch_add(1, Ordering::Relaxed);
+            *its_waker.lock().unwrap() = Some(cx.waker().clone());
+            Poll::<()>::Pending
+        });
+        let mut counted = std::pin::pin!(counted);
+        let task = Arc::new(Wakes::default());
+        let waker = Waker::from(task.clone());
+        let mut cx = Context::from_waker(&waker);
+
+        // A new future is polled.
+        assert!(gate.poll(counted.as_mut(), &mut cx).is_pending());
+        assert_eq!(polls.load(Ordering::Relaxed), 1);
+        // The task's other wakes (a request's frames) do not poll it.
+        for _ in 0..10 {
+            assert!(gate.poll(counted.as_mut(), &mut cx).is_pending());
+        }
+        assert_eq!(polls.load(Ordering::Relaxed), 1);
+        // Its own wake reaches the task, and the next poll polls it.
+        its_waker.lock().unwrap().take().unwrap().wake();
+        assert_eq!(task.0.load(Ordering::Relaxed), 1);
+        assert!(gate.poll(counted.as_mut(), &mut cx).is_pending());
+        assert_eq!(polls.load(Ordering::Relaxed), 2);
+        // Opened for a new future: polled.
+        gate.open();
+        assert!(gate.poll(counted.as_mut(), &mut cx).is_pending());
+        assert_eq!(polls.load(Ordering::Relaxed), 3);
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn the_body_releases_its_request_when_it_ends_or_is_dropped() {
         use http_body_util::BodyExt;
-        let (tx, rx) = Requests::new();
+        let tx = Requests::new(tokio::time::Instant::now());
 
         let mut body = TrackedBody {
             inner: crate::full("done"),
             guard: Some(OpenGuard::new(tx.clone())),
         };
-        assert!(rx.borrow().busy);
+        assert_eq!(tx.activity(), Activity::Busy);
         while body.frame().await.is_some() {}
-        assert!(!rx.borrow().busy, "released at the end, before the drop");
+        assert_ne!(
+            tx.activity(),
+            Activity::Busy,
+            "released at the end, before the drop"
+        );
 
         let body = TrackedBody {
             inner: crate::full("never read"),
             guard: Some(OpenGuard::new(tx.clone())),
         };
-        assert!(rx.borrow().busy);
+        assert_eq!(tx.activity(), Activity::Busy);
         drop(body);
-        assert!(!rx.borrow().busy);
-    }
-
-    #[tokio::test(flavor = "current_thread", start_paused = true)]
-    async fn the_idle_timer_hears_only_of_idle_and_busy() {
-        let (tx, mut rx) = Requests::new();
-        let first = OpenGuard::new(tx.clone());
-        assert!(rx.has_changed().unwrap() && rx.borrow_and_update().busy);
-        // More requests while one is open, and some ending: still busy, nothing to wake for.
-        let second = OpenGuard::new(tx.clone());
-        drop(OpenGuard::new(tx.clone()));
-        drop(first);
-        assert!(!rx.has_changed().unwrap(), "no change while busy");
-        drop(second);
-        assert!(rx.has_changed().unwrap() && !rx.borrow_and_update().busy);
+        assert_ne!(tx.activity(), Activity::Busy);
     }
 }

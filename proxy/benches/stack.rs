@@ -21,6 +21,7 @@
 //! requires: TLS over TCP on 127.0.0.1 to hyper's server answering constants.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -43,7 +44,7 @@ use hyper_util::server::conn::auto;
 use rustls::pki_types::ServerName;
 use tokio::io::DuplexStream;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::runtime::Runtime;
+use tokio::runtime::{Handle, Runtime};
 use tokio_rustls::TlsConnector;
 
 /// The object every GET reads.
@@ -73,9 +74,10 @@ fn bench(c: &mut Criterion) {
         .expect("a runtime");
     let dir = tempfile::tempdir().expect("a folder for the certificates and rules");
     let pki = Pki::new();
+    let here = runtime.handle().clone();
     let upstream = runtime.block_on(upstream(&pki, dir.path()));
-    let mut floor = runtime.block_on(floor(&pki, upstream));
-    let (running, mut bulwark) = runtime.block_on(bulwark(&pki, upstream, dir.path()));
+    let mut floor = runtime.block_on(floor(&here, &pki, upstream));
+    let (running, mut bulwark) = runtime.block_on(bulwark(&here, &pki, upstream, dir.path()));
 
     let mut group = c.benchmark_group("stack");
     group.bench_function("floor", |b| {
@@ -100,10 +102,14 @@ fn requests(runtime: &Runtime, client: &mut Client, n: u64) -> Duration {
     })
 }
 
-/// A client on one end of an in-memory pair whose other end `serve` serves.
-async fn pair(serve: impl FnOnce(DuplexStream)) -> Client {
+/// A client on one end of an in-memory pair whose other end the future `serve` makes
+/// serves, spawned on `proxy`.
+async fn pair<F>(proxy: &Handle, serve: impl FnOnce(DuplexStream) -> F) -> Client
+where
+    F: Future<Output = ()> + Send + 'static,
+{
     let (client, served) = tokio::io::duplex(PAIR_BUFFER);
-    serve(served);
+    proxy.spawn(serve(served));
     let mut client = Client::plain(client).await.expect("the HTTP/2 handshake");
     // The first answer is the smoke check (and, through Bulwark, the token review the
     // measured requests find cached).
@@ -165,54 +171,60 @@ async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Inf
 /// as [`upstream`] does on the other end of the pair. The floor's count less this one is
 /// what the floor's proxy costs (its two HTTP/2 connections, and the TLS and sockets of its
 /// upstream leg on both ends), the base that Bulwark's count is compared with.
-async fn direct() -> Client {
-    pair(|served| {
-        tokio::spawn(async move {
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(served), service_fn(answer))
-                .await;
-        });
+async fn direct(upstream: &Handle) -> Client {
+    pair(upstream, |served| async move {
+        let _ = auto::Builder::new(TokioExecutor::new())
+            .serve_connection(TokioIo::new(served), service_fn(answer))
+            .await;
     })
     .await
 }
 
 /// A client of the floor: hyper's auto server on the pair with every setting its default,
 /// forwarding on one HTTP/2 connection over TLS to `upstream`.
-async fn floor(pki: &Pki, upstream: SocketAddr) -> Client {
+async fn floor(proxy: &Handle, pki: &Pki, upstream: SocketAddr) -> Client {
     let connector = TlsConnector::from(Arc::new(bulwark_testkit::tls_config(pki, None)));
-    let tcp = TcpStream::connect(upstream).await.expect("the upstream");
-    tcp.set_nodelay(true).expect("TCP_NODELAY");
-    let tls = connector
-        .connect(ServerName::from(upstream.ip()), tcp)
+    let service = proxy
+        .spawn(async move {
+            let tcp = TcpStream::connect(upstream).await.expect("the upstream");
+            tcp.set_nodelay(true).expect("TCP_NODELAY");
+            let tls = connector
+                .connect(ServerName::from(upstream.ip()), tcp)
+                .await
+                .expect("the upstream's TLS handshake");
+            let (sender, connection) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+                    .await
+                    .expect("the upstream's HTTP/2 handshake");
+            tokio::spawn(connection);
+            let authority = Authority::try_from(upstream.to_string()).expect("an authority");
+            service_fn(move |mut request: Request<Incoming>| {
+                let mut sender = sender.clone();
+                let mut parts = request.uri().clone().into_parts();
+                parts.scheme = Some(Scheme::HTTPS);
+                parts.authority = Some(authority.clone());
+                *request.uri_mut() = Uri::from_parts(parts).expect("the upstream's URI");
+                async move { sender.send_request(request).await }
+            })
+        })
         .await
-        .expect("the upstream's TLS handshake");
-    let (sender, connection) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
-            .await
-            .expect("the upstream's HTTP/2 handshake");
-    tokio::spawn(connection);
-    let authority = Authority::try_from(upstream.to_string()).expect("an authority");
-    let service = service_fn(move |mut request: Request<Incoming>| {
-        let mut sender = sender.clone();
-        let mut parts = request.uri().clone().into_parts();
-        parts.scheme = Some(Scheme::HTTPS);
-        parts.authority = Some(authority.clone());
-        *request.uri_mut() = Uri::from_parts(parts).expect("the upstream's URI");
-        async move { sender.send_request(request).await }
-    });
-    pair(|served| {
-        tokio::spawn(async move {
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(served), service)
-                .await;
-        });
+        .expect("the floor's upstream connection");
+    pair(proxy, |served| async move {
+        let _ = auto::Builder::new(TokioExecutor::new())
+            .serve_connection(TokioIo::new(served), service)
+            .await;
     })
     .await
 }
 
 /// Bulwark started as production starts it, in front of `upstream` as `passthrough`
 /// configures it (its exempt rule, the cache off), and a client of its request path.
-async fn bulwark(pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Client) {
+async fn bulwark(
+    proxy: &Handle,
+    pki: &Pki,
+    upstream: SocketAddr,
+    dir: &Path,
+) -> (Running, Client) {
     let serving_ca = Ca::new("stack-bench-serving-ca");
     let credentials =
         Credentials::mint(dir, pki, &serving_ca, Names::default()).expect("the certificates");
@@ -222,22 +234,25 @@ async fn bulwark(pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Clien
     let mut config = BulwarkConfig::new(credentials, vec![upstream]);
     config.cache = false;
     config.rules = Some(rules);
-    let running = Running::start(config.config())
+    let running = proxy
+        .spawn(async move {
+            let running = Running::start(config.config())
+                .await
+                .expect("bulwark starts");
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while let Err(why) = running.admin.ready() {
+                assert!(
+                    Instant::now() < deadline,
+                    "bulwark never became ready: {why}"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            running
+        })
         .await
-        .expect("bulwark starts");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while let Err(why) = running.admin.ready() {
-        assert!(
-            Instant::now() < deadline,
-            "bulwark never became ready: {why}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        .expect("bulwark's start");
     let peer = SocketAddr::from(([127, 0, 0, 1], 40_000));
-    let client = pair(|served| {
-        tokio::spawn(running.serve_connection(served, peer));
-    })
-    .await;
+    let client = pair(proxy, |served| running.serve_connection(served, peer)).await;
     (running, client)
 }
 
@@ -267,12 +282,26 @@ fn main() {
         .expect("a runtime");
     let dir = tempfile::tempdir().expect("a folder for the certificates and rules");
     let pki = Pki::new();
-    let upstream = runtime.block_on(upstream(&pki, dir.path()));
+    // With `STACK_SPLIT` set, the upstream and the proxy run on threads of their own, so
+    // that callgrind's `--separate-threads=yes` counts the proxy's instructions alone.
+    let (upstream_side, proxy) = if std::env::var_os("STACK_SPLIT").is_some() {
+        (Some(runtime_thread("upstream")), runtime_thread("proxy"))
+    } else {
+        (None, runtime.handle().clone())
+    };
+    let upstream = match &upstream_side {
+        Some(side) => side.block_on(upstream(&pki, dir.path())),
+        None => runtime.block_on(upstream(&pki, dir.path())),
+    };
     let (running, mut client) = match subject.as_str() {
-        "direct" => (None, runtime.block_on(direct())),
-        "floor" => (None, runtime.block_on(floor(&pki, upstream))),
+        "direct" => {
+            let side = upstream_side.unwrap_or_else(|| runtime.handle().clone());
+            (None, runtime.block_on(direct(&side)))
+        }
+        "floor" => (None, runtime.block_on(floor(&proxy, &pki, upstream))),
         "bulwark" => {
-            let (running, client) = runtime.block_on(bulwark(&pki, upstream, dir.path()));
+            let (running, client) =
+                runtime.block_on(bulwark(&proxy, &pki, upstream, dir.path()));
             (Some(running), client)
         }
         other => panic!("STACK_SUBJECT must be direct, floor or bulwark, not {other:?}"),
@@ -286,6 +315,20 @@ fn main() {
     if let Some(running) = running {
         runtime.block_on(running.drain());
     }
+}
+
+/// A current-thread runtime driven by a thread of its own.
+fn runtime_thread(name: &str) -> Handle {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(move || runtime.block_on(std::future::pending::<()>()))
+        .expect("a thread");
+    handle
 }
 
 /// The requests an instruction count counts (see `main`).

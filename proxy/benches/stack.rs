@@ -47,6 +47,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::{Handle, Runtime};
 use tokio_rustls::TlsConnector;
 
+/// The allocator the `bulwark` binary and the floor run with.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The object every GET reads.
 const PATH: &str = "/api/v1/namespaces/ns-0/configmaps/configmap-0";
 /// What the upstream answers to it.

@@ -202,9 +202,7 @@ where
                     took,
                 });
             }
-            // The apiserver's and the cache's answers already carry it; Bulwark's own do
-            // from here.
-            response.headers_mut().entry(AUDIT_ID).or_insert(audit_id);
+            answer_audit_id(response.headers_mut(), audit_id);
             let labels = report.labels.get().cloned().unwrap_or(Labels {
                 verb: method,
                 resource: Arc::from(""),
@@ -253,6 +251,20 @@ fn audit_id(headers: &mut http::HeaderMap) -> HeaderValue {
     id.set_sensitive(true);
     headers.insert(AUDIT_ID, id.clone());
     id
+}
+
+/// Puts the request's `Audit-Id` on its answer: the apiserver's and the cache's answers
+/// carry it already (the apiserver's decoded from its HTTP/2 stream, so no longer marked),
+/// Bulwark's own get it here. Marked sensitive either way, as on the request: a value sent
+/// once would otherwise be put in the client connection's HPACK table with every answer and
+/// push out the headers that repeat.
+fn answer_audit_id(headers: &mut http::HeaderMap, id: HeaderValue) {
+    match headers.entry(AUDIT_ID) {
+        http::header::Entry::Occupied(mut given) => given.get_mut().set_sensitive(true),
+        http::header::Entry::Vacant(missing) => {
+            missing.insert(id);
+        }
+    }
 }
 
 /// The client's `User-Agent` as log lines carry it: at most [`USER_AGENT_MAX`] bytes.
@@ -312,5 +324,25 @@ mod tests {
             assert_eq!(id.len(), 36, "{unusable:?} replaced by a UUID");
             assert_eq!(headers[AUDIT_ID], id);
         }
+    }
+
+    #[test]
+    fn every_answer_carries_the_audit_id_kept_out_of_the_hpack_table() {
+        let mut request = http::HeaderMap::new();
+        let id = audit_id(&mut request);
+
+        // Bulwark's own answer gets the request's.
+        let mut own = http::HeaderMap::new();
+        answer_audit_id(&mut own, id.clone());
+        assert_eq!(own[AUDIT_ID], id);
+        assert!(own[AUDIT_ID].is_sensitive());
+
+        // The apiserver's keeps its own (the same, echoed), marked again.
+        let mut upstream = http::HeaderMap::new();
+        upstream.insert(AUDIT_ID, HeaderValue::from_str(id.to_str().unwrap()).unwrap());
+        assert!(!upstream[AUDIT_ID].is_sensitive(), "as h2 decodes it");
+        answer_audit_id(&mut upstream, HeaderValue::from_static("not-this"));
+        assert_eq!(upstream[AUDIT_ID], id);
+        assert!(upstream[AUDIT_ID].is_sensitive());
     }
 }

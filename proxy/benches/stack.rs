@@ -223,12 +223,7 @@ async fn floor(proxy: &Handle, pki: &Pki, upstream: SocketAddr) -> Client {
 
 /// Bulwark started as production starts it, in front of `upstream` as `passthrough`
 /// configures it (its exempt rule, the cache off), and a client of its request path.
-async fn bulwark(
-    proxy: &Handle,
-    pki: &Pki,
-    upstream: SocketAddr,
-    dir: &Path,
-) -> (Running, Client) {
+async fn bulwark(proxy: &Handle, pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Client) {
     let serving_ca = Ca::new("stack-bench-serving-ca");
     let credentials =
         Credentials::mint(dir, pki, &serving_ca, Names::default()).expect("the certificates");
@@ -304,8 +299,7 @@ fn main() {
         }
         "floor" => (None, runtime.block_on(floor(&proxy, &pki, upstream))),
         "bulwark" => {
-            let (running, client) =
-                runtime.block_on(bulwark(&proxy, &pki, upstream, dir.path()));
+            let (running, client) = runtime.block_on(bulwark(&proxy, &pki, upstream, dir.path()));
             (Some(running), client)
         }
         other => panic!("STACK_SUBJECT must be direct, floor or bulwark, not {other:?}"),

@@ -339,7 +339,10 @@ mod tests {
 
         // The apiserver's keeps its own (the same, echoed), marked again.
         let mut upstream = http::HeaderMap::new();
-        upstream.insert(AUDIT_ID, HeaderValue::from_str(id.to_str().unwrap()).unwrap());
+        upstream.insert(
+            AUDIT_ID,
+            HeaderValue::from_str(id.to_str().unwrap()).unwrap(),
+        );
         assert!(!upstream[AUDIT_ID].is_sensitive(), "as h2 decodes it");
         answer_audit_id(&mut upstream, HeaderValue::from_static("not-this"));
         assert_eq!(upstream[AUDIT_ID], id);

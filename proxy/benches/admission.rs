@@ -28,6 +28,7 @@ fn bench(c: &mut Criterion) {
         hand_size: 8,
         queue_length: 50,
         max_wait: Duration::from_secs(15),
+        max_seats_per_flow: 0,
     });
     let budget = Arc::new(LocalBudget::new(3, 1 << 30));
     let admission = Admission::with_budget(

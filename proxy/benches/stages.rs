@@ -84,6 +84,7 @@ fn bench(c: &mut Criterion) {
         hand_size: 1,
         queue_length: 1,
         max_wait: Duration::from_secs(1),
+        max_seats_per_flow: 0,
     });
     let admission = Admission::with_budget(
         std::slice::from_ref(&exempt),

@@ -27,6 +27,7 @@ mod cost;
 pub(crate) mod flows;
 mod local;
 pub mod measure;
+mod progress;
 mod queue;
 #[cfg(test)]
 mod tests;
@@ -53,6 +54,7 @@ use crate::upstream::Upstream;
 pub use budget::{ByteBudget, LocalBudget, Reservation, UpstreamBudget};
 pub use flows::FlowWatch;
 pub use local::ProxyLocal;
+pub use progress::SendProgress;
 
 use cost::CostModel;
 use flows::{Bucket, Flows};
@@ -714,6 +716,7 @@ impl Admission {
                     "handSize": spec.hand_size,
                     "queueLength": spec.queue_length,
                     "maxWaitSeconds": spec.max_wait.as_secs_f64(),
+                    "maxSeatsPerFlow": spec.max_seats_per_flow,
                     "activeQueues": view.active_queues,
                     "waiting": view.waiting,
                     "executingRequests": view.executing_requests,
@@ -737,13 +740,38 @@ fn queue_full(m: &Matched, level: &Level) -> Verdict {
 }
 
 /// The response body of an admitted request: it holds `permit` until it ends (or is
-/// dropped), and with `learn` reports the LIST's size to the cost model when it ends.
-pub fn hold(body: Body, permit: Permit, learn: Option<Learn>) -> Body {
+/// dropped), and with `learn` reports the LIST's size to the cost model when it ends. A
+/// body that holds seats or LIST bytes, or that sends a cached watch's initial state of
+/// `initial` bytes, and whose client stops reading gives the permit back and is cut off
+/// after `send`'s deadline, and its connection `conn` is closed ([`progress`]).
+pub fn hold(
+    body: Body,
+    permit: Permit,
+    learn: Option<Learn>,
+    send: &SendProgress,
+    initial: Option<u64>,
+    conn: Option<&Arc<crate::listen::ConnAuth>>,
+) -> Body {
     use http_body_util::BodyExt;
+    let watched = (permit.seats.is_some() || permit.bytes.is_some() || initial.is_some())
+        && !http_body::Body::is_end_stream(&body);
+    // Watched from the start: hyper polls a body only once the client has room for it, so
+    // a client whose window is shut from the first byte never lets it be polled at all.
+    let (permit, progress) = if watched {
+        (
+            None,
+            Some(progress::Progress::watch(permit, send, conn.cloned())),
+        )
+    } else {
+        (Some(permit), None)
+    };
     Guarded {
         body,
         _permit: permit,
         learn,
+        progress,
+        initial,
+        rest: None,
     }
     .boxed_unsync()
 }
@@ -794,8 +822,15 @@ pin_project_lite::pin_project! {
     struct Guarded {
         #[pin]
         body: Body,
-        _permit: Permit,
+        // `None` when `progress` holds it.
+        _permit: Option<Permit>,
         learn: Option<Learn>,
+        // Set while the body holds what others wait for and its client's pace is watched.
+        progress: Option<Arc<progress::Progress>>,
+        // A cached watch's initial state still to send: watched until it is out.
+        initial: Option<u64>,
+        // The rest of a large frame of a watched body, handed out a chunk at a time.
+        rest: Option<bytes::Bytes>,
     }
 }
 
@@ -808,8 +843,27 @@ impl http_body::Body for Guarded {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
         let mut this = self.project();
+        if this.progress.as_ref().is_some_and(|p| p.is_cut()) {
+            // What it still holds upstream goes now; the error resets the client's stream.
+            this.body.set(crate::empty());
+            *this.progress = None;
+            *this.learn = None;
+            *this.rest = None;
+            return Poll::Ready(Some(Err(
+                "the client did not read its response in time; it was cut off".into(),
+            )));
+        }
+        if let Some(rest) = this.rest.as_mut() {
+            let chunk = if rest.len() > progress::CHUNK {
+                rest.split_to(progress::CHUNK)
+            } else {
+                this.rest.take().unwrap_or_default()
+            };
+            handed(this.progress, this.initial, this._permit, chunk.len());
+            return Poll::Ready(Some(Ok(http_body::Frame::data(chunk))));
+        }
         let polled = this.body.as_mut().poll_frame(cx);
-        match &polled {
+        match polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(learn), Some(data)) = (this.learn.as_mut(), frame.data_ref()) {
                     learn.meter.feed(data);
@@ -819,20 +873,77 @@ impl http_body::Body for Guarded {
                 if this.body.is_end_stream() {
                     Learn::finish(this.learn.take());
                 }
+                let frame = match frame.into_data() {
+                    // A watched body goes out in chunks no larger than a connection takes at
+                    // a time, so that a client that reads, however slowly, polls it again
+                    // before the deadline.
+                    Ok(mut data) if this.progress.is_some() && data.len() > progress::CHUNK => {
+                        *this.rest = Some(data.split_off(progress::CHUNK));
+                        handed(this.progress, this.initial, this._permit, data.len());
+                        http_body::Frame::data(data)
+                    }
+                    Ok(data) => {
+                        handed(this.progress, this.initial, this._permit, data.len());
+                        http_body::Frame::data(data)
+                    }
+                    Err(frame) => frame,
+                };
+                Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(None) => Learn::finish(this.learn.take()),
+            Poll::Ready(None) => {
+                Learn::finish(this.learn.take());
+                Poll::Ready(None)
+            }
             // A body that failed did not show its whole size.
-            Poll::Ready(Some(Err(_))) => *this.learn = None,
-            Poll::Pending => {}
+            Poll::Ready(Some(Err(error))) => {
+                *this.learn = None;
+                Poll::Ready(Some(Err(error)))
+            }
+            Poll::Pending => {
+                if let Some(progress) = this.progress.as_ref() {
+                    progress.polled(false);
+                }
+                Poll::Pending
+            }
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.rest.is_none() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
+        let rest = self.rest.as_ref().map_or(0, |r| r.len() as u64);
+        let inner = self.body.size_hint();
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(inner.lower() + rest);
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper + rest);
+        }
+        hint
+    }
+}
+
+/// `bytes` of a watched body went to the connection: its client is waited for now, and a
+/// cached watch's initial state may be out, after which it is not watched for its events
+/// (the permit it holds then is its place in the watch limit).
+fn handed(
+    progress: &mut Option<Arc<progress::Progress>>,
+    initial: &mut Option<u64>,
+    permit: &mut Option<Permit>,
+    bytes: usize,
+) {
+    let Some(watched) = progress.as_ref() else {
+        return;
+    };
+    watched.polled(true);
+    if let Some(left) = initial.as_mut() {
+        *left = left.saturating_sub(bytes as u64);
+        if *left == 0 {
+            *initial = None;
+            if let Some(watched) = progress.take() {
+                *permit = watched.into_permit();
+            }
+        }
     }
 }

@@ -1042,7 +1042,7 @@ impl Cache {
             attrs,
             every: self.cfg.reauthorize_interval,
         };
-        let body = watch::body(
+        let (body, initial_bytes) = watch::body(
             request.store.clone(),
             start,
             options,
@@ -1051,7 +1051,12 @@ impl Cache {
             self.metrics.clone(),
         );
         let content_type = respond::content_type(request.encoding, true);
-        let response = respond::response(StatusCode::OK, body, &request.audit_id, content_type);
+        let mut response = respond::response(StatusCode::OK, body, &request.audit_id, content_type);
+        if initial_bytes > 0 {
+            response
+                .extensions_mut()
+                .insert(InitialState(initial_bytes));
+        }
         Ok(self.give(&request, ("watch", None, 200), response))
     }
 }
@@ -1133,6 +1138,12 @@ pub struct Reader<'a> {
     /// The client's address.
     pub peer: Option<IpAddr>,
 }
+
+/// Response extension of a cached watch that starts with the current state: the bytes of
+/// that state, which the response sends before any event. Admission watches the client's
+/// progress until they are out.
+#[derive(Debug, Clone, Copy)]
+pub struct InitialState(pub u64);
 
 /// Something held until dropped (admission's seats for a watch's initial state), whose
 /// owner the cache need not know.

@@ -217,6 +217,20 @@ pub struct ListenLimits {
     /// `rule/namespace` or `rule`), exempt or not, so that one flow cannot take the whole
     /// `bufferedBodyBytes`.
     pub buffered_body_bytes_per_flow: Quantity,
+    /// A request body is read whole before its request is admitted (it holds bytes of the
+    /// body budget while it arrives, never seats); one that sends nothing for this long
+    /// gets 408.
+    #[serde(with = "humantime_serde")]
+    pub body_progress_timeout: Duration,
+    /// Time allowed for a whole request body to arrive; past it the request gets 408.
+    #[serde(with = "humantime_serde")]
+    pub body_timeout: Duration,
+    /// A response that holds seats or LIST bytes (anything but a started watch) and that
+    /// the client has not read for this long (its HTTP/2 window stays shut, or its socket
+    /// does not drain) gives them back and is cut off: a client that does not read cannot
+    /// keep others out of its level.
+    #[serde(with = "humantime_serde")]
+    pub send_progress_timeout: Duration,
     /// How often the certificate, key and client CA files are re-read to catch a change
     /// that file-system notifications missed (notifications usually see it at once).
     #[serde(with = "humantime_serde")]
@@ -259,6 +273,9 @@ impl Default for ListenLimits {
             max_body_bytes: 3 * 1024 * 1024,
             buffered_body_bytes: Quantity(256 * 1024 * 1024),
             buffered_body_bytes_per_flow: Quantity(32 * 1024 * 1024),
+            body_progress_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            send_progress_timeout: Duration::from_secs(10),
             file_check_interval: Duration::from_secs(30),
             max_connections: 20_000,
             max_connections_per_source: 1_000,
@@ -1134,6 +1151,9 @@ impl Config {
                 "must be at least listen.limits.bufferedBodyBytesPerFlow",
             );
         }
+        p.positive("listen.limits.bodyProgressTimeout", l.body_progress_timeout);
+        p.positive("listen.limits.bodyTimeout", l.body_timeout);
+        p.positive("listen.limits.sendProgressTimeout", l.send_progress_timeout);
         p.nonzero("listen.limits.maxConnections", l.max_connections as u64);
         p.positive(
             "listen.limits.unauthenticatedTimeout",

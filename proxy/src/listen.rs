@@ -82,6 +82,8 @@ pub struct ConnAuth {
     excused: AtomicBool,
     /// The connection's last bearer token and whom it was accepted for.
     token: TokenMemo,
+    /// A response on the connection waited for its client past `sendProgressTimeout`.
+    stalled: AtomicBool,
 }
 
 impl ConnAuth {
@@ -95,6 +97,7 @@ impl ConnAuth {
             identifying: AtomicU32::new(0),
             excused: AtomicBool::new(false),
             token: TokenMemo::default(),
+            stalled: AtomicBool::new(false),
         }
     }
 
@@ -149,6 +152,19 @@ impl ConnAuth {
     pub fn given_up(&self) -> Option<u32> {
         let refused = self.refused_in_a_row.load(Ordering::Relaxed);
         (refused >= self.max_refused).then_some(refused)
+    }
+
+    /// A response on the connection was cut off because its client did not read it: the
+    /// connection is closed (GOAWAY, then dropped a second later), since a stream that the
+    /// client gives no room to is never polled again and cannot be reset on its own.
+    pub fn stalled(&self) {
+        self.stalled.store(true, Ordering::Relaxed);
+        self.give_up.notify_one();
+    }
+
+    /// Whether a response on the connection was cut off for its client's not reading.
+    fn is_stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
     }
 
     /// Whether any request on the connection has authenticated.

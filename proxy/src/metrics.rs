@@ -267,6 +267,10 @@ pub struct MetricFamilies {
     /// `bulwark_log_lines_dropped_total{log, reason}`: lines of a file log (`audit`) never
     /// written: `queue_full` (the writer fell behind) or `write_failed` (the disk refused).
     pub log_lines_dropped_total: IntCounterVec,
+    /// `bulwark_responses_cut_total{reason}`: responses Bulwark ended before their end:
+    /// `client_not_reading` (the client took nothing for `sendProgressTimeout` while the
+    /// response held seats or LIST bytes, which went back to its level).
+    pub responses_cut_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -348,7 +352,7 @@ impl Metrics {
         );
         let connections_closed_total = counter(
             "connections_closed_total",
-            "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row).",
+            "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row), client_not_reading (a response waited for its client past listen.limits.sendProgressTimeout).",
             &["reason"],
         );
         let fleet_renewals_total = counter(
@@ -456,6 +460,11 @@ impl Metrics {
             "When each certificate Bulwark loaded expires (notAfter, Unix seconds; the earliest of a bundle): serving, client_ca, front_proxy, own, upstream_ca.",
             &["certificate"],
         );
+        let responses_cut_total = counter(
+            "responses_cut_total",
+            "Responses Bulwark ended early, by reason: client_not_reading (the client took nothing for listen.limits.sendProgressTimeout while the response held seats or LIST bytes, given back at once).",
+            &["reason"],
+        );
         process::register(&registry);
         let queue_wait_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -550,6 +559,7 @@ impl Metrics {
             fleet_share,
             fleet_renewals_total,
             log_lines_dropped_total,
+            responses_cut_total,
         }))
     }
 

@@ -28,7 +28,7 @@ use crate::stages::forward::Forward;
 use crate::stages::identity::Identify;
 use crate::stages::rescue::RescueLayer;
 use crate::stages::stack;
-use crate::upstream::{BodyBudget, Upstream, UpstreamError, UpstreamTls};
+use crate::upstream::{BodyBudget, BodyDeadlines, Upstream, UpstreamError, UpstreamTls};
 
 /// Why Bulwark could not start.
 #[derive(Debug, thiserror::Error)]
@@ -212,6 +212,16 @@ impl Running {
             admission.clone(),
             cache.clone(),
             BodyBudget::new(&config.listen.limits),
+            BodyDeadlines {
+                progress: config.listen.limits.body_progress_timeout,
+                whole: config.listen.limits.body_timeout,
+            },
+            crate::admit::SendProgress {
+                timeout: config.listen.limits.send_progress_timeout,
+                cut: metrics
+                    .responses_cut_total
+                    .with_label_values(&["client_not_reading"]),
+            },
         );
         // Every worker's request path shares every stage's state; only the connections
         // to the apiservers are each worker's own.

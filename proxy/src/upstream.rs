@@ -36,7 +36,10 @@ use body::{Framing, OnFailure};
 use pick::{Balancer, EjectCause, Load, Now, PendingGuard, ReplicaWatch, RetryReason};
 use pool::{Lease, Pool, ReqBody};
 
-pub use buffer::{BodyBudget, BodyFlow, BudgetScope};
+pub use buffer::{
+    BodyBudget, BodyDeadlines, BodyFlow, BodyStall, BudgetScope, Held as BodyHeld, declared_length,
+    read as read_body,
+};
 pub use tls::UpstreamTls;
 
 /// Largest request body of Bulwark's own requests, and the default of
@@ -205,6 +208,9 @@ pub enum UpstreamError {
     /// Holding the request body would pass the budget of request bodies held at once.
     #[error("the request bodies held for {0} would pass their budget; retry later")]
     BodyBudget(BudgetScope),
+    /// The client's request body came too slowly ([`read_body`]).
+    #[error("the request body stalled: {0}")]
+    BodyStalled(BodyStall),
     /// The client's request body could not be read.
     #[error("reading the request body")]
     RequestBody(#[source] SharedError),
@@ -572,7 +578,13 @@ impl Inner {
             // themselves at the deadline, naming their replica; this ends the reading of the
             // request body before them. (A body already whole, as every GET's, is ready at the
             // first poll, so its timer is never armed.)
-            let buffered = buffer::buffer(body, &parts.headers, route.body_flow.as_ref());
+            let mut body = body;
+            let buffered = buffer::buffer(
+                &mut body,
+                buffer::declared_length(&parts.headers),
+                route.body_flow.as_ref(),
+                None,
+            );
             let (body, _held) = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, buffered)
                     .await

@@ -66,6 +66,7 @@ async fn list_bytes_are_held_on_the_replica_with_room_and_its_budget_holds() {
         hand_size: 2,
         queue_length: 10,
         max_wait: Duration::from_secs(15),
+        max_seats_per_flow: 0,
     });
     let admission = Admission::new(
         std::slice::from_ref(&level),
@@ -151,6 +152,7 @@ async fn concurrent_admissions_and_cancellations_leave_nothing_behind() {
         hand_size: 3,
         queue_length: 20,
         max_wait: Duration::from_millis(50),
+        max_seats_per_flow: 0,
     });
     let budget = Arc::new(LocalBudget::new(2, 10_000));
     let config = AdmissionConfig {

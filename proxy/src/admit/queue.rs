@@ -13,7 +13,7 @@
 //! Every wait is a oneshot receiver: no lock is held across an await, and a waiter that
 //! goes away removes itself (or hands back what it was granted).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -60,6 +60,9 @@ struct State {
     service: f64,
     /// Where the search for the smallest virtual start begins, so ties go round.
     rotate: usize,
+    /// Seats executing per flow (by flow hash), kept only where `maxSeatsPerFlow` is below
+    /// the level's seats; a flow leaves with its last seat.
+    by_flow: HashMap<u64, u32>,
 }
 
 #[derive(Default)]
@@ -82,6 +85,7 @@ impl Queue {
 
 struct Waiter {
     id: u64,
+    flow: u64,
     seats: u32,
     bytes: u64,
     arrived: Instant,
@@ -101,6 +105,7 @@ pub(crate) struct Grant {
 pub(crate) struct SeatGrant {
     level: Arc<Level>,
     queue: usize,
+    flow: u64,
     seats: u32,
     charged: f64,
     started: Instant,
@@ -223,6 +228,7 @@ impl Level {
                 next_id: 0,
                 service: INITIAL_SERVICE,
                 rotate: 0,
+                by_flow: HashMap::new(),
             }),
             budget,
             shared,
@@ -332,6 +338,7 @@ impl Level {
             q.waiting_seats += seats;
             q.waiters.push_back(Waiter {
                 id,
+                flow: hash,
                 seats,
                 bytes,
                 arrived: now,
@@ -366,10 +373,26 @@ impl Level {
         Ok(ticket)
     }
 
+    /// The most seats one flow may hold at once with `limit` seats in force: the level's
+    /// `maxSeatsPerFlow`, scaled with the seats when a fleet share or lost replicas shrink
+    /// them; `None` where it does not bind.
+    fn flow_cap(&self, limit: u32) -> Option<u32> {
+        let (cap, seats) = (self.spec.max_seats_per_flow, self.spec.seats);
+        if cap == 0 || cap >= seats {
+            return None;
+        }
+        let scaled = (u64::from(cap) * u64::from(limit)).div_ceil(u64::from(seats.max(1)));
+        Some(u32::try_from(scaled).unwrap_or(cap).max(1))
+    }
+
     /// Dispatches queued requests while seats (and bytes) allow. Grants that could not be
-    /// delivered are pushed to `returned`, to be dropped once the lock is released.
+    /// delivered are pushed to `returned`, to be dropped once the lock is released. A head
+    /// whose flow holds its cap of seats already is passed over (the rest of its queue
+    /// waits behind it) until one of that flow's requests ends: a flow whose responses
+    /// are slow to go out cannot take every seat of its level.
     fn dispatch(self: &Arc<Self>, state: &mut State, returned: &mut Vec<Grant>) {
         let limit = self.seats_limit();
+        let flow_cap = self.flow_cap(limit);
         if !self.draining.load(Ordering::Relaxed) {
             // The gauge belongs to the level in force; a draining one shares its label.
             self.limit_gauge.set(i64::from(limit));
@@ -393,6 +416,13 @@ impl Level {
             let Some(head) = state.queues[qi].waiters.front_mut() else {
                 break;
             };
+            if let Some(cap) = flow_cap {
+                let held = state.by_flow.get(&head.flow).copied().unwrap_or(0);
+                if held > 0 && held + head.seats > cap {
+                    passed_over.push(qi);
+                    continue;
+                }
+            }
             if state.executing_seats > 0 && state.executing_seats + head.seats > limit {
                 break;
             }
@@ -424,6 +454,9 @@ impl Level {
             state.waiting -= 1;
             state.executing_seats += waiter.seats;
             state.executing_requests += 1;
+            if flow_cap.is_some() {
+                *state.by_flow.entry(waiter.flow).or_default() += waiter.seats;
+            }
             state.rotate = (qi + 1) % n;
             self.waiting_gauge.dec();
             self.executing_gauge.add(i64::from(waiter.seats));
@@ -434,6 +467,7 @@ impl Level {
                 seats: SeatGrant {
                     level: self.clone(),
                     queue: qi,
+                    flow: waiter.flow,
                     seats: waiter.seats,
                     charged,
                     started: now,
@@ -553,6 +587,12 @@ impl Drop for SeatGrant {
             q.next_start += used - self.charged;
             state.executing_seats -= self.seats;
             state.executing_requests -= 1;
+            if let Some(held) = state.by_flow.get_mut(&self.flow) {
+                *held = held.saturating_sub(self.seats);
+                if *held == 0 {
+                    state.by_flow.remove(&self.flow);
+                }
+            }
             state.service += SERVICE_EWMA * (held.as_secs_f64() - state.service);
             self.level.executing_gauge.sub(i64::from(self.seats));
             self.level.dispatch(&mut state, &mut returned);

@@ -7,6 +7,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use tokio::time::{Instant, sleep};
 
 use super::queue::{deal, flow_hash};
@@ -23,6 +24,7 @@ fn level(name: &str, seats: u32, queues: u32, hand: u32, queue_length: u32) -> A
         hand_size: hand,
         queue_length,
         max_wait: Duration::from_secs(60),
+        max_seats_per_flow: 0,
     })
 }
 
@@ -838,4 +840,50 @@ async fn exempt_levels_have_no_limits() {
         );
     }
     assert!(permits.iter().all(|p| !p.holds_seats()));
+}
+
+#[tokio::test(start_paused = true, flavor = "current_thread")]
+async fn one_flow_holds_at_most_its_cap_of_a_levels_seats() {
+    let mut spec = (*level("capped", 4, 8, 2, 10)).clone();
+    spec.max_seats_per_flow = 3;
+    let spec = Arc::new(spec);
+    let (admission, _) = admission(std::slice::from_ref(&spec), big_budget());
+    let get = req("/api/v1/namespaces/a/pods/p");
+    let hog = matched(&spec, "r/hog");
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(
+            admission
+                .admit(&hog, &get, &user("hog"), Answer::Upstream)
+                .await
+                .unwrap(),
+        );
+    }
+    // The hog's fourth waits behind its own seats, though one seat is free...
+    let fourth = tokio::time::timeout(
+        Duration::from_secs(1),
+        admission.admit(&hog, &get, &user("hog"), Answer::Upstream),
+    )
+    .await;
+    assert!(fourth.is_err(), "the hog took a fourth seat");
+    assert_eq!(level_json(&admission, "capped")["executingSeats"], 3);
+    // ...which is another flow's at once.
+    let other = admission
+        .admit(
+            &matched(&spec, "r/other"),
+            &get,
+            &user("other"),
+            Answer::Upstream,
+        )
+        .now_or_never()
+        .expect("admitted without waiting")
+        .unwrap();
+    assert!(other.holds_seats());
+    // One of the hog's own ending lets its next one in.
+    held.pop();
+    let next = admission
+        .admit(&hog, &get, &user("hog"), Answer::Upstream)
+        .now_or_never()
+        .expect("admitted without waiting");
+    assert!(next.unwrap().holds_seats());
 }

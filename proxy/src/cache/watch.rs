@@ -83,7 +83,8 @@ pub struct Reauthorize {
 struct Watcher {
     store: Arc<ResourceStore>,
     options: Options,
-    initial: VecDeque<Arc<Obj>>,
+    /// The initial state, encoded when the watch started (its seats went back then).
+    initial: VecDeque<Bytes>,
     end_bookmark: Option<u64>,
     backlog: VecDeque<Arc<Event>>,
     rx: tokio::sync::broadcast::Receiver<Arc<Event>>,
@@ -96,8 +97,6 @@ struct Watcher {
     next_reauth: Option<Instant>,
     review: Option<JoinHandle<Result<Decision, Arc<ReviewError>>>>,
     metrics: Metrics,
-    /// Seats held while the initial state is sent (a watch without a version).
-    initial_seats: Option<Held>,
     done: bool,
 }
 
@@ -154,16 +153,9 @@ impl Watcher {
             return None;
         }
         let kind = self.store.kind.clone();
-        if let Some(chunk) = {
-            let filter = &self.options.filter;
-            super::respond::added_frames(&kind, &mut self.initial, self.options.encoding, |o| {
-                filter.matches(o)
-            })
-        } {
+        if let Some(chunk) = self.initial.pop_front() {
             return Some(chunk);
         }
-        // The initial state is out: its seats go back to the level.
-        self.initial_seats = None;
         let mut out = BytesMut::new();
         if let Some(rv) = self.end_bookmark.take() {
             out.extend_from_slice(&bookmark_line(&kind, rv, true, self.options.encoding));
@@ -272,7 +264,10 @@ fn resource_label(store: &ResourceStore) -> String {
     .to_string()
 }
 
-/// The body of a watch that has subscribed.
+/// The body of a watch that has subscribed, and the bytes of the initial state it starts
+/// with. That state is encoded here, before the body is sent, and `initial_seats` go back
+/// to their level then: seats pay for the work of a watch's start, not for a client's pace
+/// in reading it.
 pub fn body(
     store: Arc<ResourceStore>,
     start: WatchStart,
@@ -280,7 +275,7 @@ pub fn body(
     reauth: Option<Reauthorize>,
     initial_seats: Option<Held>,
     metrics: Metrics,
-) -> crate::Body {
+) -> (crate::Body, u64) {
     let now = Instant::now();
     let WatchStart {
         initial,
@@ -289,8 +284,19 @@ pub fn body(
         rv,
         generation,
     } = start;
+    let mut objects: VecDeque<Arc<Obj>> = initial.into();
+    let mut encoded = VecDeque::new();
+    while let Some(chunk) =
+        super::respond::added_frames(&store.kind, &mut objects, options.encoding, |o| {
+            options.filter.matches(o)
+        })
+    {
+        encoded.push_back(chunk);
+    }
+    drop(initial_seats);
+    let initial_bytes = encoded.iter().map(|c: &Bytes| c.len() as u64).sum();
     let watcher = Watcher {
-        initial: initial.into(),
+        initial: encoded,
         end_bookmark: options.initial_events_end.then_some(rv),
         backlog: backlog.into(),
         rx,
@@ -304,12 +310,11 @@ pub fn body(
         store,
         options,
         metrics,
-        initial_seats,
         done: false,
     };
     let stream = futures::stream::unfold(watcher, |mut w| async move {
         w.next_chunk().await.map(|chunk| (chunk, w))
     })
     .map(|chunk| Ok::<_, crate::BoxError>(http_body::Frame::data(chunk)));
-    StreamBody::new(stream).boxed_unsync()
+    (StreamBody::new(stream).boxed_unsync(), initial_bytes)
 }

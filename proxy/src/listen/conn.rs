@@ -362,6 +362,10 @@ impl Control<'_> {
                     }
                 }
                 () = self.auth.give_up.notified(), if !closing => {
+                    if self.auth.is_stalled() {
+                        tracing::debug!(%peer, "closing a connection whose client does not read");
+                        return self.close_soon("client_not_reading");
+                    }
                     tracing::debug!(%peer, "closing a connection whose credentials keep failing");
                     return self.close_soon("unauthenticated_requests");
                 }

@@ -36,6 +36,7 @@ pub fn exempt_level() -> LevelSpec {
         hand_size: 0,
         queue_length: 0,
         max_wait: Duration::ZERO,
+        max_seats_per_flow: 0,
     }
 }
 
@@ -50,6 +51,8 @@ pub fn catch_all_level() -> LevelSpec {
         hand_size: 6,
         queue_length: 50,
         max_wait: Duration::from_secs(15),
+        // One user may not hold every seat: the others keep one of the four.
+        max_seats_per_flow: 3,
     }
 }
 

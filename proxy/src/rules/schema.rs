@@ -38,6 +38,16 @@ pub(crate) struct LevelDoc {
     /// Longest wait in a queue before `queue_timeout` (default 15s).
     #[serde(default = "default_max_wait", with = "humantime_serde")]
     pub max_wait: Duration,
+    /// The most seats one flow may hold at once, 1 to `seats` (default: `seats` less a
+    /// quarter, rounded down, so that other flows keep at least a quarter of a level of 4
+    /// seats or more).
+    #[serde(default)]
+    pub max_seats_per_flow: Option<i64>,
+}
+
+/// The default per-flow cap of a level of `seats`: all but a quarter.
+pub(crate) fn default_max_seats_per_flow(seats: i64) -> i64 {
+    seats - seats / 4
 }
 
 /// Default number of queues of a level.

@@ -25,6 +25,9 @@ pub struct LevelSpec {
     pub queue_length: u32,
     /// Longest wait in a queue before `queue_timeout`.
     pub max_wait: Duration,
+    /// The most seats one flow may hold at once (scaled with the seats when a fleet share
+    /// or lost replicas shrink them); `seats` or more, or 0, for no cap.
+    pub max_seats_per_flow: u32,
 }
 
 /// What a rule's flows are keyed by: each flow gets its own token bucket, fair-queue hand

@@ -126,6 +126,14 @@ fn level_spec(doc: &LevelDoc) -> Result<LevelSpec, Vec<(&'static str, String)>> 
     if doc.max_wait.is_zero() {
         problems.push(("maxWait", "maxWait: must be above 0s".to_owned()));
     }
+    let max_seats_per_flow = doc
+        .max_seats_per_flow
+        .unwrap_or_else(|| super::schema::default_max_seats_per_flow(doc.seats));
+    if doc.max_seats_per_flow.is_some()
+        && let Some(message) = in_range("maxSeatsPerFlow", max_seats_per_flow, 1, doc.seats.max(1))
+    {
+        problems.push(("maxSeatsPerFlow", message));
+    }
     if !problems.is_empty() {
         return Err(problems);
     }
@@ -139,6 +147,7 @@ fn level_spec(doc: &LevelDoc) -> Result<LevelSpec, Vec<(&'static str, String)>> 
         hand_size: narrow(doc.hand_size),
         queue_length: narrow(doc.queue_length),
         max_wait: doc.max_wait,
+        max_seats_per_flow: narrow(max_seats_per_flow),
     })
 }
 

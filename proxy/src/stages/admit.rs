@@ -12,13 +12,13 @@ use http::Response;
 use super::call::{Admitted, Answered, Cached, Call, Identified, Next, Source, Stage};
 use super::error::ProxyError;
 use crate::Body;
-use crate::admit::{Admission, Answer, Learn, hold};
+use crate::admit::{Admission, Answer, Learn, SendProgress, hold};
 use crate::cache::{Cache, Held};
 use crate::classify::Verb;
 use crate::identity::Identity;
 use crate::rules::{RuleHeaders, Rules};
 use crate::status::{X_BULWARK_LEVEL, X_BULWARK_RULE};
-use crate::upstream::{BodyBudget, BodyFlow};
+use crate::upstream::{BodyBudget, BodyDeadlines, BodyFlow, declared_length, read_body};
 
 /// Decides whether, when and from where a request is answered.
 #[derive(Clone)]
@@ -27,27 +27,39 @@ pub struct Admit {
     admission: Arc<Admission>,
     cache: Option<Arc<Cache>>,
     bodies: Arc<BodyBudget>,
+    body_deadlines: BodyDeadlines,
+    send_progress: SendProgress,
 }
 
 impl Admit {
     /// Matches against `rules` and admits through `admission`; `cache`, when it runs,
-    /// answers what it can; request bodies are held for retries within `bodies`.
+    /// answers what it can; request bodies are read whole before admission within
+    /// `body_deadlines`, and held for retries within `bodies`; a response whose client
+    /// stops reading gives its seats and bytes back after `send_progress`'s deadline.
     pub fn new(
         rules: Arc<Rules>,
         admission: Arc<Admission>,
         cache: Option<Arc<Cache>>,
         bodies: Arc<BodyBudget>,
+        body_deadlines: BodyDeadlines,
+        send_progress: SendProgress,
     ) -> Admit {
         Admit {
             rules,
             admission,
             cache,
             bodies,
+            body_deadlines,
+            send_progress,
         }
     }
 }
 
-impl<B: Send + 'static> Stage<B> for Admit {
+impl<B> Stage<B> for Admit
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
+    B::Error: Into<crate::BoxError>,
+{
     type In = Identified;
     type Out = Admitted;
 
@@ -57,8 +69,10 @@ impl<B: Send + 'static> Stage<B> for Admit {
             admission,
             cache,
             bodies,
+            body_deadlines,
+            send_progress,
         } = self;
-        let (facts, call) = call.take_facts();
+        let (facts, mut call) = call.take_facts();
         let info = facts.info.clone();
         let user = facts.user();
         let matched = rules.current().matches(&user, &info);
@@ -82,6 +96,29 @@ impl<B: Send + 'static> Stage<B> for Admit {
                 }
                 Answer::Upstream
             }
+        };
+        // A body is read whole before its request may take seats (as the apiserver queues
+        // a request before it reads its body): a client that trickles one holds bytes of
+        // its flow's body budget meanwhile, never a seat others are waiting for.
+        let _body = if plan.is_none() && !call.request.body().is_end_stream() {
+            let flow = BodyFlow {
+                budget: bodies.clone(),
+                flow: matched.flow.clone(),
+            };
+            let declared = declared_length(call.request.headers());
+            match read_body(call.request.body_mut(), declared, &flow, *body_deadlines).await {
+                Ok(Some((bytes, held))) => {
+                    call.body = Some(bytes);
+                    Some(held)
+                }
+                Ok(None) => None,
+                Err(error) => {
+                    return Err(ProxyError::from(error)
+                        .admitted(matched.rule.clone(), matched.level.name.clone()));
+                }
+            }
+        } else {
+            None
         };
         // Most requests are admitted at once: only one that waits reads the clock.
         let admitted = {
@@ -117,6 +154,10 @@ impl<B: Send + 'static> Stage<B> for Admit {
             },
         };
         let upstream = matches!(source, Source::Upstream { .. });
+        // Only a response that may be watched for its client's pace needs the connection.
+        let conn = (permit.holds_seats() || permit.replica().is_some() || info.verb == Verb::Watch)
+            .then(|| call.conn.as_ref().map(|c| c.auth.clone()))
+            .flatten();
         drop(user);
         let (rule, level, headers) = (
             matched.rule.clone(),
@@ -142,7 +183,11 @@ impl<B: Send + 'static> Stage<B> for Admit {
         let learn = upstream
             .then(|| Learn::list(admission.clone(), info, &response))
             .flatten();
-        Ok(response.map(|body| hold(body, permit, learn)))
+        let initial = response
+            .extensions()
+            .get::<crate::cache::InitialState>()
+            .map(|state| state.0);
+        Ok(response.map(|body| hold(body, permit, learn, send_progress, initial, conn.as_ref())))
     }
 }
 

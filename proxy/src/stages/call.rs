@@ -39,6 +39,9 @@ pub struct Exchange<B> {
     pub conn: Option<ConnInfo>,
     /// What `Rescue` reports for the request, whatever stage answers it.
     pub report: Arc<Report>,
+    /// The request body, read whole before admission (`Admit`); the request's own body
+    /// has then ended. `None` when the body was whole already (every GET's).
+    pub body: Option<bytes::Bytes>,
 }
 
 impl<B> Call<B, ()> {
@@ -51,6 +54,7 @@ impl<B> Call<B, ()> {
                 request,
                 conn,
                 report: Arc::default(),
+                body: None,
             }),
             facts: (),
         }

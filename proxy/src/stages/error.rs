@@ -164,6 +164,9 @@ fn upstream_refusal(error: &UpstreamError) -> Refusal {
         UpstreamError::BodyTooLarge(_) => {
             Refusal::new(Reason::BadRequest, message).with_status(StatusCode::PAYLOAD_TOO_LARGE)
         }
+        UpstreamError::BodyStalled(_) => {
+            Refusal::new(Reason::BadRequest, message).with_status(StatusCode::REQUEST_TIMEOUT)
+        }
         UpstreamError::RequestBody(_) | UpstreamError::NotUpgradable => {
             Refusal::new(Reason::BadRequest, message)
         }

@@ -64,6 +64,12 @@ impl Forward {
         } = facts;
         let exchange = call.into_exchange();
         let (mut parts, body) = exchange.request.into_parts();
+        // A body admission read whole is sent as it was read, and counted in the budget by
+        // admission, not again here.
+        let (body, body_flow) = match exchange.body {
+            Some(bytes) => (crate::full(bytes), None),
+            None => (body.map_err(Into::into).boxed_unsync(), Some(body_flow)),
+        };
         let upgrade = info.is_upgrade() && parts.headers.contains_key(http::header::UPGRADE);
         let credential = self
             .forwarding
@@ -88,9 +94,9 @@ impl Forward {
             attempt_timeout: self.timeouts.attempt_for(&info),
             client_timeout: own_timeout(parts.uri.query()),
             replica,
-            body_flow: Some(body_flow),
+            body_flow,
         };
-        let request = Request::from_parts(parts, body.map_err(Into::into).boxed_unsync());
+        let request = Request::from_parts(parts, body);
         Ok((request, route))
     }
 }

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
@@ -18,7 +19,6 @@ use http_body_util::BodyExt;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::{MAX_REQUEST_BODY, UpstreamError};
-use crate::Body;
 use crate::config;
 
 /// The unit the budget is counted in: a body of 1 byte holds 1 KiB.
@@ -89,7 +89,7 @@ pub struct BodyFlow {
 
 /// Units of a body's budget, held until dropped.
 #[derive(Debug)]
-pub(super) struct Held {
+pub struct Held {
     account: BodyFlow,
     permit: Option<OwnedSemaphorePermit>,
     units: u64,
@@ -146,18 +146,69 @@ impl Drop for Held {
     }
 }
 
-/// Reads the request body whole, up to the largest body allowed, holding its bytes in the
-/// budget of `account` while they are read and until the returned [`Held`] is dropped.
-pub(super) async fn buffer(
-    mut body: Body,
-    headers: &HeaderMap,
-    account: Option<&BodyFlow>,
-) -> Result<(Bytes, Option<Held>), UpstreamError> {
-    let limit = account.map_or(MAX_REQUEST_BODY, |a| a.budget.max_body);
-    let declared = headers
+/// The length a request declares in `Content-Length`, if it is a number.
+pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// How long a request body may take to arrive ([`read`]).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyDeadlines {
+    /// The longest wait for the next bytes.
+    pub progress: Duration,
+    /// The longest wait for the whole body.
+    pub whole: Duration,
+}
+
+/// Reads a client's request body whole before its request is admitted, so that a request
+/// takes its seats only once its body is complete, as the apiserver authorizes and queues
+/// a request before it reads the body: a client that trickles a body holds bytes of the
+/// body budget (its flow's share), never seats. A body that sends nothing for
+/// `deadlines.progress`, or is not whole within `deadlines.whole`, is refused with
+/// [`UpstreamError::BodyStalled`]. The bytes stay counted until the returned [`Held`] is
+/// dropped; `None` for a body that was already whole (every GET's).
+pub async fn read<B>(
+    body: &mut B,
+    declared: Option<u64>,
+    account: &BodyFlow,
+    deadlines: BodyDeadlines,
+) -> Result<Option<(Bytes, Held)>, UpstreamError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<crate::BoxError>,
+{
+    if body.is_end_stream() {
+        return Ok(None);
+    }
+    let whole = tokio::time::Instant::now() + deadlines.whole;
+    let (bytes, held) = buffer(
+        body,
+        declared,
+        Some(account),
+        Some((deadlines.progress, whole)),
+    )
+    .await?;
+    Ok(Some((bytes, held.unwrap_or_else(|| Held::new(account)))))
+}
+
+/// Reads the request body whole, up to the largest body allowed, holding its bytes in the
+/// budget of `account` while they are read and until the returned [`Held`] is dropped;
+/// with `deadlines`, each wait for bytes ends at the first of the progress time and the
+/// instant the whole body is due.
+pub(super) async fn buffer<B>(
+    body: &mut B,
+    declared: Option<u64>,
+    account: Option<&BodyFlow>,
+    deadlines: Option<(Duration, tokio::time::Instant)>,
+) -> Result<(Bytes, Option<Held>), UpstreamError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<crate::BoxError>,
+{
+    let limit = account.map_or(MAX_REQUEST_BODY, |a| a.budget.max_body);
     if declared.is_some_and(|len| len > limit as u64) {
         return Err(UpstreamError::BodyTooLarge(limit));
     }
@@ -170,8 +221,27 @@ pub(super) async fn buffer(
         held.grow(expected)?;
     }
     let mut out = Vec::with_capacity(expected);
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::RequestBody(e.into()))?;
+    loop {
+        let frame = match deadlines {
+            None => body.frame().await,
+            Some((progress, whole)) => {
+                let due = whole.min(tokio::time::Instant::now() + progress);
+                match tokio::time::timeout_at(due, body.frame()).await {
+                    Ok(frame) => frame,
+                    Err(_) if due == whole => {
+                        return Err(UpstreamError::BodyStalled(BodyStall::Whole));
+                    }
+                    Err(_) => {
+                        return Err(UpstreamError::BodyStalled(BodyStall::Progress(progress)));
+                    }
+                }
+            }
+        };
+        let Some(frame) = frame else { break };
+        let frame = frame.map_err(|e| {
+            let e: crate::BoxError = e.into();
+            UpstreamError::RequestBody(e.into())
+        })?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
@@ -192,9 +262,36 @@ pub(super) async fn buffer(
     Ok((Bytes::from(out), held))
 }
 
+/// Why a request body was cut off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyStall {
+    /// Nothing arrived for this long.
+    Progress(Duration),
+    /// The whole body did not arrive in time.
+    Whole,
+}
+
+impl std::fmt::Display for BodyStall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BodyStall::Progress(d) => write!(f, "no bytes for {}", humantime::format_duration(*d)),
+            BodyStall::Whole => f.write_str("not whole within the time allowed a request body"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Body;
+
+    async fn buffer_all(
+        mut body: Body,
+        headers: &HeaderMap,
+        account: Option<&BodyFlow>,
+    ) -> Result<(Bytes, Option<Held>), UpstreamError> {
+        buffer(&mut body, declared_length(headers), account, None).await
+    }
 
     fn budget(total: u64, per_flow: u64) -> Arc<BodyBudget> {
         BodyBudget::new(&config::ListenLimits {
@@ -230,7 +327,7 @@ mod tests {
     async fn a_body_holds_its_bytes_until_dropped() {
         let budget = budget(8 << 20, 4 << 20);
         let alice = flow(&budget, "r/alice");
-        let (bytes, held) = buffer(
+        let (bytes, held) = buffer_all(
             crate::full(vec![b'x'; 3000]),
             &with_length(3000),
             Some(&alice),
@@ -249,7 +346,7 @@ mod tests {
     async fn a_declared_length_over_the_room_left_is_refused_before_reading() {
         let budget = budget(8 << 20, 4 << 20);
         let alice = flow(&budget, "r/alice");
-        let one = buffer(
+        let one = buffer_all(
             crate::full(vec![b'x'; 3 << 20]),
             &with_length(3 << 20),
             Some(&alice),
@@ -257,7 +354,7 @@ mod tests {
         .await
         .unwrap();
         // The flow has 1 MiB left: a second 3 MiB body of alice's does not fit...
-        let err = buffer(
+        let err = buffer_all(
             crate::full(vec![b'x'; 3 << 20]),
             &with_length(3 << 20),
             Some(&alice),
@@ -270,7 +367,7 @@ mod tests {
         );
         // ...bob's does; then the total has 2 MiB left, and carol's does not fit.
         let bob = flow(&budget, "r/bob");
-        let two = buffer(
+        let two = buffer_all(
             crate::full(vec![b'x'; 3 << 20]),
             &with_length(3 << 20),
             Some(&bob),
@@ -278,7 +375,7 @@ mod tests {
         .await
         .unwrap();
         let carol = flow(&budget, "r/carol");
-        let err = buffer(
+        let err = buffer_all(
             crate::full(vec![b'x'; 3 << 20]),
             &with_length(3 << 20),
             Some(&carol),
@@ -299,7 +396,7 @@ mod tests {
     async fn a_body_without_a_length_is_counted_as_it_grows() {
         let budget = budget(4 << 20, 4 << 20);
         let alice = flow(&budget, "r/alice");
-        let (bytes, held) = buffer(chunked(100, 10_000), &HeaderMap::new(), Some(&alice))
+        let (bytes, held) = buffer_all(chunked(100, 10_000), &HeaderMap::new(), Some(&alice))
             .await
             .unwrap();
         assert_eq!(bytes.len(), 1_000_000);
@@ -309,7 +406,7 @@ mod tests {
             "{holding} bytes held for a 1 MB body"
         );
         // 3 MB more do not fit in what is left (a little over 2 MiB): refused mid-body.
-        let err = buffer(chunked(300, 10_000), &HeaderMap::new(), Some(&alice))
+        let err = buffer_all(chunked(300, 10_000), &HeaderMap::new(), Some(&alice))
             .await
             .unwrap_err();
         assert!(matches!(err, UpstreamError::BodyBudget(_)), "{err}");
@@ -321,24 +418,24 @@ mod tests {
     async fn bodies_over_the_largest_allowed_get_413_and_own_requests_hold_nothing() {
         let budget = budget(8 << 20, 4 << 20);
         let alice = flow(&budget, "r/alice");
-        let err = buffer(chunked(40, 100_000), &HeaderMap::new(), Some(&alice))
+        let err = buffer_all(chunked(40, 100_000), &HeaderMap::new(), Some(&alice))
             .await
             .unwrap_err();
         assert!(
             matches!(err, UpstreamError::BodyTooLarge(n) if n == 3 << 20),
             "{err}"
         );
-        let err = buffer(crate::empty(), &with_length(4_000_000), Some(&alice))
+        let err = buffer_all(crate::empty(), &with_length(4_000_000), Some(&alice))
             .await
             .unwrap_err();
         assert!(matches!(err, UpstreamError::BodyTooLarge(_)), "{err}");
         let exact = vec![b'x'; MAX_REQUEST_BODY];
-        let (bytes, held) = buffer(crate::full(exact), &HeaderMap::new(), None)
+        let (bytes, held) = buffer_all(crate::full(exact), &HeaderMap::new(), None)
             .await
             .unwrap();
         assert_eq!((bytes.len(), held.is_none()), (MAX_REQUEST_BODY, true));
         let over = vec![b'x'; MAX_REQUEST_BODY + 1];
-        let err = buffer(crate::full(over), &HeaderMap::new(), None)
+        let err = buffer_all(crate::full(over), &HeaderMap::new(), None)
             .await
             .unwrap_err();
         assert!(matches!(err, UpstreamError::BodyTooLarge(_)), "{err}");

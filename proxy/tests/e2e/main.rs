@@ -10,6 +10,7 @@ mod front_door;
 mod identity;
 mod kube_client;
 mod oncall;
+mod slow_clients;
 mod streaming;
 
 /// The setup the fairness and cache tests start from: Bulwark serving on the test's runtime.

@@ -67,6 +67,9 @@ pub struct Member {
     pub renewed: SystemTime,
     /// How long the renewal counts (`leaseDurationSeconds`).
     pub duration: Duration,
+    /// When its Lease was created (`creationTimestamp`: set by the apiserver, so no writer
+    /// chooses it); `None` before the apiserver has shown it.
+    pub created: Option<SystemTime>,
     /// What it asked for.
     pub demand: Demand,
 }
@@ -90,6 +93,79 @@ pub fn live(members: &[Member], now: SystemTime) -> Vec<&Member> {
         }
     }
     by_identity.into_values().collect()
+}
+
+/// The most rate entries one member's demand counts with: as many as a replica reports.
+pub const MAX_RATE_ENTRIES: usize = 128;
+
+/// The largest rate a member's demand counts for one flow, in thousandths of a request per
+/// second: a million requests per second, the most a rule allows.
+pub const MAX_RATE_DEMAND: u64 = 1_000_000_000;
+
+/// The members among `live` (by identity, as [`live`] gives them) whose demand counts: the
+/// first `replicas` by the age of their Lease (oldest first, then by identity; a Lease not
+/// yet shown with its creation time last). A fleet of `bulwarkReplicas` has no more
+/// members than that but in a rollout or with a Lease someone else wrote; the others keep
+/// a floor. Every member reads the same Leases, so all agree on these.
+pub fn counted(live: &[&Member], replicas: usize) -> Vec<bool> {
+    let mut order: Vec<usize> = (0..live.len()).collect();
+    order.sort_by(|&a, &b| {
+        let key = |m: &Member| (m.created.is_none(), m.created);
+        key(live[a])
+            .cmp(&key(live[b]))
+            .then_with(|| live[a].identity.cmp(&live[b].identity))
+    });
+    let mut counted = vec![false; live.len()];
+    for &i in order.iter().take(replicas) {
+        counted[i] = true;
+    }
+    counted
+}
+
+/// `demand` as the split reads it: each figure at most its budget's whole (`bytes` per
+/// apiserver replica, `seats` per level; budgets this replica does not know are dropped)
+/// and at most [`MAX_RATE_ENTRIES`] rates (the largest), each at most [`MAX_RATE_DEMAND`].
+/// No Lease can ask for more than there is, so one cannot take a share beyond what a
+/// member asking for everything would.
+pub fn clamped(
+    demand: &Demand,
+    bytes: &BTreeMap<String, u64>,
+    seats: &BTreeMap<String, u64>,
+) -> Demand {
+    let bytes = demand
+        .bytes
+        .iter()
+        .filter_map(|(r, b)| {
+            let whole = *bytes.get(r)?;
+            Some((
+                r.clone(),
+                Bytes {
+                    wanted: b.wanted.min(whole),
+                    in_flight: b.in_flight.min(whole),
+                },
+            ))
+        })
+        .collect();
+    let seats = demand
+        .seats
+        .iter()
+        .filter_map(|(l, &s)| Some((l.clone(), s.min(*seats.get(l)?))))
+        .collect();
+    let mut rates: Vec<(&String, u64)> = demand
+        .rates
+        .iter()
+        .map(|(f, &r)| (f, r.min(MAX_RATE_DEMAND)))
+        .collect();
+    if rates.len() > MAX_RATE_ENTRIES {
+        // The largest, ties by flow: the same entries on every member.
+        rates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+        rates.truncate(MAX_RATE_ENTRIES);
+    }
+    Demand {
+        bytes,
+        seats,
+        rates: rates.into_iter().map(|(f, r)| (f.clone(), r)).collect(),
+    }
 }
 
 /// Splits `whole` among members by their `demands`: each gets [`FLOOR_PERCENT`] of an equal
@@ -253,6 +329,7 @@ mod tests {
             identity: identity.into(),
             renewed: at(renewed),
             duration: Duration::from_secs(10),
+            created: None,
             demand,
         }
     }

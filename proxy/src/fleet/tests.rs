@@ -1,23 +1,56 @@
 //! The fleet loop under paused time, over an in-memory Lease store: membership, expiry,
-//! the split by demand and the fallback to the static split.
+//! the split by demand, the fallback to the static split, and Leases someone else wrote.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::lease::LeaseError;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use super::lease::{LeaseError, lease_object};
 use super::share::Bytes;
 use super::*;
 use crate::admit::flows::Flows;
 use crate::rules::Rate;
 
-/// Every replica's Lease, shared like the apiservers' store; each replica reaches it
-/// through a [`Reach`] of its own.
+/// Every Lease of the namespace, shared like the apiservers' store; each replica reaches
+/// it through a [`Reach`] of its own.
 #[derive(Default)]
 struct Memory {
-    leases: Mutex<BTreeMap<String, Member>>,
+    /// By name, as the apiserver keeps them.
+    leases: Mutex<BTreeMap<String, Lease>>,
     writes: std::sync::atomic::AtomicU64,
     lists: std::sync::atomic::AtomicU64,
     /// The moment every replica's wall clock counts from: they agree on the time.
     origin: std::sync::OnceLock<Instant>,
+}
+
+/// The wall clock every replica reads: it follows tokio's paused clock from the first
+/// replica's start.
+const BASE_SECS: u64 = 1_800_000_000;
+
+impl Memory {
+    fn now(&self) -> SystemTime {
+        let start = *self.origin.get_or_init(Instant::now);
+        SystemTime::UNIX_EPOCH + Duration::from_secs(BASE_SECS) + start.elapsed()
+    }
+
+    /// Creates or replaces a Lease as the apiserver does: the creation time is the
+    /// server's, kept across updates, whatever the writer sent.
+    fn put(&self, lease: &Lease) {
+        let mut lease = lease.clone();
+        let name = lease.metadata.name.clone().unwrap_or_default();
+        let mut leases = self.leases.lock().unwrap();
+        let created = leases
+            .get(&name)
+            .and_then(|old| old.metadata.creation_timestamp.clone())
+            .unwrap_or_else(|| {
+                let secs = self.now().duration_since(SystemTime::UNIX_EPOCH).unwrap();
+                Time(Timestamp::from_second(secs.as_secs() as i64).unwrap())
+            });
+        lease.metadata.creation_timestamp = Some(created);
+        leases.insert(name, lease);
+    }
 }
 
 /// One replica's way to the store, which a test can cut.
@@ -27,7 +60,7 @@ struct Reach {
 }
 
 impl LeaseStore for Arc<Reach> {
-    fn write(&self, member: &Member) -> crate::BoxFuture<(), LeaseError> {
+    fn write(&self, member: &Lease) -> crate::BoxFuture<(), LeaseError> {
         let this = self.clone();
         let member = member.clone();
         Box::pin(async move {
@@ -35,13 +68,12 @@ impl LeaseStore for Arc<Reach> {
                 return Err(LeaseError::Unreachable);
             }
             this.memory.writes.fetch_add(1, Ordering::SeqCst);
-            let mut leases = this.memory.leases.lock().unwrap();
-            leases.insert(member.identity.clone(), member);
+            this.memory.put(&member);
             Ok(())
         })
     }
 
-    fn list(&self) -> crate::BoxFuture<Vec<Member>, LeaseError> {
+    fn list(&self) -> crate::BoxFuture<Vec<Lease>, LeaseError> {
         let this = self.clone();
         Box::pin(async move {
             if this.down.load(Ordering::SeqCst) {
@@ -143,15 +175,22 @@ const RULE: Rate = Rate {
 
 impl Replica {
     fn start(identity: &str, memory: &Arc<Memory>) -> Replica {
-        // Wall time that follows tokio's paused clock.
-        let base = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let start = *memory.origin.get_or_init(Instant::now);
+        Replica::start_with(identity, memory, None)
+    }
+
+    /// A replica whose fleet signs and checks its Leases with `keys`.
+    fn start_with(identity: &str, memory: &Arc<Memory>, keys: Option<Keys>) -> Replica {
+        let clock = memory.clone();
+        memory.now();
         let settings = Settings {
             identity: identity.into(),
+            namespace: "bulwark".into(),
+            prefix: "bulwark-".into(),
+            keys: keys.map(|k| Arc::new(KeyFile::fixed(k))),
             renew_interval: RENEW,
             lease_duration: LEASE,
             bulwark_replicas: 3,
-            clock: Arc::new(move || base + start.elapsed()),
+            clock: Arc::new(move || clock.now()),
         };
         let reach = Arc::new(Reach {
             memory: memory.clone(),
@@ -299,7 +338,7 @@ async fn a_replica_alone_gets_the_whole_and_members_split_by_demand_above_a_floo
     assert_eq!(a.seats(), Some(30));
     assert_eq!(a.metrics.fleet_members.get(), 1);
 
-    a.wants.bytes.store(1000, Ordering::SeqCst);
+    a.wants.bytes.store(100, Ordering::SeqCst);
     a.wants.seats.store(12, Ordering::SeqCst);
     let b = Replica::start("b", &memory);
     // B sees A at once; A sees B at its next renewal, within a renew period.
@@ -333,7 +372,7 @@ async fn a_replica_alone_gets_the_whole_and_members_split_by_demand_above_a_floo
     );
 
     // B's demand grows to three times A's: the split follows within a renew period.
-    b.wants.bytes.store(3000, Ordering::SeqCst);
+    b.wants.bytes.store(300, Ordering::SeqCst);
     tokio::time::sleep(RENEW * 2).await;
     let (sa, sb) = (a.bytes().unwrap(), b.bytes().unwrap());
     assert_eq!((sa, sb), (15 + 67, 15 + 202));
@@ -350,9 +389,10 @@ async fn demand_rising_on_every_replica_at_once_never_shares_out_more_than_the_w
     tokio::time::sleep(RENEW * 2).await;
     let total = |replicas: &[Replica]| replicas.iter().map(|r| r.bytes().unwrap()).sum::<u64>();
     assert_eq!(total(&replicas), 300, "idle: equal thirds");
-    for (r, wants) in replicas.iter().zip([5000u64, 3000, 1000]) {
+    // Each below the whole: a demand past it counts as the whole.
+    for (r, wants) in replicas.iter().zip([250u64, 150, 50]) {
         r.wants.bytes.store(wants, Ordering::SeqCst);
-        r.wants.seats.store(wants / 100, Ordering::SeqCst);
+        r.wants.seats.store(wants / 10, Ordering::SeqCst);
     }
     // Every sample of every round while the demand spreads through the Leases.
     for _ in 0..40 {
@@ -537,6 +577,7 @@ fn an_expired_lease_is_no_member_and_a_member_absent_from_the_split_has_no_share
         identity: id.into(),
         renewed: now - Duration::from_secs(ago),
         duration: LEASE,
+        created: None,
         demand: Demand::default(),
     };
     let statics = Statics {
@@ -549,4 +590,315 @@ fn an_expired_lease_is_no_member_and_a_member_absent_from_the_split_has_no_share
     let shares = split("a", &[lease("a", 0), lease("b", 9)], now, &statics, 3);
     assert_eq!(shares.standing, Standing::Shared);
     assert_eq!(shares.list_bytes["r0"].share, 150);
+}
+
+/// A Lease someone other than the fleet wrote: named `name`, held by `holder`, renewed
+/// `ahead` of now, counting for `duration`, asking for `demand`, signed with `keys`.
+struct Forged {
+    name: &'static str,
+    holder: &'static str,
+    ahead: Duration,
+    duration: Duration,
+    demand: Demand,
+    keys: Option<Keys>,
+}
+
+/// Far more than any budget: what a forger asks for.
+const HUGE: u64 = u64::MAX / 4;
+
+/// A demand of [`HUGE`] bytes and seats, and of `rates`.
+fn huge(rates: &[(&str, u64)]) -> Demand {
+    let mut demand = Demand::default();
+    demand.bytes.insert(
+        "r0".into(),
+        Bytes {
+            wanted: HUGE,
+            in_flight: 0,
+        },
+    );
+    demand.seats.insert("lists".into(), HUGE);
+    demand.rates = rates.iter().map(|(f, r)| (f.to_string(), *r)).collect();
+    demand
+}
+
+impl Forged {
+    /// Writes it now, as its writer would on every one of its renewals.
+    fn write(&self, memory: &Memory) {
+        let member = Member {
+            identity: self.holder.into(),
+            renewed: memory.now() + self.ahead,
+            duration: self.duration,
+            created: None,
+            demand: self.demand.clone(),
+        };
+        memory.put(&lease_object(
+            self.name,
+            "bulwark",
+            &member,
+            None,
+            self.keys.as_ref(),
+        ));
+    }
+
+    /// Written now and again every renew period for as long as the test runs.
+    fn keep_writing(self, memory: &Arc<Memory>) -> JoinHandle<()> {
+        let memory = memory.clone();
+        tokio::spawn(async move {
+            loop {
+                self.write(&memory);
+                tokio::time::sleep(RENEW).await;
+            }
+        })
+    }
+}
+
+/// What each of `replicas` holds now: its bytes and seats, and their sums as a multiple of
+/// the whole (300 bytes, 30 seats). Printed for the record.
+fn held(what: &str, replicas: &[Replica]) -> (Vec<u64>, Vec<u32>, f64, f64) {
+    let bytes: Vec<u64> = replicas.iter().map(|r| r.bytes().unwrap()).collect();
+    let seats: Vec<u32> = replicas.iter().map(|r| r.seats().unwrap()).collect();
+    let bytes_sum = bytes.iter().sum::<u64>() as f64 / 300.0;
+    let seats_sum = f64::from(seats.iter().sum::<u32>()) / 30.0;
+    eprintln!(
+        "{what}: bytes {bytes:?} (sum {bytes_sum:.2}x the whole), seats {seats:?} (sum {seats_sum:.2}x)"
+    );
+    (bytes, seats, bytes_sum, seats_sum)
+}
+
+/// Replicas `a`, `b` and `c`, each asking for 200 bytes and 12 seats (together twice the
+/// whole), signing with `keys`, after three renew periods.
+async fn busy_three(memory: &Arc<Memory>, keys: Option<Keys>) -> Vec<Replica> {
+    let replicas: Vec<Replica> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start_with(id, memory, keys.clone()))
+        .collect();
+    for r in &replicas {
+        r.wants.bytes.store(200, Ordering::SeqCst);
+        r.wants.seats.store(12, Ordering::SeqCst);
+    }
+    tokio::time::sleep(RENEW * 3).await;
+    replicas
+}
+
+fn rejected(r: &Replica, reason: &str) -> u64 {
+    r.metrics
+        .fleet_leases_rejected_total
+        .with_label_values(&[reason])
+        .get()
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_lease_renewed_a_year_ahead_with_a_huge_demand_cuts_no_member() {
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    let year = Duration::from_secs(365 * 24 * 3600);
+    Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: year,
+        duration: LEASE,
+        demand: huge(&[]),
+        keys: None,
+    }
+    .write(&memory);
+    tokio::time::sleep(RENEW * 3).await;
+    let (bytes, seats, ..) = held("renewed a year ahead", &replicas);
+    assert_eq!(bytes, vec![100; 3], "equal demand: equal thirds, as if unwritten");
+    assert_eq!(seats, vec![10; 3]);
+    for r in &replicas {
+        assert_eq!(r.fleet.shares().current().members, ["a", "b", "c"]);
+        assert!(rejected(r, "future") >= 1);
+    }
+    let debug = replicas[0].fleet.debug_json();
+    assert_eq!(
+        debug["rejected"],
+        json!([{ "name": "bulwark-x", "reason": "future" }]),
+        "{debug}"
+    );
+    assert_eq!(debug["authenticated"], false);
+
+    // Counting for a year from now instead: too long a duration.
+    Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: year,
+        demand: huge(&[]),
+        keys: None,
+    }
+    .write(&memory);
+    tokio::time::sleep(RENEW * 2).await;
+    let (bytes, seats, ..) = held("counting for a year", &replicas);
+    assert_eq!((bytes, seats), (vec![100; 3], vec![10; 3]));
+    assert!(rejected(&replicas[1], "duration") >= 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_well_formed_lease_with_a_huge_demand_takes_no_more_than_a_floor() {
+    // Shaped as a member's in every way, renewed as often: without a key nothing tells it
+    // from one. But a fleet of `bulwarkReplicas` members counts only the demand of the
+    // oldest Leases, and no demand counts past the whole.
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: LEASE,
+        demand: huge(&[]),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    tokio::time::sleep(RENEW * 3).await;
+    let (bytes, seats, bytes_sum, seats_sum) = held("a fourth, well-formed Lease", &replicas);
+    // Four members: a floor of 10% of a quarter (7 bytes, 1 seat) each, the rest to the
+    // three whose demand counts.
+    assert_eq!(bytes, vec![7 + 90; 3]);
+    assert_eq!(seats, vec![1 + 8; 3]);
+    assert!(bytes_sum <= 1.0 && seats_sum <= 1.0);
+    for r in &replicas {
+        assert_eq!(r.fleet.shares().current().uncounted, ["x"]);
+        assert_eq!(r.metrics.fleet_uncounted_members.get(), 1);
+    }
+    forger.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_forged_rate_entry_throttles_no_flow() {
+    let memory = Arc::new(Memory::default());
+    let replicas = three(&memory);
+    // An operator's flow `f`, 8 requests a second on A, under a rule of 10.
+    let offered = [8.0, 0.0, 0.0];
+    let minute = Duration::from_secs(60);
+    let refused = |ok: u64| 1.0 - ok as f64 / (8.0 * 60.0);
+    let ok = admitted(&replicas, &offered, RULE, RENEW * 3, minute).await;
+    eprintln!("no forged Lease: {:.0}% refused", refused(ok) * 100.0);
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: LEASE,
+        demand: huge(&[("f", HUGE)]),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    let ok = admitted(&replicas, &offered, RULE, RENEW * 3, minute).await;
+    eprintln!(
+        "a forged rate entry for f: {:.0}% refused, A's share of f {:?}",
+        refused(ok) * 100.0,
+        replicas[0].fleet.shares().rate_share("f")
+    );
+    assert!(refused(ok) < 0.02, "{:.1}% refused", refused(ok) * 100.0);
+    assert_eq!(replicas[0].fleet.shares().rate_share("f"), None);
+    forger.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_lease_naming_a_real_member_as_holder_never_shares_out_more_than_the_whole() {
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    // Idle A, for B and C; renewed ahead of A's own renewals so that it wins.
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "a",
+        ahead: Duration::from_secs(1),
+        duration: LEASE,
+        demand: Demand::default(),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    for _ in 0..16 {
+        tokio::time::sleep(RENEW / 2).await;
+        let (_, _, bytes_sum, seats_sum) = held("a Lease held by A, named otherwise", &replicas);
+        assert!(bytes_sum <= 1.0, "{bytes_sum:.2}x the bytes");
+        assert!(seats_sum <= 1.0, "{seats_sum:.2}x the seats");
+    }
+    let (bytes, seats, ..) = held("a Lease held by A, named otherwise", &replicas);
+    assert_eq!((bytes, seats), (vec![100; 3], vec![10; 3]));
+    assert!(rejected(&replicas[2], "name") >= 1);
+    forger.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_a_key_only_the_fleet_s_own_leases_count() {
+    let memory = Arc::new(Memory::default());
+    let key = Keys::parse(b"the fleet's key: 32 bytes or more").unwrap();
+    let replicas = busy_three(&memory, Some(key.clone())).await;
+    let (bytes, seats, ..) = held("signed", &replicas);
+    assert_eq!((bytes, seats), (vec![100; 3], vec![10; 3]));
+    // Well-formed, renewed on time, and signed with another key; or overwriting A's own
+    // Lease; or a fourth replica without the key.
+    let other = Keys::parse(b"not the fleet's key, as long as it").unwrap();
+    let forgers = [
+        Forged {
+            name: "bulwark-x",
+            holder: "x",
+            ahead: Duration::ZERO,
+            duration: LEASE,
+            demand: huge(&[("f", HUGE)]),
+            keys: Some(other),
+        },
+        Forged {
+            name: "bulwark-a",
+            holder: "a",
+            ahead: Duration::from_secs(1),
+            duration: LEASE,
+            demand: Demand::default(),
+            keys: None,
+        },
+    ]
+    .map(|f| f.keep_writing(&memory));
+    let unkeyed = Replica::start("d", &memory);
+    for _ in 0..8 {
+        tokio::time::sleep(RENEW / 2).await;
+        let (_, _, bytes_sum, seats_sum) = held("with unsigned Leases", &replicas);
+        assert!(bytes_sum <= 1.0 && seats_sum <= 1.0);
+    }
+    for r in &replicas {
+        let members = r.fleet.shares().current().members.clone();
+        assert!(
+            members.iter().all(|m| m != "x" && m != "d"),
+            "{members:?}"
+        );
+        assert!(rejected(r, "signature") >= 1);
+        assert_eq!(r.fleet.shares().rate_share("f"), None);
+    }
+    // B and C: A's own Lease, overwritten, no longer counts, so they split without it
+    // until A renews.
+    let debug = replicas[1].fleet.debug_json();
+    assert_eq!(debug["authenticated"], true);
+    let names: Vec<&str> = debug["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"bulwark-x") && names.contains(&"bulwark-d"), "{debug}");
+    for f in forgers {
+        f.abort();
+    }
+    unkeyed.task.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_rollout_past_bulwark_replicas_keeps_the_newest_member_on_a_floor() {
+    // A fourth replica surging in a rollout: its Lease is the newest, so its demand waits
+    // until an old one's Lease runs out; the shares never add up past the whole.
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    let d = Replica::start("d", &memory);
+    d.wants.bytes.store(200, Ordering::SeqCst);
+    d.wants.seats.store(12, Ordering::SeqCst);
+    tokio::time::sleep(RENEW * 3).await;
+    assert_eq!(d.fleet.shares().current().uncounted, ["d"]);
+    assert_eq!(d.bytes(), Some(7), "a floor: 10% of a quarter");
+    let all: Vec<Replica> = replicas.into_iter().chain([d]).collect();
+    let (_, _, bytes_sum, seats_sum) = held("a fourth replica", &all);
+    assert!(bytes_sum <= 1.0 && seats_sum <= 1.0);
+    // A stops: D's demand counts once A's Lease runs out.
+    all[0].task.abort();
+    tokio::time::sleep(LEASE + RENEW * 2).await;
+    assert!(all[3].fleet.shares().current().uncounted.is_empty());
+    assert_eq!(all[3].bytes(), Some(100));
+    assert_eq!(all[3].metrics.fleet_uncounted_members.get(), 0);
 }

@@ -184,15 +184,18 @@ pub struct Statics {
     pub list_bytes: BTreeMap<String, u64>,
     /// Per level (exempt levels have none).
     pub seats: BTreeMap<String, u64>,
+    /// Per flow this replica reported: its rule's rate, in thousandths of a request per
+    /// second (what any member's report of the flow counts for at most).
+    pub rates: BTreeMap<String, u64>,
 }
 
 /// What the fleet reads of this replica.
 pub trait Local: Send + Sync + 'static {
     /// Its demand now: LIST bytes and seats, sampled a few times per renewal.
     fn demand(&self) -> Demand;
-    /// The rates its flows asked for since the last call, once per renewal (see
-    /// [`Demand::rates`]).
-    fn rate_demand(&self) -> BTreeMap<String, u64> {
+    /// The rates its flows asked for since the last call, with their rules', once per
+    /// renewal (see [`Demand::rates`]).
+    fn rate_demand(&self) -> BTreeMap<String, share::RateAsked> {
         BTreeMap::new()
     }
     /// Its static shares now (levels come and go with rule reloads).
@@ -345,6 +348,8 @@ struct Seen {
     /// The Leases of the last list that did not count, and why (at most
     /// [`MAX_REJECTIONS_SHOWN`]).
     rejected: Vec<(String, Rejection)>,
+    /// The rules of the flows this replica last reported.
+    rate_rules: BTreeMap<String, u64>,
 }
 
 /// How many rejected Leases `/debug/fleet` names; the metric counts them all.
@@ -439,7 +444,10 @@ impl Fleet {
                 continue;
             }
             let mut demand = std::mem::take(&mut peak);
-            demand.rates = self.local.rate_demand();
+            let rates = self.local.rate_demand();
+            demand.rates = rates.iter().map(|(f, r)| (f.clone(), r.asked)).collect();
+            self.seen.lock().unwrap_or_else(|p| p.into_inner()).rate_rules =
+                rates.into_iter().map(|(f, r)| (f, r.rule)).collect();
             let deadline = Instant::now() + self.settings.renew_interval;
             let round = tokio::time::timeout_at(deadline, self.round(demand)).await;
             let shares = match round {
@@ -482,7 +490,10 @@ impl Fleet {
         if share::live(&seen.leases, now).len() >= members {
             return None;
         }
-        let statics = self.local.statics();
+        let statics = Statics {
+            rates: seen.rate_rules.clone(),
+            ..self.local.statics()
+        };
         Some(self.split_as_seen(&seen.leases, seen.before.as_ref(), now, &statics))
     }
 
@@ -542,8 +553,11 @@ impl Fleet {
         }
         leases.retain(|m| m.identity != me.identity);
         leases.push(me.clone());
-        let statics = self.local.statics();
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let statics = Statics {
+            rates: seen.rate_rules.clone(),
+            ..self.local.statics()
+        };
         seen.before = seen.published.replace(me.demand.clone());
         let shares = self.split_as_seen(&leases, seen.before.as_ref(), now, &statics);
         seen.leases = leases;
@@ -742,7 +756,7 @@ pub fn split(
     let seats = share::shares_of(me, &live, &seats_wholes, |d, l| {
         d.seats.get(l).copied().unwrap_or(0)
     });
-    let rates = share::rate_shares(me, &live);
+    let rates = share::rate_shares(me, &live, &statics.rates);
     let alone = statics
         .list_bytes
         .iter()

@@ -58,6 +58,16 @@ impl Demand {
     }
 }
 
+/// What one flow asked of this replica over a renew period, in thousandths of a request
+/// per second.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateAsked {
+    /// The rate asked (refused requests too).
+    pub asked: u64,
+    /// Its rule's rate: the whole of the flow's rate across the fleet.
+    pub rule: u64,
+}
+
 /// One member as its Lease shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -201,22 +211,29 @@ pub const RATE_WHOLE: u64 = 1_000_000;
 
 /// Each flow's share of its rule's rate for member `me` (in millionths, [`RATE_WHOLE`]),
 /// for the flows another live member reports: split among the members that report it (and
-/// `me`, which may not yet) by the rate each saw asked. A flow no other member reports is
-/// not in the map: `me` may use all of its rule.
-pub fn rate_shares(me: &str, members: &[&Member]) -> BTreeMap<String, Held> {
+/// `me`, which may not yet) by the rate each saw asked, each at most the flow's rule where
+/// `me` knows it (`rules`, in thousandths of a request per second: no member can be given
+/// more than the whole rate, so a report of more counts as the whole). A flow no other
+/// member reports is not in the map: `me` may use all of its rule.
+pub fn rate_shares(
+    me: &str,
+    members: &[&Member],
+    rules: &BTreeMap<String, u64>,
+) -> BTreeMap<String, Held> {
     let Some(mine) = members.iter().find(|m| m.identity == me) else {
         return BTreeMap::new();
     };
     let mut flows: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    let at_most = |flow: &str, asked: u64| rules.get(flow).map_or(asked, |&rule| asked.min(rule));
     for other in members.iter().filter(|m| m.identity != me) {
         for (flow, &asked) in &other.demand.rates {
-            flows.entry(flow).or_default().push(asked);
+            flows.entry(flow).or_default().push(at_most(flow, asked));
         }
     }
     flows
         .into_iter()
         .map(|(flow, mut demands)| {
-            let asked = mine.demand.rates.get(flow).copied().unwrap_or(0);
+            let asked = at_most(flow, mine.demand.rates.get(flow).copied().unwrap_or(0));
             demands.push(asked);
             let shares = split(RATE_WHOLE, &demands);
             let held = Held {
@@ -428,7 +445,7 @@ mod tests {
         let members = [&a, &b, &c];
         let shares: Vec<_> = ["a", "b", "c"]
             .iter()
-            .map(|me| rate_shares(me, &members))
+            .map(|me| rate_shares(me, &members, &BTreeMap::new()))
             .collect();
         // `f`: a floor of a thirtieth each, the rest 70/20/10.
         let f: Vec<u64> = shares.iter().map(|s| s["f"].share).collect();

@@ -135,13 +135,15 @@ impl Local for Wants {
         Statics {
             list_bytes: [("r0".to_string(), 100)].into(),
             seats: [("lists".to_string(), 10)].into(),
+            rates: BTreeMap::new(),
         }
     }
 
-    fn rate_demand(&self) -> BTreeMap<String, u64> {
+    fn rate_demand(&self) -> BTreeMap<String, share::RateAsked> {
         self.flows
             .take_rate_demand(Instant::now())
             .into_iter()
+            .map(|(flow, asked, rule)| (flow, share::RateAsked { asked, rule }))
             .collect()
     }
 }
@@ -583,6 +585,7 @@ fn an_expired_lease_is_no_member_and_a_member_absent_from_the_split_has_no_share
     let statics = Statics {
         list_bytes: [("r0".to_string(), 100)].into(),
         seats: BTreeMap::new(),
+        rates: BTreeMap::new(),
     };
     let shares = split("a", &[lease("a", 0), lease("b", 10)], now, &statics, 3);
     assert_eq!(shares.standing, Standing::Alone);
@@ -901,4 +904,46 @@ async fn a_rollout_past_bulwark_replicas_keeps_the_newest_member_on_a_floor() {
     assert!(all[3].fleet.shares().current().uncounted.is_empty());
     assert_eq!(all[3].bytes(), Some(100));
     assert_eq!(all[3].metrics.fleet_uncounted_members.get(), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_a_key_a_forged_lease_in_a_fleet_short_of_replicas_counts_as_one_member_more() {
+    // What the shape checks cannot stop: two replicas of three running, and a third Lease
+    // shaped as a member's. Its demand counts, but for no more than the whole: it takes
+    // what a member asking for everything would, and no flow's rule more than once.
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<Replica> = ["a", "b"]
+        .iter()
+        .map(|id| Replica::start(id, &memory))
+        .collect();
+    for r in &replicas {
+        r.wants.bytes.store(200, Ordering::SeqCst);
+        r.wants.seats.store(12, Ordering::SeqCst);
+    }
+    let offered = [8.0, 0.0];
+    let minute = Duration::from_secs(60);
+    let refused = |ok: u64| 1.0 - ok as f64 / (8.0 * 60.0);
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: LEASE,
+        demand: huge(&[("f", HUGE)]),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    let ok = admitted(&replicas, &offered, RULE, RENEW * 3, minute).await;
+    let (bytes, seats, ..) = held("two of three, and a forged Lease", &replicas);
+    // A floor of 10 bytes and 1 seat each; the rest by demand, the forger's at the whole
+    // (300 bytes, 30 seats): 270 × 200 / 700 and 27 × 12 / 54.
+    assert_eq!(bytes, vec![10 + 77; 2]);
+    assert_eq!(seats, vec![1 + 6; 2]);
+    let share = replicas[0].fleet.shares().rate_share("f").unwrap();
+    eprintln!(
+        "a forged rate entry for f, two of three: {:.0}% refused, A's share of f {share:.2}",
+        refused(ok) * 100.0
+    );
+    // f's rule is 10 a second: the forger's report counts as 10, against A's 8.
+    assert!((share - 0.45).abs() < 0.01, "{share}");
+    forger.abort();
 }

@@ -446,8 +446,10 @@ impl Fleet {
             let mut demand = std::mem::take(&mut peak);
             let rates = self.local.rate_demand();
             demand.rates = rates.iter().map(|(f, r)| (f.clone(), r.asked)).collect();
-            self.seen.lock().unwrap_or_else(|p| p.into_inner()).rate_rules =
-                rates.into_iter().map(|(f, r)| (f, r.rule)).collect();
+            self.seen
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .rate_rules = rates.into_iter().map(|(f, r)| (f, r.rule)).collect();
             let deadline = Instant::now() + self.settings.renew_interval;
             let round = tokio::time::timeout_at(deadline, self.round(demand)).await;
             let shares = match round {
@@ -614,8 +616,7 @@ impl Fleet {
     fn publish(&self, shares: Shares) {
         let m = &self.metrics;
         m.fleet_members.set(shares.members.len() as i64);
-        m.fleet_uncounted_members
-            .set(shares.uncounted.len() as i64);
+        m.fleet_uncounted_members.set(shares.uncounted.len() as i64);
         m.fleet_static
             .set(i64::from(shares.standing == Standing::Static));
         let old = self.shares.current();

@@ -148,12 +148,19 @@ fn the_fleet_lease_policy_admits_only_the_base_s_bulwark() {
     let mut base = Kustomized::default();
     kustomize(&repo("deploy/base"), &mut base);
     let fleet = deploy_config().fleet.expect("the base runs a fleet");
-    let namespace = base.namespaces.first().expect("the base's namespace").clone();
+    let namespace = base
+        .namespaces
+        .first()
+        .expect("the base's namespace")
+        .clone();
     let sa = only(&base.objects, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
         .as_str()
         .expect("the DaemonSet names its ServiceAccount")
         .to_string();
-    assert_eq!(fleet.namespace, namespace, "the fleet's Leases are in Bulwark's namespace");
+    assert_eq!(
+        fleet.namespace, namespace,
+        "the fleet's Leases are in Bulwark's namespace"
+    );
 
     let vap = object(
         &policy.objects,
@@ -167,7 +174,10 @@ fn the_fleet_lease_policy_admits_only_the_base_s_bulwark() {
         fleet.namespace.as_str()
     );
     let rules = &spec["matchConstraints"]["resourceRules"][0];
-    assert_eq!(rules["apiGroups"], serde_json::json!(["coordination.k8s.io"]));
+    assert_eq!(
+        rules["apiGroups"],
+        serde_json::json!(["coordination.k8s.io"])
+    );
     assert_eq!(rules["resources"], serde_json::json!(["leases"]));
     assert_eq!(
         rules["operations"],
@@ -191,7 +201,10 @@ fn the_fleet_lease_policy_admits_only_the_base_s_bulwark() {
         "bulwark-fleet-leases",
     );
     assert_eq!(binding["spec"]["policyName"], "bulwark-fleet-leases");
-    assert_eq!(binding["spec"]["validationActions"], serde_json::json!(["Deny"]));
+    assert_eq!(
+        binding["spec"]["validationActions"],
+        serde_json::json!(["Deny"])
+    );
 }
 
 /// The Dockerfile against the DaemonSet and the configuration: no Docker engine runs in CI,

@@ -362,7 +362,12 @@ impl Flows {
                 // floor below the threshold would never get more than the floor.
                 if of_rule >= RATE_REPORT_FRACTION || limit.rate != limit.rule {
                     let milli = |per_second: f64| (per_second * 1000.0).round() as u64;
-                    asked.push((of_rule, key.clone(), milli(per_second), milli(limit.rule.qps)));
+                    asked.push((
+                        of_rule,
+                        key.clone(),
+                        milli(per_second),
+                        milli(limit.rule.qps),
+                    ));
                 }
             }
         }

@@ -340,7 +340,9 @@ impl Check {
         };
         let renewed = SystemTime::UNIX_EPOCH + Duration::from_micros(micros);
         let duration = Duration::from_secs(secs);
-        let expired = renewed.checked_add(duration).is_none_or(|until| until <= now);
+        let expired = renewed
+            .checked_add(duration)
+            .is_none_or(|until| until <= now);
         if expired {
             return Verdict::Ignored;
         }
@@ -645,7 +647,11 @@ mod tests {
             prefix: "other-".into(),
             ..check.clone()
         };
-        assert_eq!(other.verdict(&back, now), Verdict::Ignored, "not the fleet's");
+        assert_eq!(
+            other.verdict(&back, now),
+            Verdict::Ignored,
+            "not the fleet's"
+        );
         assert_eq!(
             check.verdict(&back, renewed + Duration::from_secs(10)),
             Verdict::Ignored,
@@ -676,10 +682,16 @@ mod tests {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         let check = check(None);
         let verdict = |name: &str, m: &Member| {
-            check.verdict(&round_trip(&lease_object(name, "bulwark", m, None, None)), now)
+            check.verdict(
+                &round_trip(&lease_object(name, "bulwark", m, None, None)),
+                now,
+            )
         };
         let real = member("node-a", now);
-        assert!(matches!(verdict("bulwark-node-a", &real), Verdict::Member(_)));
+        assert!(matches!(
+            verdict("bulwark-node-a", &real),
+            Verdict::Member(_)
+        ));
         assert_eq!(
             verdict("bulwark-forged", &real),
             Verdict::Rejected(Rejection::Name),
@@ -728,7 +740,13 @@ mod tests {
             Some(&keys),
         ));
         assert_eq!(check.verdict(&signed, now), Verdict::Member(real.clone()));
-        let unsigned = round_trip(&lease_object("bulwark-node-a", "bulwark", &real, None, None));
+        let unsigned = round_trip(&lease_object(
+            "bulwark-node-a",
+            "bulwark",
+            &real,
+            None,
+            None,
+        ));
         assert_eq!(
             check.verdict(&unsigned, now),
             Verdict::Rejected(Rejection::Signature)
@@ -765,7 +783,10 @@ mod tests {
             keys: Some(rotated.clone()),
             ..check.clone()
         };
-        assert_eq!(rotating.verdict(&signed, now), Verdict::Member(real.clone()));
+        assert_eq!(
+            rotating.verdict(&signed, now),
+            Verdict::Member(real.clone())
+        );
         let new = round_trip(&lease_object(
             "bulwark-node-a",
             "bulwark",

@@ -706,7 +706,11 @@ async fn a_lease_renewed_a_year_ahead_with_a_huge_demand_cuts_no_member() {
     .write(&memory);
     tokio::time::sleep(RENEW * 3).await;
     let (bytes, seats, ..) = held("renewed a year ahead", &replicas);
-    assert_eq!(bytes, vec![100; 3], "equal demand: equal thirds, as if unwritten");
+    assert_eq!(
+        bytes,
+        vec![100; 3],
+        "equal demand: equal thirds, as if unwritten"
+    );
     assert_eq!(seats, vec![10; 3]);
     for r in &replicas {
         assert_eq!(r.fleet.shares().current().members, ["a", "b", "c"]);
@@ -859,10 +863,7 @@ async fn with_a_key_only_the_fleet_s_own_leases_count() {
     }
     for r in &replicas {
         let members = r.fleet.shares().current().members.clone();
-        assert!(
-            members.iter().all(|m| m != "x" && m != "d"),
-            "{members:?}"
-        );
+        assert!(members.iter().all(|m| m != "x" && m != "d"), "{members:?}");
         assert!(rejected(r, "signature") >= 1);
         assert_eq!(r.fleet.shares().rate_share("f"), None);
     }
@@ -876,7 +877,10 @@ async fn with_a_key_only_the_fleet_s_own_leases_count() {
         .iter()
         .map(|r| r["name"].as_str().unwrap())
         .collect();
-    assert!(names.contains(&"bulwark-x") && names.contains(&"bulwark-d"), "{debug}");
+    assert!(
+        names.contains(&"bulwark-x") && names.contains(&"bulwark-d"),
+        "{debug}"
+    );
     for f in forgers {
         f.abort();
     }
@@ -946,4 +950,108 @@ async fn without_a_key_a_forged_lease_in_a_fleet_short_of_replicas_counts_as_one
     // f's rule is 10 a second: the forger's report counts as 10, against A's 8.
     assert!((share - 0.45).abs() < 0.01, "{share}");
     forger.abort();
+}
+
+#[test]
+fn a_key_file_that_cannot_be_used_stops_the_start_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |key_file: &Path| crate::config::Fleet {
+        namespace: "bulwark".into(),
+        lease_prefix: "bulwark-".into(),
+        identity: Some("node-a".into()),
+        renew_interval: RENEW,
+        lease_duration: LEASE,
+        key_file: Some(key_file.to_path_buf()),
+    };
+    let missing = dir.path().join("missing");
+    let error = Settings::from_config(&config(&missing), 3).err().unwrap();
+    assert!(
+        error
+            .to_string()
+            .starts_with(&missing.display().to_string()),
+        "{error}"
+    );
+    let short = dir.path().join("short");
+    std::fs::write(&short, "a key too short\n").unwrap();
+    let error = Settings::from_config(&config(&short), 3).err().unwrap();
+    assert_eq!(error.to_string(), "key on line 1 is 15 bytes: at least 32");
+    let good = dir.path().join("good");
+    std::fs::write(&good, "0123456789abcdef0123456789abcdef0123\n").unwrap();
+    let settings = Settings::from_config(&config(&good), 3).unwrap();
+    assert!(settings.keys.is_some());
+    assert_eq!(settings.lease_name(), "bulwark-node-a");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_key_is_rotated_without_a_restart_by_listing_it_second_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old, new) = ("o".repeat(40), "n".repeat(40));
+    let files = [dir.path().join("a"), dir.path().join("b")];
+    let write = |file: &Path, keys: &[&str]| std::fs::write(file, keys.join("\n")).unwrap();
+    for file in &files {
+        write(file, &[&old]);
+    }
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<Replica> = ["a", "b"]
+        .iter()
+        .zip(&files)
+        .map(|(id, file)| {
+            let replica = Replica::start_with(id, &memory, None);
+            replica.task.abort();
+            let mut settings = replica.fleet.settings.clone();
+            settings.keys = Some(Arc::new(KeyFile::open(file).unwrap()));
+            let (fleet, task) = Fleet::spawn(
+                settings,
+                Arc::new(replica.reach.clone()),
+                replica.wants.clone(),
+                FleetShares::new(),
+                replica.metrics.clone(),
+            );
+            Replica {
+                fleet,
+                task,
+                ..replica
+            }
+        })
+        .collect();
+    let both_count_both = |replicas: &[Replica], when: &str| {
+        for r in replicas {
+            assert_eq!(
+                r.fleet.shares().current().members,
+                ["a", "b"],
+                "{when}: {}",
+                r.fleet.debug_json()
+            );
+            assert_eq!(rejected(r, "signature"), 0, "{when}");
+        }
+    };
+    tokio::time::sleep(RENEW * 2).await;
+    both_count_both(&replicas, "one key");
+    // The new key second everywhere, then first on A only (B's copy not updated yet),
+    // then first on B, then alone.
+    for (file, keys) in [
+        (&files[0], vec![old.as_str(), new.as_str()]),
+        (&files[1], vec![old.as_str(), new.as_str()]),
+        (&files[0], vec![new.as_str(), old.as_str()]),
+        (&files[1], vec![new.as_str(), old.as_str()]),
+        (&files[0], vec![new.as_str()]),
+        (&files[1], vec![new.as_str()]),
+    ] {
+        write(file, &keys);
+        tokio::time::sleep(RENEW * 2).await;
+        both_count_both(
+            &replicas,
+            &format!("{} holds {}", file.display(), keys.len()),
+        );
+    }
+    // The new key first on A while B knows only the old one: B rejects A's Lease.
+    write(&files[0], &[&old]);
+    tokio::time::sleep(RENEW * 2).await;
+    assert!(rejected(&replicas[1], "signature") >= 1);
+    assert_eq!(replicas[1].fleet.shares().current().members, ["b"]);
+    // An unreadable file keeps the keys read before.
+    std::fs::remove_file(&files[1]).unwrap();
+    write(&files[0], &[&new]);
+    tokio::time::sleep(RENEW * 2).await;
+    assert_eq!(replicas[1].fleet.shares().current().members, ["a", "b"]);
 }

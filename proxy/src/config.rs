@@ -117,6 +117,13 @@ pub struct Fleet {
     /// shrink the fleet's shares (deploy/README.md).
     #[serde(default)]
     pub key_file: Option<PathBuf>,
+    /// With `keyFile`: sign this replica's Lease but also count Leases with no MAC (one with
+    /// a wrong MAC is still rejected). Only for turning the key on: set it with `keyFile`,
+    /// and once every replica runs with both, remove it; otherwise the replicas that have
+    /// the key reject the Leases of those that do not yet, and take their shares. Default:
+    /// false.
+    #[serde(default)]
+    pub accept_unsigned: bool,
 }
 
 fn default_lease_prefix() -> String {
@@ -955,6 +962,11 @@ fn validate_fleet(fleet: &Fleet, p: &mut Problems) {
     }
     if let Some(key_file) = &fleet.key_file {
         p.path("fleet.keyFile", key_file);
+    } else if fleet.accept_unsigned {
+        p.add(
+            "fleet.acceptUnsigned",
+            "needs fleet.keyFile: without a key every Lease is unsigned",
+        );
     }
     p.positive("fleet.renewInterval", fleet.renew_interval);
     let duration = fleet.lease_duration;

@@ -260,6 +260,8 @@ pub struct Settings {
     pub prefix: String,
     /// The fleet's keys: `None`, Leases are unauthenticated.
     pub keys: Option<Arc<KeyFile>>,
+    /// With keys, Leases without a MAC count too (`fleet.acceptUnsigned`).
+    pub accept_unsigned: bool,
     /// How often the Lease is renewed and the others' read.
     pub renew_interval: Duration,
     /// How long a renewal counts.
@@ -285,6 +287,7 @@ impl Settings {
             namespace: fleet.namespace.clone(),
             prefix: fleet.lease_prefix.clone(),
             keys,
+            accept_unsigned: fleet.accept_unsigned,
             renew_interval: fleet.renew_interval,
             lease_duration: fleet.lease_duration,
             bulwark_replicas,
@@ -378,11 +381,12 @@ impl Fleet {
         shares: FleetShares,
         metrics: Metrics,
     ) -> (Arc<Fleet>, JoinHandle<()>) {
-        if settings.keys.is_none() {
+        if settings.keys.is_none() || settings.accept_unsigned {
             tracing::warn!(
                 namespace = %settings.namespace,
-                "fleet: no fleet.keyFile, so the Leases are unauthenticated: anyone who may \
-                 write Leases in the namespace can shrink this fleet's shares"
+                "fleet: no fleet.keyFile, or fleet.acceptUnsigned, so the Leases are \
+                 unauthenticated: anyone who may write Leases in the namespace can shrink \
+                 this fleet's shares"
             );
         }
         for reason in Rejection::ALL {
@@ -529,6 +533,7 @@ impl Fleet {
             prefix: s.prefix.clone(),
             duration: s.lease_duration,
             keys,
+            accept_unsigned: s.accept_unsigned,
         };
         let mut leases = Vec::new();
         let mut rejected = Vec::new();
@@ -678,7 +683,7 @@ impl Fleet {
             "bulwarkReplicas": self.settings.bulwark_replicas,
             "lastRenewalUnixMillis": seen.renewed.map(millis),
             "lastError": seen.error,
-            "authenticated": self.settings.keys.is_some(),
+            "authenticated": self.settings.keys.is_some() && !self.settings.accept_unsigned,
             "leases": leases,
             "rejected": rejected,
             "shares": &*shares,

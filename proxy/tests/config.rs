@@ -404,6 +404,19 @@ fn the_fleet_is_off_by_default_and_its_section_is_checked_field_by_field() {
         fleet.key_file, None,
         "unauthenticated Leases unless a key is given"
     );
+    assert!(!fleet.accept_unsigned);
+    let unsigned = problems(&minimal_with(
+        "fleet",
+        "{namespace: bulwark, acceptUnsigned: true}",
+    ));
+    assert_eq!(
+        unsigned
+            .iter()
+            .map(|p| p.field.as_str())
+            .collect::<Vec<_>>(),
+        ["fleet.acceptUnsigned"],
+        "{unsigned:?}"
+    );
     let found = problems(&minimal_with(
         "fleet",
         "{namespace: Kube_System, leasePrefix: -x, identity: Node.A, keyFile: '', renewInterval: 0s, leaseDuration: 1500ms}",

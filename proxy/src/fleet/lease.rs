@@ -310,6 +310,9 @@ pub struct Check {
     pub duration: Duration,
     /// The fleet's keys; without them Leases are unauthenticated.
     pub keys: Option<Keys>,
+    /// With keys: a Lease without a MAC counts too (`fleet.acceptUnsigned`, while the key
+    /// is being turned on); one with a wrong MAC never does.
+    pub accept_unsigned: bool,
 }
 
 impl Check {
@@ -371,8 +374,11 @@ impl Check {
                 seconds,
                 demand_text.map_or("", String::as_str),
             );
-            let mac = annotations.and_then(|a| a.get(MAC_ANNOTATION));
-            if !mac.is_some_and(|mac| keys.verify(&text, mac)) {
+            let good = match annotations.and_then(|a| a.get(MAC_ANNOTATION)) {
+                Some(mac) => keys.verify(&text, mac),
+                None => self.accept_unsigned,
+            };
+            if !good {
                 return Verdict::Rejected(Rejection::Signature);
             }
         }
@@ -604,6 +610,7 @@ mod tests {
             prefix: "bulwark-".into(),
             duration: Duration::from_secs(10),
             keys,
+            accept_unsigned: false,
         }
     }
 
@@ -794,11 +801,21 @@ mod tests {
             None,
             Some(&rotated),
         ));
-        assert_eq!(rotating.verdict(&new, now), Verdict::Member(real));
+        assert_eq!(rotating.verdict(&new, now), Verdict::Member(real.clone()));
         assert_eq!(
             check.verdict(&new, now),
             Verdict::Rejected(Rejection::Signature),
             "signed with the new key"
+        );
+        // While the key is turned on: unsigned Leases count, wrongly signed ones do not.
+        let turning_on = Check {
+            accept_unsigned: true,
+            ..check
+        };
+        assert_eq!(turning_on.verdict(&unsigned, now), Verdict::Member(real));
+        assert_eq!(
+            turning_on.verdict(&forged, now),
+            Verdict::Rejected(Rejection::Signature)
         );
     }
 

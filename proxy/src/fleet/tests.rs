@@ -189,6 +189,7 @@ impl Replica {
             namespace: "bulwark".into(),
             prefix: "bulwark-".into(),
             keys: keys.map(|k| Arc::new(KeyFile::fixed(k))),
+            accept_unsigned: false,
             renew_interval: RENEW,
             lease_duration: LEASE,
             bulwark_replicas: 3,
@@ -962,6 +963,7 @@ fn a_key_file_that_cannot_be_used_stops_the_start_and_says_why() {
         renew_interval: RENEW,
         lease_duration: LEASE,
         key_file: Some(key_file.to_path_buf()),
+        accept_unsigned: false,
     };
     let missing = dir.path().join("missing");
     let error = Settings::from_config(&config(&missing), 3).err().unwrap();
@@ -1054,4 +1056,46 @@ async fn a_key_is_rotated_without_a_restart_by_listing_it_second_first() {
     write(&files[0], &[&new]);
     tokio::time::sleep(RENEW * 2).await;
     assert_eq!(replicas[1].fleet.shares().current().members, ["a", "b"]);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_key_is_turned_on_replica_by_replica_without_a_share_past_the_whole() {
+    // A DaemonSet rolls a new configuration one node at a time. A replica that requires
+    // the key at once rejects the Leases of those not yet rolled and takes their shares; one
+    // that also accepts unsigned Leases does not.
+    let key = Keys::parse(b"the fleet's key: 32 bytes or more").unwrap();
+    for (accept_unsigned, past_the_whole) in [(false, true), (true, false)] {
+        let memory = Arc::new(Memory::default());
+        let rolled = Replica::start_with("a", &memory, Some(key.clone()));
+        rolled.task.abort();
+        let mut settings = rolled.fleet.settings.clone();
+        settings.accept_unsigned = accept_unsigned;
+        let (fleet, task) = Fleet::spawn(
+            settings,
+            Arc::new(rolled.reach.clone()),
+            rolled.wants.clone(),
+            FleetShares::new(),
+            rolled.metrics.clone(),
+        );
+        let rolled = Replica {
+            fleet,
+            task,
+            ..rolled
+        };
+        let not_yet: Vec<Replica> = ["b", "c"]
+            .iter()
+            .map(|id| Replica::start(id, &memory))
+            .collect();
+        let all: Vec<Replica> = [rolled].into_iter().chain(not_yet).collect();
+        for r in &all {
+            r.wants.bytes.store(200, Ordering::SeqCst);
+            r.wants.seats.store(12, Ordering::SeqCst);
+        }
+        tokio::time::sleep(RENEW * 3).await;
+        let (_, _, bytes_sum, _) = held(
+            &format!("one of three with the key, acceptUnsigned {accept_unsigned}"),
+            &all,
+        );
+        assert_eq!(bytes_sum > 1.0, past_the_whole, "{bytes_sum:.2}x");
+    }
 }

@@ -483,4 +483,69 @@ mod tests {
         );
         assert_eq!(first.seats["lists"], 300);
     }
+
+    #[test]
+    fn only_the_oldest_leases_demand_counts_and_none_past_the_whole() {
+        let created = |id: &str, secs: Option<u64>| Member {
+            created: secs.map(at),
+            ..member(id, 100, 500)
+        };
+        // D is the oldest; C's creation not yet shown; A and B tie on age.
+        let members = [
+            created("a", Some(10)),
+            created("b", Some(10)),
+            created("c", None),
+            created("d", Some(5)),
+        ];
+        let live = live(&members, at(105));
+        assert_eq!(counted(&live, 3), vec![true, true, false, true]);
+        assert_eq!(counted(&live, 2), vec![true, false, false, true]);
+        assert_eq!(counted(&live, 9), vec![true; 4]);
+
+        let mut demand = member("a", 100, u64::MAX).demand;
+        demand.bytes.insert(
+            "unknown".into(),
+            Bytes {
+                wanted: 1,
+                in_flight: 1,
+            },
+        );
+        demand.rates = (0..200u64).map(|i| (format!("f{i:03}"), i)).collect();
+        demand.rates.insert("huge".into(), u64::MAX);
+        let wholes: BTreeMap<String, u64> = [("r0".to_string(), 300)].into();
+        let seats: BTreeMap<String, u64> = [("lists".to_string(), 30)].into();
+        let c = clamped(&demand, &wholes, &seats);
+        assert_eq!(
+            c.bytes,
+            [(
+                "r0".to_string(),
+                Bytes {
+                    wanted: 300,
+                    in_flight: 0
+                }
+            )]
+            .into()
+        );
+        assert_eq!(c.seats, [("lists".to_string(), 30)].into());
+        assert_eq!(c.rates.len(), MAX_RATE_ENTRIES);
+        assert_eq!(c.rates["huge"], MAX_RATE_DEMAND);
+        assert!(!c.rates.contains_key("f000"), "the smallest dropped");
+        assert!(c.rates.contains_key("f199"));
+    }
+
+    #[test]
+    fn a_flow_s_report_counts_for_no_more_than_its_rule() {
+        let with_rate = |id: &str, rate: u64| {
+            let mut m = member(id, 100, 0);
+            m.demand.rates.insert("f".into(), rate);
+            m
+        };
+        let (a, x) = (with_rate("a", 8_000), with_rate("x", u64::MAX / 2));
+        let members = [&a, &x];
+        let unbounded = rate_shares("a", &members, &BTreeMap::new());
+        assert_eq!(unbounded["f"].share, 50_000, "a floor only");
+        let rules: BTreeMap<String, u64> = [("f".to_string(), 10_000)].into();
+        let bounded = rate_shares("a", &members, &rules);
+        assert_eq!(bounded["f"].share, 50_000 + 900_000 * 8 / 18);
+    }
 }

@@ -659,14 +659,17 @@ impl Admission {
         demand
     }
 
-    /// The flows asking for a notable part of their rule's rate since the last call, in
-    /// thousandths of a request per second: what this Bulwark tells its fleet so that the
-    /// rate holds across replicas.
-    pub fn rate_demand(&self) -> std::collections::BTreeMap<String, u64> {
+    /// The flows asking for a notable part of their rule's rate since the last call, with
+    /// their rule's rate, in thousandths of a request per second: what this Bulwark tells
+    /// its fleet so that the rate holds across replicas.
+    pub fn rate_demand(
+        &self,
+    ) -> std::collections::BTreeMap<String, crate::fleet::share::RateAsked> {
         self.shared
             .flows
             .take_rate_demand(Instant::now())
             .into_iter()
+            .map(|(flow, asked, rule)| (flow, crate::fleet::share::RateAsked { asked, rule }))
             .collect()
     }
 

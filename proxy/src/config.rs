@@ -109,6 +109,21 @@ pub struct Fleet {
     /// `renewInterval`): the time a stopped replica's share stays away.
     #[serde(default = "default_lease_duration", with = "humantime_serde")]
     pub lease_duration: Duration,
+    /// File of the fleet's HMAC keys, one a line, each at least 32 bytes (mounted from a
+    /// Secret only Bulwark's ServiceAccount may read): every Lease is signed with the
+    /// first, and a Lease no key verifies does not count. Read at start and every renew
+    /// period; list a new key second everywhere before moving it first. Default: none,
+    /// and Leases are unauthenticated: anyone who may write Leases in the namespace can
+    /// shrink the fleet's shares (deploy/README.md).
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// With `keyFile`: sign this replica's Lease but also count Leases with no MAC (one with
+    /// a wrong MAC is still rejected). Only for turning the key on: set it with `keyFile`,
+    /// and once every replica runs with both, remove it; otherwise the replicas that have
+    /// the key reject the Leases of those that do not yet, and take their shares. Default:
+    /// false.
+    #[serde(default)]
+    pub accept_unsigned: bool,
 }
 
 fn default_lease_prefix() -> String {
@@ -918,6 +933,9 @@ impl Config {
             path.iter_mut().for_each(resolve);
         }
         self.rules.folder.iter_mut().for_each(resolve);
+        if let Some(fleet) = &mut self.fleet {
+            fleet.key_file.iter_mut().for_each(resolve);
+        }
         self.audit.path.iter_mut().for_each(resolve);
         if let Some(tls) = &mut self.admin.tls {
             resolve(&mut tls.cert);
@@ -958,6 +976,14 @@ fn validate_fleet(fleet: &Fleet, p: &mut Problems) {
         && !is_dns_label(identity)
     {
         p.add("fleet.identity", format!("{identity:?} is not a DNS label"));
+    }
+    if let Some(key_file) = &fleet.key_file {
+        p.path("fleet.keyFile", key_file);
+    } else if fleet.accept_unsigned {
+        p.add(
+            "fleet.acceptUnsigned",
+            "needs fleet.keyFile: without a key every Lease is unsigned",
+        );
     }
     p.positive("fleet.renewInterval", fleet.renew_interval);
     let duration = fleet.lease_duration;

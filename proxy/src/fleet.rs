@@ -11,11 +11,18 @@
 //! `bulwarkReplicas` for its seats). A replica alone gets the whole; a replica that cannot
 //! renew or read the Leases takes the static share (whole ÷ `bulwarkReplicas`), never the
 //! whole, since it cannot know who else is serving.
+//!
+//! Anyone allowed to write Leases in the namespace can write one that looks like a member's,
+//! so a Lease counts only if [`lease::Check`] accepts it (named the prefix plus its holder,
+//! counting no longer than `leaseDuration`, renewed no further ahead than a clock's skew
+//! and, with `fleet.keyFile`, signed with the fleet's key); only the `bulwarkReplicas`
+//! oldest members' demand counts; and no demand counts for more than the whole it asks of.
 
 pub mod lease;
 pub mod share;
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -25,7 +32,7 @@ use serde_json::json;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use self::lease::LeaseStore;
+use self::lease::{Check, KeyError, Keys, LeaseStore, Rejection, Verdict};
 use self::share::{Demand, Held, Member};
 use crate::metrics::Metrics;
 
@@ -52,6 +59,9 @@ pub struct Shares {
     pub reason: String,
     /// The live members' identities (this replica's among them), sorted.
     pub members: Vec<String>,
+    /// The members beyond `bulwarkReplicas` (the newest Leases), whose demand does not
+    /// count: each keeps a floor.
+    pub uncounted: Vec<String>,
     /// Per apiserver replica (configured address): this replica's in-flight LIST bytes.
     pub list_bytes: BTreeMap<String, Held>,
     /// Per level: this replica's seats.
@@ -79,6 +89,7 @@ impl Shares {
             standing: Standing::Static,
             reason,
             members: Vec::new(),
+            uncounted: Vec::new(),
             list_bytes: statics
                 .list_bytes
                 .iter()
@@ -109,6 +120,7 @@ impl FleetShares {
             standing: Standing::Static,
             reason: "no renewal yet".into(),
             members: Vec::new(),
+            uncounted: Vec::new(),
             list_bytes: BTreeMap::new(),
             seats: BTreeMap::new(),
             rates: BTreeMap::new(),
@@ -172,15 +184,18 @@ pub struct Statics {
     pub list_bytes: BTreeMap<String, u64>,
     /// Per level (exempt levels have none).
     pub seats: BTreeMap<String, u64>,
+    /// Per flow this replica reported: its rule's rate, in thousandths of a request per
+    /// second (what any member's report of the flow counts for at most).
+    pub rates: BTreeMap<String, u64>,
 }
 
 /// What the fleet reads of this replica.
 pub trait Local: Send + Sync + 'static {
     /// Its demand now: LIST bytes and seats, sampled a few times per renewal.
     fn demand(&self) -> Demand;
-    /// The rates its flows asked for since the last call, once per renewal (see
-    /// [`Demand::rates`]).
-    fn rate_demand(&self) -> BTreeMap<String, u64> {
+    /// The rates its flows asked for since the last call, with their rules', once per
+    /// renewal (see [`Demand::rates`]).
+    fn rate_demand(&self) -> BTreeMap<String, share::RateAsked> {
         BTreeMap::new()
     }
     /// Its static shares now (levels come and go with rule reloads).
@@ -189,11 +204,64 @@ pub trait Local: Send + Sync + 'static {
     fn shares_changed(&self) {}
 }
 
+/// The fleet's HMAC keys (`fleet.keyFile`), read again every round so that a rotated
+/// Secret is used without a restart; a file that cannot be read then keeps the keys read
+/// before.
+pub struct KeyFile {
+    path: Option<PathBuf>,
+    keys: Mutex<(Keys, Option<String>)>,
+}
+
+impl KeyFile {
+    /// The keys in the file at `path`, which must be readable now.
+    pub fn open(path: &Path) -> Result<KeyFile, KeyError> {
+        Ok(KeyFile {
+            path: Some(path.to_path_buf()),
+            keys: Mutex::new((Keys::read(path)?, None)),
+        })
+    }
+
+    /// `keys`, never read again (tests).
+    pub fn fixed(keys: Keys) -> KeyFile {
+        KeyFile {
+            path: None,
+            keys: Mutex::new((keys, None)),
+        }
+    }
+
+    /// The keys now.
+    fn current(&self) -> Keys {
+        let mut held = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(path) = &self.path {
+            match Keys::read(path) {
+                Ok(keys) => *held = (keys, None),
+                Err(e) => {
+                    let why = e.to_string();
+                    // Once per new failure, not every renew period.
+                    if held.1.as_deref() != Some(why.as_str()) {
+                        tracing::warn!(error = %why, "fleet.keyFile: keeping the keys read before");
+                        held.1 = Some(why);
+                    }
+                }
+            }
+        }
+        held.0.clone()
+    }
+}
+
 /// How the fleet runs.
 #[derive(Clone)]
 pub struct Settings {
     /// This replica's identity.
     pub identity: String,
+    /// The Leases' namespace.
+    pub namespace: String,
+    /// Every member's Lease is named this followed by its identity.
+    pub prefix: String,
+    /// The fleet's keys: `None`, Leases are unauthenticated.
+    pub keys: Option<Arc<KeyFile>>,
+    /// With keys, Leases without a MAC count too (`fleet.acceptUnsigned`).
+    pub accept_unsigned: bool,
     /// How often the Lease is renewed and the others' read.
     pub renew_interval: Duration,
     /// How long a renewal counts.
@@ -205,15 +273,31 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Settings from the configuration, on the system clock.
-    pub fn from_config(fleet: &crate::config::Fleet, bulwark_replicas: u32) -> Settings {
-        Settings {
+    /// Settings from the configuration, on the system clock; reads `fleet.keyFile`.
+    pub fn from_config(
+        fleet: &crate::config::Fleet,
+        bulwark_replicas: u32,
+    ) -> Result<Settings, KeyError> {
+        let keys = match &fleet.key_file {
+            Some(path) => Some(Arc::new(KeyFile::open(path)?)),
+            None => None,
+        };
+        Ok(Settings {
             identity: fleet.identity.clone().unwrap_or_else(default_identity),
+            namespace: fleet.namespace.clone(),
+            prefix: fleet.lease_prefix.clone(),
+            keys,
+            accept_unsigned: fleet.accept_unsigned,
             renew_interval: fleet.renew_interval,
             lease_duration: fleet.lease_duration,
             bulwark_replicas,
             clock: Arc::new(SystemTime::now),
-        }
+        })
+    }
+
+    /// The name of this replica's Lease.
+    pub fn lease_name(&self) -> String {
+        format!("{}{}", self.prefix, self.identity)
     }
 }
 
@@ -264,7 +348,15 @@ struct Seen {
     published: Option<Demand>,
     /// The demand it carried before: what the others may still be splitting with.
     before: Option<Demand>,
+    /// The Leases of the last list that did not count, and why (at most
+    /// [`MAX_REJECTIONS_SHOWN`]).
+    rejected: Vec<(String, Rejection)>,
+    /// The rules of the flows this replica last reported.
+    rate_rules: BTreeMap<String, u64>,
 }
+
+/// How many rejected Leases `/debug/fleet` names; the metric counts them all.
+const MAX_REJECTIONS_SHOWN: usize = 32;
 
 /// The running fleet membership of this replica.
 pub struct Fleet {
@@ -289,6 +381,19 @@ impl Fleet {
         shares: FleetShares,
         metrics: Metrics,
     ) -> (Arc<Fleet>, JoinHandle<()>) {
+        if settings.keys.is_none() || settings.accept_unsigned {
+            tracing::warn!(
+                namespace = %settings.namespace,
+                "fleet: no fleet.keyFile, or fleet.acceptUnsigned, so the Leases are \
+                 unauthenticated: anyone who may write Leases in the namespace can shrink \
+                 this fleet's shares"
+            );
+        }
+        for reason in Rejection::ALL {
+            metrics
+                .fleet_leases_rejected_total
+                .with_label_values(&[reason.as_str()]);
+        }
         let fleet = Arc::new(Fleet {
             settings,
             shares,
@@ -343,7 +448,12 @@ impl Fleet {
                 continue;
             }
             let mut demand = std::mem::take(&mut peak);
-            demand.rates = self.local.rate_demand();
+            let rates = self.local.rate_demand();
+            demand.rates = rates.iter().map(|(f, r)| (f.clone(), r.asked)).collect();
+            self.seen
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .rate_rules = rates.into_iter().map(|(f, r)| (f, r.rule)).collect();
             let deadline = Instant::now() + self.settings.renew_interval;
             let round = tokio::time::timeout_at(deadline, self.round(demand)).await;
             let shares = match round {
@@ -386,23 +496,30 @@ impl Fleet {
         if share::live(&seen.leases, now).len() >= members {
             return None;
         }
-        let statics = self.local.statics();
+        let statics = Statics {
+            rates: seen.rate_rules.clone(),
+            ..self.local.statics()
+        };
         Some(self.split_as_seen(&seen.leases, seen.before.as_ref(), now, &statics))
     }
 
     /// Renews this replica's Lease, reads everyone's and splits.
     async fn round(&self, demand: Demand) -> Result<Shares, String> {
         let s = &self.settings;
-        let me = Member {
+        let keys = s.keys.as_ref().map(|k| k.current());
+        let mut me = Member {
             identity: s.identity.clone(),
             renewed: (s.clock)(),
             duration: s.lease_duration,
+            created: None,
             demand,
         };
-        if let Err(e) = self.store.write(&me).await {
+        let name = s.lease_name();
+        let own = lease::lease_object(&name, &s.namespace, &me, None, keys.as_ref());
+        if let Err(e) = self.store.write(&own).await {
             return Err(format!("renewing the Lease: {e}"));
         }
-        let mut leases = match self.store.list().await {
+        let listed = match self.store.list().await {
             Ok(leases) => leases,
             Err(e) => return Err(format!("listing the Leases: {e}")),
         };
@@ -410,15 +527,48 @@ impl Fleet {
             .fleet_renewals_total
             .with_label_values(&["success"])
             .inc();
-        // The list may not show the write yet; this replica has just renewed.
+        let now = (s.clock)();
+        let check = Check {
+            namespace: s.namespace.clone(),
+            prefix: s.prefix.clone(),
+            duration: s.lease_duration,
+            keys,
+            accept_unsigned: s.accept_unsigned,
+        };
+        let mut leases = Vec::new();
+        let mut rejected = Vec::new();
+        for lease in &listed {
+            match check.verdict(lease, now) {
+                Verdict::Ignored => {}
+                Verdict::Member(m) => leases.push(m),
+                Verdict::Rejected(why) => {
+                    self.metrics
+                        .fleet_leases_rejected_total
+                        .with_label_values(&[why.as_str()])
+                        .inc();
+                    if rejected.len() < MAX_REJECTIONS_SHOWN {
+                        let name = lease.metadata.name.clone().unwrap_or_default();
+                        rejected.push((name, why));
+                    }
+                }
+            }
+        }
+        // The list may not show the write yet; this replica has just renewed. Its Lease's
+        // age is the one the others see.
+        if let Some(listed) = leases.iter().find(|m| m.identity == me.identity) {
+            me.created = listed.created;
+        }
         leases.retain(|m| m.identity != me.identity);
         leases.push(me.clone());
-        let now = (s.clock)();
-        let statics = self.local.statics();
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let statics = Statics {
+            rates: seen.rate_rules.clone(),
+            ..self.local.statics()
+        };
         seen.before = seen.published.replace(me.demand.clone());
         let shares = self.split_as_seen(&leases, seen.before.as_ref(), now, &statics);
         seen.leases = leases;
+        seen.rejected = rejected;
         seen.renewed = Some(me.renewed);
         seen.error = None;
         Ok(shares)
@@ -471,6 +621,7 @@ impl Fleet {
     fn publish(&self, shares: Shares) {
         let m = &self.metrics;
         m.fleet_members.set(shares.members.len() as i64);
+        m.fleet_uncounted_members.set(shares.uncounted.len() as i64);
         m.fleet_static
             .set(i64::from(shares.standing == Standing::Static));
         let old = self.shares.current();
@@ -520,6 +671,11 @@ impl Fleet {
                 })
             })
             .collect();
+        let rejected: Vec<_> = seen
+            .rejected
+            .iter()
+            .map(|(name, why)| json!({ "name": name, "reason": why.as_str() }))
+            .collect();
         json!({
             "identity": self.settings.identity,
             "renewIntervalSeconds": self.settings.renew_interval.as_secs_f64(),
@@ -527,7 +683,9 @@ impl Fleet {
             "bulwarkReplicas": self.settings.bulwark_replicas,
             "lastRenewalUnixMillis": seen.renewed.map(millis),
             "lastError": seen.error,
+            "authenticated": self.settings.keys.is_some() && !self.settings.accept_unsigned,
             "leases": leases,
+            "rejected": rejected,
             "shares": &*shares,
         })
     }
@@ -559,7 +717,9 @@ fn at_most(mut shares: Shares, other: &Shares) -> Shares {
     shares
 }
 
-/// The shares of `me` given every Lease seen (`leases`, `me`'s included) at `now`.
+/// The shares of `me` given every Lease seen (`leases`, `me`'s included) at `now`: the live
+/// members split each whole, by their demand where it counts ([`share::counted`]), clamped
+/// to the whole ([`share::clamped`]).
 pub fn split(
     me: &str,
     leases: &[Member],
@@ -568,20 +728,41 @@ pub fn split(
     bulwark_replicas: u32,
 ) -> Shares {
     let replicas = u64::from(bulwark_replicas.max(1));
-    let live = share::live(leases, now);
     let wholes = |statics: &BTreeMap<String, u64>| -> BTreeMap<String, u64> {
         statics
             .iter()
             .map(|(k, v)| (k.clone(), v.saturating_mul(replicas)))
             .collect()
     };
-    let list_bytes = share::shares_of(me, &live, &wholes(&statics.list_bytes), |d, r| {
+    let (bytes_wholes, seats_wholes) = (wholes(&statics.list_bytes), wholes(&statics.seats));
+    let live = share::live(leases, now);
+    let counted = share::counted(&live, usize::try_from(replicas).unwrap_or(usize::MAX));
+    let members: Vec<Member> = live
+        .iter()
+        .zip(&counted)
+        .map(|(m, &counted)| Member {
+            demand: if counted {
+                share::clamped(&m.demand, &bytes_wholes, &seats_wholes)
+            } else {
+                Demand::default()
+            },
+            ..(*m).clone()
+        })
+        .collect();
+    let uncounted: Vec<String> = live
+        .iter()
+        .zip(&counted)
+        .filter(|(_, counted)| !**counted)
+        .map(|(m, _)| m.identity.clone())
+        .collect();
+    let live: Vec<&Member> = members.iter().collect();
+    let list_bytes = share::shares_of(me, &live, &bytes_wholes, |d, r| {
         d.bytes.get(r).map_or(0, |b| b.wanted)
     });
-    let seats = share::shares_of(me, &live, &wholes(&statics.seats), |d, l| {
+    let seats = share::shares_of(me, &live, &seats_wholes, |d, l| {
         d.seats.get(l).copied().unwrap_or(0)
     });
-    let rates = share::rate_shares(me, &live);
+    let rates = share::rate_shares(me, &live, &statics.rates);
     let alone = statics
         .list_bytes
         .iter()
@@ -602,6 +783,12 @@ pub fn split(
             Standing::Alone,
             "no other live Lease: the whole budget".to_string(),
         ),
+        n if !uncounted.is_empty() => (
+            Standing::Shared,
+            format!(
+                "{n} live members, more than bulwarkReplicas ({replicas}): split by the demand of the {replicas} oldest"
+            ),
+        ),
         n => (
             Standing::Shared,
             format!("{n} live members: split by demand"),
@@ -611,6 +798,7 @@ pub fn split(
         standing,
         reason,
         members,
+        uncounted,
         list_bytes,
         seats,
         rates,

@@ -264,6 +264,13 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_renewals_total{result}`: rounds of the fleet's Lease renewal
     /// (`success` or `error`).
     pub fleet_renewals_total: IntCounterVec,
+    /// `bulwark_fleet_leases_rejected_total{reason}`: unexpired Leases with the fleet's
+    /// prefix that did not count, each time a round read one (`name`, `duration`,
+    /// `future`, `signature`: [`crate::fleet::lease::Rejection`]).
+    pub fleet_leases_rejected_total: IntCounterVec,
+    /// `bulwark_fleet_uncounted_members`: live members beyond `bulwarkReplicas`, whose
+    /// demand does not count (the newest Leases).
+    pub fleet_uncounted_members: IntGauge,
     /// `bulwark_log_lines_dropped_total{log, reason}`: lines of a file log (`audit`) never
     /// written: `queue_full` (the writer fell behind) or `write_failed` (the disk refused).
     pub log_lines_dropped_total: IntCounterVec,
@@ -360,6 +367,11 @@ impl Metrics {
             "Rounds of the fleet's Lease renewal and read, by result (success, error); an error falls back to the static split.",
             &["result"],
         );
+        let fleet_leases_rejected_total = counter(
+            "fleet_leases_rejected_total",
+            "Unexpired Leases with the fleet's prefix that did not count, each round that read one, by reason: name (not the prefix plus its holder), duration (longer than fleet.leaseDuration), future (renewed ahead of this replica's clock), signature (fleet.keyFile set and the MAC missing or wrong).",
+            &["reason"],
+        );
         let log_lines_dropped_total = counter(
             "log_lines_dropped_total",
             "Lines of a file log never written, by log (audit) and reason: queue_full (the writer thread fell behind), write_failed (the file could not be written).",
@@ -380,6 +392,10 @@ impl Metrics {
         let fleet_static = plain_gauge(
             "fleet_static",
             "1 while this replica holds the static split because it cannot renew or read the fleet's Leases.",
+        );
+        let fleet_uncounted_members = plain_gauge(
+            "fleet_uncounted_members",
+            "Live fleet members beyond upstream.bulwarkReplicas (the newest Leases), whose demand does not count: a rollout, or Leases someone else wrote.",
         );
         let fleet_rate_flows = plain_gauge(
             "fleet_rate_flows",
@@ -558,6 +574,8 @@ impl Metrics {
             fleet_rate_flows,
             fleet_share,
             fleet_renewals_total,
+            fleet_leases_rejected_total,
+            fleet_uncounted_members,
             log_lines_dropped_total,
             responses_cut_total,
         }))

@@ -51,6 +51,9 @@ pub enum StartError {
     /// A worker thread's runtime.
     #[error("listen.workers: cannot build a worker's runtime: {0}")]
     Workers(#[source] std::io::Error),
+    /// The fleet's key file cannot be used.
+    #[error("fleet.keyFile: {0}")]
+    FleetKey(#[source] crate::fleet::lease::KeyError),
     /// The rule files are invalid.
     #[error("rules: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Rules(Vec<RuleProblem>),
@@ -161,32 +164,31 @@ impl Running {
             ),
             None => Admission::new(rules.current().levels(), upstream.clone(), metrics.clone()),
         };
-        let fleet = config
-            .fleet
-            .as_ref()
-            .zip(fleet_shares)
-            .map(|(cfg, shares)| {
-                let settings = fleet::Settings::from_config(cfg, config.upstream.bulwark_replicas);
+        let fleet = match config.fleet.as_ref().zip(fleet_shares) {
+            Some((cfg, shares)) => {
+                let settings = fleet::Settings::from_config(cfg, config.upstream.bulwark_replicas)
+                    .map_err(StartError::FleetKey)?;
                 let store = Arc::new(UpstreamLeases::new(
                     upstream.clone(),
                     own_token.clone(),
                     &cfg.namespace,
-                    &cfg.lease_prefix,
-                    &format!("{}{}", cfg.lease_prefix, settings.identity),
+                    &settings.lease_name(),
                     cfg.renew_interval,
                 ));
                 let local = ProxyLocal {
                     upstream: upstream.clone(),
                     admission: admission.clone(),
                 };
-                Fleet::spawn(
+                Some(Fleet::spawn(
                     settings,
                     Arc::new(store),
                     Arc::new(local),
                     shares,
                     metrics.clone(),
-                )
-            });
+                ))
+            }
+            None => None,
+        };
         let (fleet, fleet_task) = match fleet {
             Some((fleet, task)) => (Some(fleet), Some(task)),
             None => (None, None),

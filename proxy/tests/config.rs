@@ -400,9 +400,26 @@ fn the_fleet_is_off_by_default_and_its_section_is_checked_field_by_field() {
     assert_eq!(fleet.identity, None);
     assert_eq!(fleet.renew_interval, Duration::from_secs(2));
     assert_eq!(fleet.lease_duration, Duration::from_secs(10));
+    assert_eq!(
+        fleet.key_file, None,
+        "unauthenticated Leases unless a key is given"
+    );
+    assert!(!fleet.accept_unsigned);
+    let unsigned = problems(&minimal_with(
+        "fleet",
+        "{namespace: bulwark, acceptUnsigned: true}",
+    ));
+    assert_eq!(
+        unsigned
+            .iter()
+            .map(|p| p.field.as_str())
+            .collect::<Vec<_>>(),
+        ["fleet.acceptUnsigned"],
+        "{unsigned:?}"
+    );
     let found = problems(&minimal_with(
         "fleet",
-        "{namespace: Kube_System, leasePrefix: -x, identity: Node.A, renewInterval: 0s, leaseDuration: 1500ms}",
+        "{namespace: Kube_System, leasePrefix: -x, identity: Node.A, keyFile: '', renewInterval: 0s, leaseDuration: 1500ms}",
     ));
     let fields: Vec<&str> = found.iter().map(|p| p.field.as_str()).collect();
     assert_eq!(
@@ -411,6 +428,7 @@ fn the_fleet_is_off_by_default_and_its_section_is_checked_field_by_field() {
             "fleet.namespace",
             "fleet.leasePrefix",
             "fleet.identity",
+            "fleet.keyFile",
             "fleet.renewInterval",
             "fleet.leaseDuration",
         ],

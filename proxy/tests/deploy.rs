@@ -139,6 +139,74 @@ fn deploy_config() -> Config {
         .unwrap_or_else(|e| panic!("deploy/base/bulwark.yaml is not a valid configuration: {e}"))
 }
 
+/// `policy/`'s ValidatingAdmissionPolicy guards the Leases the base's fleet writes: its
+/// namespace, its prefix, and the ServiceAccount its DaemonSet runs as.
+#[test]
+fn the_fleet_lease_policy_admits_only_the_base_s_bulwark() {
+    let mut policy = Kustomized::default();
+    kustomize(&repo("deploy/policy"), &mut policy);
+    let mut base = Kustomized::default();
+    kustomize(&repo("deploy/base"), &mut base);
+    let fleet = deploy_config().fleet.expect("the base runs a fleet");
+    let namespace = base
+        .namespaces
+        .first()
+        .expect("the base's namespace")
+        .clone();
+    let sa = only(&base.objects, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"]
+        .as_str()
+        .expect("the DaemonSet names its ServiceAccount")
+        .to_string();
+    assert_eq!(
+        fleet.namespace, namespace,
+        "the fleet's Leases are in Bulwark's namespace"
+    );
+
+    let vap = object(
+        &policy.objects,
+        "ValidatingAdmissionPolicy",
+        "bulwark-fleet-leases",
+    );
+    let spec = &vap["spec"];
+    assert_eq!(spec["failurePolicy"], "Fail");
+    assert_eq!(
+        spec["matchConstraints"]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        fleet.namespace.as_str()
+    );
+    let rules = &spec["matchConstraints"]["resourceRules"][0];
+    assert_eq!(
+        rules["apiGroups"],
+        serde_json::json!(["coordination.k8s.io"])
+    );
+    assert_eq!(rules["resources"], serde_json::json!(["leases"]));
+    assert_eq!(
+        rules["operations"],
+        serde_json::json!(["CREATE", "UPDATE", "DELETE"])
+    );
+    let condition = spec["matchConditions"][0]["expression"].as_str().unwrap();
+    assert!(
+        condition.contains(&format!("startsWith(\"{}\")", fleet.lease_prefix)),
+        "{condition}"
+    );
+    let allowed = spec["validations"][0]["expression"].as_str().unwrap();
+    assert!(
+        allowed.contains(&format!(
+            "request.userInfo.username == \"system:serviceaccount:{namespace}:{sa}\""
+        )),
+        "{allowed}"
+    );
+    let binding = object(
+        &policy.objects,
+        "ValidatingAdmissionPolicyBinding",
+        "bulwark-fleet-leases",
+    );
+    assert_eq!(binding["spec"]["policyName"], "bulwark-fleet-leases");
+    assert_eq!(
+        binding["spec"]["validationActions"],
+        serde_json::json!(["Deny"])
+    );
+}
+
 /// The Dockerfile against the DaemonSet and the configuration: no Docker engine runs in CI,
 /// so what can be checked without building is checked here.
 #[test]

@@ -335,16 +335,17 @@ impl Flows {
     }
 
     /// The flows that asked for at least [`RATE_REPORT_FRACTION`] of their rule's rate
-    /// since the last call, with the rate they asked for in thousandths of a request per
-    /// second: at most [`MAX_RATE_FLOWS`], the busiest for their rule. What this Bulwark
-    /// tells its fleet, so that each flow's rate holds across all replicas.
-    pub(crate) fn take_rate_demand(&self, now: Instant) -> Vec<(String, u64)> {
+    /// since the last call, with the rate they asked for and their rule's rate, in
+    /// thousandths of a request per second: at most [`MAX_RATE_FLOWS`], the busiest for
+    /// their rule. What this Bulwark tells its fleet, so that each flow's rate holds across
+    /// all replicas (the rule bounds what any member's report of the flow counts for).
+    pub(crate) fn take_rate_demand(&self, now: Instant) -> Vec<(String, u64, u64)> {
         let since = {
             let mut read = self.rates_read.lock().unwrap_or_else(|p| p.into_inner());
             read.replace(now)
         };
         let elapsed = since.map_or(Duration::ZERO, |s| now.saturating_duration_since(s));
-        let mut asked: Vec<(f64, String, u64)> = Vec::new();
+        let mut asked: Vec<(f64, String, u64, u64)> = Vec::new();
         for shard in self.shards.iter() {
             let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
             for (key, flow) in shard.iter_mut() {
@@ -360,7 +361,13 @@ impl Flows {
                 // A bucket on a share reports whatever it sees, or a replica holding a
                 // floor below the threshold would never get more than the floor.
                 if of_rule >= RATE_REPORT_FRACTION || limit.rate != limit.rule {
-                    asked.push((of_rule, key.clone(), (per_second * 1000.0).round() as u64));
+                    let milli = |per_second: f64| (per_second * 1000.0).round() as u64;
+                    asked.push((
+                        of_rule,
+                        key.clone(),
+                        milli(per_second),
+                        milli(limit.rule.qps),
+                    ));
                 }
             }
         }
@@ -368,7 +375,7 @@ impl Flows {
         asked.truncate(MAX_RATE_FLOWS);
         asked
             .into_iter()
-            .map(|(_, key, milli)| (key, milli))
+            .map(|(_, key, milli, rule)| (key, milli, rule))
             .collect()
     }
 
@@ -613,7 +620,7 @@ mod tests {
         tokio::time::advance(secs(2)).await;
         assert_eq!(
             flows.take_rate_demand(Instant::now()),
-            vec![("r/busy".to_string(), 8000)]
+            vec![("r/busy".to_string(), 8000, 10_000)]
         );
         tokio::time::advance(secs(2)).await;
         assert!(
@@ -628,7 +635,11 @@ mod tests {
         tokio::time::advance(secs(1)).await;
         let heard = flows.take_rate_demand(Instant::now());
         assert_eq!(heard.len(), MAX_RATE_FLOWS);
-        assert_eq!(heard[0], ("r/170".to_string(), 18_000), "the busiest first");
-        assert!(heard.iter().all(|(_, milli)| *milli >= 1_000));
+        assert_eq!(
+            heard[0],
+            ("r/170".to_string(), 18_000, 10_000),
+            "the busiest first"
+        );
+        assert!(heard.iter().all(|(_, milli, _)| *milli >= 1_000));
     }
 }

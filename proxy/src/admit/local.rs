@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::Admission;
-use crate::fleet::share::{Bytes, Demand};
+use crate::fleet::share::{Bytes, Demand, RateAsked};
 use crate::fleet::{Local, Statics};
 use crate::upstream::Upstream;
 
@@ -47,10 +47,12 @@ impl Local for ProxyLocal {
                 .map(|r| (r.name, budget))
                 .collect(),
             seats: self.admission.configured_seats(),
+            // The fleet adds its flows' rules from the rate demand.
+            rates: BTreeMap::new(),
         }
     }
 
-    fn rate_demand(&self) -> BTreeMap<String, u64> {
+    fn rate_demand(&self) -> BTreeMap<String, RateAsked> {
         self.admission.rate_demand()
     }
 

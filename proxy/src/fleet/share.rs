@@ -58,6 +58,16 @@ impl Demand {
     }
 }
 
+/// What one flow asked of this replica over a renew period, in thousandths of a request
+/// per second.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateAsked {
+    /// The rate asked (refused requests too).
+    pub asked: u64,
+    /// Its rule's rate: the whole of the flow's rate across the fleet.
+    pub rule: u64,
+}
+
 /// One member as its Lease shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -67,6 +77,9 @@ pub struct Member {
     pub renewed: SystemTime,
     /// How long the renewal counts (`leaseDurationSeconds`).
     pub duration: Duration,
+    /// When its Lease was created (`creationTimestamp`: set by the apiserver, so no writer
+    /// chooses it); `None` before the apiserver has shown it.
+    pub created: Option<SystemTime>,
     /// What it asked for.
     pub demand: Demand,
 }
@@ -90,6 +103,79 @@ pub fn live(members: &[Member], now: SystemTime) -> Vec<&Member> {
         }
     }
     by_identity.into_values().collect()
+}
+
+/// The most rate entries one member's demand counts with: as many as a replica reports.
+pub const MAX_RATE_ENTRIES: usize = 128;
+
+/// The largest rate a member's demand counts for one flow, in thousandths of a request per
+/// second: a million requests per second, the most a rule allows.
+pub const MAX_RATE_DEMAND: u64 = 1_000_000_000;
+
+/// The members among `live` (by identity, as [`live`] gives them) whose demand counts: the
+/// first `replicas` by the age of their Lease (oldest first, then by identity; a Lease not
+/// yet shown with its creation time last). A fleet of `bulwarkReplicas` has no more
+/// members than that but in a rollout or with a Lease someone else wrote; the others keep
+/// a floor. Every member reads the same Leases, so all agree on these.
+pub fn counted(live: &[&Member], replicas: usize) -> Vec<bool> {
+    let mut order: Vec<usize> = (0..live.len()).collect();
+    order.sort_by(|&a, &b| {
+        let key = |m: &Member| (m.created.is_none(), m.created);
+        key(live[a])
+            .cmp(&key(live[b]))
+            .then_with(|| live[a].identity.cmp(&live[b].identity))
+    });
+    let mut counted = vec![false; live.len()];
+    for &i in order.iter().take(replicas) {
+        counted[i] = true;
+    }
+    counted
+}
+
+/// `demand` as the split reads it: each figure at most its budget's whole (`bytes` per
+/// apiserver replica, `seats` per level; budgets this replica does not know are dropped)
+/// and at most [`MAX_RATE_ENTRIES`] rates (the largest), each at most [`MAX_RATE_DEMAND`].
+/// No Lease can ask for more than there is, so one cannot take a share beyond what a
+/// member asking for everything would.
+pub fn clamped(
+    demand: &Demand,
+    bytes: &BTreeMap<String, u64>,
+    seats: &BTreeMap<String, u64>,
+) -> Demand {
+    let bytes = demand
+        .bytes
+        .iter()
+        .filter_map(|(r, b)| {
+            let whole = *bytes.get(r)?;
+            Some((
+                r.clone(),
+                Bytes {
+                    wanted: b.wanted.min(whole),
+                    in_flight: b.in_flight.min(whole),
+                },
+            ))
+        })
+        .collect();
+    let seats = demand
+        .seats
+        .iter()
+        .filter_map(|(l, &s)| Some((l.clone(), s.min(*seats.get(l)?))))
+        .collect();
+    let mut rates: Vec<(&String, u64)> = demand
+        .rates
+        .iter()
+        .map(|(f, &r)| (f, r.min(MAX_RATE_DEMAND)))
+        .collect();
+    if rates.len() > MAX_RATE_ENTRIES {
+        // The largest, ties by flow: the same entries on every member.
+        rates.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+        rates.truncate(MAX_RATE_ENTRIES);
+    }
+    Demand {
+        bytes,
+        seats,
+        rates: rates.into_iter().map(|(f, r)| (f.clone(), r)).collect(),
+    }
 }
 
 /// Splits `whole` among members by their `demands`: each gets [`FLOOR_PERCENT`] of an equal
@@ -125,22 +211,29 @@ pub const RATE_WHOLE: u64 = 1_000_000;
 
 /// Each flow's share of its rule's rate for member `me` (in millionths, [`RATE_WHOLE`]),
 /// for the flows another live member reports: split among the members that report it (and
-/// `me`, which may not yet) by the rate each saw asked. A flow no other member reports is
-/// not in the map: `me` may use all of its rule.
-pub fn rate_shares(me: &str, members: &[&Member]) -> BTreeMap<String, Held> {
+/// `me`, which may not yet) by the rate each saw asked, each at most the flow's rule where
+/// `me` knows it (`rules`, in thousandths of a request per second: no member can be given
+/// more than the whole rate, so a report of more counts as the whole). A flow no other
+/// member reports is not in the map: `me` may use all of its rule.
+pub fn rate_shares(
+    me: &str,
+    members: &[&Member],
+    rules: &BTreeMap<String, u64>,
+) -> BTreeMap<String, Held> {
     let Some(mine) = members.iter().find(|m| m.identity == me) else {
         return BTreeMap::new();
     };
     let mut flows: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    let at_most = |flow: &str, asked: u64| rules.get(flow).map_or(asked, |&rule| asked.min(rule));
     for other in members.iter().filter(|m| m.identity != me) {
         for (flow, &asked) in &other.demand.rates {
-            flows.entry(flow).or_default().push(asked);
+            flows.entry(flow).or_default().push(at_most(flow, asked));
         }
     }
     flows
         .into_iter()
         .map(|(flow, mut demands)| {
-            let asked = mine.demand.rates.get(flow).copied().unwrap_or(0);
+            let asked = at_most(flow, mine.demand.rates.get(flow).copied().unwrap_or(0));
             demands.push(asked);
             let shares = split(RATE_WHOLE, &demands);
             let held = Held {
@@ -253,6 +346,7 @@ mod tests {
             identity: identity.into(),
             renewed: at(renewed),
             duration: Duration::from_secs(10),
+            created: None,
             demand,
         }
     }
@@ -351,7 +445,7 @@ mod tests {
         let members = [&a, &b, &c];
         let shares: Vec<_> = ["a", "b", "c"]
             .iter()
-            .map(|me| rate_shares(me, &members))
+            .map(|me| rate_shares(me, &members, &BTreeMap::new()))
             .collect();
         // `f`: a floor of a thirtieth each, the rest 70/20/10.
         let f: Vec<u64> = shares.iter().map(|s| s["f"].share).collect();
@@ -388,5 +482,70 @@ mod tests {
             }
         );
         assert_eq!(first.seats["lists"], 300);
+    }
+
+    #[test]
+    fn only_the_oldest_leases_demand_counts_and_none_past_the_whole() {
+        let created = |id: &str, secs: Option<u64>| Member {
+            created: secs.map(at),
+            ..member(id, 100, 500)
+        };
+        // D is the oldest; C's creation not yet shown; A and B tie on age.
+        let members = [
+            created("a", Some(10)),
+            created("b", Some(10)),
+            created("c", None),
+            created("d", Some(5)),
+        ];
+        let live = live(&members, at(105));
+        assert_eq!(counted(&live, 3), vec![true, true, false, true]);
+        assert_eq!(counted(&live, 2), vec![true, false, false, true]);
+        assert_eq!(counted(&live, 9), vec![true; 4]);
+
+        let mut demand = member("a", 100, u64::MAX).demand;
+        demand.bytes.insert(
+            "unknown".into(),
+            Bytes {
+                wanted: 1,
+                in_flight: 1,
+            },
+        );
+        demand.rates = (0..200u64).map(|i| (format!("f{i:03}"), i)).collect();
+        demand.rates.insert("huge".into(), u64::MAX);
+        let wholes: BTreeMap<String, u64> = [("r0".to_string(), 300)].into();
+        let seats: BTreeMap<String, u64> = [("lists".to_string(), 30)].into();
+        let c = clamped(&demand, &wholes, &seats);
+        assert_eq!(
+            c.bytes,
+            [(
+                "r0".to_string(),
+                Bytes {
+                    wanted: 300,
+                    in_flight: 0
+                }
+            )]
+            .into()
+        );
+        assert_eq!(c.seats, [("lists".to_string(), 30)].into());
+        assert_eq!(c.rates.len(), MAX_RATE_ENTRIES);
+        assert_eq!(c.rates["huge"], MAX_RATE_DEMAND);
+        assert!(!c.rates.contains_key("f000"), "the smallest dropped");
+        assert!(c.rates.contains_key("f199"));
+    }
+
+    #[test]
+    fn a_flow_s_report_counts_for_no_more_than_its_rule() {
+        let with_rate = |id: &str, rate: u64| {
+            let mut m = member(id, 100, 0);
+            m.demand.rates.insert("f".into(), rate);
+            m
+        };
+        let (a, x) = (with_rate("a", 8_000), with_rate("x", u64::MAX / 2));
+        let members = [&a, &x];
+        let unbounded = rate_shares("a", &members, &BTreeMap::new());
+        assert_eq!(unbounded["f"].share, 50_000, "a floor only");
+        let rules: BTreeMap<String, u64> = [("f".to_string(), 10_000)].into();
+        let bounded = rate_shares("a", &members, &rules);
+        assert_eq!(bounded["f"].share, 50_000 + 900_000 * 8 / 18);
     }
 }

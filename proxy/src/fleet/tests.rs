@@ -1,23 +1,56 @@
 //! The fleet loop under paused time, over an in-memory Lease store: membership, expiry,
-//! the split by demand and the fallback to the static split.
+//! the split by demand, the fallback to the static split, and Leases someone else wrote.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::lease::LeaseError;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use super::lease::{LeaseError, lease_object};
 use super::share::Bytes;
 use super::*;
 use crate::admit::flows::Flows;
 use crate::rules::Rate;
 
-/// Every replica's Lease, shared like the apiservers' store; each replica reaches it
-/// through a [`Reach`] of its own.
+/// Every Lease of the namespace, shared like the apiservers' store; each replica reaches
+/// it through a [`Reach`] of its own.
 #[derive(Default)]
 struct Memory {
-    leases: Mutex<BTreeMap<String, Member>>,
+    /// By name, as the apiserver keeps them.
+    leases: Mutex<BTreeMap<String, Lease>>,
     writes: std::sync::atomic::AtomicU64,
     lists: std::sync::atomic::AtomicU64,
     /// The moment every replica's wall clock counts from: they agree on the time.
     origin: std::sync::OnceLock<Instant>,
+}
+
+/// The wall clock every replica reads: it follows tokio's paused clock from the first
+/// replica's start.
+const BASE_SECS: u64 = 1_800_000_000;
+
+impl Memory {
+    fn now(&self) -> SystemTime {
+        let start = *self.origin.get_or_init(Instant::now);
+        SystemTime::UNIX_EPOCH + Duration::from_secs(BASE_SECS) + start.elapsed()
+    }
+
+    /// Creates or replaces a Lease as the apiserver does: the creation time is the
+    /// server's, kept across updates, whatever the writer sent.
+    fn put(&self, lease: &Lease) {
+        let mut lease = lease.clone();
+        let name = lease.metadata.name.clone().unwrap_or_default();
+        let mut leases = self.leases.lock().unwrap();
+        let created = leases
+            .get(&name)
+            .and_then(|old| old.metadata.creation_timestamp.clone())
+            .unwrap_or_else(|| {
+                let secs = self.now().duration_since(SystemTime::UNIX_EPOCH).unwrap();
+                Time(Timestamp::from_second(secs.as_secs() as i64).unwrap())
+            });
+        lease.metadata.creation_timestamp = Some(created);
+        leases.insert(name, lease);
+    }
 }
 
 /// One replica's way to the store, which a test can cut.
@@ -27,7 +60,7 @@ struct Reach {
 }
 
 impl LeaseStore for Arc<Reach> {
-    fn write(&self, member: &Member) -> crate::BoxFuture<(), LeaseError> {
+    fn write(&self, member: &Lease) -> crate::BoxFuture<(), LeaseError> {
         let this = self.clone();
         let member = member.clone();
         Box::pin(async move {
@@ -35,13 +68,12 @@ impl LeaseStore for Arc<Reach> {
                 return Err(LeaseError::Unreachable);
             }
             this.memory.writes.fetch_add(1, Ordering::SeqCst);
-            let mut leases = this.memory.leases.lock().unwrap();
-            leases.insert(member.identity.clone(), member);
+            this.memory.put(&member);
             Ok(())
         })
     }
 
-    fn list(&self) -> crate::BoxFuture<Vec<Member>, LeaseError> {
+    fn list(&self) -> crate::BoxFuture<Vec<Lease>, LeaseError> {
         let this = self.clone();
         Box::pin(async move {
             if this.down.load(Ordering::SeqCst) {
@@ -103,13 +135,15 @@ impl Local for Wants {
         Statics {
             list_bytes: [("r0".to_string(), 100)].into(),
             seats: [("lists".to_string(), 10)].into(),
+            rates: BTreeMap::new(),
         }
     }
 
-    fn rate_demand(&self) -> BTreeMap<String, u64> {
+    fn rate_demand(&self) -> BTreeMap<String, share::RateAsked> {
         self.flows
             .take_rate_demand(Instant::now())
             .into_iter()
+            .map(|(flow, asked, rule)| (flow, share::RateAsked { asked, rule }))
             .collect()
     }
 }
@@ -143,15 +177,23 @@ const RULE: Rate = Rate {
 
 impl Replica {
     fn start(identity: &str, memory: &Arc<Memory>) -> Replica {
-        // Wall time that follows tokio's paused clock.
-        let base = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
-        let start = *memory.origin.get_or_init(Instant::now);
+        Replica::start_with(identity, memory, None)
+    }
+
+    /// A replica whose fleet signs and checks its Leases with `keys`.
+    fn start_with(identity: &str, memory: &Arc<Memory>, keys: Option<Keys>) -> Replica {
+        let clock = memory.clone();
+        memory.now();
         let settings = Settings {
             identity: identity.into(),
+            namespace: "bulwark".into(),
+            prefix: "bulwark-".into(),
+            keys: keys.map(|k| Arc::new(KeyFile::fixed(k))),
+            accept_unsigned: false,
             renew_interval: RENEW,
             lease_duration: LEASE,
             bulwark_replicas: 3,
-            clock: Arc::new(move || base + start.elapsed()),
+            clock: Arc::new(move || clock.now()),
         };
         let reach = Arc::new(Reach {
             memory: memory.clone(),
@@ -299,7 +341,7 @@ async fn a_replica_alone_gets_the_whole_and_members_split_by_demand_above_a_floo
     assert_eq!(a.seats(), Some(30));
     assert_eq!(a.metrics.fleet_members.get(), 1);
 
-    a.wants.bytes.store(1000, Ordering::SeqCst);
+    a.wants.bytes.store(100, Ordering::SeqCst);
     a.wants.seats.store(12, Ordering::SeqCst);
     let b = Replica::start("b", &memory);
     // B sees A at once; A sees B at its next renewal, within a renew period.
@@ -333,7 +375,7 @@ async fn a_replica_alone_gets_the_whole_and_members_split_by_demand_above_a_floo
     );
 
     // B's demand grows to three times A's: the split follows within a renew period.
-    b.wants.bytes.store(3000, Ordering::SeqCst);
+    b.wants.bytes.store(300, Ordering::SeqCst);
     tokio::time::sleep(RENEW * 2).await;
     let (sa, sb) = (a.bytes().unwrap(), b.bytes().unwrap());
     assert_eq!((sa, sb), (15 + 67, 15 + 202));
@@ -350,9 +392,10 @@ async fn demand_rising_on_every_replica_at_once_never_shares_out_more_than_the_w
     tokio::time::sleep(RENEW * 2).await;
     let total = |replicas: &[Replica]| replicas.iter().map(|r| r.bytes().unwrap()).sum::<u64>();
     assert_eq!(total(&replicas), 300, "idle: equal thirds");
-    for (r, wants) in replicas.iter().zip([5000u64, 3000, 1000]) {
+    // Each below the whole: a demand past it counts as the whole.
+    for (r, wants) in replicas.iter().zip([250u64, 150, 50]) {
         r.wants.bytes.store(wants, Ordering::SeqCst);
-        r.wants.seats.store(wants / 100, Ordering::SeqCst);
+        r.wants.seats.store(wants / 10, Ordering::SeqCst);
     }
     // Every sample of every round while the demand spreads through the Leases.
     for _ in 0..40 {
@@ -537,11 +580,13 @@ fn an_expired_lease_is_no_member_and_a_member_absent_from_the_split_has_no_share
         identity: id.into(),
         renewed: now - Duration::from_secs(ago),
         duration: LEASE,
+        created: None,
         demand: Demand::default(),
     };
     let statics = Statics {
         list_bytes: [("r0".to_string(), 100)].into(),
         seats: BTreeMap::new(),
+        rates: BTreeMap::new(),
     };
     let shares = split("a", &[lease("a", 0), lease("b", 10)], now, &statics, 3);
     assert_eq!(shares.standing, Standing::Alone);
@@ -549,4 +594,508 @@ fn an_expired_lease_is_no_member_and_a_member_absent_from_the_split_has_no_share
     let shares = split("a", &[lease("a", 0), lease("b", 9)], now, &statics, 3);
     assert_eq!(shares.standing, Standing::Shared);
     assert_eq!(shares.list_bytes["r0"].share, 150);
+}
+
+/// A Lease someone other than the fleet wrote: named `name`, held by `holder`, renewed
+/// `ahead` of now, counting for `duration`, asking for `demand`, signed with `keys`.
+struct Forged {
+    name: &'static str,
+    holder: &'static str,
+    ahead: Duration,
+    duration: Duration,
+    demand: Demand,
+    keys: Option<Keys>,
+}
+
+/// Far more than any budget: what a forger asks for.
+const HUGE: u64 = u64::MAX / 4;
+
+/// A demand of [`HUGE`] bytes and seats, and of `rates`.
+fn huge(rates: &[(&str, u64)]) -> Demand {
+    let mut demand = Demand::default();
+    demand.bytes.insert(
+        "r0".into(),
+        Bytes {
+            wanted: HUGE,
+            in_flight: 0,
+        },
+    );
+    demand.seats.insert("lists".into(), HUGE);
+    demand.rates = rates.iter().map(|(f, r)| (f.to_string(), *r)).collect();
+    demand
+}
+
+impl Forged {
+    /// Writes it now, as its writer would on every one of its renewals.
+    fn write(&self, memory: &Memory) {
+        let member = Member {
+            identity: self.holder.into(),
+            renewed: memory.now() + self.ahead,
+            duration: self.duration,
+            created: None,
+            demand: self.demand.clone(),
+        };
+        memory.put(&lease_object(
+            self.name,
+            "bulwark",
+            &member,
+            None,
+            self.keys.as_ref(),
+        ));
+    }
+
+    /// Written now and again every renew period for as long as the test runs.
+    fn keep_writing(self, memory: &Arc<Memory>) -> JoinHandle<()> {
+        let memory = memory.clone();
+        tokio::spawn(async move {
+            loop {
+                self.write(&memory);
+                tokio::time::sleep(RENEW).await;
+            }
+        })
+    }
+}
+
+/// What each of `replicas` holds now: its bytes and seats, and their sums as a multiple of
+/// the whole (300 bytes, 30 seats). Printed for the record.
+fn held(what: &str, replicas: &[Replica]) -> (Vec<u64>, Vec<u32>, f64, f64) {
+    let bytes: Vec<u64> = replicas.iter().map(|r| r.bytes().unwrap()).collect();
+    let seats: Vec<u32> = replicas.iter().map(|r| r.seats().unwrap()).collect();
+    let bytes_sum = bytes.iter().sum::<u64>() as f64 / 300.0;
+    let seats_sum = f64::from(seats.iter().sum::<u32>()) / 30.0;
+    eprintln!(
+        "{what}: bytes {bytes:?} (sum {bytes_sum:.2}x the whole), seats {seats:?} (sum {seats_sum:.2}x)"
+    );
+    (bytes, seats, bytes_sum, seats_sum)
+}
+
+/// Replicas `a`, `b` and `c`, each asking for 200 bytes and 12 seats (together twice the
+/// whole), signing with `keys`, after three renew periods.
+async fn busy_three(memory: &Arc<Memory>, keys: Option<Keys>) -> Vec<Replica> {
+    let replicas: Vec<Replica> = ["a", "b", "c"]
+        .iter()
+        .map(|id| Replica::start_with(id, memory, keys.clone()))
+        .collect();
+    for r in &replicas {
+        r.wants.bytes.store(200, Ordering::SeqCst);
+        r.wants.seats.store(12, Ordering::SeqCst);
+    }
+    tokio::time::sleep(RENEW * 3).await;
+    replicas
+}
+
+fn rejected(r: &Replica, reason: &str) -> u64 {
+    r.metrics
+        .fleet_leases_rejected_total
+        .with_label_values(&[reason])
+        .get()
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_lease_renewed_a_year_ahead_with_a_huge_demand_cuts_no_member() {
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    let year = Duration::from_secs(365 * 24 * 3600);
+    Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: year,
+        duration: LEASE,
+        demand: huge(&[]),
+        keys: None,
+    }
+    .write(&memory);
+    tokio::time::sleep(RENEW * 3).await;
+    let (bytes, seats, ..) = held("renewed a year ahead", &replicas);
+    assert_eq!(
+        bytes,
+        vec![100; 3],
+        "equal demand: equal thirds, as if unwritten"
+    );
+    assert_eq!(seats, vec![10; 3]);
+    for r in &replicas {
+        assert_eq!(r.fleet.shares().current().members, ["a", "b", "c"]);
+        assert!(rejected(r, "future") >= 1);
+    }
+    let debug = replicas[0].fleet.debug_json();
+    assert_eq!(
+        debug["rejected"],
+        json!([{ "name": "bulwark-x", "reason": "future" }]),
+        "{debug}"
+    );
+    assert_eq!(debug["authenticated"], false);
+
+    // Counting for a year from now instead: too long a duration.
+    Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: year,
+        demand: huge(&[]),
+        keys: None,
+    }
+    .write(&memory);
+    tokio::time::sleep(RENEW * 2).await;
+    let (bytes, seats, ..) = held("counting for a year", &replicas);
+    assert_eq!((bytes, seats), (vec![100; 3], vec![10; 3]));
+    assert!(rejected(&replicas[1], "duration") >= 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_well_formed_lease_with_a_huge_demand_takes_no_more_than_a_floor() {
+    // Shaped as a member's in every way, renewed as often: without a key nothing tells it
+    // from one. But a fleet of `bulwarkReplicas` members counts only the demand of the
+    // oldest Leases, and no demand counts past the whole.
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: LEASE,
+        demand: huge(&[]),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    tokio::time::sleep(RENEW * 3).await;
+    let (bytes, seats, bytes_sum, seats_sum) = held("a fourth, well-formed Lease", &replicas);
+    // Four members: a floor of 10% of a quarter (7 bytes, 1 seat) each, the rest to the
+    // three whose demand counts.
+    assert_eq!(bytes, vec![7 + 90; 3]);
+    assert_eq!(seats, vec![1 + 8; 3]);
+    assert!(bytes_sum <= 1.0 && seats_sum <= 1.0);
+    for r in &replicas {
+        assert_eq!(r.fleet.shares().current().uncounted, ["x"]);
+        assert_eq!(r.metrics.fleet_uncounted_members.get(), 1);
+    }
+    forger.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_forged_rate_entry_throttles_no_flow() {
+    let memory = Arc::new(Memory::default());
+    let replicas = three(&memory);
+    // An operator's flow `f`, 8 requests a second on A, under a rule of 10.
+    let offered = [8.0, 0.0, 0.0];
+    let minute = Duration::from_secs(60);
+    let refused = |ok: u64| 1.0 - ok as f64 / (8.0 * 60.0);
+    let ok = admitted(&replicas, &offered, RULE, RENEW * 3, minute).await;
+    eprintln!("no forged Lease: {:.0}% refused", refused(ok) * 100.0);
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: LEASE,
+        demand: huge(&[("f", HUGE)]),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    let ok = admitted(&replicas, &offered, RULE, RENEW * 3, minute).await;
+    eprintln!(
+        "a forged rate entry for f: {:.0}% refused, A's share of f {:?}",
+        refused(ok) * 100.0,
+        replicas[0].fleet.shares().rate_share("f")
+    );
+    assert!(refused(ok) < 0.02, "{:.1}% refused", refused(ok) * 100.0);
+    assert_eq!(replicas[0].fleet.shares().rate_share("f"), None);
+    forger.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_lease_naming_a_real_member_as_holder_never_shares_out_more_than_the_whole() {
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    // Idle A, for B and C; renewed ahead of A's own renewals so that it wins.
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "a",
+        ahead: Duration::from_secs(1),
+        duration: LEASE,
+        demand: Demand::default(),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    for _ in 0..16 {
+        tokio::time::sleep(RENEW / 2).await;
+        let (_, _, bytes_sum, seats_sum) = held("a Lease held by A, named otherwise", &replicas);
+        assert!(bytes_sum <= 1.0, "{bytes_sum:.2}x the bytes");
+        assert!(seats_sum <= 1.0, "{seats_sum:.2}x the seats");
+    }
+    let (bytes, seats, ..) = held("a Lease held by A, named otherwise", &replicas);
+    assert_eq!((bytes, seats), (vec![100; 3], vec![10; 3]));
+    assert!(rejected(&replicas[2], "name") >= 1);
+    forger.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_a_key_only_the_fleet_s_own_leases_count() {
+    let memory = Arc::new(Memory::default());
+    let key = Keys::parse(b"the fleet's key: 32 bytes or more").unwrap();
+    let replicas = busy_three(&memory, Some(key.clone())).await;
+    let (bytes, seats, ..) = held("signed", &replicas);
+    assert_eq!((bytes, seats), (vec![100; 3], vec![10; 3]));
+    // Well-formed, renewed on time, and signed with another key; or overwriting A's own
+    // Lease; or a fourth replica without the key.
+    let other = Keys::parse(b"not the fleet's key, as long as it").unwrap();
+    let forgers = [
+        Forged {
+            name: "bulwark-x",
+            holder: "x",
+            ahead: Duration::ZERO,
+            duration: LEASE,
+            demand: huge(&[("f", HUGE)]),
+            keys: Some(other),
+        },
+        Forged {
+            name: "bulwark-a",
+            holder: "a",
+            ahead: Duration::from_secs(1),
+            duration: LEASE,
+            demand: Demand::default(),
+            keys: None,
+        },
+    ]
+    .map(|f| f.keep_writing(&memory));
+    let unkeyed = Replica::start("d", &memory);
+    for _ in 0..8 {
+        tokio::time::sleep(RENEW / 2).await;
+        let (_, _, bytes_sum, seats_sum) = held("with unsigned Leases", &replicas);
+        assert!(bytes_sum <= 1.0 && seats_sum <= 1.0);
+    }
+    for r in &replicas {
+        let members = r.fleet.shares().current().members.clone();
+        assert!(members.iter().all(|m| m != "x" && m != "d"), "{members:?}");
+        assert!(rejected(r, "signature") >= 1);
+        assert_eq!(r.fleet.shares().rate_share("f"), None);
+    }
+    // B and C: A's own Lease, overwritten, no longer counts, so they split without it
+    // until A renews.
+    let debug = replicas[1].fleet.debug_json();
+    assert_eq!(debug["authenticated"], true);
+    let names: Vec<&str> = debug["rejected"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    assert!(
+        names.contains(&"bulwark-x") && names.contains(&"bulwark-d"),
+        "{debug}"
+    );
+    for f in forgers {
+        f.abort();
+    }
+    unkeyed.task.abort();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_rollout_past_bulwark_replicas_keeps_the_newest_member_on_a_floor() {
+    // A fourth replica surging in a rollout: its Lease is the newest, so its demand waits
+    // until an old one's Lease runs out; the shares never add up past the whole.
+    let memory = Arc::new(Memory::default());
+    let replicas = busy_three(&memory, None).await;
+    let d = Replica::start("d", &memory);
+    d.wants.bytes.store(200, Ordering::SeqCst);
+    d.wants.seats.store(12, Ordering::SeqCst);
+    tokio::time::sleep(RENEW * 3).await;
+    assert_eq!(d.fleet.shares().current().uncounted, ["d"]);
+    assert_eq!(d.bytes(), Some(7), "a floor: 10% of a quarter");
+    let all: Vec<Replica> = replicas.into_iter().chain([d]).collect();
+    let (_, _, bytes_sum, seats_sum) = held("a fourth replica", &all);
+    assert!(bytes_sum <= 1.0 && seats_sum <= 1.0);
+    // A stops: D's demand counts once A's Lease runs out.
+    all[0].task.abort();
+    tokio::time::sleep(LEASE + RENEW * 2).await;
+    assert!(all[3].fleet.shares().current().uncounted.is_empty());
+    assert_eq!(all[3].bytes(), Some(100));
+    assert_eq!(all[3].metrics.fleet_uncounted_members.get(), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_a_key_a_forged_lease_in_a_fleet_short_of_replicas_counts_as_one_member_more() {
+    // What the shape checks cannot stop: two replicas of three running, and a third Lease
+    // shaped as a member's. Its demand counts, but for no more than the whole: it takes
+    // what a member asking for everything would, and no flow's rule more than once.
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<Replica> = ["a", "b"]
+        .iter()
+        .map(|id| Replica::start(id, &memory))
+        .collect();
+    for r in &replicas {
+        r.wants.bytes.store(200, Ordering::SeqCst);
+        r.wants.seats.store(12, Ordering::SeqCst);
+    }
+    let offered = [8.0, 0.0];
+    let minute = Duration::from_secs(60);
+    let refused = |ok: u64| 1.0 - ok as f64 / (8.0 * 60.0);
+    let forger = Forged {
+        name: "bulwark-x",
+        holder: "x",
+        ahead: Duration::ZERO,
+        duration: LEASE,
+        demand: huge(&[("f", HUGE)]),
+        keys: None,
+    }
+    .keep_writing(&memory);
+    let ok = admitted(&replicas, &offered, RULE, RENEW * 3, minute).await;
+    let (bytes, seats, ..) = held("two of three, and a forged Lease", &replicas);
+    // A floor of 10 bytes and 1 seat each; the rest by demand, the forger's at the whole
+    // (300 bytes, 30 seats): 270 × 200 / 700 and 27 × 12 / 54.
+    assert_eq!(bytes, vec![10 + 77; 2]);
+    assert_eq!(seats, vec![1 + 6; 2]);
+    let share = replicas[0].fleet.shares().rate_share("f").unwrap();
+    eprintln!(
+        "a forged rate entry for f, two of three: {:.0}% refused, A's share of f {share:.2}",
+        refused(ok) * 100.0
+    );
+    // f's rule is 10 a second: the forger's report counts as 10, against A's 8.
+    assert!((share - 0.45).abs() < 0.01, "{share}");
+    forger.abort();
+}
+
+#[test]
+fn a_key_file_that_cannot_be_used_stops_the_start_and_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |key_file: &Path| crate::config::Fleet {
+        namespace: "bulwark".into(),
+        lease_prefix: "bulwark-".into(),
+        identity: Some("node-a".into()),
+        renew_interval: RENEW,
+        lease_duration: LEASE,
+        key_file: Some(key_file.to_path_buf()),
+        accept_unsigned: false,
+    };
+    let missing = dir.path().join("missing");
+    let error = Settings::from_config(&config(&missing), 3).err().unwrap();
+    assert!(
+        error
+            .to_string()
+            .starts_with(&missing.display().to_string()),
+        "{error}"
+    );
+    let short = dir.path().join("short");
+    std::fs::write(&short, "a key too short\n").unwrap();
+    let error = Settings::from_config(&config(&short), 3).err().unwrap();
+    assert_eq!(error.to_string(), "key on line 1 is 15 bytes: at least 32");
+    let good = dir.path().join("good");
+    std::fs::write(&good, "0123456789abcdef0123456789abcdef0123\n").unwrap();
+    let settings = Settings::from_config(&config(&good), 3).unwrap();
+    assert!(settings.keys.is_some());
+    assert_eq!(settings.lease_name(), "bulwark-node-a");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_key_is_rotated_without_a_restart_by_listing_it_second_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old, new) = ("o".repeat(40), "n".repeat(40));
+    let files = [dir.path().join("a"), dir.path().join("b")];
+    let write = |file: &Path, keys: &[&str]| std::fs::write(file, keys.join("\n")).unwrap();
+    for file in &files {
+        write(file, &[&old]);
+    }
+    let memory = Arc::new(Memory::default());
+    let replicas: Vec<Replica> = ["a", "b"]
+        .iter()
+        .zip(&files)
+        .map(|(id, file)| {
+            let replica = Replica::start_with(id, &memory, None);
+            replica.task.abort();
+            let mut settings = replica.fleet.settings.clone();
+            settings.keys = Some(Arc::new(KeyFile::open(file).unwrap()));
+            let (fleet, task) = Fleet::spawn(
+                settings,
+                Arc::new(replica.reach.clone()),
+                replica.wants.clone(),
+                FleetShares::new(),
+                replica.metrics.clone(),
+            );
+            Replica {
+                fleet,
+                task,
+                ..replica
+            }
+        })
+        .collect();
+    let both_count_both = |replicas: &[Replica], when: &str| {
+        for r in replicas {
+            assert_eq!(
+                r.fleet.shares().current().members,
+                ["a", "b"],
+                "{when}: {}",
+                r.fleet.debug_json()
+            );
+            assert_eq!(rejected(r, "signature"), 0, "{when}");
+        }
+    };
+    tokio::time::sleep(RENEW * 2).await;
+    both_count_both(&replicas, "one key");
+    // The new key second everywhere, then first on A only (B's copy not updated yet),
+    // then first on B, then alone.
+    for (file, keys) in [
+        (&files[0], vec![old.as_str(), new.as_str()]),
+        (&files[1], vec![old.as_str(), new.as_str()]),
+        (&files[0], vec![new.as_str(), old.as_str()]),
+        (&files[1], vec![new.as_str(), old.as_str()]),
+        (&files[0], vec![new.as_str()]),
+        (&files[1], vec![new.as_str()]),
+    ] {
+        write(file, &keys);
+        tokio::time::sleep(RENEW * 2).await;
+        both_count_both(
+            &replicas,
+            &format!("{} holds {}", file.display(), keys.len()),
+        );
+    }
+    // The new key first on A while B knows only the old one: B rejects A's Lease.
+    write(&files[0], &[&old]);
+    tokio::time::sleep(RENEW * 2).await;
+    assert!(rejected(&replicas[1], "signature") >= 1);
+    assert_eq!(replicas[1].fleet.shares().current().members, ["b"]);
+    // An unreadable file keeps the keys read before.
+    std::fs::remove_file(&files[1]).unwrap();
+    write(&files[0], &[&new]);
+    tokio::time::sleep(RENEW * 2).await;
+    assert_eq!(replicas[1].fleet.shares().current().members, ["a", "b"]);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_key_is_turned_on_replica_by_replica_without_a_share_past_the_whole() {
+    // A DaemonSet rolls a new configuration one node at a time. A replica that requires
+    // the key at once rejects the Leases of those not yet rolled and takes their shares; one
+    // that also accepts unsigned Leases does not.
+    let key = Keys::parse(b"the fleet's key: 32 bytes or more").unwrap();
+    for (accept_unsigned, past_the_whole) in [(false, true), (true, false)] {
+        let memory = Arc::new(Memory::default());
+        let rolled = Replica::start_with("a", &memory, Some(key.clone()));
+        rolled.task.abort();
+        let mut settings = rolled.fleet.settings.clone();
+        settings.accept_unsigned = accept_unsigned;
+        let (fleet, task) = Fleet::spawn(
+            settings,
+            Arc::new(rolled.reach.clone()),
+            rolled.wants.clone(),
+            FleetShares::new(),
+            rolled.metrics.clone(),
+        );
+        let rolled = Replica {
+            fleet,
+            task,
+            ..rolled
+        };
+        let not_yet: Vec<Replica> = ["b", "c"]
+            .iter()
+            .map(|id| Replica::start(id, &memory))
+            .collect();
+        let all: Vec<Replica> = [rolled].into_iter().chain(not_yet).collect();
+        for r in &all {
+            r.wants.bytes.store(200, Ordering::SeqCst);
+            r.wants.seats.store(12, Ordering::SeqCst);
+        }
+        tokio::time::sleep(RENEW * 3).await;
+        let (_, _, bytes_sum, _) = held(
+            &format!("one of three with the key, acceptUnsigned {accept_unsigned}"),
+            &all,
+        );
+        assert_eq!(bytes_sum > 1.0, past_the_whole, "{bytes_sum:.2}x");
+    }
 }

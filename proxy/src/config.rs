@@ -266,8 +266,8 @@ pub struct ListenLimits {
     /// within this time after it was accepted is closed: a client that only collects 401s
     /// holds no connection. Requests on the anonymous allowlist do not count. A connection
     /// whose token is still being reviewed, or could not be reviewed through no fault of its
-    /// own (the review failed, or Bulwark's budget of reviews for everyone was spent), gets
-    /// up to two more periods.
+    /// own (the review failed, or Bulwark's reviews in flight stayed at their bound), gets
+    /// up to two more periods; one refused by a review bucket gets none.
     #[serde(with = "humantime_serde")]
     pub unauthenticated_timeout: Duration,
     /// A connection whose requests are refused this many times in a row for their

@@ -117,7 +117,7 @@ impl ConnAuth {
     }
 
     /// A request could not be identified through no fault of the client's: the review
-    /// failed, or Bulwark's own review budget (all clients', in flight) said not now.
+    /// failed, or Bulwark's reviews in flight stayed at their bound.
     pub fn excused(&self) {
         self.excused.store(true, Ordering::Relaxed);
     }

@@ -58,14 +58,16 @@ impl<B: Send + 'static> Stage<B> for Identify {
 
 /// Tells the connection whether its client authenticates, so that one that never does (or
 /// keeps failing) is closed. A review that could not be made (it failed, or Bulwark's own
-/// budget of reviews for everyone said not now) is not the client's fault, and an anonymous
-/// request on the allowlist (a balancer's `/readyz`) proves nothing either way.
+/// reviews in flight stayed at their bound) is not the client's fault, and an anonymous
+/// request on the allowlist (a balancer's `/readyz`) proves nothing either way. A review
+/// refused by a bucket is not excused: the client's own prefix may be the flood that emptied
+/// it, and a flooding prefix must not buy its connections more time.
 fn tell_connection(conn: &ConnInfo, identity: &Result<Identity, IdentityError>) {
     match identity {
         Ok(Identity::User { .. }) => conn.auth.accepted(),
         Ok(Identity::Anonymous) => {}
         Err(IdentityError::ReviewFailed(_)) => conn.auth.excused(),
-        Err(IdentityError::ReviewLimited(limited)) if limited.bound != Bound::Source => {
+        Err(IdentityError::ReviewLimited(limited)) if limited.bound == Bound::InFlight => {
             conn.auth.excused()
         }
         Err(_) => conn.auth.refused(),

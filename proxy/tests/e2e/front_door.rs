@@ -413,3 +413,64 @@ async fn a_client_whose_token_review_is_slow_keeps_its_connection() {
         0.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_that_empties_the_review_bucket_buys_its_connection_no_time() {
+    // One review a second for everyone: a client that sends a new token every 100 ms is
+    // refused review_limited by the bucket it empties itself. That is its own doing, not
+    // Bulwark's: its connection is closed at the unauthenticated timeout like any other
+    // that never authenticates, not given the extra periods a failed review earns.
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        settings: vec![
+            ("listen.limits.unauthenticatedTimeout", "1s"),
+            ("listen.limits.maxUnauthenticatedRequests", "1000"),
+            ("identity.tokenReview.rate", "{qps: 1, burst: 1}"),
+        ],
+        ..Setup::default()
+    })
+    .await
+    .ready()
+    .await;
+    let mut flooder = anonymous_from(&cluster, [127, 0, 0, 31]).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut limited = 0;
+    let lived = loop {
+        let token = format!("flood-{}", started.elapsed().as_nanos());
+        match flooder
+            .try_send(bulwark_testkit::with_token(
+                bulwark_testkit::get("/api/v1/pods"),
+                &token,
+            ))
+            .await
+        {
+            Ok(answer) => {
+                if answer.status == 429 {
+                    assert_eq!(answer.headers["x-bulwark-reason"], "review_limited");
+                    limited += 1;
+                }
+            }
+            Err(_) => break started.elapsed(),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the flooding connection is still open"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        limited > 3,
+        "the flood was refused by the bucket: {limited}"
+    );
+    assert!(
+        lived < Duration::from_millis(2_500),
+        "closed at its timeout and last second, not given more periods: lived {lived:?}"
+    );
+    assert_eq!(
+        metric(
+            &cluster,
+            r#"bulwark_connections_closed_total{reason="unauthenticated_timeout"}"#
+        ),
+        1.0
+    );
+}

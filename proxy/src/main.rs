@@ -202,8 +202,8 @@ fn init_logging(format: LogFormat) {
     use std::io::IsTerminal;
     use tracing_subscriber::prelude::*;
     let directives = std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into());
-    let filter = tracing_subscriber::EnvFilter::try_new(&directives).unwrap_or_else(|e| {
-        eprintln!("bulwark: RUST_LOG={directives:?} is not a filter ({e}); logging at info");
+    let filter = bulwark::logs::parse_filter(&directives).unwrap_or_else(|e| {
+        eprintln!("bulwark: RUST_LOG: {e}; logging at info");
         tracing_subscriber::EnvFilter::new("info")
     });
     let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
@@ -220,8 +220,7 @@ fn init_logging(format: LogFormat) {
     bulwark::logs::install_level_control(
         directives,
         Box::new(move |directives: &str| {
-            let filter = tracing_subscriber::EnvFilter::try_new(directives)
-                .map_err(|e| format!("{directives:?} is not a log filter: {e}"))?;
+            let filter = bulwark::logs::parse_filter(directives)?;
             handle
                 .reload(filter)
                 .map_err(|e| format!("the log filter could not be changed: {e}"))

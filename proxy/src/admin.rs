@@ -6,6 +6,8 @@
 //! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
 //! when the listener is not bound to a loopback address.
 
+mod scrapers;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +29,8 @@ use crate::report::Chain;
 use crate::rules::Rules;
 use crate::upstream::Upstream;
 use crate::{Body, full};
+
+pub use scrapers::{Limited, Scrapers};
 
 /// What the admin endpoints read.
 pub struct State {
@@ -137,6 +141,8 @@ pub struct MetricsAuth {
     pub upstream: Upstream,
     /// Bulwark's own identity for it.
     pub own_token: Option<Arc<crate::identity::forward::OwnToken>>,
+    /// Decisions remembered per user, and scrapes bounded per source and per user.
+    pub scrapers: Scrapers,
 }
 
 /// How long a TLS handshake on the admin listener may take.
@@ -216,6 +222,9 @@ async fn metrics_allowed(
 ) -> Result<(), Response<Body>> {
     use crate::cache::authz::{Decision, review_non_resource};
     let refuse = |status, why: String| text(status, "text/plain", format!("{why}\n"));
+    auth.scrapers
+        .allow_source(peer.ip())
+        .map_err(|limited| too_many(limited, peer))?;
     let token = match crate::identity::bearer_token(request.headers()) {
         Ok(Some(token)) => token,
         Ok(None) | Err(_) => {
@@ -232,6 +241,19 @@ async fn metrics_allowed(
             return Err(refuse(StatusCode::UNAUTHORIZED, "Unauthorized".into()));
         }
     };
+    auth.scrapers
+        .allow_user(&user)
+        .map_err(|limited| too_many(limited, peer))?;
+    let denied = |why: String| {
+        tracing::info!(%peer, user = user.username, why, "a /metrics caller was refused");
+        refuse(
+            StatusCode::FORBIDDEN,
+            format!("{} may not get /metrics", user.username),
+        )
+    };
+    if let Some(decision) = auth.scrapers.remembered(&user) {
+        return decision.map_err(denied);
+    }
     match review_non_resource(
         &auth.upstream,
         auth.own_token.as_deref(),
@@ -241,13 +263,13 @@ async fn metrics_allowed(
     )
     .await
     {
-        Ok(Decision::Allowed) => Ok(()),
+        Ok(Decision::Allowed) => {
+            auth.scrapers.remember(&user, Ok(()));
+            Ok(())
+        }
         Ok(Decision::Denied(why)) => {
-            tracing::info!(%peer, user = user.username, why, "a /metrics caller was refused");
-            Err(refuse(
-                StatusCode::FORBIDDEN,
-                format!("{} may not get /metrics", user.username),
-            ))
+            auth.scrapers.remember(&user, Err(why.clone()));
+            Err(denied(why))
         }
         Err(e) => {
             tracing::warn!(%peer, error = %Chain(&e), "no SubjectAccessReview for a /metrics caller");
@@ -257,6 +279,25 @@ async fn metrics_allowed(
             ))
         }
     }
+}
+
+/// 429 for a scraper past its bound, with the second it may come back in.
+fn too_many(limited: Limited, peer: SocketAddr) -> Response<Body> {
+    let who = match limited {
+        Limited::Source => "this address",
+        Limited::User => "this user",
+    };
+    tracing::debug!(%peer, who, "a /metrics caller scrapes too often");
+    let mut response = text(
+        StatusCode::TOO_MANY_REQUESTS,
+        "text/plain",
+        format!("{who} scrapes /metrics too often; retry later\n"),
+    );
+    response.headers_mut().insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("1"),
+    );
+    response
 }
 
 /// The longest log filter `PUT /debug/log-level` takes.

@@ -271,6 +271,7 @@ impl Running {
                     tokens: tokens_for_admin,
                     upstream: upstream_for_admin,
                     own_token: own_token_for_admin,
+                    scrapers: admin::Scrapers::new(config.cache.access_review_ttl),
                 },
             ),
             debug_token: admin::debug_token(&config.admin)?,

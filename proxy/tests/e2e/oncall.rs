@@ -191,3 +191,43 @@ async fn a_scraper_the_authorizer_does_not_allow_gets_403_for_metrics() {
     assert_eq!(answer.status, 403, "{}", answer.text());
     assert!(answer.text().contains("tina may not get /metrics"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_refused_scrapes_costs_one_access_review_and_is_bounded() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    let (_bulwark, admin) = with_protected_metrics(&cluster).await;
+    let reviews = || {
+        cluster
+            .fleet
+            .seen_requests()
+            .iter()
+            .filter(|s| s.path.contains("subjectaccessreviews"))
+            .count()
+    };
+    let before = reviews();
+    let mut scraper = cluster.anonymous_client_at(admin).await;
+    let mut statuses = Vec::new();
+    for _ in 0..60 {
+        let answer = scraper
+            .get_with_token("/metrics", bulwark_testkit::GOOD_TOKEN)
+            .await;
+        if answer.status == 429 {
+            assert_eq!(answer.headers["retry-after"], "1");
+        }
+        statuses.push(answer.status.as_u16());
+    }
+    assert_eq!(
+        reviews() - before,
+        1,
+        "one SubjectAccessReview for tina, remembered for the TTL"
+    );
+    assert!(statuses[..10].iter().all(|&s| s == 403), "{statuses:?}");
+    assert!(
+        statuses.iter().filter(|&&s| s == 429).count() >= 30,
+        "past the bound the scraper is told to slow down: {statuses:?}"
+    );
+}

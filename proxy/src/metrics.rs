@@ -278,6 +278,9 @@ pub struct MetricFamilies {
     /// `client_not_reading` (the client took nothing for `sendProgressTimeout` while the
     /// response held seats or LIST bytes, which went back to its level).
     pub responses_cut_total: IntCounterVec,
+    /// `bulwark_access_log_suppressed_total{reason}`: access-log lines of refusals that
+    /// identified no one (`unauthenticated`, `review_limited`) left out past their bound.
+    pub access_log_suppressed_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -481,6 +484,11 @@ impl Metrics {
             "Responses Bulwark ended early, by reason: client_not_reading (the client took nothing for listen.limits.sendProgressTimeout while the response held seats or LIST bytes, given back at once).",
             &["reason"],
         );
+        let access_log_suppressed_total = counter(
+            "access_log_suppressed_total",
+            "Access-log lines of refusals that identified no one left out past their bound (a line a second per client prefix, 100 in all), by reason: unauthenticated, review_limited.",
+            &["reason"],
+        );
         process::register(&registry);
         let queue_wait_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -578,6 +586,7 @@ impl Metrics {
             fleet_uncounted_members,
             log_lines_dropped_total,
             responses_cut_total,
+            access_log_suppressed_total,
         }))
     }
 

@@ -3,12 +3,21 @@
 //! (verb, resource, namespace, name), the answer (code, who served it, the rule and level,
 //! a refusal's reason), how long until the head, and the `Audit-Id` the answer and the
 //! apiserver's audit log carry. Refusals and 5xx are always written; other answers are
-//! sampled at `accessLog.sample`.
+//! sampled at `accessLog.sample`. Refusals of requests that never identified anyone
+//! (`unauthenticated`, `review_limited`) are the exception: anyone can send them, so one
+//! client could rotate the whole log away with them. They are written at most
+//! [`PER_PREFIX`] a second per client prefix (an IPv4 /24, an IPv6 /48) and [`IN_ALL`] a
+//! second in all; the rest are counted in `bulwark_access_log_suppressed_total{reason}`.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use lru::LruCache;
+use prometheus::IntCounterVec;
 use serde::Serialize;
 
 use super::rotate::{Limits, LineFile};
@@ -16,11 +25,75 @@ use crate::classify::RequestInfo;
 use crate::metrics::{Metrics, verb_label};
 use crate::status::Reason;
 
+/// Lines a second of refusals that identified no one, per client prefix (a burst of ten).
+pub const PER_PREFIX: u32 = 1;
+
+/// Lines a second of refusals that identified no one, all prefixes together (a burst of
+/// twice as many).
+pub const IN_ALL: u32 = 100;
+
+/// Client prefixes whose line rate is remembered; the least recently seen beyond this
+/// start again with a full bucket (the bucket for all of them still holds).
+const PREFIXES: usize = 4096;
+
 /// The access log's file and sampling. Cheap to clone.
 #[derive(Clone)]
 pub struct AccessLog {
     file: LineFile,
     sample: f64,
+    anonymous: Arc<AnonymousLines>,
+}
+
+/// The buckets of lines for refusals that identified no one.
+struct AnonymousLines {
+    prefixes: Mutex<LruCache<IpAddr, DefaultDirectRateLimiter>>,
+    all: DefaultDirectRateLimiter,
+    suppressed: IntCounterVec,
+}
+
+impl AnonymousLines {
+    fn new(metrics: &Metrics) -> Self {
+        let per_second = |n: u32, burst: u32| {
+            Quota::per_second(NonZeroU32::new(n).expect("non-zero"))
+                .allow_burst(NonZeroU32::new(burst).expect("non-zero"))
+        };
+        AnonymousLines {
+            prefixes: Mutex::new(LruCache::new(
+                NonZeroUsize::new(PREFIXES).expect("non-zero"),
+            )),
+            all: RateLimiter::direct(per_second(IN_ALL, 2 * IN_ALL)),
+            suppressed: metrics.access_log_suppressed_total.clone(),
+        }
+    }
+
+    /// Whether a line for a refusal from `source` may be written now.
+    fn allow(&self, source: Option<SocketAddr>, reason: Reason) -> bool {
+        let prefix = source.map(|s| prefix(s.ip()));
+        let allowed = prefix.is_none_or(|prefix| {
+            let mut prefixes = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+            prefixes
+                .get_or_insert(prefix, || {
+                    RateLimiter::direct(
+                        Quota::per_second(NonZeroU32::new(PER_PREFIX).expect("non-zero"))
+                            .allow_burst(NonZeroU32::new(10).expect("non-zero")),
+                    )
+                })
+                .check()
+                .is_ok()
+        }) && self.all.check().is_ok();
+        if !allowed {
+            self.suppressed.with_label_values(&[reason.as_str()]).inc();
+        }
+        allowed
+    }
+}
+
+/// A client's prefix: IPv4 /24, IPv6 /48 (IPv4-mapped IPv6 as IPv4).
+fn prefix(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => IpAddr::V4((u32::from(v4) & 0xffff_ff00).into()),
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 80) - 1)).into()),
+    }
 }
 
 /// One request as its line says it.
@@ -98,6 +171,7 @@ impl AccessLog {
         Ok(AccessLog {
             file: LineFile::open(path, limits, "access", metrics)?,
             sample: sample.clamp(0.0, 1.0),
+            anonymous: Arc::new(AnonymousLines::new(metrics)),
         })
     }
 
@@ -105,6 +179,11 @@ impl AccessLog {
     pub fn record(&self, entry: &Entry<'_>) {
         let always = entry.reason.is_some() || entry.code >= 500;
         if !(always || self.sample >= 1.0 || rand::random::<f64>() < self.sample) {
+            return;
+        }
+        if let Some(reason @ (Reason::Unauthenticated | Reason::ReviewLimited)) = entry.reason
+            && !self.anonymous.allow(entry.source, reason)
+        {
             return;
         }
         self.file.write_line(line(entry, SystemTime::now()));
@@ -235,5 +314,64 @@ mod tests {
         assert_eq!(codes.iter().filter(|c| **c == 503).count(), 50);
         let sampled = codes.iter().filter(|c| **c == 200).count();
         assert!((120..=280).contains(&sampled), "{sampled} of 2000 at 0.1");
+    }
+
+    #[test]
+    fn refusals_that_identify_no_one_are_written_a_few_a_second_per_prefix_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("access.jsonl");
+        let metrics = Metrics::new();
+        let log = AccessLog::open(&path, 1.0, Limits::new(1 << 20, 1), &metrics).unwrap();
+        let from = |ip: &str| Some(SocketAddr::new(ip.parse().unwrap(), 40_000));
+        for _ in 0..1_000 {
+            log.record(&Entry {
+                source: from("198.51.100.7"),
+                user: "-",
+                ..entry(None, 401, Some(Reason::Unauthenticated))
+            });
+        }
+        // Another address of the same /24 shares its bucket; another /24 has its own.
+        for _ in 0..5 {
+            log.record(&Entry {
+                source: from("198.51.100.8"),
+                ..entry(None, 401, Some(Reason::Unauthenticated))
+            });
+            log.record(&Entry {
+                source: from("203.0.113.9"),
+                ..entry(None, 429, Some(Reason::ReviewLimited))
+            });
+        }
+        // An identified client's refusals are all written.
+        for _ in 0..20 {
+            log.record(&entry(None, 429, Some(Reason::QueueFull)));
+        }
+        log.file().flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let from_prefix = |p: &str| {
+            lines
+                .iter()
+                .filter(|l| l["source"].as_str().is_some_and(|s| s.starts_with(p)))
+                .count()
+        };
+        assert_eq!(
+            from_prefix("198.51.100."),
+            10,
+            "a burst of ten, then a line a second"
+        );
+        assert_eq!(from_prefix("203.0.113."), 5);
+        assert_eq!(
+            lines.iter().filter(|l| l["reason"] == "queue_full").count(),
+            20
+        );
+        let suppressed = metrics.render();
+        assert!(
+            suppressed
+                .contains(r#"bulwark_access_log_suppressed_total{reason="unauthenticated"} 995"#),
+            "{suppressed}"
+        );
     }
 }

@@ -641,6 +641,11 @@ pub struct TokenReview {
     /// before it gets 429 (and a re-review waits while `maxConcurrentRefreshes` are).
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
+    /// A file where the client prefixes that had tokens accepted in the last day are kept
+    /// (written every minute, read at start), so that after a restart, when every token is
+    /// new, they still get the larger share of reviews a flood of unknown prefixes cannot
+    /// take. `None`: remembered in memory only.
+    pub memory_file: Option<PathBuf>,
 }
 
 impl Default for TokenReview {
@@ -669,6 +674,7 @@ impl Default for TokenReview {
             max_concurrent: 32,
             max_concurrent_refreshes: 8,
             max_wait: Duration::from_secs(1),
+            memory_file: None,
         }
     }
 }
@@ -937,6 +943,11 @@ impl Config {
             fleet.key_file.iter_mut().for_each(resolve);
         }
         self.audit.path.iter_mut().for_each(resolve);
+        self.identity
+            .token_review
+            .memory_file
+            .iter_mut()
+            .for_each(resolve);
         if let Some(tls) = &mut self.admin.tls {
             resolve(&mut tls.cert);
             resolve(&mut tls.key);

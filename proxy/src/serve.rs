@@ -95,6 +95,12 @@ impl Running {
             config.identity.token_review.clone(),
             metrics.clone(),
         ));
+        let review_memory = config
+            .identity
+            .token_review
+            .memory_file
+            .clone()
+            .map(|path| remember_reviews(tokens.review_limits().clone(), path));
         let (tokens_for_admin, upstream_for_admin, own_token_for_admin) =
             (tokens.clone(), upstream.clone(), own_token.clone());
         let forwarding = Forwarding::new(
@@ -299,6 +305,7 @@ impl Running {
                 .into_iter()
                 .chain(fleet_task)
                 .chain(reopen)
+                .chain(review_memory)
                 .collect(),
             files,
         })
@@ -340,6 +347,37 @@ impl Running {
         let files = self.files;
         let _ = tokio::task::spawn_blocking(move || files.iter().for_each(LineFile::flush)).await;
     }
+}
+
+/// How often the prefixes trusted for token reviews are written to their file.
+const REVIEW_MEMORY_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Reads the prefixes trusted for token reviews from `path` now (a file that is missing or
+/// does not read is a warning: nobody is trusted yet), then writes them there every
+/// [`REVIEW_MEMORY_EVERY`].
+fn remember_reviews(
+    limits: Arc<crate::identity::limits::ReviewLimits>,
+    path: std::path::PathBuf,
+) -> JoinHandle<()> {
+    match limits.load(&path) {
+        Ok(n) => tracing::info!(prefixes = n, path = %path.display(), "token review memory read"),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => {
+            tracing::warn!(%error, path = %path.display(), "token review memory not read; nobody is trusted yet")
+        }
+    }
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(REVIEW_MEMORY_EVERY);
+        every.tick().await;
+        loop {
+            every.tick().await;
+            let (limits, path) = (limits.clone(), path.clone());
+            let saved = tokio::task::spawn_blocking(move || limits.save(&path)).await;
+            if let Ok(Err(error)) = saved {
+                tracing::warn!(%error, "token review memory not written");
+            }
+        }
+    })
 }
 
 /// Reopens the file logs on every SIGHUP (logrotate moves a file, then sends it); the rules

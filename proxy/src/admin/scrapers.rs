@@ -26,10 +26,13 @@ const PER_SECOND: u32 = 5;
 /// Scrapes at once on a full bucket.
 const BURST: u32 = 20;
 
+/// A decision and when the authorizer made it: `Err` says why it denied.
+type Remembered = (Instant, Result<(), String>);
+
 /// The decisions and buckets of `/metrics` callers.
 pub struct Scrapers {
     ttl: Duration,
-    decisions: Mutex<LruCache<Arc<str>, (Instant, Result<(), String>)>>,
+    decisions: Mutex<LruCache<Arc<str>, Remembered>>,
     sources: Mutex<LruCache<IpAddr, DefaultDirectRateLimiter>>,
     users: Mutex<LruCache<Arc<str>, DefaultDirectRateLimiter>>,
 }

@@ -15,13 +15,23 @@
 //! subnet each re-review their own tokens after a Bulwark restart. Many prefixes flooding together then leave the bucket's lower part,
 //! and a share of its refill, to the others.
 //!
+//! A prefix that had a token accepted in the last [`TRUSTED_FOR`] is trusted: it shares
+//! only with the other trusted prefixes active now, and the lowest quarter of the global
+//! bucket is kept for trusted prefixes alone, so that a flood from prefixes that never had
+//! a token accepted (a thousand /24s of made-up tokens) cannot take new tokens' reviews
+//! from the nodes and clients Bulwark has served before (until a first token is accepted,
+//! nobody is trusted and the whole bucket is everyone's). The trusted prefixes are
+//! remembered across restarts in `identity.tokenReview.memoryFile` (after a restart every
+//! token is new), saved every minute.
+//!
 //! Re-reviews of tokens already accepted have a bucket and in-flight slots of their own,
 //! which unknown tokens never touch: a flood of made-up tokens cannot delay them. They are
 //! bounded too, by those and by the number of accepted tokens remembered.
 
 use std::net::IpAddr;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use lru::LruCache;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -133,6 +143,12 @@ struct Activity {
     previous: usize,
 }
 
+/// How long a prefix stays trusted after a token from it was last accepted.
+pub const TRUSTED_FOR: Duration = Duration::from_secs(24 * 3600);
+
+/// The largest memory file read: a line is an address and a time, under 64 bytes.
+const MAX_MEMORY_FILE: u64 = 4 << 20;
+
 /// How long a prefix counts as active after it last asked.
 const ACTIVITY_WINDOW: Duration = Duration::from_secs(1);
 
@@ -164,6 +180,10 @@ struct Buckets {
     sources: LruCache<Source, Bucket>,
     prefixes: LruCache<Prefix, PrefixState>,
     activity: Activity,
+    /// Prefixes that had a token accepted, and when last.
+    trusted: LruCache<Prefix, Instant>,
+    /// How many trusted prefixes asked lately, counted apart.
+    trusted_activity: Activity,
 }
 
 /// The bounds on TokenReviews, built from `identity.tokenReview`.
@@ -210,6 +230,13 @@ impl ReviewLimits {
                     current: 0,
                     previous: 0,
                 },
+                trusted: LruCache::new(prefixes),
+                trusted_activity: Activity {
+                    window: 0,
+                    started: now,
+                    current: 0,
+                    previous: 0,
+                },
             }),
             refresh: Mutex::new(Bucket::holding(f64::from(refresh_rate.burst), now)),
             rate,
@@ -233,8 +260,11 @@ impl ReviewLimits {
             sources,
             prefixes,
             activity,
+            trusted,
+            trusted_activity,
         } = &mut *buckets;
         activity.roll(now);
+        trusted_activity.roll(now);
         let (global_qps, global_burst) = (self.rate.qps, f64::from(self.rate.burst));
         global.refill(global_qps, global_burst, now);
         let Some(ip) = source else {
@@ -251,7 +281,16 @@ impl ReviewLimits {
                 retry_after: own.wait(per_source.qps),
             });
         }
-        let state = prefixes.get_or_insert_mut(Prefix::from(ip), || PrefixState {
+        let prefix = Prefix::from(ip);
+        let is_trusted = trusted
+            .peek(&prefix)
+            .is_some_and(|at| now.saturating_duration_since(*at) < TRUSTED_FOR);
+        let activity = if is_trusted {
+            trusted_activity
+        } else {
+            activity
+        };
+        let state = prefixes.get_or_insert_mut(prefix, || PrefixState {
             // Refilled to the share's capacity below, whatever that is now.
             share: Bucket::holding(f64::INFINITY, now),
             window: u64::MAX,
@@ -260,7 +299,8 @@ impl ReviewLimits {
             state.window = activity.window;
             activity.current += 1;
         }
-        // The active prefixes and one more, for whoever comes next.
+        // The active prefixes (trusted ones among the trusted) and one more, for whoever
+        // comes next.
         let shares = (activity.active() + 1) as f64;
         let (share_qps, share_capacity) =
             (global_qps / shares, (global_burst / 2.0 / shares).max(1.0));
@@ -272,12 +312,87 @@ impl ReviewLimits {
                 retry_after: state.share.wait(share_qps),
             });
         }
+        // The lowest quarter (in whole reviews) is the trusted prefixes' alone, once there
+        // are any.
+        if !is_trusted && !trusted.is_empty() && global.tokens - 1.0 < (global_burst / 4.0).floor()
+        {
+            return Err(Limited {
+                bound: Bound::Global,
+                retry_after: global.wait(global_qps).max(Duration::from_secs(1)),
+            });
+        }
         take_global(global, global_qps)?;
         if contended {
             state.share.tokens -= 1.0;
         }
         own.tokens -= 1.0;
         Ok(())
+    }
+
+    /// A token from `source` was accepted: its prefix is trusted for [`TRUSTED_FOR`].
+    pub fn accepted(&self, source: IpAddr) {
+        let now = Instant::now();
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        buckets.trusted.put(Prefix::from(source), now);
+    }
+
+    /// Writes the trusted prefixes to `path` (through a file beside it, renamed over it):
+    /// one line each, the prefix's address and when a token from it was last accepted, in
+    /// Unix seconds.
+    pub fn save(&self, path: &Path) -> std::io::Result<usize> {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let lines: Vec<String> = {
+            let buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+            buckets
+                .trusted
+                .iter()
+                .filter_map(|(prefix, at)| {
+                    let age = now.saturating_duration_since(*at);
+                    (age < TRUSTED_FOR).then(|| {
+                        let unix = wall
+                            .checked_sub(age)
+                            .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                            .map_or(0, |d| d.as_secs());
+                        format!("{} {unix}\n", prefix.0)
+                    })
+                })
+                .collect()
+        };
+        let partial = path.with_extension("partial");
+        std::fs::write(&partial, lines.concat())?;
+        std::fs::rename(&partial, path)?;
+        Ok(lines.len())
+    }
+
+    /// Reads the trusted prefixes [`ReviewLimits::save`] wrote, those still within
+    /// [`TRUSTED_FOR`]; a line that does not read is skipped, a file too large is not read.
+    /// Returns how many were taken.
+    pub fn load(&self, path: &Path) -> std::io::Result<usize> {
+        use std::io::Read;
+        let mut text = String::new();
+        std::fs::File::open(path)?
+            .take(MAX_MEMORY_FILE)
+            .read_to_string(&mut text)?;
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut taken = 0;
+        for line in text.lines() {
+            let Some((address, unix)) = line.split_once(' ') else {
+                continue;
+            };
+            let (Ok(address), Ok(unix)) = (address.parse::<IpAddr>(), unix.parse::<u64>()) else {
+                continue;
+            };
+            let when = SystemTime::UNIX_EPOCH + Duration::from_secs(unix);
+            let age = wall.duration_since(when).unwrap_or_default();
+            if age >= TRUSTED_FOR {
+                continue;
+            }
+            let at = now.checked_sub(age).unwrap_or(now);
+            buckets.trusted.put(Prefix::from(address), at);
+            taken += 1;
+        }
+        Ok(taken)
     }
 
     /// Takes one re-review of an accepted token from the bucket of re-reviews.
@@ -468,6 +583,70 @@ mod tests {
         }
         assert_eq!(other_taken, 8, "the other /24 was refused");
         assert!(flood_taken + other_taken <= 100 + 200, "{flood_taken}");
+    }
+
+    /// 1,000 /24s that never had a token accepted, each asking every 100 ms (10,000 a
+    /// second, at a global rate of 500), and 16 new tokens at once from a /24 whose nodes
+    /// had tokens accepted before.
+    async fn flood_and_sixteen_new_tokens(limits: &ReviewLimits) -> usize {
+        for round in 0..30u32 {
+            for p in 0..1000u32 {
+                let _ = limits.take(Some(IpAddr::V4(
+                    (0x0b00_0001u32 + (p << 8) + (round % 2)).into(),
+                )));
+            }
+            tokio::time::advance(Duration::from_millis(100)).await;
+        }
+        (0..16u8)
+            .filter(|i| limits.take(ip(&format!("10.9.9.{i}"))).is_ok())
+            .count()
+    }
+
+    fn flooded() -> ReviewLimits {
+        limits(|s| {
+            s.rate = config::ReviewRate {
+                qps: 500.0,
+                burst: 1000,
+            };
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prefix_that_had_tokens_accepted_keeps_its_reviews_under_a_flood_of_prefixes() {
+        let unknown = flooded();
+        // Someone once had a token accepted, elsewhere: the reserve is in force.
+        unknown.accepted("192.0.2.1".parse().unwrap());
+        let reviewed = flood_and_sixteen_new_tokens(&unknown).await;
+        assert!(
+            reviewed < 8,
+            "a prefix never seen shares with the flood: {reviewed}"
+        );
+        let known = flooded();
+        known.accepted("10.9.9.200".parse().unwrap());
+        assert_eq!(flood_and_sixteen_new_tokens(&known).await, 16);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_trusted_prefixes_survive_a_restart_through_the_memory_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("review-memory");
+        let before = flooded();
+        before.accepted("10.9.9.200".parse().unwrap());
+        before.accepted("2001:db8:7:1::5".parse().unwrap());
+        assert_eq!(before.save(&file).unwrap(), 2);
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains("10.9.9.0 "), "{text}");
+        assert!(text.contains("2001:db8:7:: "), "{text}");
+        // A restart: a new limiter that reads the file, with a bad line and an old one.
+        std::fs::write(&file, format!("{text}not a line\n10.8.8.0 12\n")).unwrap();
+        let after = flooded();
+        assert_eq!(
+            after.load(&file).unwrap(),
+            2,
+            "the bad and the stale line are skipped"
+        );
+        assert_eq!(flood_and_sixteen_new_tokens(&after).await, 16);
+        assert!(after.load(&dir.path().join("missing")).is_err());
     }
 
     #[tokio::test(start_paused = true)]

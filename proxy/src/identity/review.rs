@@ -205,6 +205,11 @@ pub struct TokenCache {
 }
 
 impl TokenCache {
+    /// The bounds on reviews, for saving and loading the prefixes they trust.
+    pub fn review_limits(&self) -> &Arc<ReviewLimits> {
+        &self.limits
+    }
+
     /// A cache with the configured lifetimes, bounds and review limits.
     pub fn new(
         reviewer: Arc<dyn TokenReviewer>,
@@ -300,6 +305,10 @@ impl TokenCache {
                 result
             }
         };
+        if let (Ok(ReviewOutcome::Authenticated(_)), Some(source)) = (&result, source) {
+            // Its prefix is trusted for new tokens' reviews from now on.
+            self.limits.accepted(source);
+        }
         match result {
             Ok(outcome) => into_result(outcome),
             Err(NoOutcome::Limited(limited)) => Err(IdentityError::ReviewLimited(limited)),

@@ -1589,3 +1589,22 @@ async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
         }
     }
 }
+
+#[test]
+fn the_fleet_s_namespace_with_the_front_proxy_key_is_never_cached() {
+    // The front-proxy key can assert any user: its Secret lives in the fleet's namespace,
+    // and a cache holding that namespace would keep a copy and answer it to whoever may
+    // read Secrets there.
+    let config = deploy_config();
+    let fleet = config.fleet.as_ref().expect("the base runs a fleet");
+    assert!(
+        config.cache.exclude_namespaces.contains(&fleet.namespace),
+        "deploy/base caches {}: {:?}",
+        fleet.namespace,
+        config.cache.exclude_namespaces
+    );
+    let daemonset = read(&repo("deploy/base/daemonset.yaml"));
+    assert!(daemonset.contains("secretName: bulwark-front-proxy"));
+    let namespace = yaml(&repo("deploy/base/namespace.yaml"));
+    assert_eq!(namespace["metadata"]["name"], fleet.namespace.as_str());
+}

@@ -27,6 +27,9 @@ a file the DaemonSet does not mount.
 {{- define "bulwark.config" -}}
 {{- $pki := include "bulwark.pki" . -}}
 {{- $sa := "/var/run/secrets/kubernetes.io/serviceaccount" -}}
+{{- $cache := .Values.config.cache | default dict -}}
+{{- /* The release's namespace holds the front-proxy key: never cached. */ -}}
+{{- $excluded := concat ($cache.excludeNamespaces | default list) (list .Release.Namespace) | uniq -}}
 {{- $owned := dict
   "listen" (dict
     "address" (printf "%s:%d" .Values.listen.address (int .Values.listen.port))
@@ -47,6 +50,7 @@ a file the DaemonSet does not mount.
       "key" (printf "%s/front-proxy/tls.key" $pki))
     "self" (dict "tokenFile" (printf "%s/token" $sa)))
   "rules" (dict "folder" "/etc/bulwark/rules")
+  "cache" (dict "excludeNamespaces" $excluded)
   "audit" (dict "path" "/var/log/bulwark/audit.jsonl")
   "fleet" (dict
     "namespace" .Release.Namespace

@@ -99,6 +99,25 @@ async fn the_log_filter_changes_at_run_time_and_piped_logs_have_no_colour_codes(
         Some((200, "debug\n".into()))
     );
 
+    // A field value read as a regular expression is compiled to a DFA that grows
+    // exponentially with the dots after the `a`: this one, under 100 bytes, took a minute
+    // to compile in a debug build (the audit's, 4.4 s and 275 MB), with the admin listener
+    // stalled meanwhile. Refused at once, saying why.
+    let hostile = "info,bulwark[request{user=.*a................}]=trace";
+    let started = std::time::Instant::now();
+    let (status, body) = admin_put(config.admin, "/debug/log-level", hostile).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("regular expressions"), "{body}");
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "refused in {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        admin_get(config.admin, "/debug/log-level").await,
+        Some((200, "debug\n".into()))
+    );
+
     let all = stderr.lock().unwrap().clone();
     assert!(all.contains("log filter changed"), "{all}");
     assert!(

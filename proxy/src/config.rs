@@ -642,9 +642,11 @@ pub struct TokenReview {
     #[serde(with = "humantime_serde")]
     pub max_wait: Duration,
     /// A file where the client prefixes that had tokens accepted in the last day are kept
-    /// (written every minute, read at start), so that after a restart, when every token is
-    /// new, they still get the larger share of reviews a flood of unknown prefixes cannot
-    /// take. `None`: remembered in memory only.
+    /// (written every minute and at the drain, read at start), so that after a restart,
+    /// when every token is new, they still get the larger share of reviews a flood of
+    /// unknown prefixes cannot take. A file that does not read at start (too large to be
+    /// one Bulwark wrote, not text) is a warning and ignored. `None`: remembered in memory
+    /// only.
     pub memory_file: Option<PathBuf>,
 }
 

@@ -73,6 +73,8 @@ pub struct Running {
     tasks: Vec<JoinHandle<()>>,
     /// The file logs (audit), reopened on SIGHUP and flushed at the end of the drain.
     files: Vec<LineFile>,
+    /// Where the prefixes trusted for token reviews are kept, written last at the drain.
+    review_memory: Option<ReviewMemory>,
 }
 
 impl Running {
@@ -100,7 +102,12 @@ impl Running {
             .token_review
             .memory_file
             .clone()
-            .map(|path| remember_reviews(tokens.review_limits().clone(), path));
+            .map(|path| ReviewMemory {
+                limits: tokens.review_limits().clone(),
+                path,
+                writing: Arc::default(),
+            });
+        let review_memory_task = review_memory.clone().map(remember_reviews);
         let (tokens_for_admin, upstream_for_admin, own_token_for_admin) =
             (tokens.clone(), upstream.clone(), own_token.clone());
         let forwarding = Forwarding::new(
@@ -305,9 +312,10 @@ impl Running {
                 .into_iter()
                 .chain(fleet_task)
                 .chain(reopen)
-                .chain(review_memory)
+                .chain(review_memory_task)
                 .collect(),
             files,
+            review_memory,
         })
     }
 
@@ -346,24 +354,58 @@ impl Running {
         // The lines of the last requests are still queued for the logs' writer threads.
         let files = self.files;
         let _ = tokio::task::spawn_blocking(move || files.iter().for_each(LineFile::flush)).await;
+        // Up to a minute of accepted prefixes since the last write: the restart that follows
+        // is when they are needed.
+        if let Some(memory) = self.review_memory {
+            let _ = tokio::task::spawn_blocking(move || memory.save()).await;
+        }
     }
 }
 
 /// How often the prefixes trusted for token reviews are written to their file.
 const REVIEW_MEMORY_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Reads the prefixes trusted for token reviews from `path` now (a file that is missing or
-/// does not read is a warning: nobody is trusted yet), then writes them there every
-/// [`REVIEW_MEMORY_EVERY`].
-fn remember_reviews(
+/// The file that keeps the prefixes trusted for token reviews across restarts.
+#[derive(Clone)]
+struct ReviewMemory {
     limits: Arc<crate::identity::limits::ReviewLimits>,
     path: std::path::PathBuf,
-) -> JoinHandle<()> {
-    match limits.load(&path) {
-        Ok(n) => tracing::info!(prefixes = n, path = %path.display(), "token review memory read"),
+    /// One write at a time: the drain's may meet the last periodic one, which an abort does
+    /// not stop, and both write the same file beside `path`.
+    writing: Arc<std::sync::Mutex<()>>,
+}
+
+impl ReviewMemory {
+    /// Writes the trusted prefixes; a failure is a warning (the next write may succeed).
+    fn save(&self) {
+        let _one = self.writing.lock().unwrap_or_else(|p| p.into_inner());
+        match self.limits.save(&self.path) {
+            Ok(n) => {
+                tracing::debug!(prefixes = n, path = %self.path.display(), "token review memory written")
+            }
+            Err(error) => {
+                tracing::warn!(%error, path = %self.path.display(), "token review memory not written")
+            }
+        }
+    }
+}
+
+/// Reads the prefixes trusted for token reviews from their file now (a file that does not
+/// read, or is too large to be one Bulwark wrote, is a warning and ignored: nobody is
+/// trusted yet), then writes them there every [`REVIEW_MEMORY_EVERY`] (and
+/// [`Running::drain`] once more at the end).
+fn remember_reviews(memory: ReviewMemory) -> JoinHandle<()> {
+    let path = memory.path.display();
+    match memory.limits.load(&memory.path) {
+        Ok(loaded) => {
+            tracing::info!(prefixes = loaded.taken, %path, "token review memory read");
+            if loaded.skipped > 0 {
+                tracing::warn!(lines = loaded.skipped, %path, "token review memory: lines that do not read were skipped");
+            }
+        }
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
         Err(error) => {
-            tracing::warn!(%error, path = %path.display(), "token review memory not read; nobody is trusted yet")
+            tracing::warn!(%error, %path, "token review memory not read; nobody is trusted yet")
         }
     }
     tokio::spawn(async move {
@@ -371,11 +413,8 @@ fn remember_reviews(
         every.tick().await;
         loop {
             every.tick().await;
-            let (limits, path) = (limits.clone(), path.clone());
-            let saved = tokio::task::spawn_blocking(move || limits.save(&path)).await;
-            if let Ok(Err(error)) = saved {
-                tracing::warn!(%error, "token review memory not written");
-            }
+            let memory = memory.clone();
+            let _ = tokio::task::spawn_blocking(move || memory.save()).await;
         }
     })
 }

@@ -22,7 +22,8 @@
 //! from the nodes and clients Bulwark has served before (until a first token is accepted,
 //! nobody is trusted and the whole bucket is everyone's). The trusted prefixes are
 //! remembered across restarts in `identity.tokenReview.memoryFile` (after a restart every
-//! token is new), saved every minute.
+//! token is new), saved every minute and at the drain; a file too large to be one Bulwark
+//! wrote, or not text, is not read.
 //!
 //! Re-reviews of tokens already accepted have a bucket and in-flight slots of their own,
 //! which unknown tokens never touch: a flood of made-up tokens cannot delay them. They are
@@ -146,8 +147,18 @@ struct Activity {
 /// How long a prefix stays trusted after a token from it was last accepted.
 pub const TRUSTED_FOR: Duration = Duration::from_secs(24 * 3600);
 
-/// The largest memory file read: a line is an address and a time, under 64 bytes.
-const MAX_MEMORY_FILE: u64 = 4 << 20;
+/// The longest line of the memory file, an address and a time: an IPv6 address (39), a
+/// space, a `u64` (20) and a newline are 61.
+const MEMORY_LINE: u64 = 64;
+
+/// What [`ReviewLimits::load`] read.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    /// Prefixes trusted from the file (those accepted within [`TRUSTED_FOR`]).
+    pub taken: usize,
+    /// Lines that did not read.
+    pub skipped: usize,
+}
 
 /// How long a prefix counts as active after it last asked.
 const ACTIVITY_WINDOW: Duration = Duration::from_secs(1);
@@ -365,34 +376,56 @@ impl ReviewLimits {
     }
 
     /// Reads the trusted prefixes [`ReviewLimits::save`] wrote, those still within
-    /// [`TRUSTED_FOR`]; a line that does not read is skipped, a file too large is not read.
-    /// Returns how many were taken.
-    pub fn load(&self, path: &Path) -> std::io::Result<usize> {
+    /// [`TRUSTED_FOR`]. A file larger than the prefixes remembered could fill
+    /// ([`MEMORY_LINE`] bytes each) is not read at all: an error, as is one that is not
+    /// UTF-8. A line that does not read (or names a time out of range) is skipped and
+    /// counted.
+    pub fn load(&self, path: &Path) -> std::io::Result<Loaded> {
         use std::io::Read;
-        let mut text = String::new();
-        std::fs::File::open(path)?
-            .take(MAX_MEMORY_FILE)
-            .read_to_string(&mut text)?;
-        let (now, wall) = (Instant::now(), SystemTime::now());
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        let mut taken = 0;
-        for line in text.lines() {
-            let Some((address, unix)) = line.split_once(' ') else {
-                continue;
-            };
-            let (Ok(address), Ok(unix)) = (address.parse::<IpAddr>(), unix.parse::<u64>()) else {
-                continue;
-            };
-            let when = SystemTime::UNIX_EPOCH + Duration::from_secs(unix);
-            let age = wall.duration_since(when).unwrap_or_default();
-            if age >= TRUSTED_FOR {
-                continue;
-            }
-            let at = now.checked_sub(age).unwrap_or(now);
-            buckets.trusted.put(Prefix::from(address), at);
-            taken += 1;
+        let file = std::fs::File::open(path)?;
+        let most = {
+            let buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+            buckets.trusted.cap().get() as u64 * MEMORY_LINE
+        };
+        let size = file.metadata()?.len();
+        if size > most {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{size} bytes, more than the {most} the prefixes remembered could fill"),
+            ));
         }
-        Ok(taken)
+        let mut text = String::new();
+        file.take(most).read_to_string(&mut text)?;
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let mut loaded = Loaded::default();
+        let mut read: Vec<(Duration, Prefix)> = Vec::new();
+        for line in text.lines() {
+            let when = line.split_once(' ').and_then(|(address, unix)| {
+                let address = address.parse::<IpAddr>().ok()?;
+                let when = SystemTime::UNIX_EPOCH
+                    .checked_add(Duration::from_secs(unix.parse::<u64>().ok()?))?;
+                Some((Prefix::from(address), when))
+            });
+            let Some((prefix, when)) = when else {
+                loaded.skipped += 1;
+                continue;
+            };
+            // A time ahead of this clock (another node's, skewed) counts as now.
+            let age = wall.duration_since(when).unwrap_or_default();
+            if age < TRUSTED_FOR {
+                read.push((age, prefix));
+            }
+        }
+        // Oldest first, so that the most recent stay when there are more than fit.
+        read.sort_by(|a, b| b.0.cmp(&a.0));
+        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        for (age, prefix) in read {
+            buckets
+                .trusted
+                .put(prefix, now.checked_sub(age).unwrap_or(now));
+            loaded.taken += 1;
+        }
+        Ok(loaded)
     }
 
     /// Takes one re-review of an accepted token from the bucket of re-reviews.
@@ -637,16 +670,45 @@ mod tests {
         let text = std::fs::read_to_string(&file).unwrap();
         assert!(text.contains("10.9.9.0 "), "{text}");
         assert!(text.contains("2001:db8:7:: "), "{text}");
-        // A restart: a new limiter that reads the file, with a bad line and an old one.
-        std::fs::write(&file, format!("{text}not a line\n10.8.8.0 12\n")).unwrap();
+        // A restart: a new limiter that reads the file, with bad lines (one with a time no
+        // clock holds) and an old one.
+        std::fs::write(
+            &file,
+            format!("{text}not a line\n10.7.7.0 18446744073709551615\n10.8.8.0 12\n"),
+        )
+        .unwrap();
         let after = flooded();
         assert_eq!(
             after.load(&file).unwrap(),
-            2,
-            "the bad and the stale line are skipped"
+            Loaded {
+                taken: 2,
+                skipped: 2
+            },
+            "the bad lines are counted, the stale one left out"
         );
         assert_eq!(flood_and_sixteen_new_tokens(&after).await, 16);
         assert!(after.load(&dir.path().join("missing")).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_memory_file_too_large_or_not_text_is_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("review-memory");
+        let unix = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        // Two lines more than 100 prefixes could fill: too large to be one this Bulwark
+        // wrote, whatever it holds.
+        let limits = limits(|s| s.max_sources = 100);
+        let line = format!("{:<63}\n", format!("10.9.9.0 {unix}"));
+        std::fs::write(&file, line.repeat(102)).unwrap();
+        let error = limits.load(&file).unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::InvalidData, "{error}");
+        std::fs::write(&file, [0xff, 0xfe, b'\n']).unwrap();
+        assert!(limits.load(&file).is_err());
+        std::fs::write(&file, format!("10.9.9.0 {unix}\n")).unwrap();
+        assert_eq!(limits.load(&file).unwrap().taken, 1);
     }
 
     #[tokio::test(start_paused = true)]

@@ -474,3 +474,43 @@ async fn a_prefix_that_empties_the_review_bucket_buys_its_connection_no_time() {
         1.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_writes_the_prefixes_trusted_for_token_reviews_and_a_restart_reads_them() {
+    // After a restart every token is new, and the prefixes that had tokens accepted are
+    // what keeps their reviews under a flood. The minute's write may not have come yet when
+    // SIGTERM does: the drain writes them last, and the next Bulwark starts from them.
+    let dir = tempfile::tempdir().unwrap();
+    let memory = dir.path().join("review-memory");
+    let setting: &'static str = Box::leak(memory.display().to_string().into_boxed_str());
+    let setup = || Setup {
+        replicas: 1,
+        dir: Some(dir.path().to_path_buf()),
+        settings: vec![("identity.tokenReview.memoryFile", setting)],
+        ..Setup::default()
+    };
+    let cluster = Cluster::start(setup()).await.ready().await;
+    let mut tina = anonymous_from(&cluster, [127, 0, 0, 51]).await.unwrap();
+    let answer = tina
+        .send(bulwark_testkit::with_token(
+            bulwark_testkit::get("/api/v1/namespaces/team/configmaps"),
+            bulwark_testkit::GOOD_TOKEN,
+        ))
+        .await;
+    assert_eq!(answer.status, 200);
+    assert!(!memory.exists(), "not written before the minute");
+    cluster.stop().await;
+    let written = std::fs::read_to_string(&memory).unwrap();
+    assert!(written.starts_with("127.0.0.0 "), "{written:?}");
+
+    // The next Bulwark reads them at start: with no token accepted, it writes them again.
+    Cluster::start(setup()).await.ready().await.stop().await;
+    let rewritten = std::fs::read_to_string(&memory).unwrap();
+    assert!(rewritten.starts_with("127.0.0.0 "), "{rewritten:?}");
+
+    // A file that is not one Bulwark wrote is ignored with a warning: Bulwark starts all
+    // the same, trusting nobody.
+    std::fs::write(&memory, [0xff_u8; 16]).unwrap();
+    Cluster::start(setup()).await.ready().await.stop().await;
+    assert_eq!(std::fs::read_to_string(&memory).unwrap(), "");
+}

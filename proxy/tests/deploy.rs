@@ -457,6 +457,32 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         );
     }
 
+    // The prefixes trusted for token reviews outlive a restart only on a writable volume
+    // apart from the read-only root, one the kubelet does not evict the pod over: the file
+    // takes at most 64 bytes a remembered prefix, twice while it is rewritten.
+    let review = &config.identity.token_review;
+    let memory = review
+        .memory_file
+        .as_ref()
+        .expect("the base keeps the prefixes trusted for token reviews");
+    let state = mounts
+        .volume_at(memory.parent().unwrap())
+        .expect("the review memory's folder is mounted");
+    assert!(
+        state.get("emptyDir").is_some() || state.get("hostPath").is_some(),
+        "the review memory needs a writable volume"
+    );
+    if let Some(limit) = state["emptyDir"].get("sizeLimit") {
+        let limit: Quantity = serde_json::from_value(limit.clone()).expect("a quantity");
+        let most = 2 * 64 * review.max_sources as u64;
+        assert!(
+            limit.0 >= most,
+            "the state volume's sizeLimit ({} bytes) does not hold 2 x 64 x \
+             identity.tokenReview.maxSources = {most} bytes",
+            limit.0
+        );
+    }
+
     // The ServiceAccount, its RBAC and its FlowSchema.
     let sa_name = pod["serviceAccountName"].as_str().unwrap();
     let sa = object(objects, "ServiceAccount", sa_name);

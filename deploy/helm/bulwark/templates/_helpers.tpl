@@ -49,6 +49,7 @@ a file the DaemonSet does not mount.
       "cert" (printf "%s/front-proxy/tls.crt" $pki)
       "key" (printf "%s/front-proxy/tls.key" $pki))
     "self" (dict "tokenFile" (printf "%s/token" $sa)))
+  "identity" (dict "tokenReview" (dict "memoryFile" "/var/lib/bulwark/review-memory"))
   "rules" (dict "folder" "/etc/bulwark/rules")
   "cache" (dict "excludeNamespaces" $excluded)
   "audit" (dict "path" "/var/log/bulwark/audit.jsonl")

@@ -96,8 +96,14 @@ fn helm_template(dir: &std::path::Path, values: &str) -> Vec<Value> {
     docs(&run(dir.join("helm"), &all, values))
 }
 
+/// `kubectl kustomize` of `deploy/base`.
 fn kustomize(dir: &std::path::Path) -> Vec<Value> {
-    let base = repo("deploy/base");
+    kustomize_at(dir, "deploy/base")
+}
+
+/// `kubectl kustomize` of a kustomization in the repository.
+fn kustomize_at(dir: &std::path::Path, at: &str) -> Vec<Value> {
+    let base = repo(at);
     docs(&run(
         dir.join("kubectl"),
         &["kustomize", base.to_str().unwrap()],
@@ -336,4 +342,93 @@ config:
             .clone()
     };
     assert_ne!(checksum(&objects), checksum(&default));
+}
+
+/// The chart's values that render what `deploy/overlays/node-pki` does.
+const KEY_FROM_NODE: &str = "certificates: {frontProxyFromNode: {enabled: true, group: 997}}";
+
+#[test]
+fn the_node_pki_overlay_renders_what_the_chart_does_with_the_key_from_the_node() {
+    let Some(dir) = tools() else { return };
+    // A strategic-merge patch puts the volumes it adds first; the order means nothing.
+    let by_name = |mut objects: BTreeMap<(String, String), Value>| {
+        let pod = objects
+            .get_mut(&("DaemonSet".into(), "bulwark".into()))
+            .unwrap()
+            .pointer_mut("/spec/template/spec")
+            .unwrap();
+        for list in ["/volumes", "/containers/0/volumeMounts"] {
+            let list = pod.pointer_mut(list).unwrap().as_array_mut().unwrap();
+            list.sort_by_key(|v| v["name"].as_str().unwrap().to_owned());
+        }
+        objects
+    };
+    let overlay = by_name(normalized_base(kustomize_at(
+        &dir,
+        "deploy/overlays/node-pki",
+    )));
+    let chart = by_name(normalized_chart(helm_template(&dir, KEY_FROM_NODE)));
+    assert_eq!(
+        overlay.keys().collect::<Vec<_>>(),
+        chart.keys().collect::<Vec<_>>()
+    );
+    for (k, o) in &overlay {
+        if let Some(d) = difference(&format!("{} {}", k.0, k.1), o, &chart[k]) {
+            panic!("the chart differs from deploy/overlays/node-pki at {d}");
+        }
+    }
+}
+
+#[test]
+fn the_front_proxy_key_can_come_from_the_node_and_never_be_in_the_api() {
+    let Some(dir) = tools() else { return };
+    let objects = helm_template(&dir, KEY_FROM_NODE);
+    let config: Config = rendered_config(&objects)
+        .parse()
+        .unwrap_or_else(|e| panic!("the rendered bulwark.yaml is not a valid configuration: {e}"));
+    let front_proxy = config.upstream.front_proxy.expect("front-proxy mode");
+    let pod = &find(&objects, "DaemonSet", "bulwark")["spec"]["template"]["spec"];
+    let volumes = pod["volumes"].as_array().unwrap();
+    let secrets: Vec<&str> = volumes
+        .iter()
+        .filter_map(|v| v["secret"]["secretName"].as_str())
+        .collect();
+    assert_eq!(secrets, ["bulwark-serving", "bulwark-client-ca"]);
+    // Each file Bulwark reads is the node's own, alone, where the configuration names it.
+    let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
+    for (file, node) in [
+        (
+            &front_proxy.cert,
+            "/etc/kubernetes/pki/front-proxy-client.crt",
+        ),
+        (
+            &front_proxy.key,
+            "/etc/kubernetes/pki/front-proxy-client.key",
+        ),
+    ] {
+        let mount = mounts
+            .iter()
+            .find(|m| m["mountPath"] == file.to_str().unwrap())
+            .unwrap_or_else(|| panic!("{} is not mounted", file.display()));
+        assert_eq!(mount["readOnly"], true);
+        let volume = volumes.iter().find(|v| v["name"] == mount["name"]).unwrap();
+        assert_eq!(volume["hostPath"]["path"], node);
+        assert_eq!(volume["hostPath"]["type"], "File");
+    }
+    assert_eq!(
+        pod["securityContext"]["supplementalGroups"],
+        serde_json::json!([997]),
+        "the pod joins the group that may read the key"
+    );
+
+    // Without the group the key's 0600 keeps Bulwark out: the chart says so instead.
+    let refused = Command::new(dir.join("helm"))
+        .args(["template", "bulwark"])
+        .arg(repo("deploy/helm/bulwark"))
+        .args(["--set", "certificates.frontProxyFromNode.enabled=true"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let why = String::from_utf8_lossy(&refused.stderr);
+    assert!(why.contains("frontProxyFromNode.group"), "{why}");
 }

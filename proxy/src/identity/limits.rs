@@ -417,7 +417,7 @@ impl ReviewLimits {
             }
         }
         // Oldest first, so that the most recent stay when there are more than fit.
-        read.sort_by(|a, b| b.0.cmp(&a.0));
+        read.sort_by_key(|(age, _)| std::cmp::Reverse(*age));
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         for (age, prefix) in read {
             buckets

@@ -244,16 +244,23 @@ async fn metrics_allowed(
     auth.scrapers
         .allow_user(&user)
         .map_err(|limited| too_many(limited, peer))?;
-    let denied = |why: String| {
-        tracing::info!(%peer, user = user.username, why, "a /metrics caller was refused");
+    let forbidden = || {
         refuse(
             StatusCode::FORBIDDEN,
             format!("{} may not get /metrics", user.username),
         )
     };
     if let Some(decision) = auth.scrapers.remembered(&user) {
-        return decision.map_err(denied);
+        // Said at info when the authorizer decided; a caller that keeps asking is not news.
+        return decision.map_err(|why| {
+            tracing::debug!(%peer, user = user.username, why, "a /metrics caller was refused");
+            forbidden()
+        });
     }
+    let denied = |why: String| {
+        tracing::info!(%peer, user = user.username, why, "a /metrics caller was refused");
+        forbidden()
+    };
     match review_non_resource(
         &auth.upstream,
         auth.own_token.as_deref(),

@@ -480,7 +480,7 @@ mod tests {
 
     #[test]
     fn closed_sources_leave_the_map() {
-        let caps = caps(10_000, 5, 40, false);
+        let caps = caps(10_000, 5, 256, false);
         let guards: Vec<_> = (0..1000u32)
             .map(|i| caps.admit_source(IpAddr::from(i.to_be_bytes())).unwrap())
             .collect();

@@ -162,30 +162,34 @@ pub(super) async fn serve<S>(
 {
     let started = tokio::time::Instant::now();
     let deadline = |timeout: Duration| started + timeout.min(settings.handshake_timeout);
-    // Nothing is read before the first byte: a connection that sends none costs a socket
-    // and a timer for this long, and nothing more.
-    let mut byte = [0u8; 1];
-    let first_byte =
-        tokio::time::timeout_at(deadline(settings.first_byte_timeout), tcp.peek(&mut byte));
-    tokio::select! {
-        peeked = first_byte => match peeked {
-            Ok(Ok(n)) if n > 0 => {}
-            Ok(_) => return,
-            Err(_) => {
-                tracing::debug!(%peer, "closing a connection that sent nothing");
-                settings.closed("first_byte_timeout");
-                super::reset_on_close(&tcp);
-                return;
-            }
-        },
-        () = phase_reached(&mut drain, DrainPhase::Close) => return,
-    }
     let trusted = !settings.counted_at_accept(peer.ip());
+    // Nothing is read before the first byte: a connection that sends none costs a socket
+    // and a timer for this long, and nothing more. A trusted balancer's first byte begins
+    // its header, which has a deadline of its own.
+    if !trusted {
+        let mut byte = [0u8; 1];
+        let first_byte =
+            tokio::time::timeout_at(deadline(settings.first_byte_timeout), tcp.peek(&mut byte));
+        tokio::select! {
+            peeked = first_byte => match peeked {
+                Ok(Ok(n)) if n > 0 => {}
+                Ok(_) => return,
+                Err(_) => {
+                    tracing::debug!(%peer, "closing a connection that sent nothing");
+                    settings.closed("first_byte_timeout");
+                    super::reset_on_close(&tcp);
+                    return;
+                }
+            },
+            () = phase_reached(&mut drain, DrainPhase::Close) => return,
+        }
+    }
     let header = proxy_header::accept(
         tcp,
         peer,
         settings.trust.as_ref(),
-        deadline(settings.proxy_header_timeout).saturating_duration_since(tokio::time::Instant::now()),
+        deadline(settings.proxy_header_timeout.min(settings.first_byte_timeout))
+            .saturating_duration_since(tokio::time::Instant::now()),
     );
     let (tcp, peer) = tokio::select! {
         read = header => match read {

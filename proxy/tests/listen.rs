@@ -464,6 +464,21 @@ async fn connect_from(source: [u8; 4], addr: SocketAddr) -> Result<TcpStream> {
     Ok(socket.connect(addr).await?)
 }
 
+/// Connects from `source` and waits (bounded) for the server to close the connection: a
+/// connection refused at accept (a reset can beat the connect's own completion).
+async fn refused_from(source: [u8; 4], addr: SocketAddr) -> Result<()> {
+    match connect_from(source, addr).await {
+        Ok(mut stream) => closed_by_server(&mut stream).await.map(drop),
+        Err(error)
+            if error.downcast_ref::<std::io::Error>().map(std::io::Error::kind)
+                == Some(std::io::ErrorKind::ConnectionReset) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
 /// Waits (bounded) until the listener counts `n` connections open.
 async fn until_open(connections: &Connections, n: usize) -> Result<()> {
     within(&format!("{n} connections open"), async {
@@ -1257,8 +1272,7 @@ async fn with_the_proxy_protocol_an_untrusted_peer_is_capped_as_one_source_befor
 
     let _held = silent(5, [127, 0, 0, 1], &server, 5).await?;
     for _ in 0..15 {
-        let mut refused = connect_from([127, 0, 0, 1], server.addr).await?;
-        closed_by_server(&mut refused).await?;
+        refused_from([127, 0, 0, 1], server.addr).await?;
     }
     assert_eq!(server.connections.open(), 5);
     assert_eq!(
@@ -1368,5 +1382,134 @@ async fn a_socket_that_sends_nothing_is_closed_at_the_first_byte_timeout_and_cou
         ),
         1
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The admin listener's caps and timeouts
+// ---------------------------------------------------------------------------------------
+
+/// An admin listener serving the test service, and its metrics.
+async fn admin(
+    limits: &bulwark::config::AdminLimits,
+    tls: Option<&SecretMount>,
+) -> Result<(SocketAddr, bulwark::metrics::Metrics, JoinHandle<()>)> {
+    let metrics = bulwark::metrics::Metrics::new();
+    let tls = match tls {
+        Some(mount) => Some(bulwark::listen::ServingTls::load(
+            &mount.path("tls.crt"),
+            &mount.path("tls.key"),
+            &metrics,
+        )?),
+        None => None,
+    };
+    let address = SocketAddr::from(([127, 0, 0, 1], 0));
+    let listener = bulwark::listen::AdminListener::bind(address, limits, tls, &metrics).await?;
+    let addr = listener.local_addr();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let task = tokio::spawn(async move {
+        listener.serve(test_service(seen)).await.ok();
+    });
+    Ok((addr, metrics, task))
+}
+
+/// `GET /healthz` over plain HTTP/1.1 on a fresh connection from `source`.
+async fn healthz_from(source: [u8; 4], addr: SocketAddr) -> Result<StatusCode> {
+    let tcp = connect_from(source, addr).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await?;
+    let _conn = tokio::spawn(conn);
+    Ok(sender.send_request(get_h1("/healthz")).await?.status())
+}
+
+#[tokio::test]
+async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() -> Result<()> {
+    let limits = bulwark::config::AdminLimits {
+        max_connections: 4,
+        max_connections_per_source: 3,
+        max_connections_per_prefix: 3,
+        first_byte_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let (addr, metrics, _task) = admin(&limits, None).await?;
+
+    let started = std::time::Instant::now();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(connect_from([127, 0, 0, 1], addr).await?);
+    }
+    // A fourth from the same source is reset; another source is answered.
+    refused_from([127, 0, 0, 1], addr).await?;
+    assert_eq!(
+        within("/healthz", healthz_from([127, 0, 1, 1], addr)).await??,
+        StatusCode::OK
+    );
+    // Past the total, from anywhere, a new one is reset.
+    let open = |n: u64| {
+        let metrics = &metrics;
+        within("admin connections open", async move {
+            while counted(metrics, "bulwark_admin_connections_open") != n {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    open(3).await?;
+    held.push(connect_from([127, 0, 2, 1], addr).await?);
+    open(4).await?;
+    refused_from([127, 0, 3, 1], addr).await?;
+    assert!(started.elapsed() < limits.first_byte_timeout, "the test outran its timeout");
+
+    // Every silent connection is closed at the first byte timeout.
+    for stream in &mut held {
+        closed_by_server(stream).await?;
+    }
+    let series = |reason| format!("bulwark_admin_connections_{reason}");
+    assert_eq!(
+        counted(&metrics, &series(r#"refused_total{reason="max_connections_per_source"}"#)),
+        1
+    );
+    assert_eq!(counted(&metrics, &series(r#"refused_total{reason="max_connections"}"#)), 1);
+    assert_eq!(counted(&metrics, &series(r#"closed_total{reason="first_byte_timeout"}"#)), 4);
+    assert_eq!(counted(&metrics, "bulwark_admin_connections_open"), 0);
+    // Client connection metrics are not the admin listener's.
+    assert_eq!(counted(&metrics, "bulwark_connections_open"), 0);
+    assert_eq!(
+        within("/healthz", healthz_from([127, 0, 0, 1], addr)).await??,
+        StatusCode::OK
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn admin_tls_connections_that_send_no_request_are_closed_at_the_header_timeout()
+-> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let limits = bulwark::config::AdminLimits {
+        header_read_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let (addr, metrics, _task) = admin(&limits, Some(&mount)).await?;
+
+    // Handshakes finished, then nothing: the audit's 3,000 held for 130 s, scaled down.
+    let config = client_tls(&ca, &[b"h2"], None)?;
+    let mut idle = Vec::new();
+    for _ in 0..5 {
+        idle.push(tls_connect(addr, config.clone()).await?);
+    }
+    for stream in &mut idle {
+        let mut got = Vec::new();
+        within("the server's close", stream.read_to_end(&mut got))
+            .await?
+            .ok();
+    }
+    assert_eq!(
+        counted(
+            &metrics,
+            r#"bulwark_admin_connections_closed_total{reason="header_read_timeout"}"#
+        ),
+        5
+    );
+    let (status, _) = fetch(addr, config).await?;
+    assert_eq!(status, StatusCode::OK);
     Ok(())
 }

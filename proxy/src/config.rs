@@ -1134,7 +1134,9 @@ impl Problems {
         if per_source != 0 && per_prefix != 0 && per_prefix < per_source {
             self.add(
                 format!("{section}.maxConnectionsPerPrefix"),
-                format!("{per_prefix} is less than {section}.maxConnectionsPerSource ({per_source})"),
+                format!(
+                    "{per_prefix} is less than {section}.maxConnectionsPerSource ({per_source})"
+                ),
             );
         }
     }

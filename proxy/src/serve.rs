@@ -293,15 +293,14 @@ impl Running {
             ),
             None => None,
         };
-        let (admin_addr, admin_task) =
-            admin::serve(
-                config.admin.address,
-                &config.admin.limits,
-                admin.clone(),
-                admin_tls,
-            )
-            .await
-            .map_err(StartError::AdminListen)?;
+        let (admin_addr, admin_task) = admin::serve(
+            config.admin.address,
+            &config.admin.limits,
+            admin.clone(),
+            admin_tls,
+        )
+        .await
+        .map_err(StartError::AdminListen)?;
         let reopen = reopen_on_hangup(files.clone());
         tracing::info!(%addr, %admin_addr, "bulwark serving");
         Ok(Running {

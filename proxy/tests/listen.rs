@@ -470,7 +470,9 @@ async fn refused_from(source: [u8; 4], addr: SocketAddr) -> Result<()> {
     match connect_from(source, addr).await {
         Ok(mut stream) => closed_by_server(&mut stream).await.map(drop),
         Err(error)
-            if error.downcast_ref::<std::io::Error>().map(std::io::Error::kind)
+            if error
+                .downcast_ref::<std::io::Error>()
+                .map(std::io::Error::kind)
                 == Some(std::io::ErrorKind::ConnectionReset) =>
         {
             Ok(())
@@ -1219,12 +1221,7 @@ fn capped(total: usize, per_source: usize) -> ListenLimits {
 
 /// Opens `n` TCP connections from `source` that send nothing, and waits until the listener
 /// holds them all.
-async fn silent(
-    n: usize,
-    source: [u8; 4],
-    server: &Server,
-    open: usize,
-) -> Result<Vec<TcpStream>> {
+async fn silent(n: usize, source: [u8; 4], server: &Server, open: usize) -> Result<Vec<TcpStream>> {
     let mut held = Vec::with_capacity(n);
     for _ in 0..n {
         held.push(connect_from(source, server.addr).await?);
@@ -1314,7 +1311,15 @@ async fn silent_sockets_from_a_trusted_balancer_do_not_lock_out_its_clients() ->
     let tcp = through_balancer("192.0.2.10").await?;
     let (status, _) = within("the victim's request", fetch_over(tcp, victim.clone())).await??;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(server.last_seen().context("a request")?.peer.ip().to_string(), "192.0.2.10");
+    assert_eq!(
+        server
+            .last_seen()
+            .context("a request")?
+            .peer
+            .ip()
+            .to_string(),
+        "192.0.2.10"
+    );
     // The rest go at the PROXY header deadline, counted.
     for stream in &mut no_header {
         closed_by_server(stream).await?;
@@ -1346,8 +1351,8 @@ async fn silent_sockets_from_a_trusted_balancer_do_not_lock_out_its_clients() ->
 }
 
 #[tokio::test]
-async fn a_socket_that_sends_nothing_is_closed_at_the_first_byte_timeout_and_counted()
--> Result<()> {
+async fn a_socket_that_sends_nothing_is_closed_at_the_first_byte_timeout_and_counted() -> Result<()>
+{
     let ca = Ca::new("bulwark-ca")?;
     let mount = SecretMount::new(&ca.server()?, None)?;
     let mut limits = capped(20, 1000);
@@ -1456,7 +1461,10 @@ async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() 
     held.push(connect_from([127, 0, 2, 1], addr).await?);
     open(4).await?;
     refused_from([127, 0, 3, 1], addr).await?;
-    assert!(started.elapsed() < limits.first_byte_timeout, "the test outran its timeout");
+    assert!(
+        started.elapsed() < limits.first_byte_timeout,
+        "the test outran its timeout"
+    );
 
     // Every silent connection is closed at the first byte timeout.
     for stream in &mut held {
@@ -1464,11 +1472,26 @@ async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() 
     }
     let series = |reason| format!("bulwark_admin_connections_{reason}");
     assert_eq!(
-        counted(&metrics, &series(r#"refused_total{reason="max_connections_per_source"}"#)),
+        counted(
+            &metrics,
+            &series(r#"refused_total{reason="max_connections_per_source"}"#)
+        ),
         1
     );
-    assert_eq!(counted(&metrics, &series(r#"refused_total{reason="max_connections"}"#)), 1);
-    assert_eq!(counted(&metrics, &series(r#"closed_total{reason="first_byte_timeout"}"#)), 4);
+    assert_eq!(
+        counted(
+            &metrics,
+            &series(r#"refused_total{reason="max_connections"}"#)
+        ),
+        1
+    );
+    assert_eq!(
+        counted(
+            &metrics,
+            &series(r#"closed_total{reason="first_byte_timeout"}"#)
+        ),
+        4
+    );
     assert_eq!(counted(&metrics, "bulwark_admin_connections_open"), 0);
     // Client connection metrics are not the admin listener's.
     assert_eq!(counted(&metrics, "bulwark_connections_open"), 0);
@@ -1480,8 +1503,8 @@ async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() 
 }
 
 #[tokio::test]
-async fn admin_tls_connections_that_send_no_request_are_closed_at_the_header_timeout()
--> Result<()> {
+async fn admin_tls_connections_that_send_no_request_are_closed_at_the_header_timeout() -> Result<()>
+{
     let ca = Ca::new("bulwark-ca")?;
     let mount = SecretMount::new(&ca.server()?, None)?;
     let limits = bulwark::config::AdminLimits {

@@ -207,7 +207,12 @@ impl Connections {
     /// Sources with an open connection (bounded by the connections open).
     #[cfg(test)]
     fn sources(&self) -> usize {
-        self.0.counts.lock().expect("connection counts").sources.len()
+        self.0
+            .counts
+            .lock()
+            .expect("connection counts")
+            .sources
+            .len()
     }
 }
 
@@ -337,7 +342,9 @@ fn unregistered() -> IntGauge {
 /// which one host commonly holds whole; and its prefix: the /24 or /48 around it, which one
 /// network commonly holds whole.
 fn keys(ip: IpAddr) -> (IpAddr, IpAddr) {
-    let mask = |v6: std::net::Ipv6Addr, bits: u32| IpAddr::V6((u128::from(v6) & !(u128::MAX >> bits)).into());
+    let mask = |v6: std::net::Ipv6Addr, bits: u32| {
+        IpAddr::V6((u128::from(v6) & !(u128::MAX >> bits)).into())
+    };
     match ip.to_canonical() {
         IpAddr::V6(v6) => (mask(v6, 64), mask(v6, 48)),
         IpAddr::V4(v4) => (
@@ -445,7 +452,9 @@ mod tests {
         assert_eq!(caps.admit(peer, true).unwrap_err(), Full::Source);
         // A trusted balancer is not one source: each of its clients is, later.
         let balancer = ip("10.0.0.1");
-        let held: Vec<_> = (0..10).map(|_| caps.admit(balancer, false).unwrap()).collect();
+        let held: Vec<_> = (0..10)
+            .map(|_| caps.admit(balancer, false).unwrap())
+            .collect();
         assert_eq!(held.len(), 10);
     }
 

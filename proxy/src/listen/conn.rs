@@ -30,8 +30,8 @@ use super::proxy_header::{self, Refused, Trust};
 use super::tls::TlsState;
 use super::{ConnAuth, ConnInfo, DrainPhase, RequestPath};
 use crate::metrics::Metrics;
-use prometheus::IntCounterVec;
 use crate::{Body, BoxError, config};
+use prometheus::IntCounterVec;
 
 /// How many more `unauthenticatedTimeout` periods a connection gets whose requests could
 /// not be identified through no fault of its own.
@@ -188,8 +188,12 @@ pub(super) async fn serve<S>(
         tcp,
         peer,
         settings.trust.as_ref(),
-        deadline(settings.proxy_header_timeout.min(settings.first_byte_timeout))
-            .saturating_duration_since(tokio::time::Instant::now()),
+        deadline(
+            settings
+                .proxy_header_timeout
+                .min(settings.first_byte_timeout),
+        )
+        .saturating_duration_since(tokio::time::Instant::now()),
     );
     let (tcp, peer) = tokio::select! {
         read = header => match read {
@@ -226,7 +230,15 @@ pub(super) async fn serve<S>(
             client_chain: None,
             started,
         };
-        serve_http(TokioIo::new(tcp), peer, &settings, service, drain, Some(slot)).await;
+        serve_http(
+            TokioIo::new(tcp),
+            peer,
+            &settings,
+            service,
+            drain,
+            Some(slot),
+        )
+        .await;
         return;
     };
     // Each handshake takes the configuration current at accept, so a reload affects new
@@ -329,7 +341,10 @@ pub(super) async fn serve_http<I, S>(
         shutting_down: false,
         idle_from: tokio::time::Instant::now(),
         auth_deadline: Box::pin(tokio::time::sleep_until(
-            started + settings.unauthenticated_timeout.unwrap_or(NEVER_AUTHENTICATES),
+            started
+                + settings
+                    .unauthenticated_timeout
+                    .unwrap_or(NEVER_AUTHENTICATES),
         )),
         auth_pending: settings.unauthenticated_timeout.is_some(),
         extensions: 0,

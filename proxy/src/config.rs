@@ -268,12 +268,13 @@ pub struct ListenLimits {
     /// the audit log and certificate reloads.
     pub reserved_file_descriptors: usize,
     /// Time allowed, from the accept, for a connection's first byte (its TLS ClientHello
-    /// or PROXY header): a connection that sends nothing holds its place no longer.
+    /// or PROXY header): a connection that sends nothing holds its place no longer. The
+    /// handshake timeout, which also runs from the accept, bounds it too.
     #[serde(with = "humantime_serde")]
     pub first_byte_timeout: Duration,
     /// Time allowed, from the accept, for a trusted balancer's PROXY header to arrive in
     /// full. Until it has, the client it names is not known, so the connection is counted
-    /// against no source.
+    /// against no source. The first byte and handshake timeouts bound it too.
     #[serde(with = "humantime_serde")]
     pub proxy_header_timeout: Duration,
     /// A connection that has not authenticated a request (certificate or accepted token)
@@ -1278,17 +1279,6 @@ impl Config {
         );
         p.positive("listen.limits.firstByteTimeout", l.first_byte_timeout);
         p.positive("listen.limits.proxyHeaderTimeout", l.proxy_header_timeout);
-        for (field, timeout) in [
-            ("listen.limits.firstByteTimeout", l.first_byte_timeout),
-            ("listen.limits.proxyHeaderTimeout", l.proxy_header_timeout),
-        ] {
-            if timeout > l.handshake_timeout {
-                p.add(
-                    field,
-                    "must be at most listen.limits.handshakeTimeout, which also runs from the accept",
-                );
-            }
-        }
         p.positive(
             "listen.limits.unauthenticatedTimeout",
             l.unauthenticated_timeout,

@@ -7,6 +7,8 @@
 //! [`ConnInfo`] in every request's extensions, and
 //! [`Listener::spawn_reload`] swaps in new certificate files for new handshakes. The caller's
 //! SIGTERM handler moves a [`DrainPhase`] watch from `Serving` to `GoAway` to `Close`.
+//! [`AdminListener`] serves the admin endpoints on the same accept loop and connection
+//! handling, with caps and timeouts of its own.
 
 mod caps;
 mod conn;

@@ -1,5 +1,6 @@
 //! The client-facing listener over real TLS on 127.0.0.1: client certificates, handshake and
-//! header limits, certificate reload, the idle timeout, the GOAWAY chance and the drain.
+//! header limits, certificate reload, the idle timeout, the GOAWAY chance, the drain, the
+//! connection caps against silent sockets, and the admin listener's caps and timeouts.
 //!
 //! Each test mints its own PKI (rcgen, ECDSA) and serves a trivial service that answers
 //! `200 ok` and records the [`ConnInfo`] of every request, so nothing here depends on the

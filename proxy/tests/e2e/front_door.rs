@@ -1,7 +1,8 @@
 //! Bulwark behind its load balancer and under hostile connection load: the PROXY protocol
-//! from trusted balancers only (with haproxy's `send-proxy-v2` in front), connection caps in
-//! all and per source that refuse fast, and connections that never authenticate (or keep
-//! failing to) closed, while established clients and the admin listener keep answering.
+//! from trusted balancers only (with haproxy's `send-proxy-v2` in front), connection caps per
+//! source that refuse fast and a total cap at which the oldest unauthenticated connection
+//! makes room, and connections that never authenticate (or keep failing to) closed, while
+//! established clients and the admin listener keep answering.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -338,19 +338,26 @@ fn unregistered() -> IntGauge {
     IntGauge::new("bulwark_connections_open", "unregistered").expect("valid metric definition")
 }
 
-/// A source as it is counted: IPv4 (and IPv4-mapped IPv6) by address, IPv6 by its /64,
-/// which one host commonly holds whole; and its prefix: the /24 or /48 around it, which one
-/// network commonly holds whole.
+/// A connection's source and prefix, as the caps count them.
 fn keys(ip: IpAddr) -> (IpAddr, IpAddr) {
-    let mask = |v6: std::net::Ipv6Addr, bits: u32| {
-        IpAddr::V6((u128::from(v6) & !(u128::MAX >> bits)).into())
-    };
+    (source_of(ip), prefix_of(ip))
+}
+
+/// A client address as one source: IPv4 (and IPv4-mapped IPv6) by address, IPv6 by its
+/// /64, which one host commonly holds whole.
+pub fn source_of(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
-        IpAddr::V6(v6) => (mask(v6, 64), mask(v6, 48)),
-        IpAddr::V4(v4) => (
-            IpAddr::V4(v4),
-            IpAddr::V4((u32::from(v4) & 0xffff_ff00).into()),
-        ),
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !(u128::MAX >> 64)).into()),
+        v4 => v4,
+    }
+}
+
+/// A client address's prefix: the /24 (IPv4, and IPv4-mapped IPv6) or /48 (IPv6) around
+/// it, which one network commonly holds whole.
+pub fn prefix_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !(u128::MAX >> 48)).into()),
+        IpAddr::V4(v4) => IpAddr::V4((u32::from(v4) & !0xff).into()),
     }
 }
 

@@ -3,7 +3,9 @@
 //! filter such as `debug` or `info,bulwark::admit=debug` to change it) (DESIGN.md step 10).
 //!
 //! Plain HTTP on its own address (localhost unless configured), apart from client traffic
-//! so that probes and scrapes never queue behind it. `/debug/*` needs the configured token
+//! so that probes and scrapes never queue behind it, with connection caps and timeouts of
+//! its own (`admin.limits`) so that a flood of it cannot take the descriptors the rest of
+//! the process needs. `/debug/*` needs the configured token
 //! when the listener is not bound to a loopback address.
 
 mod scrapers;
@@ -15,15 +17,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::admit::Admission;
 use crate::cache::Cache;
 use crate::config;
 use crate::fleet::Fleet;
+use crate::listen::{AdminListener, ConnInfo, ListenError};
 use crate::metrics::Metrics;
 use crate::report::Chain;
 use crate::rules::Rules;
@@ -145,20 +145,20 @@ pub struct MetricsAuth {
     pub scrapers: Scrapers,
 }
 
-/// How long a TLS handshake on the admin listener may take.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How often the admin listener's certificate files are checked for a change.
 const TLS_RELOAD_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Binds the admin listener and serves it in the background: HTTPS with `tls`.
+/// Binds the admin listener and serves it in the background: HTTPS with `tls`, within
+/// `limits`' caps and timeouts (the client listener's machinery, [`AdminListener`]).
 pub async fn serve(
     address: SocketAddr,
+    limits: &config::AdminLimits,
     state: Arc<State>,
     tls: Option<crate::listen::ServingTls>,
-) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
-    let listener = TcpListener::bind(address).await?;
-    let local = listener.local_addr()?;
-    if let Some(tls) = tls.clone() {
+) -> Result<(SocketAddr, JoinHandle<()>), ListenError> {
+    let listener = AdminListener::bind(address, limits, tls.clone(), &state.metrics).await?;
+    let local = listener.local_addr();
+    if let Some(tls) = tls {
         tokio::spawn(async move {
             let mut every = tokio::time::interval(TLS_RELOAD_EVERY);
             every.tick().await;
@@ -176,39 +176,20 @@ pub async fn serve(
             }
         });
     }
+    let service = tower::service_fn(move |request: Request<Incoming>| {
+        let state = state.clone();
+        async move {
+            // Every request the listener serves carries its connection's details.
+            let peer = request
+                .extensions()
+                .get::<ConnInfo>()
+                .map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |info| info.peer);
+            Ok::<_, Infallible>(handle(&state, request, peer).await)
+        }
+    });
     let task = tokio::spawn(async move {
-        loop {
-            let Ok((stream, peer)) = listener.accept().await else {
-                // Out of descriptors, most likely: do not spin.
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            };
-            let state = state.clone();
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |request| {
-                    let state = state.clone();
-                    async move { Ok::<_, Infallible>(handle(&state, request, peer).await) }
-                });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                match tls {
-                    None => {
-                        let _ = builder
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
-                    }
-                    Some(tls) => {
-                        let accepted =
-                            tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.acceptor().accept(stream))
-                                .await;
-                        if let Ok(Ok(stream)) = accepted {
-                            let _ = builder
-                                .serve_connection(TokioIo::new(stream), service)
-                                .await;
-                        }
-                    }
-                }
-            });
+        if let Err(error) = listener.serve(service).await {
+            tracing::error!(error = %Chain(&error), "the admin listener stopped");
         }
     });
     Ok((local, task))

@@ -259,9 +259,24 @@ pub struct ListenLimits {
     /// where a trusted balancer sends one, else the peer's: behind a balancer that hides
     /// client addresses without the PROXY protocol, raise it or set it to 0.
     pub max_connections_per_source: usize,
+    /// Client connections open at once from one /24 (IPv4) or /48 (IPv6), all its sources
+    /// together, counted the way `maxConnectionsPerSource` is; `0` for no cap. At least
+    /// `maxConnectionsPerSource` when both are set.
+    pub max_connections_per_prefix: usize,
     /// File descriptors kept out of reach of client connections, for upstream
-    /// connections, the admin listener, the audit log and certificate reloads.
+    /// connections, the admin listener (a quarter at most: `admin.limits.maxConnections`),
+    /// the audit log and certificate reloads.
     pub reserved_file_descriptors: usize,
+    /// Time allowed, from the accept, for a connection's first byte (its TLS ClientHello
+    /// or PROXY header): a connection that sends nothing holds its place no longer. The
+    /// handshake timeout, which also runs from the accept, bounds it too.
+    #[serde(with = "humantime_serde")]
+    pub first_byte_timeout: Duration,
+    /// Time allowed, from the accept, for a trusted balancer's PROXY header to arrive in
+    /// full. Until it has, the client it names is not known, so the connection is counted
+    /// against no source. The first byte and handshake timeouts bound it too.
+    #[serde(with = "humantime_serde")]
+    pub proxy_header_timeout: Duration,
     /// A connection that has not authenticated a request (certificate or accepted token)
     /// within this time after it was accepted is closed: a client that only collects 401s
     /// holds no connection. Requests on the anonymous allowlist do not count. A connection
@@ -294,7 +309,10 @@ impl Default for ListenLimits {
             file_check_interval: Duration::from_secs(30),
             max_connections: 20_000,
             max_connections_per_source: 1_000,
+            max_connections_per_prefix: 8_000,
             reserved_file_descriptors: 1_024,
+            first_byte_timeout: Duration::from_secs(5),
+            proxy_header_timeout: Duration::from_secs(3),
             unauthenticated_timeout: Duration::from_secs(10),
             max_unauthenticated_requests: 16,
         }
@@ -338,6 +356,8 @@ pub struct Admin {
     pub tls: Option<AdminTls>,
     /// Who may read `/metrics`.
     pub metrics_access: MetricsAccess,
+    /// Connection caps and timeouts, the client listener's kind, smaller.
+    pub limits: AdminLimits,
 }
 
 impl Default for Admin {
@@ -347,6 +367,52 @@ impl Default for Admin {
             token_file: None,
             tls: None,
             metrics_access: MetricsAccess::Anyone,
+            limits: AdminLimits::default(),
+        }
+    }
+}
+
+/// The admin listener's connection caps and timeouts. Its connections live on the file
+/// descriptors `listen.limits.reservedFileDescriptors` keeps back, so its total must fit in
+/// a quarter of them: a flood of the admin port then cannot take what upstream connections
+/// and certificate reloads need.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AdminLimits {
+    /// Admin connections open at once; past it a new one is reset as soon as it is
+    /// accepted. Probes and scrapes need a handful.
+    pub max_connections: usize,
+    /// Admin connections open at once from one source address (an IPv6 source by its
+    /// /64); `0` for no cap.
+    pub max_connections_per_source: usize,
+    /// Admin connections open at once from one /24 or /48; `0` for no cap. At least
+    /// `maxConnectionsPerSource` when both are set.
+    pub max_connections_per_prefix: usize,
+    /// Time allowed, from the accept, for the first byte.
+    #[serde(with = "humantime_serde")]
+    pub first_byte_timeout: Duration,
+    /// Time allowed, from the accept, for the TLS handshake (with `admin.tls`).
+    #[serde(with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+    /// Time allowed for a request head to arrive in full; a new connection must send its
+    /// first request within it.
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// A connection with no open request for this long is closed.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+}
+
+impl Default for AdminLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 64,
+            max_connections_per_source: 16,
+            max_connections_per_prefix: 32,
+            first_byte_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -1065,6 +1131,19 @@ impl Problems {
         }
     }
 
+    /// A per-prefix cap, which must hold at least one source's connections when both are
+    /// capped (a prefix holds its sources).
+    fn prefix_cap(&mut self, section: &str, per_source: usize, per_prefix: usize) {
+        if per_source != 0 && per_prefix != 0 && per_prefix < per_source {
+            self.add(
+                format!("{section}.maxConnectionsPerPrefix"),
+                format!(
+                    "{per_prefix} is less than {section}.maxConnectionsPerSource ({per_source})"
+                ),
+            );
+        }
+    }
+
     /// A file or folder path that must not be empty.
     fn path(&mut self, field: &str, value: &Path) {
         if value.as_os_str().is_empty() {
@@ -1143,6 +1222,7 @@ impl Config {
             p.path("admin.tls.cert", &tls.cert);
             p.path("admin.tls.key", &tls.key);
         }
+        self.validate_admin_limits(&mut p);
         if self.admin.metrics_access == MetricsAccess::Authorized && self.admin.tls.is_none() {
             p.add(
                 "admin.metricsAccess",
@@ -1194,6 +1274,13 @@ impl Config {
         p.positive("listen.limits.bodyTimeout", l.body_timeout);
         p.positive("listen.limits.sendProgressTimeout", l.send_progress_timeout);
         p.nonzero("listen.limits.maxConnections", l.max_connections as u64);
+        p.prefix_cap(
+            "listen.limits",
+            l.max_connections_per_source,
+            l.max_connections_per_prefix,
+        );
+        p.positive("listen.limits.firstByteTimeout", l.first_byte_timeout);
+        p.positive("listen.limits.proxyHeaderTimeout", l.proxy_header_timeout);
         p.positive(
             "listen.limits.unauthenticatedTimeout",
             l.unauthenticated_timeout,
@@ -1221,6 +1308,32 @@ impl Config {
                 ),
             );
         }
+    }
+
+    fn validate_admin_limits(&self, p: &mut Problems) {
+        let l = &self.admin.limits;
+        p.nonzero("admin.limits.maxConnections", l.max_connections as u64);
+        let share = self.listen.limits.reserved_file_descriptors / 4;
+        if l.max_connections > share {
+            p.add(
+                "admin.limits.maxConnections",
+                format!(
+                    "{} is more than {share}, a quarter of listen.limits.reservedFileDescriptors \
+                     (admin connections use the reserve; the rest is for upstream connections, \
+                     logs and reloads)",
+                    l.max_connections
+                ),
+            );
+        }
+        p.prefix_cap(
+            "admin.limits",
+            l.max_connections_per_source,
+            l.max_connections_per_prefix,
+        );
+        p.positive("admin.limits.firstByteTimeout", l.first_byte_timeout);
+        p.positive("admin.limits.handshakeTimeout", l.handshake_timeout);
+        p.positive("admin.limits.headerReadTimeout", l.header_read_timeout);
+        p.positive("admin.limits.idleTimeout", l.idle_timeout);
     }
 
     fn validate_upstream(&self, p: &mut Problems) {

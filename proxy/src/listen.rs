@@ -7,6 +7,8 @@
 //! [`ConnInfo`] in every request's extensions, and
 //! [`Listener::spawn_reload`] swaps in new certificate files for new handshakes. The caller's
 //! SIGTERM handler moves a [`DrainPhase`] watch from `Serving` to `GoAway` to `Close`.
+//! [`AdminListener`] serves the admin endpoints on the same accept loop and connection
+//! handling, with caps and timeouts of its own.
 
 mod caps;
 mod conn;
@@ -39,7 +41,7 @@ use crate::identity::User;
 use crate::identity::review::TokenMemo;
 use crate::metrics::Metrics;
 
-pub use caps::{Connections, raise_open_file_limit};
+pub use caps::{Connections, prefix_of, raise_open_file_limit, source_of};
 #[doc(hidden)]
 pub use proxy_header::at_start as proxy_header_at_start;
 pub use workers::Worker;
@@ -195,7 +197,7 @@ pub enum DrainPhase {
 }
 
 /// A serving certificate and key without client certificates (the admin listener's),
-/// re-read on demand.
+/// re-read on demand; [`AdminListener::bind`] takes it.
 #[derive(Clone)]
 pub struct ServingTls(Arc<tls::TlsState>);
 
@@ -455,7 +457,7 @@ impl Listener {
                     client_chain: None,
                     started: tokio::time::Instant::now(),
                 };
-                conn::serve_http(TokioIo::new(io), peer, &settings, service, drain).await;
+                conn::serve_http(TokioIo::new(io), peer, &settings, service, drain, None).await;
             })
         }))
     }
@@ -497,18 +499,18 @@ impl Listener {
 
     fn shared(&self, drain: &watch::Receiver<DrainPhase>) -> workers::Shared {
         workers::Shared {
-            tls: self.tls.clone(),
+            tls: Some(self.tls.clone()),
             settings: self.settings.clone(),
             connections: self.connections.clone(),
             drain: drain.clone(),
         }
     }
 
-    /// The accept loop: admits each connection within the caps and hands it on.
+    /// The accept loop, until the drain stops it.
     async fn accept(
         self,
-        mut dispatch: workers::Dispatch,
-        mut drain: watch::Receiver<DrainPhase>,
+        dispatch: workers::Dispatch,
+        drain: watch::Receiver<DrainPhase>,
     ) -> Result<(), ListenError> {
         let Listener {
             tcp,
@@ -516,50 +518,144 @@ impl Listener {
             connections,
             ..
         } = self;
-        let mut drain_open = true;
-        let mut result = Ok(());
-        while *drain.borrow_and_update() == DrainPhase::Serving {
-            tokio::select! {
-                accepted = tcp.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        // Small writes (HTTP/2 frames, watch events) must not wait for Nagle.
-                        if let Err(error) = stream.set_nodelay(true) {
-                            tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
-                        }
-                        match connections.admit() {
-                            Ok(guard) => dispatch.hand(stream, peer, guard),
-                            Err(full) => refuse(stream, full.reason(), &settings),
-                        }
+        accept(tcp, &settings, &connections, dispatch, drain, "client").await
+    }
+}
+
+/// The admin listener's socket with its caps and timeouts (DESIGN.md step 10): the client
+/// listener's accept loop and connection handling, plain HTTP or TLS without client
+/// certificates, and nothing that authenticates, so nothing is evicted: past a cap a new
+/// connection is reset.
+pub struct AdminListener {
+    tcp: TcpListener,
+    local_addr: SocketAddr,
+    tls: Option<ServingTls>,
+    settings: Arc<conn::Settings>,
+    connections: Connections,
+}
+
+impl AdminListener {
+    /// Binds `address`; connections are capped and timed by `limits` and counted in
+    /// `metrics`' `bulwark_admin_connections_*`.
+    pub async fn bind(
+        address: SocketAddr,
+        limits: &config::AdminLimits,
+        tls: Option<ServingTls>,
+        metrics: &Metrics,
+    ) -> Result<AdminListener, ListenError> {
+        let bind_error = |source| ListenError::Bind { address, source };
+        let tcp = TcpListener::bind(address).await.map_err(bind_error)?;
+        let local_addr = tcp.local_addr().map_err(bind_error)?;
+        let connections = Connections::with_caps(
+            caps::Caps {
+                total: limits.max_connections,
+                per_source: limits.max_connections_per_source,
+                per_prefix: limits.max_connections_per_prefix,
+                evict: false,
+            },
+            metrics.admin_connections_open.clone(),
+        );
+        Ok(AdminListener {
+            tcp,
+            local_addr,
+            tls,
+            settings: Arc::new(conn::Settings::admin(limits, metrics)),
+            connections,
+        })
+    }
+
+    /// The bound address (useful when the configured port was 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Accepts and serves connections with `service` (each request carries a
+    /// [`ConnInfo`]) until the socket fails.
+    pub async fn serve<S: RequestPath>(self, service: S) -> Result<(), ListenError> {
+        // Nobody drains the admin listener: it answers probes until the process ends.
+        let (_, drain) = watch::channel(DrainPhase::Serving);
+        let shared = workers::Shared {
+            tls: self.tls.map(|tls| tls.0),
+            settings: self.settings.clone(),
+            connections: self.connections.clone(),
+            drain: drain.clone(),
+        };
+        let dispatch = workers::Dispatch::local(service, shared);
+        accept(
+            self.tcp,
+            &self.settings,
+            &self.connections,
+            dispatch,
+            drain,
+            "admin",
+        )
+        .await
+    }
+}
+
+/// The accept loop of a listener (`which` names it in logs): admits each connection within
+/// the caps and hands it on, until the drain reaches [`DrainPhase::GoAway`].
+async fn accept(
+    tcp: TcpListener,
+    settings: &conn::Settings,
+    connections: &Connections,
+    mut dispatch: workers::Dispatch,
+    mut drain: watch::Receiver<DrainPhase>,
+    which: &'static str,
+) -> Result<(), ListenError> {
+    let mut drain_open = true;
+    let mut result = Ok(());
+    while *drain.borrow_and_update() == DrainPhase::Serving {
+        tokio::select! {
+            accepted = tcp.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    // Small writes (HTTP/2 frames, watch events) must not wait for Nagle.
+                    if let Err(error) = stream.set_nodelay(true) {
+                        tracing::debug!(%peer, %error, "cannot set TCP_NODELAY");
                     }
-                    Err(error) => match accept_error(&error) {
-                        AcceptError::Transient => {}
-                        AcceptError::Exhausted => {
-                            tracing::warn!(%error, "cannot accept connections; retrying shortly");
-                            tokio::time::sleep(Duration::from_millis(100)).await;
+                    // A peer is counted against its source and prefix before it sends a
+                    // byte, unless it is a trusted balancer: its PROXY header names the
+                    // client to count.
+                    let ip = peer.ip();
+                    match connections.admit(ip, settings.counted_at_accept(ip)) {
+                        Ok(admitted) => {
+                            if admitted.evicted {
+                                settings.closed("evicted");
+                            }
+                            dispatch.hand(stream, peer, admitted);
                         }
-                        AcceptError::Fatal => {
-                            result = Err(ListenError::Accept(error));
-                            break;
-                        }
-                    },
+                        Err(full) => refuse(stream, full.reason(), settings),
+                    }
+                }
+                Err(error) => match accept_error(&error) {
+                    AcceptError::Transient => {}
+                    AcceptError::Exhausted => {
+                        tracing::warn!(listener = which, %error, "cannot accept connections; retrying shortly");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    AcceptError::Fatal => {
+                        result = Err(ListenError::Accept(error));
+                        break;
+                    }
                 },
-                changed = drain.changed(), if drain_open => {
-                    if changed.is_err() {
-                        drain_open = false;
-                    }
+            },
+            changed = drain.changed(), if drain_open => {
+                if changed.is_err() {
+                    drain_open = false;
                 }
             }
         }
-        // Closing the socket now makes new connections fail fast so that clients and load
-        // balancers pick another replica.
-        drop(tcp);
-        tracing::info!(
-            open = connections.open(),
-            "stopped accepting client connections"
-        );
-        dispatch.finish().await;
-        result
     }
+    // Closing the socket now makes new connections fail fast so that clients and load
+    // balancers pick another replica.
+    drop(tcp);
+    tracing::info!(
+        listener = which,
+        open = connections.open(),
+        "stopped accepting connections"
+    );
+    dispatch.finish().await;
+    result
 }
 
 /// Closes a connection Bulwark will not serve, with a reset so that the client fails at

@@ -246,9 +246,17 @@ pub struct MetricFamilies {
     /// `bulwark_connections_refused_total{reason}`: client connections closed before
     /// their handshake (a cap, or the PROXY protocol).
     pub connections_refused_total: IntCounterVec,
-    /// `bulwark_connections_closed_total{reason}`: client connections Bulwark closed for
-    /// not authenticating.
+    /// `bulwark_connections_closed_total{reason}`: client connections Bulwark closed: for
+    /// not authenticating, for a timeout before their first request, or evicted.
     pub connections_closed_total: IntCounterVec,
+    /// `bulwark_admin_connections_open`: admin listener connections open.
+    pub admin_connections_open: IntGauge,
+    /// `bulwark_admin_connections_refused_total{reason}`: admin connections reset at
+    /// accept for a cap.
+    pub admin_connections_refused_total: IntCounterVec,
+    /// `bulwark_admin_connections_closed_total{reason}`: admin connections closed for a
+    /// timeout before their first request.
+    pub admin_connections_closed_total: IntCounterVec,
     /// `bulwark_fleet_members`: live members of the fleet this replica sees (0 when the
     /// fleet is off or on the static split).
     pub fleet_members: IntGauge,
@@ -357,12 +365,22 @@ impl Metrics {
         );
         let connections_refused_total = counter(
             "connections_refused_total",
-            "Client connections closed before their TLS handshake, by reason: max_connections, max_connections_per_source, proxy_header_untrusted, proxy_header_missing, proxy_header_malformed, proxy_header_silent.",
+            "Client connections closed before their TLS handshake, by reason: max_connections, max_connections_per_source, max_connections_per_prefix, proxy_header_untrusted, proxy_header_missing, proxy_header_malformed, proxy_header_silent.",
             &["reason"],
         );
         let connections_closed_total = counter(
             "connections_closed_total",
-            "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row), client_not_reading (a response waited for its client past listen.limits.sendProgressTimeout).",
+            "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row), first_byte_timeout, proxy_header_timeout, handshake_timeout, header_read_timeout (no first request in time), evicted (the oldest unauthenticated connection, for a new one at maxConnections), client_not_reading (a response waited for its client past listen.limits.sendProgressTimeout).",
+            &["reason"],
+        );
+        let admin_connections_refused_total = counter(
+            "admin_connections_refused_total",
+            "Admin listener connections reset as soon as accepted, by reason: max_connections, max_connections_per_source, max_connections_per_prefix.",
+            &["reason"],
+        );
+        let admin_connections_closed_total = counter(
+            "admin_connections_closed_total",
+            "Admin listener connections Bulwark closed, by reason: first_byte_timeout, handshake_timeout, header_read_timeout.",
             &["reason"],
         );
         let fleet_renewals_total = counter(
@@ -407,6 +425,10 @@ impl Metrics {
         let connections_open = plain_gauge(
             "connections_open",
             "Client connections open, TLS handshakes included.",
+        );
+        let admin_connections_open = plain_gauge(
+            "admin_connections_open",
+            "Admin listener connections open, TLS handshakes included.",
         );
         let rules_stale = plain_gauge(
             "rules_stale",
@@ -577,6 +599,9 @@ impl Metrics {
             connections_max,
             connections_refused_total,
             connections_closed_total,
+            admin_connections_open,
+            admin_connections_refused_total,
+            admin_connections_closed_total,
             fleet_members,
             fleet_static,
             fleet_rate_flows,

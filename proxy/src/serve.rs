@@ -48,6 +48,9 @@ pub enum StartError {
     /// The admin listener's certificate.
     #[error("admin.tls: {0}")]
     AdminTls(#[source] ListenError),
+    /// The admin listener's socket.
+    #[error("admin: {0}")]
+    AdminListen(#[source] ListenError),
     /// A worker thread's runtime.
     #[error("listen.workers: cannot build a worker's runtime: {0}")]
     Workers(#[source] std::io::Error),
@@ -297,8 +300,14 @@ impl Running {
             ),
             None => None,
         };
-        let (admin_addr, admin_task) =
-            admin::serve(config.admin.address, admin.clone(), admin_tls).await?;
+        let (admin_addr, admin_task) = admin::serve(
+            config.admin.address,
+            &config.admin.limits,
+            admin.clone(),
+            admin_tls,
+        )
+        .await
+        .map_err(StartError::AdminListen)?;
         let reopen = reopen_on_hangup(files.clone());
         tracing::info!(%addr, %admin_addr, "bulwark serving");
         Ok(Running {

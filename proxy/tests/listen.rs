@@ -1,5 +1,6 @@
 //! The client-facing listener over real TLS on 127.0.0.1: client certificates, handshake and
-//! header limits, certificate reload, the idle timeout, the GOAWAY chance and the drain.
+//! header limits, certificate reload, the idle timeout, the GOAWAY chance, the drain, the
+//! connection caps against silent sockets, and the admin listener's caps and timeouts.
 //!
 //! Each test mints its own PKI (rcgen, ECDSA) and serves a trivial service that answers
 //! `200 ok` and records the [`ConnInfo`] of every request, so nothing here depends on the
@@ -231,6 +232,7 @@ struct Server {
     reloader: Reloader,
     reload: Option<JoinHandle<()>>,
     handoff: Handoff,
+    metrics: bulwark::metrics::Metrics,
 }
 
 impl Server {
@@ -240,7 +242,8 @@ impl Server {
 
     /// Serves on `workers` threads of its own, or on the test's runtime with 0.
     async fn start_on(cfg: &Listen, watch_files: bool, workers: usize) -> Result<Self> {
-        let listener = Listener::bind(cfg, &bulwark::metrics::Metrics::new()).await?;
+        let metrics = bulwark::metrics::Metrics::new();
+        let listener = Listener::bind(cfg, &metrics).await?;
         let addr = listener.local_addr();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
@@ -265,6 +268,7 @@ impl Server {
             reloader,
             reload,
             handoff,
+            metrics,
         })
     }
 
@@ -443,6 +447,67 @@ async fn closed_by_server(stream: &mut TcpStream) -> Result<Vec<u8>> {
         // A reset is as closed as an EOF.
         Ok(_) => Ok(got),
     }
+}
+
+/// A counter's value in the metrics' text (0 when it was never counted).
+fn counted(metrics: &bulwark::metrics::Metrics, series: &str) -> u64 {
+    metrics
+        .render()
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A TCP connection to `addr` from `source` (any 127/8 address is this host's).
+async fn connect_from(source: [u8; 4], addr: SocketAddr) -> Result<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::from((source, 0)))?;
+    Ok(socket.connect(addr).await?)
+}
+
+/// Connects from `source` and waits (bounded) for the server to close the connection: a
+/// connection refused at accept (a reset can beat the connect's own completion).
+async fn refused_from(source: [u8; 4], addr: SocketAddr) -> Result<()> {
+    match connect_from(source, addr).await {
+        Ok(mut stream) => closed_by_server(&mut stream).await.map(drop),
+        Err(error)
+            if error
+                .downcast_ref::<std::io::Error>()
+                .map(std::io::Error::kind)
+                == Some(std::io::ErrorKind::ConnectionReset) =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Waits (bounded) until the listener counts `n` connections open.
+async fn until_open(connections: &Connections, n: usize) -> Result<()> {
+    within(&format!("{n} connections open"), async {
+        while connections.open() != n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+}
+
+/// A GET of `/` over HTTP/2 on a connection already open.
+async fn fetch_over(
+    tcp: TcpStream,
+    config: Arc<rustls::ClientConfig>,
+) -> Result<(StatusCode, Bytes)> {
+    let tls = TlsConnector::from(config)
+        .connect(ServerName::try_from("localhost")?, tcp)
+        .await?;
+    let (mut sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .handshake(TokioIo::new(tls))
+        .await?;
+    let _conn = tokio::spawn(conn);
+    let response = sender.send_request(get("/")).await?;
+    let status = response.status();
+    Ok((status, response.into_body().collect().await?.to_bytes()))
 }
 
 async fn within<T>(what: &str, fut: impl Future<Output = T>) -> Result<T> {
@@ -1134,5 +1199,341 @@ async fn tls12_and_tls13_clients_are_both_served() -> Result<()> {
             .context("chain")?;
         assert_eq!(chain[0], alice.der, "{:?}", version.version);
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Connection caps against silent sockets (issue 33)
+// ---------------------------------------------------------------------------------------
+
+/// Caps scaled down from the defaults, with timeouts long enough that silent sockets hold
+/// their places for the whole test unless something closes them.
+fn capped(total: usize, per_source: usize) -> ListenLimits {
+    ListenLimits {
+        max_connections: total,
+        max_connections_per_source: per_source,
+        max_connections_per_prefix: 0,
+        handshake_timeout: Duration::from_secs(30),
+        first_byte_timeout: Duration::from_secs(30),
+        proxy_header_timeout: Duration::from_secs(30),
+        ..limits()
+    }
+}
+
+/// Opens `n` TCP connections from `source` that send nothing, and waits until the listener
+/// holds them all.
+async fn silent(n: usize, source: [u8; 4], server: &Server, open: usize) -> Result<Vec<TcpStream>> {
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        held.push(connect_from(source, server.addr).await?);
+    }
+    until_open(&server.connections, open).await?;
+    Ok(held)
+}
+
+#[tokio::test]
+async fn silent_sockets_filling_the_total_cap_do_not_lock_out_a_client_with_a_certificate()
+-> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, Some(&ca))?;
+    let server = Server::start(&listen_config(&mount, true, capped(20, 1000)), false).await?;
+    let victim = client_tls(&ca, &[b"h2"], Some(&ca.client("alice")?))?;
+
+    let mut held = silent(20, [127, 0, 0, 1], &server, 20).await?;
+    let tcp = connect_from([127, 0, 0, 1], server.addr).await?;
+    let (status, _) = within("the victim's request", fetch_over(tcp, victim)).await??;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        counted(
+            &server.metrics,
+            r#"bulwark_connections_closed_total{reason="evicted"}"#
+        ),
+        1
+    );
+    // The oldest silent socket made the room.
+    closed_by_server(&mut held[0]).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn with_the_proxy_protocol_an_untrusted_peer_is_capped_as_one_source_before_any_header()
+-> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, Some(&ca))?;
+    let mut cfg = listen_config(&mount, true, capped(20, 5));
+    cfg.proxy_protocol = Some(bulwark::config::ProxyProtocol {
+        trusted_sources: vec!["10.0.0.0/8".parse()?],
+        required: true,
+    });
+    let server = Server::start(&cfg, false).await?;
+    let victim = client_tls(&ca, &[b"h2"], Some(&ca.client("alice")?))?;
+
+    let _held = silent(5, [127, 0, 0, 1], &server, 5).await?;
+    for _ in 0..15 {
+        refused_from([127, 0, 0, 1], server.addr).await?;
+    }
+    assert_eq!(server.connections.open(), 5);
+    assert_eq!(
+        counted(
+            &server.metrics,
+            r#"bulwark_connections_refused_total{reason="max_connections_per_source"}"#
+        ),
+        15
+    );
+    let tcp = connect_from([127, 0, 1, 1], server.addr).await?;
+    let (status, _) = within("the victim's request", fetch_over(tcp, victim)).await??;
+    assert_eq!(status, StatusCode::OK);
+    Ok(())
+}
+
+#[tokio::test]
+async fn silent_sockets_from_a_trusted_balancer_do_not_lock_out_its_clients() -> Result<()> {
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, Some(&ca))?;
+    let mut limits = capped(20, 5);
+    limits.proxy_header_timeout = Duration::from_millis(300);
+    let mut cfg = listen_config(&mount, true, limits);
+    cfg.proxy_protocol = Some(bulwark::config::ProxyProtocol {
+        trusted_sources: vec!["127.0.0.1/32".parse()?],
+        required: true,
+    });
+    let server = Server::start(&cfg, false).await?;
+    let victim = client_tls(&ca, &[b"h2"], Some(&ca.client("alice")?))?;
+    let through_balancer = |client: &'static str| async move {
+        let mut tcp = connect_from([127, 0, 0, 1], server.addr).await?;
+        tcp.write_all(format!("PROXY TCP4 {client} 127.0.0.1 40000 6443\r\n").as_bytes())
+            .await?;
+        Ok::<_, anyhow::Error>(tcp)
+    };
+
+    // The balancer is not one source: all its clients come from it. Its silent sockets
+    // (no header) fill the total cap, and a client with a certificate still gets in.
+    let mut no_header = silent(20, [127, 0, 0, 1], &server, 20).await?;
+    let tcp = through_balancer("192.0.2.10").await?;
+    let (status, _) = within("the victim's request", fetch_over(tcp, victim.clone())).await??;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        server
+            .last_seen()
+            .context("a request")?
+            .peer
+            .ip()
+            .to_string(),
+        "192.0.2.10"
+    );
+    // The rest go at the PROXY header deadline, counted.
+    for stream in &mut no_header {
+        closed_by_server(stream).await?;
+    }
+    assert!(
+        counted(
+            &server.metrics,
+            r#"bulwark_connections_closed_total{reason="proxy_header_timeout"}"#
+        ) >= 15
+    );
+
+    // A header naming one client, then silence: that client is capped as one source.
+    let mut one_client = Vec::new();
+    for _ in 0..20 {
+        one_client.push(through_balancer("198.51.100.7").await?);
+    }
+    until_open(&server.connections, 5).await?;
+    let tcp = through_balancer("192.0.2.11").await?;
+    let (status, _) = within("the victim's request", fetch_over(tcp, victim)).await??;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        counted(
+            &server.metrics,
+            r#"bulwark_connections_refused_total{reason="max_connections_per_source"}"#
+        ),
+        15
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_socket_that_sends_nothing_is_closed_at_the_first_byte_timeout_and_counted() -> Result<()>
+{
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let mut limits = capped(20, 1000);
+    limits.first_byte_timeout = Duration::from_millis(200);
+    let server = Server::start(&listen_config(&mount, false, limits), false).await?;
+
+    let started = std::time::Instant::now();
+    let mut stalled = TcpStream::connect(server.addr).await?;
+    closed_by_server(&mut stalled).await?;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "closed at the first byte timeout, long before the handshake timeout"
+    );
+    assert_eq!(
+        counted(
+            &server.metrics,
+            r#"bulwark_connections_closed_total{reason="first_byte_timeout"}"#
+        ),
+        1
+    );
+    // A handshake begun and never finished is counted too.
+    let mut limits = capped(20, 1000);
+    limits.handshake_timeout = Duration::from_millis(300);
+    let server = Server::start(&listen_config(&mount, false, limits), false).await?;
+    let mut half = TcpStream::connect(server.addr).await?;
+    half.write_all(&[0x16, 0x03, 0x01, 0x00, 0x40]).await?;
+    closed_by_server(&mut half).await?;
+    assert_eq!(
+        counted(
+            &server.metrics,
+            r#"bulwark_connections_closed_total{reason="handshake_timeout"}"#
+        ),
+        1
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The admin listener's caps and timeouts
+// ---------------------------------------------------------------------------------------
+
+/// An admin listener serving the test service, and its metrics.
+async fn admin(
+    limits: &bulwark::config::AdminLimits,
+    tls: Option<&SecretMount>,
+) -> Result<(SocketAddr, bulwark::metrics::Metrics, JoinHandle<()>)> {
+    let metrics = bulwark::metrics::Metrics::new();
+    let tls = match tls {
+        Some(mount) => Some(bulwark::listen::ServingTls::load(
+            &mount.path("tls.crt"),
+            &mount.path("tls.key"),
+            &metrics,
+        )?),
+        None => None,
+    };
+    let address = SocketAddr::from(([127, 0, 0, 1], 0));
+    let listener = bulwark::listen::AdminListener::bind(address, limits, tls, &metrics).await?;
+    let addr = listener.local_addr();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let task = tokio::spawn(async move {
+        listener.serve(test_service(seen)).await.ok();
+    });
+    Ok((addr, metrics, task))
+}
+
+/// `GET /healthz` over plain HTTP/1.1 on a fresh connection from `source`.
+async fn healthz_from(source: [u8; 4], addr: SocketAddr) -> Result<StatusCode> {
+    let tcp = connect_from(source, addr).await?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await?;
+    let _conn = tokio::spawn(conn);
+    Ok(sender.send_request(get_h1("/healthz")).await?.status())
+}
+
+#[tokio::test]
+async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() -> Result<()> {
+    let limits = bulwark::config::AdminLimits {
+        max_connections: 4,
+        max_connections_per_source: 3,
+        max_connections_per_prefix: 3,
+        first_byte_timeout: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let (addr, metrics, _task) = admin(&limits, None).await?;
+
+    let started = std::time::Instant::now();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(connect_from([127, 0, 0, 1], addr).await?);
+    }
+    // A fourth from the same source is reset; another source is answered.
+    refused_from([127, 0, 0, 1], addr).await?;
+    assert_eq!(
+        within("/healthz", healthz_from([127, 0, 1, 1], addr)).await??,
+        StatusCode::OK
+    );
+    // Past the total, from anywhere, a new one is reset.
+    let open = |n: u64| {
+        let metrics = &metrics;
+        within("admin connections open", async move {
+            while counted(metrics, "bulwark_admin_connections_open") != n {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    open(3).await?;
+    held.push(connect_from([127, 0, 2, 1], addr).await?);
+    open(4).await?;
+    refused_from([127, 0, 3, 1], addr).await?;
+    assert!(
+        started.elapsed() < limits.first_byte_timeout,
+        "the test outran its timeout"
+    );
+
+    // Every silent connection is closed at the first byte timeout.
+    for stream in &mut held {
+        closed_by_server(stream).await?;
+    }
+    let series = |reason| format!("bulwark_admin_connections_{reason}");
+    assert_eq!(
+        counted(
+            &metrics,
+            &series(r#"refused_total{reason="max_connections_per_source"}"#)
+        ),
+        1
+    );
+    assert_eq!(
+        counted(
+            &metrics,
+            &series(r#"refused_total{reason="max_connections"}"#)
+        ),
+        1
+    );
+    assert_eq!(
+        counted(
+            &metrics,
+            &series(r#"closed_total{reason="first_byte_timeout"}"#)
+        ),
+        4
+    );
+    assert_eq!(counted(&metrics, "bulwark_admin_connections_open"), 0);
+    // Client connection metrics are not the admin listener's.
+    assert_eq!(counted(&metrics, "bulwark_connections_open"), 0);
+    assert_eq!(
+        within("/healthz", healthz_from([127, 0, 0, 1], addr)).await??,
+        StatusCode::OK
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn admin_tls_connections_that_send_no_request_are_closed_at_the_header_timeout() -> Result<()>
+{
+    let ca = Ca::new("bulwark-ca")?;
+    let mount = SecretMount::new(&ca.server()?, None)?;
+    let limits = bulwark::config::AdminLimits {
+        header_read_timeout: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let (addr, metrics, _task) = admin(&limits, Some(&mount)).await?;
+
+    // Handshakes finished, then nothing: the audit's 3,000 held for 130 s, scaled down.
+    let config = client_tls(&ca, &[b"h2"], None)?;
+    let mut idle = Vec::new();
+    for _ in 0..5 {
+        idle.push(tls_connect(addr, config.clone()).await?);
+    }
+    for stream in &mut idle {
+        let mut got = Vec::new();
+        within("the server's close", stream.read_to_end(&mut got))
+            .await?
+            .ok();
+    }
+    assert_eq!(
+        counted(
+            &metrics,
+            r#"bulwark_admin_connections_closed_total{reason="header_read_timeout"}"#
+        ),
+        5
+    );
+    let (status, _) = fetch(addr, config).await?;
+    assert_eq!(status, StatusCode::OK);
     Ok(())
 }

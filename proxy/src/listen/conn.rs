@@ -1,10 +1,11 @@
-//! One client connection: the PROXY header and the per-source cap, TLS handshake, HTTP/1.1
+//! One client connection: the first byte, the PROXY header and the per-source cap, TLS
+//! handshake (where the listener has TLS), HTTP/1.1
 //! or HTTP/2, open-request counting for the idle timeout, closing connections that do not
 //! authenticate, the GOAWAY chance, and the drain phases.
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -24,12 +25,13 @@ use tokio::sync::{Notify, watch};
 use tokio_rustls::TlsAcceptor;
 use tower::ServiceExt;
 
-use super::caps::Connections;
-use super::proxy_header::{self, Trust};
+use super::caps::{ConnectionGuard, Connections, SourceGuard};
+use super::proxy_header::{self, Refused, Trust};
 use super::tls::TlsState;
 use super::{ConnAuth, ConnInfo, DrainPhase, RequestPath};
 use crate::metrics::Metrics;
 use crate::{Body, BoxError, config};
+use prometheus::IntCounterVec;
 
 /// How many more `unauthenticatedTimeout` periods a connection gets whose requests could
 /// not be identified through no fault of its own.
@@ -38,23 +40,33 @@ const MAX_EXTENSIONS: u32 = 2;
 /// How long a connection closed for not authenticating has to flush its last answers.
 const LAST_WORDS: Duration = Duration::from_secs(1);
 
+/// The authentication deadline where nothing authenticates: never looked at.
+const NEVER_AUTHENTICATES: Duration = Duration::from_secs(3600);
+
 /// hyper refuses an HTTP/1 read buffer smaller than this.
 const MIN_H1_BUFFER: usize = 8192;
 
 /// Everything a connection needs that is the same for all connections.
 pub(super) struct Settings {
     builder: auto::Builder<TokioExecutor>,
+    first_byte_timeout: Duration,
+    proxy_header_timeout: Duration,
     handshake_timeout: Duration,
     header_read_timeout: Duration,
     idle_timeout: Duration,
     goaway_chance: f64,
     trust: Option<Trust>,
-    unauthenticated_timeout: Duration,
+    /// `None` where nothing authenticates (the admin listener).
+    unauthenticated_timeout: Option<Duration>,
     max_unauthenticated_requests: u32,
-    metrics: Metrics,
+    /// `bulwark_connections_refused_total` or the admin listener's.
+    refused: IntCounterVec,
+    /// `bulwark_connections_closed_total` or the admin listener's.
+    closed: IntCounterVec,
 }
 
 impl Settings {
+    /// The client listener's.
     pub(super) fn new(cfg: &config::Listen, metrics: &Metrics) -> Self {
         let limits = &cfg.limits;
         let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -75,56 +87,122 @@ impl Settings {
             .keep_alive_timeout(limits.keepalive_timeout);
         Self {
             builder,
+            first_byte_timeout: limits.first_byte_timeout,
+            proxy_header_timeout: limits.proxy_header_timeout,
             handshake_timeout: limits.handshake_timeout,
             header_read_timeout: limits.header_read_timeout,
             idle_timeout: limits.idle_timeout,
             goaway_chance: cfg.goaway_chance.clamp(0.0, 1.0),
             trust: Trust::from_config(cfg.proxy_protocol.as_ref()),
-            unauthenticated_timeout: limits.unauthenticated_timeout,
+            unauthenticated_timeout: Some(limits.unauthenticated_timeout),
             max_unauthenticated_requests: limits.max_unauthenticated_requests,
-            metrics: metrics.clone(),
+            refused: metrics.connections_refused_total.clone(),
+            closed: metrics.connections_closed_total.clone(),
         }
+    }
+
+    /// The admin listener's: its own timeouts, hyper's defaults otherwise, no PROXY
+    /// protocol, no GOAWAY chance, nothing that authenticates.
+    pub(super) fn admin(limits: &config::AdminLimits, metrics: &Metrics) -> Self {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout);
+        builder.http2().timer(TokioTimer::new());
+        Self {
+            builder,
+            first_byte_timeout: limits.first_byte_timeout,
+            proxy_header_timeout: limits.handshake_timeout,
+            handshake_timeout: limits.handshake_timeout,
+            header_read_timeout: limits.header_read_timeout,
+            idle_timeout: limits.idle_timeout,
+            goaway_chance: 0.0,
+            trust: None,
+            unauthenticated_timeout: None,
+            max_unauthenticated_requests: u32::MAX,
+            refused: metrics.admin_connections_refused_total.clone(),
+            closed: metrics.admin_connections_closed_total.clone(),
+        }
+    }
+
+    /// Whether connections from `peer` are counted against their source at accept: all but
+    /// a trusted balancer's, whose PROXY header names the client to count.
+    pub(super) fn counted_at_accept(&self, peer: IpAddr) -> bool {
+        !self.trust.as_ref().is_some_and(|trust| trust.trusts(peer))
     }
 
     /// Counts a connection refused before its handshake.
     pub(super) fn refused(&self, reason: &'static str) {
-        self.metrics
-            .connections_refused_total
-            .with_label_values(&[reason])
-            .inc();
+        self.refused.with_label_values(&[reason]).inc();
     }
 
-    fn closed(&self, reason: &'static str) {
-        self.metrics
-            .connections_closed_total
-            .with_label_values(&[reason])
-            .inc();
+    /// Counts a connection Bulwark closed.
+    pub(super) fn closed(&self, reason: &'static str) {
+        self.closed.with_label_values(&[reason]).inc();
     }
 }
 
 /// Serves one accepted TCP connection until it closes, is idle, does not authenticate, or
-/// the drain closes it.
+/// the drain closes it: the first byte, the PROXY header and the client's source cap, TLS
+/// where the listener has it, then HTTP. `source` holds the peer's place in the source
+/// caps where it was counted at accept; `slot` is evicted by the caller.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn serve<S>(
     tcp: TcpStream,
     peer: SocketAddr,
-    tls: Arc<TlsState>,
+    tls: Option<Arc<TlsState>>,
     settings: Arc<Settings>,
     connections: Connections,
+    (slot, source): (&ConnectionGuard, SourceGuard),
     service: S,
     mut drain: watch::Receiver<DrainPhase>,
 ) where
     S: RequestPath,
 {
     let started = tokio::time::Instant::now();
+    let deadline = |timeout: Duration| started + timeout.min(settings.handshake_timeout);
+    let trusted = !settings.counted_at_accept(peer.ip());
+    // Nothing is read before the first byte: a connection that sends none costs a socket
+    // and a timer for this long, and nothing more. A trusted balancer's first byte begins
+    // its header, which has a deadline of its own.
+    if !trusted {
+        let mut byte = [0u8; 1];
+        let first_byte =
+            tokio::time::timeout_at(deadline(settings.first_byte_timeout), tcp.peek(&mut byte));
+        tokio::select! {
+            peeked = first_byte => match peeked {
+                Ok(Ok(n)) if n > 0 => {}
+                Ok(_) => return,
+                Err(_) => {
+                    tracing::debug!(%peer, "closing a connection that sent nothing");
+                    settings.closed("first_byte_timeout");
+                    super::reset_on_close(&tcp);
+                    return;
+                }
+            },
+            () = phase_reached(&mut drain, DrainPhase::Close) => return,
+        }
+    }
     let header = proxy_header::accept(
         tcp,
         peer,
         settings.trust.as_ref(),
-        settings.handshake_timeout,
+        deadline(
+            settings
+                .proxy_header_timeout
+                .min(settings.first_byte_timeout),
+        )
+        .saturating_duration_since(tokio::time::Instant::now()),
     );
     let (tcp, peer) = tokio::select! {
         read = header => match read {
             Ok(found) => found,
+            Err(Refused::Timeout) => {
+                tracing::debug!(%peer, "closing a connection whose PROXY header did not come");
+                settings.closed(Refused::Timeout.reason());
+                return;
+            }
             Err(refused) => {
                 tracing::debug!(%peer, %refused, "connection refused");
                 settings.refused(refused.reason());
@@ -133,14 +211,35 @@ pub(super) async fn serve<S>(
         },
         () = phase_reached(&mut drain, DrainPhase::Close) => return,
     };
-    let _source = match connections.admit_source(peer.ip()) {
-        Ok(guard) => guard,
-        Err(full) => {
-            tracing::debug!(%peer, "connection refused: too many from this source");
-            settings.refused(full.reason());
-            super::reset_on_close(tcp.get_ref());
-            return;
+    let _source = if trusted {
+        match connections.admit_source(peer.ip()) {
+            Ok(guard) => guard,
+            Err(full) => {
+                tracing::debug!(%peer, "connection refused: too many from this source");
+                settings.refused(full.reason());
+                super::reset_on_close(tcp.get_ref());
+                return;
+            }
         }
+    } else {
+        source
+    };
+    let Some(tls) = tls else {
+        let peer = Peer {
+            addr: peer,
+            client_chain: None,
+            started,
+        };
+        serve_http(
+            TokioIo::new(tcp),
+            peer,
+            &settings,
+            service,
+            drain,
+            Some(slot),
+        )
+        .await;
+        return;
     };
     // Each handshake takes the configuration current at accept, so a reload affects new
     // connections only.
@@ -156,6 +255,7 @@ pub(super) async fn serve<S>(
             }
             Err(_) => {
                 tracing::debug!(%peer, "TLS handshake timed out");
+                settings.closed("handshake_timeout");
                 return;
             }
         },
@@ -176,6 +276,7 @@ pub(super) async fn serve<S>(
         &settings,
         service,
         drain,
+        Some(slot),
     )
     .await;
 }
@@ -191,13 +292,15 @@ pub(super) struct Peer {
 }
 
 /// Serves HTTP/1.1 or HTTP/2 on a connection past its PROXY header and TLS handshake until
-/// it closes, is idle, does not authenticate, or the drain closes it.
+/// it closes, is idle, does not authenticate, or the drain closes it. Once it authenticates,
+/// `slot` is no longer evicted.
 pub(super) async fn serve_http<I, S>(
     io: I,
     peer: Peer,
     settings: &Settings,
     service: S,
     drain: watch::Receiver<DrainPhase>,
+    slot: Option<&ConnectionGuard>,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
     S: RequestPath,
@@ -210,6 +313,9 @@ pub(super) async fn serve_http<I, S>(
     let requests = Requests::new(started);
     let goaway = Arc::new(Notify::new());
     let auth = Arc::new(ConnAuth::new(settings.max_unauthenticated_requests));
+    if let Some(slot) = slot {
+        slot.watch(&auth);
+    }
     let tracked = Tracked {
         inner: service,
         peer,
@@ -235,9 +341,12 @@ pub(super) async fn serve_http<I, S>(
         shutting_down: false,
         idle_from: tokio::time::Instant::now(),
         auth_deadline: Box::pin(tokio::time::sleep_until(
-            started + settings.unauthenticated_timeout,
+            started
+                + settings
+                    .unauthenticated_timeout
+                    .unwrap_or(NEVER_AUTHENTICATES),
         )),
-        auth_pending: true,
+        auth_pending: settings.unauthenticated_timeout.is_some(),
         extensions: 0,
         hard_close: None,
     };
@@ -267,6 +376,14 @@ pub(super) async fn serve_http<I, S>(
             Err(done) => {
                 if let Err(error) = done {
                     tracing::debug!(%peer, %error, "client connection ended with an error");
+                    // hyper's own HTTP/1.1 timer, before the first request: the
+                    // connection sent no request in time.
+                    let timed_out = error
+                        .downcast_ref::<hyper::Error>()
+                        .is_some_and(hyper::Error::is_timeout);
+                    if timed_out && requests.activity() == Activity::NeverUsed {
+                        settings.closed("header_read_timeout");
+                    }
                 }
                 return;
             }
@@ -328,12 +445,16 @@ impl Control<'_> {
                 // GOAWAY lets the last refusals reach the client; a hostile one that holds
                 // its streams open gets no longer than this.
                 () = hard_close => return Action::Close,
-                () = idle(
+                never_used = idle(
                     self.requests,
                     self.idle_from,
                     self.settings.header_read_timeout,
                     self.settings.idle_timeout,
                 ) => {
+                    if never_used && !self.shutting_down {
+                        tracing::debug!(%peer, "closing a connection that sent no request");
+                        self.settings.closed("header_read_timeout");
+                    }
                     if self.shutting_down {
                         // Told to go away a whole idle period ago and still here with
                         // nothing open: the client is not cooperating.
@@ -351,7 +472,8 @@ impl Control<'_> {
                         // a flood that keeps the budget spent gets no more than a few
                         // periods.
                         self.extensions += 1;
-                        let next = tokio::time::Instant::now() + self.settings.unauthenticated_timeout;
+                        let next = tokio::time::Instant::now()
+                            + self.settings.unauthenticated_timeout.unwrap_or(NEVER_AUTHENTICATES);
                         self.auth_deadline.as_mut().reset(next);
                         continue;
                     }
@@ -532,8 +654,14 @@ impl Requests {
 /// Resolves once the connection has had nothing open for `limit`, counted from `from` at
 /// the earliest. Before its first request a connection gets only `first` (the header read
 /// timeout): a client that completes TLS and then sends nothing (or trickles an HTTP/2
-/// HEADERS frame) does not hold a slot for the whole idle timeout.
-async fn idle(requests: &Requests, from: tokio::time::Instant, first: Duration, limit: Duration) {
+/// HEADERS frame) does not hold a slot for the whole idle timeout. `true` when no request
+/// ever came.
+async fn idle(
+    requests: &Requests,
+    from: tokio::time::Instant,
+    first: Duration,
+    limit: Duration,
+) -> bool {
     let sleep = tokio::time::sleep_until(from + first.min(limit));
     tokio::pin!(sleep);
     loop {
@@ -542,11 +670,11 @@ async fn idle(requests: &Requests, from: tokio::time::Instant, first: Duration, 
         let end = match requests.activity() {
             // Looked at again a whole period later: an open request ends no sooner.
             Activity::Busy => now + limit,
-            Activity::NeverUsed => return,
+            Activity::NeverUsed => return true,
             Activity::IdleSince(since) => since.max(from) + limit,
         };
         if end <= now {
-            return;
+            return false;
         }
         sleep.as_mut().reset(end);
     }

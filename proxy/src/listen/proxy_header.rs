@@ -49,7 +49,8 @@ impl Trust {
         })
     }
 
-    fn trusts(&self, peer: IpAddr) -> bool {
+    /// Whether `peer` is one of the balancers that may send a header.
+    pub(super) fn trusts(&self, peer: IpAddr) -> bool {
         let peer = peer.to_canonical();
         self.sources.iter().any(|net| net.contains(&peer))
     }
@@ -70,9 +71,12 @@ pub(super) enum Refused {
     /// The header is longer than [`MAX_HEADER`].
     #[error("PROXY protocol header longer than {MAX_HEADER} bytes")]
     TooLong,
-    /// The peer closed the connection or sent nothing in time.
-    #[error("no data before the handshake timeout")]
+    /// The peer closed the connection before its header was complete.
+    #[error("closed before the PROXY protocol header was complete")]
     Silent,
+    /// The header was not complete within the PROXY header timeout.
+    #[error("no complete PROXY protocol header within the timeout")]
+    Timeout,
     /// Reading from the socket failed.
     #[error("reading the connection failed: {0}")]
     Io(#[from] io::Error),
@@ -86,6 +90,7 @@ impl Refused {
             Refused::Missing => "proxy_header_missing",
             Refused::Malformed(_) | Refused::TooLong => "proxy_header_malformed",
             Refused::Silent | Refused::Io(_) => "proxy_header_silent",
+            Refused::Timeout => "proxy_header_timeout",
         }
     }
 }
@@ -129,7 +134,7 @@ where
             }
         }
     });
-    let found = read.await.map_err(|_| Refused::Silent)??;
+    let found = read.await.map_err(|_| Refused::Timeout)??;
     let client = match found {
         Some((len, source)) => {
             buf.advance(len);
@@ -469,7 +474,7 @@ mod tests {
         let (mut tx, rx) = tokio::io::duplex(64);
         tx.write_all(b"\r\n\r\n").await.unwrap();
         let silent = accept(rx, balancer(), Some(&trust(true)), Duration::from_secs(3)).await;
-        assert!(matches!(silent, Err(Refused::Silent)));
+        assert!(matches!(silent, Err(Refused::Timeout)));
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

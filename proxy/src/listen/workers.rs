@@ -19,7 +19,7 @@ use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 
-use super::caps::{ConnectionGuard, Connections};
+use super::caps::{Admitted, ConnectionGuard, Connections, SourceGuard};
 use super::conn::{self, Settings};
 use super::tls::TlsState;
 use super::{DrainPhase, RequestPath};
@@ -61,12 +61,14 @@ struct Accepted {
     stream: std::net::TcpStream,
     peer: SocketAddr,
     guard: ConnectionGuard,
+    source: SourceGuard,
 }
 
 /// What every connection of a listener is served with, whichever worker serves it.
 #[derive(Clone)]
 pub(super) struct Shared {
-    pub(super) tls: Arc<TlsState>,
+    /// `None` for plain HTTP (an admin listener without TLS).
+    pub(super) tls: Option<Arc<TlsState>>,
     pub(super) settings: Arc<Settings>,
     pub(super) connections: Connections,
     pub(super) drain: watch::Receiver<DrainPhase>,
@@ -175,7 +177,7 @@ impl Dispatch {
         &mut self,
         stream: tokio::net::TcpStream,
         peer: SocketAddr,
-        guard: ConnectionGuard,
+        admitted: Admitted,
     ) {
         let stream = match stream.into_std() {
             Ok(stream) => stream,
@@ -187,7 +189,8 @@ impl Dispatch {
         let mut accepted = Accepted {
             stream,
             peer,
-            guard,
+            guard: admitted.guard,
+            source: admitted.source,
         };
         while !self.lanes.is_empty() {
             let count = self.lanes.len();
@@ -254,7 +257,7 @@ async fn serve<S: RequestPath>(
     loop {
         tokio::select! {
             next = accepted.recv() => match next {
-                Some(Accepted { stream, peer, guard }) => {
+                Some(Accepted { stream, peer, guard, source }) => {
                     let stream = match tokio::net::TcpStream::from_std(stream) {
                         Ok(stream) => stream,
                         Err(error) => {
@@ -263,9 +266,7 @@ async fn serve<S: RequestPath>(
                             continue;
                         }
                     };
-                    let serve = conn::serve(
-                        stream,
-                        peer,
+                    let (tls, settings, connections, service, drain) = (
                         shared.tls.clone(),
                         shared.settings.clone(),
                         shared.connections.clone(),
@@ -274,7 +275,24 @@ async fn serve<S: RequestPath>(
                     );
                     let open = Open(open.clone());
                     tasks.spawn(async move {
-                        serve.await;
+                        let serve = conn::serve(
+                            stream,
+                            peer,
+                            tls,
+                            settings,
+                            connections,
+                            (&guard, source),
+                            service,
+                            drain,
+                        );
+                        // An evicted connection is dropped where it stands: it has not
+                        // authenticated, so nothing of value is lost.
+                        tokio::select! {
+                            () = serve => {}
+                            () = guard.evicted() => {
+                                tracing::debug!(%peer, "evicted: a new connection needed its place");
+                            }
+                        }
                         drop((guard, open));
                     });
                 }

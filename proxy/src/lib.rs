@@ -2,9 +2,9 @@
 //!
 //! The modules follow the request path of DESIGN.md: [`listen`] → [`identity`] →
 //! [`classify`] → [`rules`] → [`admit`] → cache → [`upstream`], with [`metrics`] and [`admin`]
-//! beside it, [`config`] for the file that drives it all, and [`status`] for what a refusal
-//! tells the client. [`stages`] strings them into the request path: it sits above them all,
-//! and none of them imports it.
+//! beside it, [`config`] for the file that drives it all, [`status`] for what a refusal
+//! tells the client and [`net`] for how client addresses are keyed. [`stages`] strings them
+//! into the request path: it sits above them all, and none of them imports it.
 
 pub mod admin;
 pub mod admit;
@@ -22,6 +22,7 @@ pub mod identity;
 pub mod listen;
 pub mod logs;
 pub mod metrics;
+pub mod net;
 pub mod process;
 pub mod report;
 pub mod rules;

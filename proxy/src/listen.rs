@@ -41,7 +41,8 @@ use crate::identity::User;
 use crate::identity::review::TokenMemo;
 use crate::metrics::Metrics;
 
-pub use caps::{Connections, prefix_of, raise_open_file_limit, source_of};
+pub use crate::net::{prefix_of, source_of};
+pub use caps::{Connections, raise_open_file_limit};
 #[doc(hidden)]
 pub use proxy_header::at_start as proxy_header_at_start;
 pub use workers::Worker;

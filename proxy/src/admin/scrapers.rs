@@ -60,11 +60,7 @@ impl Scrapers {
 
     /// Takes a scrape from `source`'s bucket (an IPv6 source by its /64).
     pub fn allow_source(&self, source: IpAddr) -> Result<(), Limited> {
-        let key = match source.to_canonical() {
-            IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
-            v4 => v4,
-        };
-        take(&self.sources, key).map_err(|()| Limited::Source)
+        take(&self.sources, crate::net::source_of(source)).map_err(|()| Limited::Source)
     }
 
     /// Takes a scrape from `user`'s bucket.

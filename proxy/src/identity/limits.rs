@@ -80,10 +80,7 @@ struct Source(IpAddr);
 
 impl From<IpAddr> for Source {
     fn from(ip: IpAddr) -> Self {
-        match ip.to_canonical() {
-            IpAddr::V6(v6) => Source(IpAddr::V6((u128::from(v6) & !(u128::MAX >> 64)).into())),
-            v4 => Source(v4),
-        }
+        Source(crate::net::source_of(ip))
     }
 }
 
@@ -94,10 +91,7 @@ struct Prefix(IpAddr);
 
 impl From<IpAddr> for Prefix {
     fn from(ip: IpAddr) -> Self {
-        match ip.to_canonical() {
-            IpAddr::V6(v6) => Prefix(IpAddr::V6((u128::from(v6) & !(u128::MAX >> 48)).into())),
-            IpAddr::V4(v4) => Prefix(IpAddr::V4((u32::from(v4) & !0xff).into())),
-        }
+        Prefix(crate::net::prefix_of(ip))
     }
 }
 

@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 
 use super::ConnAuth;
 use crate::config::ListenLimits;
+use crate::net::{prefix_of, source_of};
 
 /// The connection caps and the connections they count; cheap to clone.
 #[derive(Debug, Clone)]
@@ -341,24 +342,6 @@ fn unregistered() -> IntGauge {
 /// A connection's source and prefix, as the caps count them.
 fn keys(ip: IpAddr) -> (IpAddr, IpAddr) {
     (source_of(ip), prefix_of(ip))
-}
-
-/// A client address as one source: IPv4 (and IPv4-mapped IPv6) by address, IPv6 by its
-/// /64, which one host commonly holds whole.
-pub fn source_of(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !(u128::MAX >> 64)).into()),
-        v4 => v4,
-    }
-}
-
-/// A client address's prefix: the /24 (IPv4, and IPv4-mapped IPv6) or /48 (IPv6) around
-/// it, which one network commonly holds whole.
-pub fn prefix_of(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !(u128::MAX >> 48)).into()),
-        IpAddr::V4(v4) => IpAddr::V4((u32::from(v4) & !0xff).into()),
-    }
 }
 
 /// Descriptors client connections may use: the limit less the reserve, and never fewer

@@ -68,7 +68,7 @@ impl AnonymousLines {
 
     /// Whether a line for a refusal from `source` may be written now.
     fn allow(&self, source: Option<SocketAddr>, reason: Reason) -> bool {
-        let prefix = source.map(|s| prefix(s.ip()));
+        let prefix = source.map(|s| crate::net::prefix_of(s.ip()));
         let allowed = prefix.is_none_or(|prefix| {
             let mut prefixes = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
             prefixes
@@ -85,14 +85,6 @@ impl AnonymousLines {
             self.suppressed.with_label_values(&[reason.as_str()]).inc();
         }
         allowed
-    }
-}
-
-/// A client's prefix: IPv4 /24, IPv6 /48 (IPv4-mapped IPv6 as IPv4).
-fn prefix(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V4(v4) => IpAddr::V4((u32::from(v4) & 0xffff_ff00).into()),
-        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 80) - 1)).into()),
     }
 }
 

@@ -317,7 +317,7 @@ async fn a_request_body_that_trickles_in_holds_no_seat_and_gets_408() {
     let answer = alice.send_request(get(SECRETS)).await.unwrap();
     assert_eq!(answer.status(), 200);
     assert!(
-        asked.elapsed() < Duration::from_secs(1),
+        asked.elapsed() < Duration::from_secs(5),
         "alice did not queue"
     );
     for post in posts {

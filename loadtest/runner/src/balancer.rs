@@ -112,10 +112,21 @@ mod tests {
         assert_eq!(answer(pinned.addr).await, "a");
         a_task.abort();
         let _ = a_task.await;
+        // Under a full parallel test run a connection has now and then come back empty
+        // here (not from "a": its listener is gone); the pin must move to "b" all the same.
+        let mut answers = Vec::new();
+        for _ in 0..5 {
+            let got = answer(pinned.addr).await;
+            assert_ne!(got, "a", "still pinned to the first while it is down");
+            answers.push(got);
+            if answers.last().is_some_and(|a| a == "b") {
+                break;
+            }
+        }
         assert_eq!(
-            answer(pinned.addr).await,
-            "b",
-            "moved while the first is down"
+            answers.last().map(String::as_str),
+            Some("b"),
+            "moved while the first is down: {answers:?}"
         );
     }
 }

@@ -179,11 +179,14 @@ pub async fn serve(
     let service = tower::service_fn(move |request: Request<Incoming>| {
         let state = state.clone();
         async move {
-            // Every request the listener serves carries its connection's details.
-            let peer = request
-                .extensions()
-                .get::<ConnInfo>()
-                .map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |info| info.peer);
+            // Every request the listener serves carries its connection's details. A
+            // connection that sent a whole request is a prober or a scraper, no longer one
+            // a silent flood's newcomers may evict at the cap.
+            let conn = request.extensions().get::<ConnInfo>();
+            if let Some(conn) = conn {
+                conn.auth.accepted();
+            }
+            let peer = conn.map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |info| info.peer);
             Ok::<_, Infallible>(handle(&state, request, peer).await)
         }
     });

@@ -525,7 +525,10 @@ impl Listener {
 
 /// The admin listener's socket with its caps and timeouts (DESIGN.md step 10): the client
 /// listener's accept loop and connection handling, plain HTTP or TLS without client
-/// certificates, and nothing that authenticates, so nothing is evicted: past a cap a new
+/// certificates. At the total cap a new connection evicts the oldest one that has not yet
+/// sent a whole request (the admin's service marks those that did), so that a flood of
+/// silent connections from many addresses cannot keep the kubelet's probe out; past the
+/// per-source and per-prefix caps, and when every connection has made a request, a new
 /// connection is reset.
 pub struct AdminListener {
     tcp: TcpListener,
@@ -552,7 +555,7 @@ impl AdminListener {
                 total: limits.max_connections,
                 per_source: limits.max_connections_per_source,
                 per_prefix: limits.max_connections_per_prefix,
-                evict: false,
+                evict: true,
             },
             metrics.admin_connections_open.clone(),
         );

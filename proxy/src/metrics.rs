@@ -380,7 +380,7 @@ impl Metrics {
         );
         let admin_connections_closed_total = counter(
             "admin_connections_closed_total",
-            "Admin listener connections Bulwark closed, by reason: first_byte_timeout, handshake_timeout, header_read_timeout.",
+            "Admin listener connections Bulwark closed, by reason: first_byte_timeout, handshake_timeout, header_read_timeout, evicted (the oldest that sent no whole request, for a new one at the cap).",
             &["reason"],
         );
         let fleet_renewals_total = counter(

@@ -1429,6 +1429,7 @@ async fn healthz_from(source: [u8; 4], addr: SocketAddr) -> Result<StatusCode> {
 
 #[tokio::test]
 async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() -> Result<()> {
+    let series_of = |reason: &str| format!("bulwark_admin_connections_{reason}");
     let limits = bulwark::config::AdminLimits {
         max_connections: 4,
         max_connections_per_source: 3,
@@ -1449,7 +1450,7 @@ async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() 
         within("/healthz", healthz_from([127, 0, 1, 1], addr)).await??,
         StatusCode::OK
     );
-    // Past the total, from anywhere, a new one is reset.
+    // At the total, a probe from anywhere else evicts the oldest silent connection.
     let open = |n: u64| {
         let metrics = &metrics;
         within("admin connections open", async move {
@@ -1461,16 +1462,25 @@ async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() 
     open(3).await?;
     held.push(connect_from([127, 0, 2, 1], addr).await?);
     open(4).await?;
-    refused_from([127, 0, 3, 1], addr).await?;
+    assert_eq!(
+        within("/healthz at the cap", healthz_from([127, 0, 3, 1], addr)).await??,
+        StatusCode::OK,
+        "a silent flood keeps the probe out"
+    );
     assert!(
         started.elapsed() < limits.first_byte_timeout,
         "the test outran its timeout"
     );
 
-    // Every silent connection is closed at the first byte timeout.
+    // The oldest was evicted for it; every other silent connection is closed at the first
+    // byte timeout.
     for stream in &mut held {
         closed_by_server(stream).await?;
     }
+    assert_eq!(
+        counted(&metrics, &series_of(r#"closed_total{reason="evicted"}"#)),
+        1
+    );
     let series = |reason| format!("bulwark_admin_connections_{reason}");
     assert_eq!(
         counted(
@@ -1484,14 +1494,14 @@ async fn admin_silent_connections_are_capped_and_closed_while_healthz_answers() 
             &metrics,
             &series(r#"refused_total{reason="max_connections"}"#)
         ),
-        1
+        0
     );
     assert_eq!(
         counted(
             &metrics,
             &series(r#"closed_total{reason="first_byte_timeout"}"#)
         ),
-        4
+        3
     );
     assert_eq!(counted(&metrics, "bulwark_admin_connections_open"), 0);
     // Client connection metrics are not the admin listener's.

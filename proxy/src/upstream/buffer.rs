@@ -220,7 +220,9 @@ where
     if let Some(held) = held.as_mut() {
         held.grow(expected)?;
     }
-    let mut out = Vec::with_capacity(expected);
+    // Allocated at the first frame that does not end the body: one that comes whole in
+    // a frame is kept as it came.
+    let mut out = Vec::new();
     loop {
         let frame = match deadlines {
             None => body.frame().await,
@@ -248,6 +250,16 @@ where
         let needed = out.len() + data.len();
         if needed > limit {
             return Err(UpstreamError::BodyTooLarge(limit));
+        }
+        if out.is_empty() && body.is_end_stream() {
+            // Whole in one frame (a body admission read already, a small write): no copy.
+            if let Some(held) = held.as_mut() {
+                held.grow(needed)?;
+            }
+            return Ok((data, held));
+        }
+        if out.capacity() == 0 {
+            out.reserve_exact(expected.min(limit));
         }
         if needed > out.capacity() {
             // Grow as a Vec would, but only by what the budget allows.
@@ -321,6 +333,20 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONTENT_LENGTH, len.into());
         headers
+    }
+
+    #[tokio::test]
+    async fn a_body_whole_in_one_frame_is_kept_as_it_came() {
+        let budget = budget(8 << 20, 4 << 20);
+        let alice = flow(&budget, "r/alice");
+        let sent = Bytes::from(vec![b'x'; 5000]);
+        let (bytes, held) = buffer_all(crate::full(sent.clone()), &HeaderMap::new(), Some(&alice))
+            .await
+            .unwrap();
+        assert_eq!(bytes.as_ptr(), sent.as_ptr(), "the body was copied");
+        assert_eq!(budget.available_bytes(), (8 << 20) - 5 * 1024);
+        drop(held);
+        assert_eq!(budget.available_bytes(), 8 << 20);
     }
 
     #[tokio::test]

@@ -205,6 +205,12 @@ impl Permit {
         self.seats.is_some()
     }
 
+    /// Whether it holds what other requests wait for, seats or LIST bytes: its response is
+    /// then watched for its client's pace ([`hold`]).
+    pub fn holds_what_others_wait_for(&self) -> bool {
+        self.seats.is_some() || self.bytes.is_some()
+    }
+
     /// For a watch with a per-flow limit: the guard that keeps it counted. Keep it for the
     /// life of the stream; the rest of the permit may be dropped.
     pub fn watch_guard(&mut self) -> Option<FlowWatch> {
@@ -756,7 +762,7 @@ pub fn hold(
     conn: Option<&Arc<crate::listen::ConnAuth>>,
 ) -> Body {
     use http_body_util::BodyExt;
-    let watched = (permit.seats.is_some() || permit.bytes.is_some() || initial.is_some())
+    let watched = (permit.holds_what_others_wait_for() || initial.is_some())
         && !http_body::Body::is_end_stream(&body);
     // Watched from the start: hyper polls a body only once the client has room for it, so
     // a client whose window is shut from the first byte never lets it be polled at all.

@@ -154,8 +154,10 @@ where
             },
         };
         let upstream = matches!(source, Source::Upstream { .. });
-        // Only a response that may be watched for its client's pace needs the connection.
-        let conn = (permit.holds_seats() || permit.replica().is_some() || info.verb == Verb::Watch)
+        // Only a response that may be watched for its client's pace (one whose permit holds
+        // what others wait for, or a watch that may start with a cached state) needs the
+        // connection.
+        let conn = (permit.holds_what_others_wait_for() || info.verb == Verb::Watch)
             .then(|| call.conn.as_ref().map(|c| c.auth.clone()))
             .flatten();
         drop(user);

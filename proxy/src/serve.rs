@@ -15,12 +15,13 @@ use crate::cache::{AuditLog, Cache};
 use crate::config::{self, Config};
 use crate::fleet::lease::UpstreamLeases;
 use crate::fleet::{self, Fleet, FleetShares};
-use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
+use crate::identity::forward::{ForwardError, Forwarding};
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener, Worker};
 use crate::logs::access::AccessLog;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
+use crate::own;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::stages::admit::Admit;
 use crate::stages::classify::Classify;
@@ -88,13 +89,8 @@ impl Running {
         tls.record_expiry(&metrics);
         let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
         upstream.spawn_probes();
-        let own_token = config
-            .upstream
-            .own
-            .token_file
-            .clone()
-            .map(|path| Arc::new(OwnToken::new(path)));
-        let reviewer = UpstreamReviewer::new(upstream.clone(), own_token.clone());
+        let own = own::Client::new(upstream.clone());
+        let reviewer = UpstreamReviewer::new(own.clone());
         let tokens = Arc::new(TokenCache::new(
             Arc::new(reviewer),
             config.identity.token_review.clone(),
@@ -111,13 +107,9 @@ impl Running {
                 writing: Arc::default(),
             });
         let review_memory_task = review_memory.clone().map(remember_reviews);
-        let (tokens_for_admin, upstream_for_admin, own_token_for_admin) =
-            (tokens.clone(), upstream.clone(), own_token.clone());
-        let forwarding = Forwarding::new(
-            config.identity.mode,
-            config.upstream.front_proxy.as_ref(),
-            own_token.clone(),
-        )?;
+        let tokens_for_admin = tokens.clone();
+        let forwarding =
+            Forwarding::new(config.identity.mode, config.upstream.front_proxy.as_ref())?;
         let forward = Forward::new(
             upstream.clone(),
             Arc::new(forwarding),
@@ -155,15 +147,10 @@ impl Running {
             .map(|a| a.file().clone())
             .chain(access.iter().map(|a| a.file().clone()))
             .collect();
-        let cache = config.cache.enabled.then(|| {
-            Cache::start(
-                &config.cache,
-                upstream.clone(),
-                own_token.clone(),
-                metrics.clone(),
-                audit,
-            )
-        });
+        let cache = config
+            .cache
+            .enabled
+            .then(|| Cache::start(&config.cache, own.clone(), metrics.clone(), audit));
         let rule_set = match &config.rules.folder {
             Some(folder) => RuleSet::load_dir(folder).map_err(StartError::Rules)?,
             None => RuleSet::builtin(),
@@ -185,8 +172,7 @@ impl Running {
                 let settings = fleet::Settings::from_config(cfg, config.upstream.bulwark_replicas)
                     .map_err(StartError::FleetKey)?;
                 let store = Arc::new(UpstreamLeases::new(
-                    upstream.clone(),
-                    own_token.clone(),
+                    own.clone(),
                     &cfg.namespace,
                     &settings.lease_name(),
                     cfg.renew_interval,
@@ -285,8 +271,7 @@ impl Running {
             metrics_auth: (config.admin.metrics_access == config::MetricsAccess::Authorized).then(
                 || admin::MetricsAuth {
                     tokens: tokens_for_admin,
-                    upstream: upstream_for_admin,
-                    own_token: own_token_for_admin,
+                    own: own.clone(),
                     scrapers: admin::Scrapers::new(config.cache.access_review_ttl),
                 },
             ),

@@ -33,6 +33,15 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Publish the `kubernetes` Service's endpoints from the fleet's Leases and serve
+    /// nothing: run one beside each apiserver, so that pods reach the apiservers again
+    /// within the Lease duration when no replica is live. Reads the replicas'
+    /// configuration (`upstream`, `fleet.kubernetesService`).
+    Guard {
+        /// The configuration file.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Check a configuration file and every file it names (certificates, keys, CAs, token
     /// files, the rules folder); print every problem and exit 2 when there is any.
     CheckConfig {

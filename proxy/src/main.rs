@@ -56,6 +56,25 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Guard { config } => {
+            let Some(config) = load(&config) else {
+                return ExitCode::from(2);
+            };
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    eprintln!("bulwark: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(bulwark::serve::guard(config)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("bulwark: {}", Chain(&e));
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::CheckConfig { config } => check_config(&config),
         Command::Certs {
             command: CertsCommand::Init(args),

@@ -272,6 +272,13 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_renewals_total{result}`: rounds of the fleet's Lease renewal
     /// (`success` or `error`).
     pub fleet_renewals_total: IntCounterVec,
+    /// `bulwark_fleet_service_endpoints`: replicas behind the `kubernetes` Service as this
+    /// replica (or guard) last published it (`fleet.kubernetesService`).
+    pub fleet_service_endpoints: IntGauge,
+    /// `bulwark_fleet_service_writes_total{result}`: writes of the `kubernetes` Service's
+    /// EndpointSlices and Endpoints (`success`), and rounds that could not publish
+    /// (`error`).
+    pub fleet_service_writes_total: IntCounterVec,
     /// `bulwark_fleet_leases_rejected_total{reason}`: unexpired Leases with the fleet's
     /// prefix that did not count, each time a round read one (`name`, `duration`,
     /// `future`, `signature`: [`crate::fleet::lease::Rejection`]).
@@ -388,6 +395,11 @@ impl Metrics {
             "Rounds of the fleet's Lease renewal and read, by result (success, error); an error falls back to the static split.",
             &["result"],
         );
+        let fleet_service_writes_total = counter(
+            "fleet_service_writes_total",
+            "Writes of the kubernetes Service's EndpointSlices and Endpoints (success), and rounds that could not publish them (error), with fleet.kubernetesService.",
+            &["result"],
+        );
         let fleet_leases_rejected_total = counter(
             "fleet_leases_rejected_total",
             "Unexpired Leases with the fleet's prefix that did not count, each round that read one, by reason: name (not the prefix plus its holder), duration (longer than fleet.leaseDuration), future (renewed ahead of this replica's clock), signature (fleet.keyFile set and the MAC missing or wrong).",
@@ -409,6 +421,10 @@ impl Metrics {
         let fleet_members = plain_gauge(
             "fleet_members",
             "Live members of the fleet of Bulwark replicas this one sees (0: fleet off or static split).",
+        );
+        let fleet_service_endpoints = plain_gauge(
+            "fleet_service_endpoints",
+            "Bulwark replicas behind the kubernetes Service as last published (0: the apiservers serve in-cluster clients directly), with fleet.kubernetesService.",
         );
         let fleet_static = plain_gauge(
             "fleet_static",
@@ -607,6 +623,8 @@ impl Metrics {
             fleet_rate_flows,
             fleet_share,
             fleet_renewals_total,
+            fleet_service_endpoints,
+            fleet_service_writes_total,
             fleet_leases_rejected_total,
             fleet_uncounted_members,
             log_lines_dropped_total,

@@ -13,8 +13,7 @@ use crate::admin;
 use crate::admit::{Admission, ProxyLocal};
 use crate::cache::{AuditLog, Cache};
 use crate::config::{self, Config};
-use crate::fleet::lease::UpstreamLeases;
-use crate::fleet::{self, Fleet, FleetShares};
+use crate::fleet::{self, FleetShares};
 use crate::identity::forward::{ForwardError, Forwarding};
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener, Worker};
@@ -58,6 +57,9 @@ pub enum StartError {
     /// The fleet's key file cannot be used.
     #[error("fleet.keyFile: {0}")]
     FleetKey(#[source] crate::fleet::lease::KeyError),
+    /// `bulwark guard` was given a configuration without `fleet.kubernetesService`.
+    #[error("bulwark guard needs fleet.kubernetesService in the configuration")]
+    Guard,
     /// The rule files are invalid.
     #[error("rules: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Rules(Vec<RuleProblem>),
@@ -167,33 +169,25 @@ impl Running {
             ),
             None => Admission::new(rules.current().levels(), upstream.clone(), metrics.clone()),
         };
-        let fleet = match config.fleet.as_ref().zip(fleet_shares) {
+        let (fleet, fleet_tasks) = match config.fleet.as_ref().zip(fleet_shares) {
             Some((cfg, shares)) => {
-                let settings = fleet::Settings::from_config(cfg, config.upstream.bulwark_replicas)
-                    .map_err(StartError::FleetKey)?;
-                let store = Arc::new(UpstreamLeases::new(
-                    own.clone(),
-                    &cfg.namespace,
-                    &settings.lease_name(),
-                    cfg.renew_interval,
-                ));
                 let local = ProxyLocal {
                     upstream: upstream.clone(),
                     admission: admission.clone(),
                 };
-                Some(Fleet::spawn(
-                    settings,
-                    Arc::new(store),
+                let (fleet, tasks) = fleet::start(
+                    cfg,
+                    config.upstream.bulwark_replicas,
+                    config.listen.address,
+                    own.clone(),
                     Arc::new(local),
                     shares,
                     metrics.clone(),
-                ))
+                )
+                .map_err(StartError::FleetKey)?;
+                (Some(fleet), tasks)
             }
-            None => None,
-        };
-        let (fleet, fleet_task) = match fleet {
-            Some((fleet, task)) => (Some(fleet), Some(task)),
-            None => (None, None),
+            None => (None, Vec::new()),
         };
         let mut reloaded = rules.subscribe();
         let levels_follow = {
@@ -304,7 +298,7 @@ impl Running {
             shutdown: config.listen.shutdown.clone(),
             tasks: [serving, admin_task, levels_follow]
                 .into_iter()
-                .chain(fleet_task)
+                .chain(fleet_tasks)
                 .chain(reopen)
                 .chain(review_memory_task)
                 .collect(),
@@ -468,6 +462,29 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let running = Running::start(config).await?;
     shutdown_signal().await;
     running.drain().await;
+    Ok(())
+}
+
+/// `bulwark guard`: publishes the `kubernetes` Service's endpoints from the fleet's Leases
+/// and serves nothing, so that when every replica is gone the Service leads to the
+/// apiservers within the Lease duration (DESIGN.md "In-cluster clients"). Reads the
+/// replicas' configuration: `upstream` and `fleet` (with `kubernetesService`).
+pub async fn guard(config: Config) -> Result<(), StartError> {
+    let Some((fleet_cfg, service)) =
+        (config.fleet.as_ref()).and_then(|f| Some((f, f.kubernetes_service.as_ref()?)))
+    else {
+        return Err(StartError::Guard);
+    };
+    let metrics = Metrics::new();
+    let tls = UpstreamTls::from_config(&config.upstream)?;
+    let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
+    upstream.spawn_probes();
+    let settings = fleet::Settings::from_config(fleet_cfg, config.upstream.bulwark_replicas)
+        .map_err(StartError::FleetKey)?;
+    let task = fleet::publish_service(&settings, service, own::Client::new(upstream), metrics);
+    tracing::info!(apiservers = ?service.apiservers, "bulwark guard publishing the kubernetes Service");
+    shutdown_signal().await;
+    task.abort();
     Ok(())
 }
 

@@ -194,6 +194,7 @@ impl Replica {
             lease_duration: LEASE,
             bulwark_replicas: 3,
             clock: Arc::new(move || clock.now()),
+            endpoint: None,
         };
         let reach = Arc::new(Reach {
             memory: memory.clone(),
@@ -964,6 +965,7 @@ fn a_key_file_that_cannot_be_used_stops_the_start_and_says_why() {
         lease_duration: LEASE,
         key_file: Some(key_file.to_path_buf()),
         accept_unsigned: false,
+        kubernetes_service: None,
     };
     let missing = dir.path().join("missing");
     let error = Settings::from_config(&config(&missing), 3).err().unwrap();

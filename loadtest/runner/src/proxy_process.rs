@@ -19,6 +19,9 @@ use crate::report::ProxyCost;
 /// The name of the hidden subcommand that runs Bulwark in this binary.
 pub const SUBCOMMAND: &str = "__bulwark";
 
+/// The hidden subcommand that runs `bulwark guard` (the `kubernetes` Service's publisher).
+pub const GUARD_SUBCOMMAND: &str = "__bulwark-guard";
+
 /// The shipped example rules (`rules/examples/*.yaml`), compiled in so that no path is
 /// baked into the binary; every run writes them into its own folder unless told otherwise.
 pub const EXAMPLE_RULES: [(&str, &str); 12] = [
@@ -100,6 +103,11 @@ pub struct Upstream<'a> {
     pub serving_ca: Option<&'a Ca>,
     /// More settings, as `BulwarkConfig::set` takes them (`upstream.bulwarkReplicas`, `3`).
     pub settings: Vec<(String, String)>,
+    /// The host's own address, for the `kubernetes` Service (which refuses loopback
+    /// endpoints): Bulwark then listens on every address, and its
+    /// `fleet.kubernetesService.endpoint` is this one with its port. Clients still dial
+    /// 127.0.0.1.
+    pub advertise: Option<std::net::IpAddr>,
 }
 
 /// A running Bulwark process.
@@ -150,6 +158,15 @@ pub fn write_config(
     for (path, yaml) in &upstream.settings {
         config = config.set(path, yaml);
     }
+    let dial = config.listen;
+    if let Some(ip) = upstream.advertise {
+        let endpoint = SocketAddr::new(ip, dial.port());
+        config.listen = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), dial.port());
+        config = config.set(
+            "fleet.kubernetesService.endpoint",
+            &format!("\"{endpoint}\""),
+        );
+    }
     if let Some(mode) = upstream.identity_mode {
         config.identity =
             serde_norway::from_str(mode).with_context(|| format!("identity mode {mode:?}"))?;
@@ -162,7 +179,7 @@ pub fn write_config(
     let path = dir.join("bulwark.yaml");
     config.write(&path)?;
     let target = Target {
-        addr: config.listen,
+        addr: dial,
         ca_pem: serving_ca.cert_pem(),
     };
     Ok((path, target, config.admin))
@@ -397,6 +414,13 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bulwark guard --config FILE`, in this process.
+pub async fn guard(config: &Path) -> anyhow::Result<()> {
+    let config = bulwark::config::Config::load(config)?;
+    bulwark::serve::guard(config).await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -435,6 +459,7 @@ mod tests {
             identity_mode: None,
             serving_ca: None,
             settings: Vec::new(),
+            advertise: None,
         };
         let (path, _, _) = write_config(dir.path(), &upstream).unwrap();
         let config = bulwark::config::Config::load(&path).unwrap();

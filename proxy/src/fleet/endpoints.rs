@@ -426,7 +426,7 @@ pub async fn run(
                         })
                         .collect();
                     reads += 1;
-                    if reads % CHECK_EVERY_READS == 0 {
+                    if reads.is_multiple_of(CHECK_EVERY_READS) {
                         // Check the objects again: write whatever someone else changed.
                         last = None;
                     }

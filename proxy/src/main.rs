@@ -125,19 +125,38 @@ fn main() -> ExitCode {
                     dir,
                     user,
                     groups,
+                    extras,
+                    source,
                     verb,
                     path,
                 },
-        } => match bulwark::rules::explain_dir(&dir, &user, &groups, &verb, &path) {
-            Ok(text) => {
-                print!("{text}");
-                ExitCode::SUCCESS
+        } => {
+            let mut user = bulwark::rules::cli_user(&user, &groups);
+            for (key, value) in extras {
+                user.extra.entry(key).or_default().push(value);
             }
-            Err(why) => {
-                eprintln!("bulwark: {}", Chain(&why));
-                ExitCode::from(1)
-            }
-        },
+            explain(&dir, &user, source, &verb, &path)
+        }
+    }
+}
+
+/// `bulwark rules explain`: the text, or the reason there is none (exit 1).
+fn explain(
+    dir: &std::path::Path,
+    user: &bulwark::identity::User,
+    source: Option<std::net::IpAddr>,
+    verb: &str,
+    path: &str,
+) -> ExitCode {
+    match bulwark::rules::explain_dir(dir, user, source, verb, path) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(why) => {
+            eprintln!("bulwark: {}", Chain(&why));
+            ExitCode::from(1)
+        }
     }
 }
 

@@ -263,6 +263,13 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_static`: 1 while this replica holds the static split because it
     /// cannot renew or read the fleet's Leases.
     pub fleet_static: IntGauge,
+    /// `bulwark_flows`: flows whose state admission remembers (token bucket, backoff, open
+    /// watches).
+    pub flows: IntGauge,
+    /// `bulwark_flows_evicted_total{reason}`: flows forgotten: `idle` (no request, watch or
+    /// recent refusal for a while) or `capacity` (the table was full and a new flow took the
+    /// place of the least recently seen without an open watch).
+    pub flows_evicted_total: IntCounterVec,
     /// `bulwark_fleet_rate_flows`: flows whose rate this replica shares with other members
     /// (each holds part of its rule; `/debug/fleet` lists them).
     pub fleet_rate_flows: IntGauge,
@@ -410,6 +417,11 @@ impl Metrics {
             "Lines of a file log never written, by log (audit) and reason: queue_full (the writer thread fell behind), write_failed (the file could not be written).",
             &["log", "reason"],
         );
+        let flows_evicted_total = counter(
+            "flows_evicted_total",
+            "Flows whose admission state (token bucket, backoff) was forgotten, by reason: idle (no request, open watch or recent refusal for a while), capacity (the flow table was full: a new flow took the place of the least recently seen without an open watch).",
+            &["reason"],
+        );
         let plain_gauge = |name: &str, help: &str| {
             let g =
                 IntGauge::new(format!("bulwark_{name}"), help).expect("valid metric definition");
@@ -433,6 +445,10 @@ impl Metrics {
         let fleet_uncounted_members = plain_gauge(
             "fleet_uncounted_members",
             "Live fleet members beyond upstream.bulwarkReplicas (the newest Leases), whose demand does not count: a rollout, or Leases someone else wrote.",
+        );
+        let flows = plain_gauge(
+            "flows",
+            "Flows whose admission state (token bucket, backoff, open watches) is remembered.",
         );
         let fleet_rate_flows = plain_gauge(
             "fleet_rate_flows",
@@ -620,6 +636,8 @@ impl Metrics {
             admin_connections_closed_total,
             fleet_members,
             fleet_static,
+            flows,
+            flows_evicted_total,
             fleet_rate_flows,
             fleet_share,
             fleet_renewals_total,

@@ -109,7 +109,12 @@ impl Default for Wants {
             bytes: Default::default(),
             in_flight: Default::default(),
             seats: Default::default(),
-            flows: Flows::new(4, Duration::from_secs(300)),
+            flows: Flows::new(
+                4,
+                Duration::from_secs(300),
+                crate::admit::MAX_FLOWS,
+                &crate::metrics::Metrics::new(),
+            ),
         }
     }
 }

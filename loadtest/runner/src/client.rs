@@ -52,13 +52,47 @@ pub struct Target {
     pub ca_pem: String,
 }
 
-/// One client identity: a client certificate with CN = user and O = its class.
+/// One client identity: a client certificate with CN = user and O = its class, or, for a
+/// client inside the cluster, a ServiceAccount token.
 #[derive(Clone, Debug)]
 pub struct Identity {
-    /// Certificate chain, PEM.
+    /// Certificate chain, PEM (empty for an in-cluster client).
     pub cert_pem: String,
-    /// Private key, PEM.
+    /// Private key, PEM (empty for an in-cluster client).
     pub key_pem: String,
+    /// A client inside the cluster, as `rest.InClusterConfig()` makes one.
+    pub in_cluster: Option<InCluster>,
+}
+
+/// How a pod's client reaches the apiservers: a bearer token, no client certificate, and
+/// the `kubernetes` Service's ClusterIP as the name it verifies, whichever endpoint
+/// kube-proxy sends its connection to (the target's address).
+#[derive(Clone, Debug)]
+pub struct InCluster {
+    /// The ServiceAccount token.
+    pub token: String,
+    /// The name the serving certificate is checked for (`KUBERNETES_SERVICE_HOST`).
+    pub server_name: std::net::IpAddr,
+}
+
+impl Identity {
+    /// A client certificate identity.
+    pub fn certificate(cert_pem: String, key_pem: String) -> Identity {
+        Identity {
+            cert_pem,
+            key_pem,
+            in_cluster: None,
+        }
+    }
+
+    /// A pod's identity: its token, checking the serving certificate for `server_name`.
+    pub fn in_cluster(token: String, server_name: std::net::IpAddr) -> Identity {
+        Identity {
+            cert_pem: String::new(),
+            key_pem: String::new(),
+            in_cluster: Some(InCluster { token, server_name }),
+        }
+    }
 }
 
 /// A connected (or reconnecting) HTTP/2 client for one identity. Clones share the
@@ -69,6 +103,8 @@ pub struct Client {
     tls: TlsConnector,
     sender: Option<SendRequest<Full<Bytes>>>,
     accept: &'static str,
+    /// An in-cluster client's `Authorization` and the name its TLS checks.
+    in_cluster: Option<(http::HeaderValue, ServerName<'static>)>,
 }
 
 /// What kubelet and most client-go programs send: protobuf first, JSON for the rest.
@@ -122,17 +158,21 @@ fn tls_connector(target: &Target, identity: &Identity) -> Result<TlsConnector, C
         let cert = cert.map_err(|e| ClientError::Pem(format!("CA: {e}")))?;
         roots.add(cert)?;
     }
-    let chain: Vec<CertificateDer<'static>> =
-        CertificateDer::pem_slice_iter(identity.cert_pem.as_bytes())
-            .collect::<Result<_, _>>()
-            .map_err(|e| ClientError::Pem(format!("client certificate: {e}")))?;
-    let key = PrivateKeyDer::from_pem_slice(identity.key_pem.as_bytes())
-        .map_err(|e| ClientError::Pem(format!("client key: {e}")))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)?;
+        .with_root_certificates(roots);
+    let mut config = if identity.in_cluster.is_some() {
+        builder.with_no_client_auth()
+    } else {
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(identity.cert_pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .map_err(|e| ClientError::Pem(format!("client certificate: {e}")))?;
+        let key = PrivateKeyDer::from_pem_slice(identity.key_pem.as_bytes())
+            .map_err(|e| ClientError::Pem(format!("client key: {e}")))?;
+        builder.with_client_auth_cert(chain, key)?
+    };
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(TlsConnector::from(Arc::new(config)))
 }
@@ -140,11 +180,21 @@ fn tls_connector(target: &Target, identity: &Identity) -> Result<TlsConnector, C
 impl Client {
     /// A client for this identity; it connects on its first request.
     pub fn new(target: &Target, identity: &Identity) -> Result<Client, ClientError> {
+        let in_cluster = match &identity.in_cluster {
+            Some(pod) => {
+                let mut bearer = http::HeaderValue::try_from(format!("Bearer {}", pod.token))
+                    .map_err(|e| ClientError::Pem(format!("token: {e}")))?;
+                bearer.set_sensitive(true);
+                Some((bearer, ServerName::IpAddress(pod.server_name.into())))
+            }
+            None => None,
+        };
         Ok(Client {
             target: target.clone(),
             tls: tls_connector(target, identity)?,
             sender: None,
             accept: "application/json",
+            in_cluster,
         })
     }
 
@@ -168,7 +218,10 @@ impl Client {
             .await
             .map_err(|e| fail(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
-        let name = ServerName::IpAddress(addr.ip().into());
+        let name = match &self.in_cluster {
+            Some((_, name)) => name.clone(),
+            None => ServerName::IpAddress(addr.ip().into()),
+        };
         let tls = self
             .tls
             .connect(name, tcp)
@@ -202,6 +255,9 @@ impl Client {
             .method(method)
             .uri(format!("https://{}{path}", self.target.addr))
             .header(http::header::ACCEPT, self.accept);
+        if let Some((bearer, _)) = &self.in_cluster {
+            builder = builder.header(http::header::AUTHORIZATION, bearer.clone());
+        }
         let body = match body {
             Some((bytes, content_type)) => {
                 builder = builder.header(http::header::CONTENT_TYPE, content_type);
@@ -663,10 +719,7 @@ mod tests {
             addr,
             ca_pem: pki.server_ca.cert_pem(),
         };
-        let identity = Identity {
-            cert_pem: ck.cert_pem,
-            key_pem: ck.key_pem,
-        };
+        let identity = Identity::certificate(ck.cert_pem, ck.key_pem);
         Client::new(&target, &identity).unwrap()
     }
 

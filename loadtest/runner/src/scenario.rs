@@ -186,10 +186,7 @@ fn minted(pki: &Pki, n: usize, who: impl Fn(usize) -> (String, Vec<String>)) -> 
             let (user, groups) = who(i);
             let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
             let ck = pki.client_ca.client_cert(&user, &groups);
-            Identity {
-                cert_pem: ck.cert_pem,
-                key_pem: ck.key_pem,
-            }
+            Identity::certificate(ck.cert_pem, ck.key_pem)
         })
         .collect()
 }

@@ -764,10 +764,7 @@ fn node_client(cp: &ControlPlane, target: &Target, name: &str) -> Option<crate::
         .pki()
         .client_ca
         .client_cert(&format!("system:node:{name}"), &["system:nodes"]);
-    let identity = crate::client::Identity {
-        cert_pem: cert.cert_pem,
-        key_pem: cert.key_pem,
-    };
+    let identity = crate::client::Identity::certificate(cert.cert_pem, cert.key_pem);
     crate::client::Client::new(target, &identity).ok()
 }
 

@@ -104,21 +104,31 @@ fn main() -> ExitCode {
             command:
                 RulesCommand::Explain {
                     dir,
+                    config,
                     user,
                     groups,
                     verb,
                     path,
                 },
-        } => match bulwark::rules::explain_dir(&dir, &user, &groups, &verb, &path) {
-            Ok(text) => {
-                print!("{text}");
-                ExitCode::SUCCESS
+        } => {
+            let mode = match &config {
+                None => bulwark::config::RulesMode::default(),
+                Some(path) => match load(path) {
+                    Some(config) => config.rules.mode,
+                    None => return ExitCode::from(2),
+                },
+            };
+            match bulwark::rules::explain_dir(&dir, mode.into(), &user, &groups, &verb, &path) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(why) => {
+                    eprintln!("bulwark: {}", Chain(&why));
+                    ExitCode::from(1)
+                }
             }
-            Err(why) => {
-                eprintln!("bulwark: {}", Chain(&why));
-                ExitCode::from(1)
-            }
-        },
+        }
     }
 }
 

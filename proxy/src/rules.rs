@@ -135,7 +135,9 @@ fn flow_key(rule: &str, key: &str) -> Arc<str> {
 const FLOW_KEY_ON_STACK: usize = 192;
 
 impl CompiledRule {
-    fn matched(&self, user: &User, info: &RequestInfo) -> Matched {
+    /// What admission needs of this rule for `user`'s request, in `mode` (the rule's own,
+    /// or shadow when `rules.mode` says so).
+    fn matched(&self, user: &User, info: &RequestInfo, mode: Mode) -> Matched {
         let flow = match self.flow {
             FlowBy::User => flow_key(&self.name, &user.username),
             FlowBy::Namespace => flow_key(&self.name, info.namespace.as_deref().unwrap_or("")),
@@ -147,7 +149,7 @@ impl CompiledRule {
             flow,
             rate: self.rate,
             watches: self.watches,
-            mode: self.mode,
+            mode,
             staleness: self.staleness,
             headers: self.headers.clone(),
         }
@@ -250,6 +252,17 @@ pub struct RuleSet {
     files: Vec<PathBuf>,
     hash: String,
     loaded_at: SystemTime,
+    /// `rules.mode`: `Shadow` puts every rule in shadow mode, `Enforce` leaves each its own.
+    mode: Mode,
+}
+
+impl From<crate::config::RulesMode> for Mode {
+    fn from(mode: crate::config::RulesMode) -> Mode {
+        match mode {
+            crate::config::RulesMode::Enforce => Mode::Enforce,
+            crate::config::RulesMode::Shadow => Mode::Shadow,
+        }
+    }
 }
 
 impl RuleSet {
@@ -319,15 +332,40 @@ impl RuleSet {
             files,
             hash: String::new(),
             loaded_at: SystemTime::now(),
+            mode: Mode::Enforce,
         };
         let digest = Sha256::digest(set.content_json(false).to_string().as_bytes());
         set.hash = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
         set
     }
 
+    /// The set under `rules.mode`: with [`Mode::Shadow`] every rule (the built-in ones
+    /// included) only counts what its limits would refuse, whatever its own `mode`; with
+    /// [`Mode::Enforce`] each rule keeps its own. Not part of the hash, which is the
+    /// folder's.
+    pub fn with_mode(mut self, mode: Mode) -> RuleSet {
+        self.mode = mode;
+        self
+    }
+
+    /// `rules.mode` over this set: [`Mode::Enforce`] unless [`RuleSet::with_mode`] said
+    /// otherwise.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The mode a rule runs in under `rules.mode`.
+    fn mode_of(&self, rule: &CompiledRule) -> Mode {
+        match self.mode {
+            Mode::Shadow => Mode::Shadow,
+            Mode::Enforce => rule.mode,
+        }
+    }
+
     /// The rule a request matches: the first by precedence, the catch-all last.
     pub fn matches(&self, user: &User, info: &RequestInfo) -> Matched {
-        self.rule_for(user, info).matched(user, info)
+        let rule = self.rule_for(user, info);
+        rule.matched(user, info, self.mode_of(rule))
     }
 
     fn rule_for(&self, user: &User, info: &RequestInfo) -> &CompiledRule {
@@ -374,7 +412,7 @@ impl RuleSet {
     pub fn explain_request(&self, user: &User, info: &RequestInfo) -> String {
         use std::fmt::Write;
         let rule = self.rule_for(user, info);
-        let matched = rule.matched(user, info);
+        let matched = rule.matched(user, info, self.mode_of(rule));
         let mut out = String::new();
         let query = if info.query.raw.is_empty() {
             String::new()
@@ -407,7 +445,17 @@ impl RuleSet {
         if let Some(watches) = rule.watches {
             let _ = writeln!(out, "  watches: {watches} per flow");
         }
-        let _ = writeln!(out, "  mode: {}", mode_name(rule.mode));
+        if matched.mode == rule.mode {
+            let _ = writeln!(out, "  mode: {}", mode_name(rule.mode));
+        } else {
+            let _ = writeln!(
+                out,
+                "  mode: {} (rules.mode: {} in Bulwark's configuration overrides the rule's {})",
+                mode_name(matched.mode),
+                mode_name(self.mode),
+                mode_name(rule.mode)
+            );
+        }
         if let Some(staleness) = rule.staleness {
             let _ = writeln!(
                 out,
@@ -439,6 +487,7 @@ impl RuleSet {
     pub fn to_json(&self) -> Value {
         let mut value = self.content_json(true);
         value["hash"] = json!(self.hash);
+        value["mode"] = json!(mode_name(self.mode));
         value["loadedAt"] = json!(humantime::format_rfc3339_seconds(self.loaded_at).to_string());
         value["files"] = json!(
             self.files
@@ -619,17 +668,20 @@ pub fn check(dir: &Path, max_staleness: Duration) -> Checked {
     }
 }
 
-/// `bulwark rules explain DIR --user U [--group G]... VERB PATH`. The user gets
-/// `system:authenticated`, and a ServiceAccount user its `system:serviceaccounts` groups,
-/// as authentication would give them.
+/// `bulwark rules explain DIR --user U [--group G]... VERB PATH`, under `mode` (Bulwark's
+/// `rules.mode`). The user gets `system:authenticated`, and a ServiceAccount user its
+/// `system:serviceaccounts` groups, as authentication would give them.
 pub fn explain_dir(
     dir: &Path,
+    mode: Mode,
     user: &str,
     groups: &[String],
     verb: &str,
     path: &str,
 ) -> Result<String, ExplainError> {
-    let set = RuleSet::load_dir(dir).map_err(ExplainError::Rules)?;
+    let set = RuleSet::load_dir(dir)
+        .map_err(ExplainError::Rules)?
+        .with_mode(mode);
     let info = request_for(verb, path)?;
     Ok(set.explain_request(&cli_user(user, groups), &info))
 }

@@ -467,7 +467,8 @@ fn explain_on_the_examples_prints_the_expected_text() {
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     for (name, user, groups, verb, path) in EXPLAIN_CASES {
         let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
-        let out = rules::explain_dir(&examples(), user, &groups, verb, path).unwrap();
+        let out =
+            rules::explain_dir(&examples(), Mode::Enforce, user, &groups, verb, path).unwrap();
         let golden = testdata().join("explain").join(format!("{name}.txt"));
         if update {
             fs::write(&golden, &out).unwrap();
@@ -479,23 +480,117 @@ fn explain_on_the_examples_prints_the_expected_text() {
 
 #[test]
 fn explain_refuses_a_bad_request_and_a_bad_folder() {
-    let err = rules::explain_dir(&examples(), "u", &[], "lsit", "/api/v1/pods")
+    let err = rules::explain_dir(&examples(), Mode::Enforce, "u", &[], "lsit", "/api/v1/pods")
         .unwrap_err()
         .to_string();
     assert!(err.starts_with("unknown verb \"lsit\""), "{err}");
-    let err = rules::explain_dir(&examples(), "u", &[], "get", "/api/v1/pods")
+    let err = rules::explain_dir(&examples(), Mode::Enforce, "u", &[], "get", "/api/v1/pods")
         .unwrap_err()
         .to_string();
     assert!(err.contains("is a list request"), "{err}");
-    let err = rules::explain_dir(&examples(), "u", &[], "get", "/api/v1/%2e%2e/x")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &examples(),
+        Mode::Enforce,
+        "u",
+        &[],
+        "get",
+        "/api/v1/%2e%2e/x",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("encoded"), "{err}");
     let bad = testdata().join("missing-level");
-    let err = rules::explain_dir(&bad, "u", &[], "get", "/version")
+    let err = rules::explain_dir(&bad, Mode::Enforce, "u", &[], "get", "/version")
         .unwrap_err()
         .to_string();
     assert!(err.contains("list-hevy"), "{err}");
+}
+
+/// `rules.mode: shadow` puts every rule in shadow mode, the built-in catch-all and the
+/// rules that say `mode: enforce` included; `enforce` leaves each rule its own. The mode
+/// outlives a reload, and `explain` says when it overrides a rule.
+#[test]
+fn rules_mode_shadow_overrides_every_rule_and_explain_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    replace_files(&examples(), dir.path());
+    let operator = user("system:serviceaccount:ops:secret-sync", &[]);
+    let requests = [
+        (operator.clone(), "list", "/api/v1/secrets"),
+        (user("storm-17", &["storm"]), "list", "/api/v1/secrets"),
+        (
+            user("system:node:n1", &["system:nodes"]),
+            "watch",
+            "/api/v1/pods",
+        ),
+        (user("alice", &[]), "get", "/api/v1/namespaces/a/pods/p"),
+    ];
+    let modes = |set: &RuleSet| -> Vec<(String, Mode)> {
+        requests
+            .iter()
+            .map(|(u, verb, path)| {
+                let m = set.matches(u, &rules::request_for(verb, path).unwrap());
+                (m.rule.to_string(), m.mode)
+            })
+            .collect()
+    };
+    let enforced = RuleSet::load_dir(dir.path()).unwrap();
+    assert_eq!(enforced.mode(), Mode::Enforce, "enforce is the default");
+    let rule_names: Vec<String> = modes(&enforced).into_iter().map(|(r, _)| r).collect();
+    assert_eq!(
+        rule_names,
+        [
+            "secret-operators",
+            "cluster-wide-secret-lists",
+            "kubelets",
+            "catch-all"
+        ]
+    );
+    assert!(modes(&enforced).iter().all(|(_, m)| *m == Mode::Enforce));
+
+    let metrics = Metrics::new();
+    let shadowed = Rules::new(
+        RuleSet::load_dir(dir.path())
+            .unwrap()
+            .with_mode(Mode::Shadow),
+        Some(dir.path().to_owned()),
+        metrics,
+    );
+    assert!(
+        modes(&shadowed.current())
+            .iter()
+            .all(|(_, m)| *m == Mode::Shadow)
+    );
+    // Not part of the hash: the same folder is the same set.
+    assert_eq!(shadowed.current().hash(), enforced.hash());
+    assert_eq!(shadowed.current().to_json()["mode"], "shadow");
+    fs::remove_file(dir.path().join("monitoring.yaml")).unwrap();
+    shadowed.reload().unwrap();
+    assert_ne!(shadowed.current().hash(), enforced.hash(), "reloaded");
+    assert!(
+        modes(&shadowed.current())
+            .iter()
+            .all(|(_, m)| *m == Mode::Shadow),
+        "a reloaded set keeps rules.mode"
+    );
+
+    let explain = |mode| {
+        rules::explain_dir(
+            &examples(),
+            mode,
+            "system:serviceaccount:ops:secret-sync",
+            &[],
+            "list",
+            "/api/v1/secrets",
+        )
+        .unwrap()
+    };
+    let overridden = "  mode: shadow (rules.mode: shadow in Bulwark's configuration overrides the rule's enforce)\n";
+    assert!(
+        explain(Mode::Shadow).contains(overridden),
+        "{}",
+        explain(Mode::Shadow)
+    );
+    assert!(explain(Mode::Enforce).contains("  mode: enforce\n"));
 }
 
 #[test]

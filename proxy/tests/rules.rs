@@ -609,7 +609,7 @@ fn check_summarises_a_good_folder() {
     assert_eq!(
         checked.summary.unwrap(),
         format!(
-            "{}: 12 files, 6 levels, 15 rules, hash {}\n",
+            "{}: 11 files, 6 levels, 12 rules, hash {}\n",
             examples().display(),
             set.hash()
         )

@@ -74,15 +74,29 @@ fuzz_target!(|data: &[u8]| {
 
 fn exercise(set: &RuleSet) {
     let _ = set.to_json();
+    // A DaemonSet's bound token, naming its node and pod: `flow: node` and `flow: pod` rules
+    // key it by them, the others ignore them.
+    let mut agent = bulwark::rules::cli_user("system:serviceaccount:kube-system:kube-proxy", &[]);
+    for (claim, value) in [
+        (bulwark::rules::client::NODE_NAME_CLAIM, "node-1"),
+        (
+            bulwark::rules::client::POD_UID_CLAIM,
+            "0f3c5e2a-7b1d-4c9e-8a6f-2d4b6c8e0a1f",
+        ),
+    ] {
+        agent.extra.insert(claim.to_owned(), vec![value.to_owned()]);
+    }
     let users = [
         bulwark::rules::cli_user("system:node:node-1", &["system:nodes".to_owned()]),
         bulwark::rules::cli_user("system:serviceaccount:kube-system:coredns", &[]),
+        agent,
         User::default(),
     ];
+    let source = Some(std::net::IpAddr::from([10, 0, 0, 1]));
     for user in &users {
         for (verb, path) in REQUESTS {
             let info = bulwark::rules::request_for(verb, path).expect("a valid request");
-            let matched = set.matches(user, &info);
+            let matched = set.matches_from(user, &info, source);
             assert!(
                 set.rule_names().contains(&&*matched.rule),
                 "{}",
@@ -93,7 +107,7 @@ fn exercise(set: &RuleSet) {
                 "{}",
                 matched.level.name
             );
-            let _ = set.explain_request(user, &info);
+            let _ = set.explain_from(user, &info, source);
         }
     }
 }

@@ -137,10 +137,8 @@ fn debug_allowed(access: &DebugAccess, headers: &http::HeaderMap) -> bool {
 pub struct MetricsAuth {
     /// Reviews (and caches) bearer tokens, as for clients.
     pub tokens: Arc<crate::identity::review::TokenCache>,
-    /// Where the SubjectAccessReview goes.
-    pub upstream: Upstream,
-    /// Bulwark's own identity for it.
-    pub own_token: Option<Arc<crate::identity::forward::OwnToken>>,
+    /// Bulwark's own client, which makes the SubjectAccessReview.
+    pub own: crate::own::Client,
     /// Decisions remembered per user, and scrapes bounded per source and per user.
     pub scrapers: Scrapers,
 }
@@ -245,15 +243,7 @@ async fn metrics_allowed(
         tracing::info!(%peer, user = user.username, why, "a /metrics caller was refused");
         forbidden()
     };
-    match review_non_resource(
-        &auth.upstream,
-        auth.own_token.as_deref(),
-        &user,
-        "get",
-        "/metrics",
-    )
-    .await
-    {
+    match review_non_resource(&auth.own, &user, "get", "/metrics").await {
         Ok(Decision::Allowed) => {
             auth.scrapers.remember(&user, Ok(()));
             Ok(())

@@ -72,6 +72,10 @@ pub enum Answer {
     },
 }
 
+/// The flows a Bulwark remembers at most by default: a flow is some 400 bytes with its key,
+/// so the table stays within about 40 MB whatever the clients do.
+pub const MAX_FLOWS: usize = 100_000;
+
 /// Tunables of admission; the defaults suit a production fleet.
 #[derive(Debug, Clone)]
 pub struct AdmissionConfig {
@@ -87,6 +91,9 @@ pub struct AdmissionConfig {
     pub flow_idle: Duration,
     /// Shards of the flow table (lock contention).
     pub flow_shards: usize,
+    /// Flows remembered at most (those with an open watch aside): past it a new flow
+    /// evicts the least recently seen of its shard (`bulwark_flows_evicted_total`).
+    pub max_flows: usize,
     /// LIST scopes and shapes remembered by the cost model (each, LRU).
     pub cost_capacity: usize,
     /// Shadow-mode would-be refusals logged per second (the rest are only counted).
@@ -100,6 +107,7 @@ impl Default for AdmissionConfig {
             unknown_list_bytes: None,
             flow_idle: Duration::from_secs(300),
             flow_shards: 64,
+            max_flows: MAX_FLOWS,
             cost_capacity: 100_000,
             shadow_logs_per_second: 5,
         }
@@ -263,7 +271,12 @@ impl Admission {
             .seat_unit_bytes
             .unwrap_or((per_replica / 100).max(64 * 1024));
         let unknown = config.unknown_list_bytes.unwrap_or(per_replica / 4);
-        let flows = Arc::new(Flows::new(config.flow_shards, config.flow_idle));
+        let flows = Arc::new(Flows::new(
+            config.flow_shards,
+            config.flow_idle,
+            config.max_flows,
+            &metrics,
+        ));
         let shadow_log = std::num::NonZeroU32::new(config.shadow_logs_per_second)
             .map(|n| RateLimiter::direct_with_clock(Quota::per_second(n), flows.clock().clone()));
         let shared = Arc::new_cyclic(|weak| Shared {

@@ -62,10 +62,9 @@ use tokio::time::Instant;
 use crate::Body;
 use crate::classify::{RequestInfo, Verb};
 use crate::config::{self, GroupResource};
-use crate::identity::User;
-use crate::identity::forward::OwnToken;
 use crate::metrics::Metrics;
-use crate::upstream::Upstream;
+use crate::own;
+use crate::user::User;
 
 pub use apimachinery::status::Status;
 pub use audit::AuditLog;
@@ -87,7 +86,7 @@ pub enum CacheError {
     Status(Box<Status>, String),
     /// No SubjectAccessReview could be made: the request gets an error, never data.
     #[error("the access review for a cached read could not be made")]
-    ReviewFailed(#[source] Arc<crate::identity::review::ReviewError>),
+    ReviewFailed(#[source] Arc<own::ReviewError>),
 }
 
 impl CacheError {
@@ -266,12 +265,11 @@ impl Cache {
     /// Starts one informer per configured resource (Bulwark's own identity).
     pub fn start(
         cfg: &config::Cache,
-        upstream: Upstream,
-        own_token: Option<Arc<OwnToken>>,
+        client: own::Client,
         metrics: Metrics,
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
-        let reviewer = Arc::new(UpstreamAccessReviewer::new(upstream.clone(), own_token));
+        let reviewer = Arc::new(UpstreamAccessReviewer::new(client.clone()));
         let cache = Cache::build(cfg, reviewer, metrics, audit);
         if cfg.enabled {
             let mut tasks = Vec::new();
@@ -282,7 +280,7 @@ impl Cache {
                     .cache_relists_total
                     .with_label_values(&[&resource.label]);
                 tasks.push(tokio::spawn(informer::run(
-                    upstream.clone(),
+                    client.clone(),
                     resource.gr.clone(),
                     resource.store.clone(),
                     move |kind| {

@@ -33,6 +33,15 @@ pub enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Publish the `kubernetes` Service's endpoints from the fleet's Leases and serve
+    /// nothing: run one beside each apiserver, so that pods reach the apiservers again
+    /// within the Lease duration when no replica is live. Reads the replicas'
+    /// configuration (`upstream`, `fleet.kubernetesService`).
+    Guard {
+        /// The configuration file.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Check a configuration file and every file it names (certificates, keys, CAs, token
     /// files, the rules folder); print every problem and exit 2 when there is any.
     CheckConfig {
@@ -82,11 +91,27 @@ pub enum RulesCommand {
         /// A group of the user (repeatable); `system:authenticated` is added.
         #[arg(long = "group")]
         groups: Vec<String>,
+        /// An extra of the user's credential as `KEY=VALUE` (repeatable; a key given twice
+        /// has two values), e.g. `authentication.kubernetes.io/node-name=node-1`.
+        #[arg(long = "extra", value_parser = parse_extra)]
+        extras: Vec<(String, String)>,
+        /// The client's address, which keys `flow: node` and `flow: pod` flows whose client
+        /// names no node or pod.
+        #[arg(long)]
+        source: Option<std::net::IpAddr>,
         /// The apiserver verb (get, list, watch, create, ...).
         verb: String,
         /// The request path, e.g. /api/v1/namespaces/default/secrets.
         path: String,
     },
+}
+
+/// `KEY=VALUE` of `--extra`.
+fn parse_extra(arg: &str) -> Result<(String, String), String> {
+    match arg.split_once('=') {
+        Some((key, value)) if !key.is_empty() => Ok((key.to_owned(), value.to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {arg:?}")),
+    }
 }
 
 /// `bulwark certs ...` subcommands.

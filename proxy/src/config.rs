@@ -124,6 +124,27 @@ pub struct Fleet {
     /// false.
     #[serde(default)]
     pub accept_unsigned: bool,
+    /// Publish the `kubernetes` Service's endpoints (`default/kubernetes` EndpointSlices and
+    /// Endpoints), so that pods dialing the Service reach the apiservers through the live
+    /// replicas, and the apiservers themselves when none is live (DESIGN.md "In-cluster
+    /// clients"). Needs `keyFile` without `acceptUnsigned`: only a signed Lease may put an
+    /// address behind the Service every pod dials. Default: not published.
+    #[serde(default)]
+    pub kubernetes_service: Option<KubernetesService>,
+}
+
+/// The `kubernetes` Service's endpoints as the fleet publishes them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KubernetesService {
+    /// The address pods dial for this replica: its pod or host IP and the port it listens
+    /// on. Absent on `bulwark guard`, which publishes the others' and serves nothing.
+    #[serde(default)]
+    pub endpoint: Option<SocketAddr>,
+    /// The apiservers' advertised addresses (`--advertise-address:--secure-port`):
+    /// published as serving-but-terminating, which kube-proxy uses only while no replica is
+    /// ready, so pods reach the apiservers directly when no Bulwark is live.
+    pub apiservers: Vec<SocketAddr>,
 }
 
 fn default_lease_prefix() -> String {
@@ -1079,6 +1100,28 @@ fn validate_fleet(fleet: &Fleet, p: &mut Problems) {
             "fleet.acceptUnsigned",
             "needs fleet.keyFile: without a key every Lease is unsigned",
         );
+    }
+    if let Some(service) = &fleet.kubernetes_service {
+        if fleet.key_file.is_none() || fleet.accept_unsigned {
+            p.add(
+                "fleet.kubernetesService",
+                "needs fleet.keyFile and no fleet.acceptUnsigned: an unsigned Lease could put \
+                 any address behind the Service every pod dials",
+            );
+        }
+        if service.apiservers.is_empty() {
+            p.add(
+                "fleet.kubernetesService.apiservers",
+                "needs the apiservers' advertised addresses: without them no Bulwark live \
+                 leaves pods no endpoint",
+            );
+        }
+        if service.endpoint.is_some_and(|e| e.ip().is_unspecified()) {
+            p.add(
+                "fleet.kubernetesService.endpoint",
+                "must be an address pods can dial, not 0.0.0.0 or ::",
+            );
+        }
     }
     p.positive("fleet.renewInterval", fleet.renew_interval);
     let duration = fleet.lease_duration;

@@ -18,6 +18,7 @@
 //! and, with `fleet.keyFile`, signed with the fleet's key); only the `bulwarkReplicas`
 //! oldest members' demand counts; and no demand counts for more than the whole it asks of.
 
+pub mod endpoints;
 pub mod lease;
 pub mod share;
 
@@ -35,6 +36,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use self::lease::{Check, KeyError, Keys, LeaseStore, Rejection, Verdict};
 use self::share::{Demand, Held, Member};
 use crate::metrics::Metrics;
+use crate::own;
 
 /// Where this replica stands in the fleet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -270,6 +272,9 @@ pub struct Settings {
     pub bulwark_replicas: u32,
     /// The wall clock the Leases' times are compared with.
     pub clock: Arc<dyn Fn() -> SystemTime + Send + Sync>,
+    /// The address this replica's Lease publishes for the `kubernetes` Service
+    /// (`fleet.kubernetesService.endpoint`).
+    pub endpoint: Option<std::net::SocketAddr>,
 }
 
 impl Settings {
@@ -292,6 +297,7 @@ impl Settings {
             lease_duration: fleet.lease_duration,
             bulwark_replicas,
             clock: Arc::new(SystemTime::now),
+            endpoint: (fleet.kubernetes_service.as_ref()).and_then(|k| k.endpoint),
         })
     }
 
@@ -299,6 +305,101 @@ impl Settings {
     pub fn lease_name(&self) -> String {
         format!("{}{}", self.prefix, self.identity)
     }
+
+    /// Which Leases count, with the keys as they are now.
+    pub fn check(&self) -> lease::Check {
+        lease::Check {
+            namespace: self.namespace.clone(),
+            prefix: self.prefix.clone(),
+            duration: self.lease_duration,
+            keys: self.keys.as_ref().map(|k| k.current()),
+            accept_unsigned: self.accept_unsigned,
+        }
+    }
+}
+
+/// Starts this replica's membership from `cfg`: its Lease renewed and everyone's read
+/// through Bulwark's own client, shares published into `shares`, and with
+/// `kubernetesService`, the Service's endpoints. The tasks stop when aborted.
+pub fn start(
+    cfg: &crate::config::Fleet,
+    bulwark_replicas: u32,
+    listen: std::net::SocketAddr,
+    own: own::Client,
+    local: Arc<dyn Local>,
+    shares: FleetShares,
+    metrics: Metrics,
+) -> Result<(Arc<Fleet>, Vec<JoinHandle<()>>), KeyError> {
+    let mut settings = Settings::from_config(cfg, bulwark_replicas)?;
+    if cfg.kubernetes_service.is_some() && settings.endpoint.is_none() {
+        settings.endpoint = default_endpoint(listen);
+        match settings.endpoint {
+            Some(endpoint) => {
+                tracing::info!(%endpoint, "fleet: publishing this replica behind the kubernetes Service");
+            }
+            None => tracing::warn!(
+                "fleet.kubernetesService: no endpoint, the listen address is unspecified and \
+                 POD_IP is not set; this replica is not published behind the Service"
+            ),
+        }
+    }
+    let store = Arc::new(lease::UpstreamLeases::new(
+        own.clone(),
+        &cfg.namespace,
+        &settings.lease_name(),
+        cfg.renew_interval,
+    ));
+    let mut tasks = Vec::new();
+    if let Some(service) = &cfg.kubernetes_service {
+        tasks.push(publish_service(&settings, service, own, metrics.clone()));
+    }
+    let (fleet, task) = Fleet::spawn(settings, Arc::new(store), local, shares, metrics);
+    tasks.push(task);
+    Ok((fleet, tasks))
+}
+
+/// The address pods dial for this replica when `fleet.kubernetesService.endpoint` is not
+/// set: the listen address when it names one, else `POD_IP` (the downward API's
+/// `status.podIP`, the node's address with `hostNetwork`) with the listen port.
+fn default_endpoint(listen: std::net::SocketAddr) -> Option<std::net::SocketAddr> {
+    if !listen.ip().is_unspecified() {
+        return Some(listen);
+    }
+    let ip: std::net::IpAddr = std::env::var("POD_IP").ok()?.trim().parse().ok()?;
+    Some(std::net::SocketAddr::new(ip, listen.port()))
+}
+
+/// Publishes the `kubernetes` Service's endpoints from the fleet's Leases
+/// ([`endpoints`]): in every replica with `fleet.kubernetesService`, and in `bulwark guard`.
+pub fn publish_service(
+    settings: &Settings,
+    service: &crate::config::KubernetesService,
+    own: own::Client,
+    metrics: Metrics,
+) -> JoinHandle<()> {
+    let leases = Arc::new(lease::UpstreamLeases::new(
+        own.clone(),
+        &settings.namespace,
+        &settings.lease_name(),
+        settings.renew_interval,
+    ));
+    let writer = Arc::new(endpoints::UpstreamService::new(
+        own,
+        settings.renew_interval,
+    ));
+    let check_from = settings.clone();
+    let publisher = endpoints::Settings {
+        check: Arc::new(move || check_from.check()),
+        apiservers: service.apiservers.clone(),
+        every: settings.renew_interval,
+        clock: settings.clock.clone(),
+    };
+    tokio::spawn(endpoints::run(
+        publisher,
+        Arc::new(leases),
+        Arc::new(writer),
+        metrics,
+    ))
 }
 
 /// The pod's name (`POD_NAME`, from the downward API), else the host name, as a DNS label
@@ -504,8 +605,9 @@ impl Fleet {
     }
 
     /// Renews this replica's Lease, reads everyone's and splits.
-    async fn round(&self, demand: Demand) -> Result<Shares, String> {
+    async fn round(&self, mut demand: Demand) -> Result<Shares, String> {
         let s = &self.settings;
+        demand.endpoint = s.endpoint.map(|e| e.to_string());
         let keys = s.keys.as_ref().map(|k| k.current());
         let mut me = Member {
             identity: s.identity.clone(),

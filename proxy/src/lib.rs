@@ -23,6 +23,7 @@ pub mod listen;
 pub mod logs;
 pub mod metrics;
 pub mod net;
+pub mod own;
 pub mod process;
 pub mod report;
 pub mod rules;
@@ -30,6 +31,7 @@ pub mod serve;
 pub mod stages;
 pub mod status;
 pub mod upstream;
+pub mod user;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full, combinators::UnsyncBoxBody};

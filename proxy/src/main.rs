@@ -56,6 +56,25 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Guard { config } => {
+            let Some(config) = load(&config) else {
+                return ExitCode::from(2);
+            };
+            let runtime = match tokio::runtime::Runtime::new() {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    eprintln!("bulwark: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(bulwark::serve::guard(config)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("bulwark: {}", Chain(&e));
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::CheckConfig { config } => check_config(&config),
         Command::Certs {
             command: CertsCommand::Init(args),
@@ -107,6 +126,8 @@ fn main() -> ExitCode {
                     config,
                     user,
                     groups,
+                    extras,
+                    source,
                     verb,
                     path,
                 },
@@ -118,16 +139,32 @@ fn main() -> ExitCode {
                     None => return ExitCode::from(2),
                 },
             };
-            match bulwark::rules::explain_dir(&dir, mode.into(), &user, &groups, &verb, &path) {
-                Ok(text) => {
-                    print!("{text}");
-                    ExitCode::SUCCESS
-                }
-                Err(why) => {
-                    eprintln!("bulwark: {}", Chain(&why));
-                    ExitCode::from(1)
-                }
+            let mut user = bulwark::rules::cli_user(&user, &groups);
+            for (key, value) in extras {
+                user.extra.entry(key).or_default().push(value);
             }
+            explain(&dir, mode.into(), &user, source, &verb, &path)
+        }
+    }
+}
+
+/// `bulwark rules explain`: the text, or the reason there is none (exit 1).
+fn explain(
+    dir: &std::path::Path,
+    mode: bulwark::rules::Mode,
+    user: &bulwark::identity::User,
+    source: Option<std::net::IpAddr>,
+    verb: &str,
+    path: &str,
+) -> ExitCode {
+    match bulwark::rules::explain_dir(dir, mode, user, source, verb, path) {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(why) => {
+            eprintln!("bulwark: {}", Chain(&why));
+            ExitCode::from(1)
         }
     }
 }

@@ -263,6 +263,13 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_static`: 1 while this replica holds the static split because it
     /// cannot renew or read the fleet's Leases.
     pub fleet_static: IntGauge,
+    /// `bulwark_flows`: flows whose state admission remembers (token bucket, backoff, open
+    /// watches).
+    pub flows: IntGauge,
+    /// `bulwark_flows_evicted_total{reason}`: flows forgotten: `idle` (no request, watch or
+    /// recent refusal for a while) or `capacity` (the table was full and a new flow took the
+    /// place of the least recently seen without an open watch).
+    pub flows_evicted_total: IntCounterVec,
     /// `bulwark_fleet_rate_flows`: flows whose rate this replica shares with other members
     /// (each holds part of its rule; `/debug/fleet` lists them).
     pub fleet_rate_flows: IntGauge,
@@ -272,6 +279,13 @@ pub struct MetricFamilies {
     /// `bulwark_fleet_renewals_total{result}`: rounds of the fleet's Lease renewal
     /// (`success` or `error`).
     pub fleet_renewals_total: IntCounterVec,
+    /// `bulwark_fleet_service_endpoints`: replicas behind the `kubernetes` Service as this
+    /// replica (or guard) last published it (`fleet.kubernetesService`).
+    pub fleet_service_endpoints: IntGauge,
+    /// `bulwark_fleet_service_writes_total{result}`: writes of the `kubernetes` Service's
+    /// EndpointSlices and Endpoints (`success`), and rounds that could not publish
+    /// (`error`).
+    pub fleet_service_writes_total: IntCounterVec,
     /// `bulwark_fleet_leases_rejected_total{reason}`: unexpired Leases with the fleet's
     /// prefix that did not count, each time a round read one (`name`, `duration`,
     /// `future`, `signature`: [`crate::fleet::lease::Rejection`]).
@@ -388,6 +402,11 @@ impl Metrics {
             "Rounds of the fleet's Lease renewal and read, by result (success, error); an error falls back to the static split.",
             &["result"],
         );
+        let fleet_service_writes_total = counter(
+            "fleet_service_writes_total",
+            "Writes of the kubernetes Service's EndpointSlices and Endpoints (success), and rounds that could not publish them (error), with fleet.kubernetesService.",
+            &["result"],
+        );
         let fleet_leases_rejected_total = counter(
             "fleet_leases_rejected_total",
             "Unexpired Leases with the fleet's prefix that did not count, each round that read one, by reason: name (not the prefix plus its holder), duration (longer than fleet.leaseDuration), future (renewed ahead of this replica's clock), signature (fleet.keyFile set and the MAC missing or wrong).",
@@ -397,6 +416,11 @@ impl Metrics {
             "log_lines_dropped_total",
             "Lines of a file log never written, by log (audit) and reason: queue_full (the writer thread fell behind), write_failed (the file could not be written).",
             &["log", "reason"],
+        );
+        let flows_evicted_total = counter(
+            "flows_evicted_total",
+            "Flows whose admission state (token bucket, backoff) was forgotten, by reason: idle (no request, open watch or recent refusal for a while), capacity (the flow table was full: a new flow took the place of the least recently seen without an open watch).",
+            &["reason"],
         );
         let plain_gauge = |name: &str, help: &str| {
             let g =
@@ -410,6 +434,10 @@ impl Metrics {
             "fleet_members",
             "Live members of the fleet of Bulwark replicas this one sees (0: fleet off or static split).",
         );
+        let fleet_service_endpoints = plain_gauge(
+            "fleet_service_endpoints",
+            "Bulwark replicas behind the kubernetes Service as last published (0: the apiservers serve in-cluster clients directly), with fleet.kubernetesService.",
+        );
         let fleet_static = plain_gauge(
             "fleet_static",
             "1 while this replica holds the static split because it cannot renew or read the fleet's Leases.",
@@ -417,6 +445,10 @@ impl Metrics {
         let fleet_uncounted_members = plain_gauge(
             "fleet_uncounted_members",
             "Live fleet members beyond upstream.bulwarkReplicas (the newest Leases), whose demand does not count: a rollout, or Leases someone else wrote.",
+        );
+        let flows = plain_gauge(
+            "flows",
+            "Flows whose admission state (token bucket, backoff, open watches) is remembered.",
         );
         let fleet_rate_flows = plain_gauge(
             "fleet_rate_flows",
@@ -604,9 +636,13 @@ impl Metrics {
             admin_connections_closed_total,
             fleet_members,
             fleet_static,
+            flows,
+            flows_evicted_total,
             fleet_rate_flows,
             fleet_share,
             fleet_renewals_total,
+            fleet_service_endpoints,
+            fleet_service_writes_total,
             fleet_leases_rejected_total,
             fleet_uncounted_members,
             log_lines_dropped_total,

@@ -10,6 +10,7 @@
 //! message`, `matcher` decides matches, `reload` watches the folder.
 
 mod builtin;
+pub mod client;
 mod discovery;
 mod lint;
 pub mod load;
@@ -22,6 +23,7 @@ pub mod types;
 mod validate;
 
 use std::fmt;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -36,6 +38,7 @@ pub use types::*;
 
 use crate::classify::{RequestInfo, Verb};
 use crate::identity::User;
+use client::{Client, Fallback};
 use matcher::Matcher;
 
 /// One problem with the rules: where it is and what is wrong.
@@ -115,43 +118,93 @@ pub(crate) struct CompiledRule {
     headers: RuleHeaders,
 }
 
-/// `rule/key`, made in one allocation.
-fn flow_key(rule: &str, key: &str) -> Arc<str> {
-    let len = rule.len() + 1 + key.len();
+/// The parts of a flow key put together, in one allocation.
+fn flow_key(parts: &[&str]) -> Arc<str> {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
     if len <= FLOW_KEY_ON_STACK {
         // Put together on the stack, so that the key's one allocation is its own.
         let mut flow = [0u8; FLOW_KEY_ON_STACK];
-        flow[..rule.len()].copy_from_slice(rule.as_bytes());
-        flow[rule.len()] = b'/';
-        flow[rule.len() + 1..len].copy_from_slice(key.as_bytes());
+        let mut at = 0;
+        for part in parts {
+            flow[at..at + part.len()].copy_from_slice(part.as_bytes());
+            at += part.len();
+        }
         if let Ok(flow) = std::str::from_utf8(&flow[..len]) {
             return Arc::from(flow);
         }
     }
-    Arc::from(format!("{rule}/{key}"))
+    Arc::from(parts.concat())
 }
 
 /// The longest flow key [`flow_key`] puts together without a buffer on the heap.
 const FLOW_KEY_ON_STACK: usize = 192;
 
+/// `rule/user/node:NAME`, `rule/user/pod:UID` or `rule/user/addr:IP`: the user stays in
+/// the key, so that two identities on one node (kube-proxy and a CNI agent) are two flows.
+/// Neither a rule name nor a client has a `/`, so the key says which user and which client
+/// it is whatever the user name holds.
+fn client_key(rule: &str, user: &str, client: Client<'_>) -> Arc<str> {
+    use std::io::Write;
+    // Room for the longest address text, 45 bytes (an IPv6 address with an IPv4 tail).
+    let mut addr = [0u8; 48];
+    let (kind, name) = match client {
+        Client::Node(name) => ("/node:", name),
+        Client::Pod(uid) => ("/pod:", uid),
+        Client::Addr(None) => ("/addr:", "unknown"),
+        Client::Addr(Some(ip)) => {
+            let mut rest = &mut addr[..];
+            let _ = write!(rest, "{ip}");
+            let written = 48 - rest.len();
+            (
+                "/addr:",
+                std::str::from_utf8(&addr[..written]).unwrap_or("unknown"),
+            )
+        }
+    };
+    flow_key(&[rule, "/", user, kind, name])
+}
+
 impl CompiledRule {
-    /// What admission needs of this rule for `user`'s request, in `mode` (the rule's own,
-    /// or shadow when `rules.mode` says so).
-    fn matched(&self, user: &User, info: &RequestInfo, mode: Mode) -> Matched {
-        let flow = match self.flow {
-            FlowBy::User => flow_key(&self.name, &user.username),
-            FlowBy::Namespace => flow_key(&self.name, info.namespace.as_deref().unwrap_or("")),
-            FlowBy::None => self.name.clone(),
-        };
+    /// What admission needs of this rule for `user`'s request from `source`, in `mode`
+    /// (the rule's own, or shadow when `rules.mode` says so).
+    fn matched(
+        &self,
+        user: &User,
+        info: &RequestInfo,
+        source: Option<IpAddr>,
+        mode: Mode,
+    ) -> Matched {
         Matched {
             rule: self.name.clone(),
             level: self.level.clone(),
-            flow,
+            flow: self.flow_of(user, info, source).0,
             rate: self.rate,
             watches: self.watches,
             mode,
             staleness: self.staleness,
             headers: self.headers.clone(),
+        }
+    }
+
+    /// The flow key of a request, and for a rule keyed per client why its client is its
+    /// source address when it is.
+    fn flow_of(
+        &self,
+        user: &User,
+        info: &RequestInfo,
+        source: Option<IpAddr>,
+    ) -> (Arc<str>, Option<Fallback>) {
+        match self.flow {
+            FlowBy::User => (flow_key(&[&self.name, "/", &user.username]), None),
+            FlowBy::Namespace => (
+                flow_key(&[&self.name, "/", info.namespace.as_deref().unwrap_or("")]),
+                None,
+            ),
+            FlowBy::None => (self.name.clone(), None),
+            FlowBy::Node | FlowBy::Pod => {
+                let (client, fallback) = client::client_of(self.flow, user, source);
+                (client_key(&self.name, &user.username, client), fallback)
+            }
         }
     }
 
@@ -202,6 +255,8 @@ fn flow_name(flow: FlowBy) -> &'static str {
         FlowBy::User => "user",
         FlowBy::Namespace => "namespace",
         FlowBy::None => "none",
+        FlowBy::Node => "node",
+        FlowBy::Pod => "pod",
     }
 }
 
@@ -362,10 +417,19 @@ impl RuleSet {
         }
     }
 
-    /// The rule a request matches: the first by precedence, the catch-all last.
+    /// The rule a request matches: the first by precedence, the catch-all last. Without
+    /// the client's address ([`RuleSet::matches_from`] has it), a `node` or `pod` flow whose
+    /// client names no node or pod is keyed `addr:unknown`.
     pub fn matches(&self, user: &User, info: &RequestInfo) -> Matched {
+        self.matches_from(user, info, None)
+    }
+
+    /// [`RuleSet::matches`] for a request from `source`, the client's address (the one a
+    /// trusted balancer's PROXY header carries, else the peer's), which keys the flows of
+    /// `flow: node` and `flow: pod` rules whose client names no node or pod.
+    pub fn matches_from(&self, user: &User, info: &RequestInfo, source: Option<IpAddr>) -> Matched {
         let rule = self.rule_for(user, info);
-        rule.matched(user, info, self.mode_of(rule))
+        rule.matched(user, info, source, self.mode_of(rule))
     }
 
     fn rule_for(&self, user: &User, info: &RequestInfo) -> &CompiledRule {
@@ -410,9 +474,16 @@ impl RuleSet {
 
     /// [`RuleSet::explain`] for a classified request.
     pub fn explain_request(&self, user: &User, info: &RequestInfo) -> String {
+        self.explain_from(user, info, None)
+    }
+
+    /// [`RuleSet::explain_request`] for a request from `source`: the address that keys a
+    /// per-client flow whose client names no node or pod.
+    pub fn explain_from(&self, user: &User, info: &RequestInfo, source: Option<IpAddr>) -> String {
         use std::fmt::Write;
         let rule = self.rule_for(user, info);
-        let matched = rule.matched(user, info, self.mode_of(rule));
+        let (flow, fallback) = rule.flow_of(user, info, source);
+        let mode = self.mode_of(rule);
         let mut out = String::new();
         let query = if info.query.raw.is_empty() {
             String::new()
@@ -433,25 +504,34 @@ impl RuleSet {
         );
         let _ = writeln!(out, "matched: rule {} ({})", rule.name, rule.origin());
         let _ = writeln!(out, "  level: {}", level_text(&rule.level));
-        let _ = writeln!(
-            out,
-            "  flow: {}, key {}",
-            flow_name(rule.flow),
-            matched.flow
-        );
+        let _ = write!(out, "  flow: {}, key {flow}", flow_name(rule.flow));
+        match (fallback, source) {
+            (Some(why), Some(_)) => {
+                let _ = writeln!(out, " ({why}: keyed by source address)");
+            }
+            (Some(why), None) => {
+                let _ = writeln!(
+                    out,
+                    " ({why}: keyed by source address, unknown without --source)"
+                );
+            }
+            (None, _) => {
+                let _ = writeln!(out);
+            }
+        }
         if let Some(rate) = rule.rate {
             let _ = writeln!(out, "  rate: {} qps, burst {}", rate.qps, rate.burst);
         }
         if let Some(watches) = rule.watches {
             let _ = writeln!(out, "  watches: {watches} per flow");
         }
-        if matched.mode == rule.mode {
+        if mode == rule.mode {
             let _ = writeln!(out, "  mode: {}", mode_name(rule.mode));
         } else {
             let _ = writeln!(
                 out,
                 "  mode: {} (rules.mode: {} in Bulwark's configuration overrides the rule's {})",
-                mode_name(matched.mode),
+                mode_name(mode),
                 mode_name(self.mode),
                 mode_name(rule.mode)
             );
@@ -668,14 +748,14 @@ pub fn check(dir: &Path, max_staleness: Duration) -> Checked {
     }
 }
 
-/// `bulwark rules explain DIR --user U [--group G]... VERB PATH`, under `mode` (Bulwark's
-/// `rules.mode`). The user gets `system:authenticated`, and a ServiceAccount user its
-/// `system:serviceaccounts` groups, as authentication would give them.
+/// `bulwark rules explain DIR --user U [--group G]... [--extra K=V]... [--source ADDR]
+/// VERB PATH`, for `user` (see [`cli_user`]) connecting from `source`, under `mode`
+/// (Bulwark's `rules.mode`).
 pub fn explain_dir(
     dir: &Path,
     mode: Mode,
-    user: &str,
-    groups: &[String],
+    user: &User,
+    source: Option<IpAddr>,
     verb: &str,
     path: &str,
 ) -> Result<String, ExplainError> {
@@ -683,10 +763,11 @@ pub fn explain_dir(
         .map_err(ExplainError::Rules)?
         .with_mode(mode);
     let info = request_for(verb, path)?;
-    Ok(set.explain_request(&cli_user(user, groups), &info))
+    Ok(set.explain_from(user, &info, source))
 }
 
-/// The user `explain` speaks of, with the groups authentication adds.
+/// The user `explain` speaks of, with the groups authentication adds: the user gets
+/// `system:authenticated`, and a ServiceAccount user its `system:serviceaccounts` groups.
 pub fn cli_user(name: &str, groups: &[String]) -> User {
     let mut all: Vec<String> = groups.to_vec();
     if let Some(namespace) = name
@@ -719,12 +800,42 @@ mod tests {
     #[test]
     fn a_flow_key_is_the_rule_and_the_key_however_long() {
         assert_eq!(
-            &*flow_key("nodes", "system:node:n-1"),
+            &*flow_key(&["nodes", "/", "system:node:n-1"]),
             "nodes/system:node:n-1"
         );
-        assert_eq!(&*flow_key("ns", ""), "ns/");
-        assert_eq!(&*flow_key("r", "ü-ser"), "r/ü-ser");
+        assert_eq!(&*flow_key(&["ns", "/", ""]), "ns/");
+        assert_eq!(&*flow_key(&["r", "/", "ü-ser"]), "r/ü-ser");
         let long = "u".repeat(FLOW_KEY_ON_STACK);
-        assert_eq!(&*flow_key("rule", &long), format!("rule/{long}"));
+        assert_eq!(&*flow_key(&["rule", "/", &long]), format!("rule/{long}"));
+    }
+
+    #[test]
+    fn a_client_key_names_its_kind_so_a_node_named_like_an_address_is_not_that_address() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let addr = client_key("r", "u", Client::Addr(Some(ip)));
+        assert_eq!(&*addr, "r/u/addr:10.0.0.1");
+        // `10.0.0.1` is a DNS subdomain, so a claim may name such a node.
+        assert_eq!(
+            &*client_key("r", "u", Client::Node("10.0.0.1")),
+            "r/u/node:10.0.0.1"
+        );
+        assert_eq!(
+            &*client_key("r", "u", Client::Pod("10.0.0.1")),
+            "r/u/pod:10.0.0.1"
+        );
+        assert_eq!(
+            &*client_key("r", "u", Client::Addr(None)),
+            "r/u/addr:unknown"
+        );
+        let v6: IpAddr = "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff".parse().unwrap();
+        assert_eq!(
+            &*client_key("r", "u", Client::Addr(Some(v6))),
+            "r/u/addr:ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff"
+        );
+        let long = "u".repeat(FLOW_KEY_ON_STACK);
+        assert_eq!(
+            &*client_key("r", &long, Client::Node("n1")),
+            format!("r/{long}/node:n1")
+        );
     }
 }

@@ -13,14 +13,14 @@ use crate::admin;
 use crate::admit::{Admission, ProxyLocal};
 use crate::cache::{AuditLog, Cache};
 use crate::config::{self, Config};
-use crate::fleet::lease::UpstreamLeases;
-use crate::fleet::{self, Fleet, FleetShares};
-use crate::identity::forward::{ForwardError, Forwarding, OwnToken};
+use crate::fleet::{self, FleetShares};
+use crate::identity::forward::{ForwardError, Forwarding};
 use crate::identity::{TokenCache, UpstreamReviewer};
 use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener, Worker};
 use crate::logs::access::AccessLog;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::{Metrics, ResourceLabels};
+use crate::own;
 use crate::rules::{RuleProblem, RuleSet, Rules};
 use crate::stages::admit::Admit;
 use crate::stages::classify::Classify;
@@ -57,6 +57,9 @@ pub enum StartError {
     /// The fleet's key file cannot be used.
     #[error("fleet.keyFile: {0}")]
     FleetKey(#[source] crate::fleet::lease::KeyError),
+    /// `bulwark guard` was given a configuration without `fleet.kubernetesService`.
+    #[error("bulwark guard needs fleet.kubernetesService in the configuration")]
+    Guard,
     /// The rule files are invalid.
     #[error("rules: {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
     Rules(Vec<RuleProblem>),
@@ -88,13 +91,8 @@ impl Running {
         tls.record_expiry(&metrics);
         let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
         upstream.spawn_probes();
-        let own_token = config
-            .upstream
-            .own
-            .token_file
-            .clone()
-            .map(|path| Arc::new(OwnToken::new(path)));
-        let reviewer = UpstreamReviewer::new(upstream.clone(), own_token.clone());
+        let own = own::Client::new(upstream.clone());
+        let reviewer = UpstreamReviewer::new(own.clone());
         let tokens = Arc::new(TokenCache::new(
             Arc::new(reviewer),
             config.identity.token_review.clone(),
@@ -111,13 +109,9 @@ impl Running {
                 writing: Arc::default(),
             });
         let review_memory_task = review_memory.clone().map(remember_reviews);
-        let (tokens_for_admin, upstream_for_admin, own_token_for_admin) =
-            (tokens.clone(), upstream.clone(), own_token.clone());
-        let forwarding = Forwarding::new(
-            config.identity.mode,
-            config.upstream.front_proxy.as_ref(),
-            own_token.clone(),
-        )?;
+        let tokens_for_admin = tokens.clone();
+        let forwarding =
+            Forwarding::new(config.identity.mode, config.upstream.front_proxy.as_ref())?;
         let forward = Forward::new(
             upstream.clone(),
             Arc::new(forwarding),
@@ -155,15 +149,10 @@ impl Running {
             .map(|a| a.file().clone())
             .chain(access.iter().map(|a| a.file().clone()))
             .collect();
-        let cache = config.cache.enabled.then(|| {
-            Cache::start(
-                &config.cache,
-                upstream.clone(),
-                own_token.clone(),
-                metrics.clone(),
-                audit,
-            )
-        });
+        let cache = config
+            .cache
+            .enabled
+            .then(|| Cache::start(&config.cache, own.clone(), metrics.clone(), audit));
         let rule_set = match &config.rules.folder {
             Some(folder) => RuleSet::load_dir(folder).map_err(StartError::Rules)?,
             None => RuleSet::builtin(),
@@ -187,34 +176,25 @@ impl Running {
             ),
             None => Admission::new(rules.current().levels(), upstream.clone(), metrics.clone()),
         };
-        let fleet = match config.fleet.as_ref().zip(fleet_shares) {
+        let (fleet, fleet_tasks) = match config.fleet.as_ref().zip(fleet_shares) {
             Some((cfg, shares)) => {
-                let settings = fleet::Settings::from_config(cfg, config.upstream.bulwark_replicas)
-                    .map_err(StartError::FleetKey)?;
-                let store = Arc::new(UpstreamLeases::new(
-                    upstream.clone(),
-                    own_token.clone(),
-                    &cfg.namespace,
-                    &settings.lease_name(),
-                    cfg.renew_interval,
-                ));
                 let local = ProxyLocal {
                     upstream: upstream.clone(),
                     admission: admission.clone(),
                 };
-                Some(Fleet::spawn(
-                    settings,
-                    Arc::new(store),
+                let (fleet, tasks) = fleet::start(
+                    cfg,
+                    config.upstream.bulwark_replicas,
+                    config.listen.address,
+                    own.clone(),
                     Arc::new(local),
                     shares,
                     metrics.clone(),
-                ))
+                )
+                .map_err(StartError::FleetKey)?;
+                (Some(fleet), tasks)
             }
-            None => None,
-        };
-        let (fleet, fleet_task) = match fleet {
-            Some((fleet, task)) => (Some(fleet), Some(task)),
-            None => (None, None),
+            None => (None, Vec::new()),
         };
         let mut reloaded = rules.subscribe();
         let levels_follow = {
@@ -292,8 +272,7 @@ impl Running {
             metrics_auth: (config.admin.metrics_access == config::MetricsAccess::Authorized).then(
                 || admin::MetricsAuth {
                     tokens: tokens_for_admin,
-                    upstream: upstream_for_admin,
-                    own_token: own_token_for_admin,
+                    own: own.clone(),
                     scrapers: admin::Scrapers::new(config.cache.access_review_ttl),
                 },
             ),
@@ -326,7 +305,7 @@ impl Running {
             shutdown: config.listen.shutdown.clone(),
             tasks: [serving, admin_task, levels_follow]
                 .into_iter()
-                .chain(fleet_task)
+                .chain(fleet_tasks)
                 .chain(reopen)
                 .chain(review_memory_task)
                 .collect(),
@@ -490,6 +469,29 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let running = Running::start(config).await?;
     shutdown_signal().await;
     running.drain().await;
+    Ok(())
+}
+
+/// `bulwark guard`: publishes the `kubernetes` Service's endpoints from the fleet's Leases
+/// and serves nothing, so that when every replica is gone the Service leads to the
+/// apiservers within the Lease duration (DESIGN.md "In-cluster clients"). Reads the
+/// replicas' configuration: `upstream` and `fleet` (with `kubernetesService`).
+pub async fn guard(config: Config) -> Result<(), StartError> {
+    let Some((fleet_cfg, service)) =
+        (config.fleet.as_ref()).and_then(|f| Some((f, f.kubernetes_service.as_ref()?)))
+    else {
+        return Err(StartError::Guard);
+    };
+    let metrics = Metrics::new();
+    let tls = UpstreamTls::from_config(&config.upstream)?;
+    let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
+    upstream.spawn_probes();
+    let settings = fleet::Settings::from_config(fleet_cfg, config.upstream.bulwark_replicas)
+        .map_err(StartError::FleetKey)?;
+    let task = fleet::publish_service(&settings, service, own::Client::new(upstream), metrics);
+    tracing::info!(apiservers = ?service.apiservers, "bulwark guard publishing the kubernetes Service");
+    shutdown_signal().await;
+    task.abort();
     Ok(())
 }
 

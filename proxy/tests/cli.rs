@@ -303,3 +303,41 @@ fn check_config_names_the_file_of_a_yaml_error() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("broken.yaml:"), "{stderr}");
 }
+
+#[test]
+fn rules_explain_takes_a_credential_s_extras_and_the_client_s_address() {
+    let dir = bulwark_testkit::repo_path("rules/examples");
+    let proxy = "system:serviceaccount:kube-system:kube-proxy";
+    let explain = |more: &[&str]| {
+        let mut args = vec!["rules", "explain", dir.to_str().unwrap(), "--user", proxy];
+        args.extend(more);
+        args.extend(["watch", "/api/v1/services"]);
+        bulwark(&args)
+    };
+    let out = explain(&["--extra", "authentication.kubernetes.io/node-name=node-1"]);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "  flow: node, key kube-proxy/{proxy}/node:node-1\n"
+        )),
+        "{stdout}"
+    );
+    let out = explain(&["--source", "10.0.0.1"]);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "  flow: node, key kube-proxy/{proxy}/addr:10.0.0.1 \
+             (no node-name claim: keyed by source address)\n"
+        )),
+        "{stdout}"
+    );
+    let out = explain(&["--extra", "no-value"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expected KEY=VALUE"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

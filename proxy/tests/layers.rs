@@ -212,6 +212,48 @@ fn the_top_level_modules_import_each_other_without_a_cycle() {
         "status imports {:?}",
         edges["status"]
     );
+    // Bulwark's own calls go through `own`: the cache and the fleet reach the apiservers
+    // through it, not through identity's reviews or the pool directly.
+    for module in ["cache", "fleet"] {
+        for banned in ["identity", "upstream"] {
+            assert!(
+                !edges[module].contains(banned),
+                "{module} imports {banned} ({:?})",
+                by[&(module.to_owned(), banned.to_owned())]
+            );
+        }
+    }
+    assert!(
+        edges["own"].iter().all(|t| t == "upstream"),
+        "own imports {:?}",
+        edges["own"]
+    );
+}
+
+/// One place builds requests with Bulwark's own credential: `own`. The pool itself (its
+/// probes) and identity forwarding in impersonate mode (a client's request, sent as
+/// Bulwark impersonating it) are the only others that name it.
+#[test]
+fn only_the_own_client_sends_with_bulwarks_own_credential() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut naming = Vec::new();
+    for files in modules(&src).values() {
+        for file in files {
+            let code = std::fs::read_to_string(file).unwrap();
+            if code.contains("UpstreamCredential::Own") {
+                let relative = file.strip_prefix(&src).unwrap().to_string_lossy();
+                naming.push(relative.into_owned());
+            }
+        }
+    }
+    naming.sort();
+    for file in &naming {
+        assert!(
+            file == "own.rs" || file == "identity/forward.rs" || file.starts_with("upstream"),
+            "{file} sends as Bulwark itself"
+        );
+    }
+    assert!(naming.contains(&"own.rs".to_owned()), "{naming:?}");
 }
 
 #[test]

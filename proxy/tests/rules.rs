@@ -62,9 +62,10 @@ fn user(name: &str, groups: &[&str]) -> User {
     rules::cli_user(name, &groups)
 }
 
-const BAD_CASES: [&str; 9] = [
+const BAD_CASES: [&str; 10] = [
     "unknown-field",
     "wrong-type",
+    "unknown-flow",
     "zero-limits",
     "missing-level",
     "duplicate-names",
@@ -220,10 +221,16 @@ fn the_examples_load_and_route_their_clients() {
     assert_eq!(&*pods.rule, "kubelets");
     assert_eq!(&*pods.flow, "kubelets/system:node:node-7");
 
-    let proxy = user("system:serviceaccount:kube-system:kube-proxy", &[]);
+    let mut proxy = user("system:serviceaccount:kube-system:kube-proxy", &[]);
+    proxy.extra.insert(
+        "authentication.kubernetes.io/node-name".into(),
+        vec!["node-7".into()],
+    );
+    let m = route(&proxy, "watch", "/apis/discovery.k8s.io/v1/endpointslices");
+    assert_eq!(&*m.rule, "kube-proxy");
     assert_eq!(
-        &*route(&proxy, "watch", "/apis/discovery.k8s.io/v1/endpointslices").rule,
-        "kube-proxy"
+        &*m.flow, "kube-proxy/system:serviceaccount:kube-system:kube-proxy/node:node-7",
+        "one flow per node"
     );
     let controller = user(
         "system:serviceaccount:kube-system:deployment-controller",
@@ -319,6 +326,165 @@ fn flows_are_keyed_by_user_namespace_or_nothing() {
     assert_eq!(
         rule["source"],
         format!("{}:2", dir.path().join("flows.yaml").display())
+    );
+}
+
+#[test]
+fn flows_per_node_and_pod_are_per_user_and_client_and_fall_back_to_the_address() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(
+        dir.path().join("flows.yaml"),
+        "rules:\n\
+         - name: per-node\n\
+         \x20 precedence: 100\n\
+         \x20 match: {groups: [\"system:serviceaccounts\", \"system:nodes\"]}\n\
+         \x20 level: catch-all\n\
+         \x20 flow: node\n\
+         - {name: per-pod, precedence: 101, match: {groups: [pods]}, level: catch-all, flow: pod}\n",
+    )
+    .unwrap();
+    let set = RuleSet::load_dir(dir.path()).unwrap();
+    let watch = rules::request_for("watch", "/api/v1/services").unwrap();
+    let source: std::net::IpAddr = "10.0.0.1".parse().unwrap();
+    let with = |name: &str, groups: &[&str], claims: &[(&str, &[&str])]| {
+        let mut u = user(name, groups);
+        for (key, values) in claims {
+            u.extra.insert(
+                format!("authentication.kubernetes.io/{key}"),
+                values.iter().map(|v| v.to_string()).collect(),
+            );
+        }
+        u
+    };
+    let flow = |u: &User, from: Option<std::net::IpAddr>| {
+        set.matches_from(u, &watch, from).flow.to_string()
+    };
+    let proxy = "system:serviceaccount:kube-system:kube-proxy";
+    let cni = "system:serviceaccount:kube-system:cni-agent";
+
+    let on_n1 = with(proxy, &[], &[("node-name", &["n1"])]);
+    assert_eq!(
+        flow(&on_n1, Some(source)),
+        format!("per-node/{proxy}/node:n1")
+    );
+    let on_n2 = with(proxy, &[], &[("node-name", &["n2"])]);
+    assert_ne!(
+        flow(&on_n1, None),
+        flow(&on_n2, None),
+        "two nodes, two flows"
+    );
+    // Two identities on one node are two flows.
+    let cni_on_n1 = with(cni, &[], &[("node-name", &["n1"])]);
+    assert_eq!(flow(&cni_on_n1, None), format!("per-node/{cni}/node:n1"));
+    // A kubelet is its node.
+    let kubelet = user("system:node:n1", &["system:nodes"]);
+    assert_eq!(flow(&kubelet, None), "per-node/system:node:n1/node:n1");
+
+    // A claim missing, several, empty, too long or malformed: the source address.
+    let long = "n".repeat(254);
+    for claims in [
+        &[][..],
+        &[("node-name", &["n1", "n2"][..])][..],
+        &[("node-name", &[""][..])][..],
+        &[("node-name", &[long.as_str()][..])][..],
+        &[("node-name", &["N1"][..])][..],
+        &[("node-name", &["n1/addr:10.0.0.1"][..])][..],
+    ] {
+        let u = with(proxy, &[], claims);
+        assert_eq!(
+            flow(&u, Some(source)),
+            format!("per-node/{proxy}/addr:10.0.0.1"),
+            "{claims:?}"
+        );
+    }
+    // Two users' fallbacks on one address are two flows.
+    assert_ne!(
+        flow(&with(proxy, &[], &[]), Some(source)),
+        flow(&with(cni, &[], &[]), Some(source))
+    );
+    // A node named like the address is not the address.
+    let named_like_ip = with(proxy, &[], &[("node-name", &["10.0.0.1"])]);
+    assert_eq!(
+        flow(&named_like_ip, Some(source)),
+        format!("per-node/{proxy}/node:10.0.0.1")
+    );
+    assert_ne!(
+        flow(&named_like_ip, Some(source)),
+        flow(&with(proxy, &[], &[]), Some(source))
+    );
+
+    let uid = "0f3c5e2a-7b1d-4c9e-8a6f-2d4b6c8e0a1f";
+    let pod = with(
+        "p",
+        &["pods"],
+        &[("pod-uid", &[uid]), ("pod-name", &["web-1"])],
+    );
+    assert_eq!(flow(&pod, Some(source)), format!("per-pod/p/pod:{uid}"));
+    let named_only = with("p", &["pods"], &[("pod-name", &["web-1"])]);
+    assert_eq!(flow(&named_only, Some(source)), "per-pod/p/addr:10.0.0.1");
+
+    let json = set.to_json();
+    let flows: Vec<&str> = json["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["name"] == "per-node" || r["name"] == "per-pod")
+        .map(|r| r["flow"].as_str().unwrap())
+        .collect();
+    assert_eq!(flows, ["node", "pod"]);
+}
+
+#[test]
+fn explain_says_which_client_keys_a_flow_and_why_it_fell_back() {
+    let proxy = "system:serviceaccount:kube-system:kube-proxy";
+    let explain = |extra: &[(&str, &str)], source: Option<&str>| {
+        let mut u = user(proxy, &[]);
+        for (key, value) in extra {
+            u.extra
+                .entry(key.to_string())
+                .or_default()
+                .push(value.to_string());
+        }
+        let source = source.map(|s| s.parse().unwrap());
+        let out = rules::explain_dir(
+            &examples(),
+            Mode::Enforce,
+            &u,
+            source,
+            "watch",
+            "/api/v1/services",
+        )
+        .unwrap();
+        out.lines()
+            .find(|l| l.starts_with("  flow: "))
+            .unwrap()
+            .to_owned()
+    };
+    let node = "authentication.kubernetes.io/node-name";
+    assert_eq!(
+        explain(&[(node, "node-1")], None),
+        format!("  flow: node, key kube-proxy/{proxy}/node:node-1")
+    );
+    assert_eq!(
+        explain(&[], Some("10.0.0.1")),
+        format!(
+            "  flow: node, key kube-proxy/{proxy}/addr:10.0.0.1 \
+             (no node-name claim: keyed by source address)"
+        )
+    );
+    assert_eq!(
+        explain(&[(node, "a"), (node, "b")], Some("10.0.0.1")),
+        format!(
+            "  flow: node, key kube-proxy/{proxy}/addr:10.0.0.1 \
+             (2 node-name claims, not one: keyed by source address)"
+        )
+    );
+    assert_eq!(
+        explain(&[], None),
+        format!(
+            "  flow: node, key kube-proxy/{proxy}/addr:unknown \
+             (no node-name claim: keyed by source address, unknown without --source)"
+        )
     );
 }
 
@@ -473,8 +639,15 @@ fn explain_on_the_examples_prints_the_expected_text() {
     let update = std::env::var_os("UPDATE_GOLDEN").is_some();
     for (name, user, groups, verb, path) in EXPLAIN_CASES {
         let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
-        let out =
-            rules::explain_dir(&examples(), Mode::Enforce, user, &groups, verb, path).unwrap();
+        let out = rules::explain_dir(
+            &examples(),
+            Mode::Enforce,
+            &rules::cli_user(user, &groups),
+            None,
+            verb,
+            path,
+        )
+        .unwrap();
         let golden = testdata().join("explain").join(format!("{name}.txt"));
         if update {
             fs::write(&golden, &out).unwrap();
@@ -486,19 +659,33 @@ fn explain_on_the_examples_prints_the_expected_text() {
 
 #[test]
 fn explain_refuses_a_bad_request_and_a_bad_folder() {
-    let err = rules::explain_dir(&examples(), Mode::Enforce, "u", &[], "lsit", "/api/v1/pods")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &examples(),
+        Mode::Enforce,
+        &user("u", &[]),
+        None,
+        "lsit",
+        "/api/v1/pods",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.starts_with("unknown verb \"lsit\""), "{err}");
-    let err = rules::explain_dir(&examples(), Mode::Enforce, "u", &[], "get", "/api/v1/pods")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &examples(),
+        Mode::Enforce,
+        &user("u", &[]),
+        None,
+        "get",
+        "/api/v1/pods",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("is a list request"), "{err}");
     let err = rules::explain_dir(
         &examples(),
         Mode::Enforce,
-        "u",
-        &[],
+        &user("u", &[]),
+        None,
         "get",
         "/api/v1/%2e%2e/x",
     )
@@ -506,9 +693,16 @@ fn explain_refuses_a_bad_request_and_a_bad_folder() {
     .to_string();
     assert!(err.contains("encoded"), "{err}");
     let bad = testdata().join("missing-level");
-    let err = rules::explain_dir(&bad, Mode::Enforce, "u", &[], "get", "/version")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &bad,
+        Mode::Enforce,
+        &user("u", &[]),
+        None,
+        "get",
+        "/version",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("list-hevy"), "{err}");
 }
 
@@ -583,8 +777,8 @@ fn rules_mode_shadow_overrides_every_rule_and_explain_says_so() {
         rules::explain_dir(
             &examples(),
             mode,
-            "system:serviceaccount:ops:secret-sync",
-            &[],
+            &operator,
+            None,
             "list",
             "/api/v1/secrets",
         )
@@ -759,7 +953,8 @@ fn the_shipped_rules_give_every_component_of_the_cluster_a_rule_and_the_seats_it
     let set = RuleSet::load_dir(&shipped()).unwrap();
     for (what, name, groups, verb, path, rule, seats) in COMPONENTS {
         let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
-        let text = rules::explain_dir(&shipped(), Mode::Enforce, name, &groups, verb, path)
+        let user = rules::cli_user(name, &groups);
+        let text = rules::explain_dir(&shipped(), Mode::Enforce, &user, None, verb, path)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let matched = text
             .lines()

@@ -179,6 +179,7 @@ pub fn fleet_config(pki: Arc<Pki>, replicas: usize, policy: Policy) -> SimConfig
             user: "tina".into(),
             uid: "tina-uid".into(),
             groups: vec!["token-users".into()],
+            ..StaticToken::default()
         }],
         policy,
         ..SimConfig::default()

@@ -246,7 +246,7 @@ pub fn authenticate(
                     user: s.user.clone(),
                     uid: s.uid.clone(),
                     groups: s.groups.clone(),
-                    extra: BTreeMap::new(),
+                    extra: s.extra.clone(),
                 }));
             }
             None if tok.is_some() => failed = true,
@@ -386,6 +386,7 @@ mod tests {
                 user: "tok".into(),
                 uid: "u1".into(),
                 groups: vec!["g".into()],
+                ..StaticToken::default()
             }],
             anonymous: true,
         }

@@ -189,7 +189,8 @@ fn builtin_allows(a: &Attributes) -> bool {
             || (a.group == "authentication.k8s.io" && a.resource == "selfsubjectreviews"))
 }
 
-/// A static bearer token (`--token-auth-file`).
+/// A static bearer token (`--token-auth-file`), or with `extra` one standing in for a bound
+/// ServiceAccount token, whose TokenReview names its pod and node.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticToken {
@@ -203,6 +204,10 @@ pub struct StaticToken {
     /// Groups.
     #[serde(default)]
     pub groups: Vec<String>,
+    /// Extra attributes, e.g. `authentication.kubernetes.io/node-name` (a
+    /// `--token-auth-file` token has none; a bound ServiceAccount token's review gives them).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub extra: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 /// The 403 message the apiserver writes for a denied request.

@@ -78,7 +78,7 @@ pub(crate) fn token_review(rep: &ReplicaInner, _: &UserInfo, v: Value) -> Result
                 user: t.user.clone(),
                 uid: t.uid.clone(),
                 groups,
-                extra: Default::default(),
+                extra: t.extra.clone(),
             };
             let audiences = spec
                 .get("audiences")

@@ -12,7 +12,7 @@ fn cfg() -> SimConfig {
     SimConfig {
         replicas: 2,
         front_proxy_allowed_names: vec!["front-proxy".into()],
-        tokens: vec![StaticToken { token: "tok-alice".into(), user: "alice".into(), uid: "u-1".into(), groups: vec!["dev".into()] }],
+        tokens: vec![StaticToken { token: "tok-alice".into(), user: "alice".into(), uid: "u-1".into(), groups: vec!["dev".into()], ..StaticToken::default() }],
         policy: Policy::from_yaml(
             "rules:\n- users: [alice]\n  verbs: [get, list, watch]\n  resources: [secrets]\n  namespaces: [ns-1]\n- users: [imp]\n  verbs: [impersonate]\n  resources: [users, groups]\n- users: [proxy]\n  verbs: [create]\n  resources: [tokenreviews.authentication.k8s.io, subjectaccessreviews.authorization.k8s.io]\n",
         )

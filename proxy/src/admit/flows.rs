@@ -1,6 +1,7 @@
 //! Per-flow state: the token bucket, the `Retry-After` backoff and the open watches of each
-//! flow, in a sharded table whose idle entries are evicted so that memory stays bounded
-//! however many identities come and go.
+//! flow, in a sharded table whose idle entries are evicted, and which holds at most a fixed
+//! number of flows without an open watch, so that memory stays bounded however many
+//! identities, nodes, pods and addresses come and go.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -12,8 +13,10 @@ use governor::clock::Clock;
 use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
+use prometheus::{IntCounter, IntGauge};
 use tokio::time::Instant;
 
+use crate::metrics::Metrics;
 use crate::rules::Rate;
 
 /// Shortest `Retry-After`: what a flow's first refusal says.
@@ -243,6 +246,15 @@ pub(crate) struct Flows {
     shards: Box<[Shard]>,
     clock: TokioClock,
     idle_after: Duration,
+    /// The most flows a shard holds before a new one evicts the least recently seen flow
+    /// without an open watch.
+    per_shard: usize,
+    /// `bulwark_flows`: flows remembered.
+    gauge: IntGauge,
+    /// `bulwark_flows_evicted_total{reason="idle"}`.
+    evicted_idle: IntCounter,
+    /// `bulwark_flows_evicted_total{reason="capacity"}`.
+    evicted_capacity: IntCounter,
     /// Next sweep, as time since the clock's origin, and the shard it sweeps.
     sweep: Mutex<(Duration, usize)>,
     /// The next sweep's time in nanoseconds, read without the lock on every request.
@@ -254,13 +266,26 @@ pub(crate) struct Flows {
 
 impl Flows {
     /// A table whose flows are evicted after `idle_after` without requests (and with no
-    /// open watch and no recent refusal).
-    pub(crate) fn new(shards: usize, idle_after: Duration) -> Self {
+    /// open watch and no recent refusal), and that holds about `capacity` flows at most
+    /// (each shard its part): past that a new flow evicts the least recently seen flow of
+    /// its shard that holds no open watch. Flows with an open watch are never evicted; their
+    /// number is bounded by the watches open.
+    pub(crate) fn new(
+        shards: usize,
+        idle_after: Duration,
+        capacity: usize,
+        metrics: &Metrics,
+    ) -> Self {
         let shards = shards.max(1);
+        let evicted = |reason: &str| metrics.flows_evicted_total.with_label_values(&[reason]);
         Self {
             shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
             clock: TokioClock::new(),
             idle_after,
+            per_shard: capacity.div_ceil(shards).max(1),
+            gauge: metrics.flows.clone(),
+            evicted_idle: evicted("idle"),
+            evicted_capacity: evicted("capacity"),
             sweep: Mutex::new((Duration::ZERO, 0)),
             next_sweep: AtomicU64::new(0),
             len: AtomicUsize::new(0),
@@ -284,10 +309,13 @@ impl Flows {
 
     fn with<R>(&self, key: &str, hash: u64, now: Instant, f: impl FnOnce(&mut Flow) -> R) -> R {
         let mut shard = self.shard(hash).lock().unwrap_or_else(|p| p.into_inner());
+        if shard.len() >= self.per_shard && !shard.contains_key(key) {
+            self.make_room(&mut shard, now);
+        }
         let flow = match shard.get_mut(key) {
             Some(flow) => flow,
             None => {
-                self.len.fetch_add(1, Ordering::Relaxed);
+                self.added(1);
                 shard
                     .entry(key.to_owned())
                     .or_insert_with(|| Flow::new(now))
@@ -295,6 +323,41 @@ impl Flows {
         };
         flow.last_seen = now;
         f(flow)
+    }
+
+    /// A full shard's room for one more flow: its idle flows go, and if none is idle, the
+    /// least recently seen without an open watch (its bucket and backoff are forgotten: it
+    /// starts again as a new flow). A shard whose every flow holds a watch grows past its
+    /// part: those flows are bounded by the watches open.
+    fn make_room(&self, shard: &mut HashMap<String, Flow>, now: Instant) {
+        let before = shard.len();
+        shard.retain(|_, flow| !flow.idle(now, self.idle_after));
+        let idle = before - shard.len();
+        self.removed(idle);
+        self.evicted_idle.inc_by(idle as u64);
+        if shard.len() < self.per_shard {
+            return;
+        }
+        let oldest = shard
+            .iter()
+            .filter(|(_, flow)| flow.watches == 0)
+            .min_by_key(|(_, flow)| flow.last_seen)
+            .map(|(key, _)| key.clone());
+        if let Some(key) = oldest {
+            shard.remove(&key);
+            self.removed(1);
+            self.evicted_capacity.inc();
+        }
+    }
+
+    fn added(&self, n: usize) {
+        self.len.fetch_add(n, Ordering::Relaxed);
+        self.gauge.add(n as i64);
+    }
+
+    fn removed(&self, n: usize) {
+        self.len.fetch_sub(n, Ordering::Relaxed);
+        self.gauge.sub(n as i64);
     }
 
     /// Takes a token from the flow's bucket, or says how long until one is there. `rule`
@@ -445,7 +508,9 @@ impl Flows {
         let mut shard = self.shards[index].lock().unwrap_or_else(|p| p.into_inner());
         let before = shard.len();
         shard.retain(|_, flow| !flow.idle(now, self.idle_after));
-        self.len.fetch_sub(before - shard.len(), Ordering::Relaxed);
+        let idle = before - shard.len();
+        self.removed(idle);
+        self.evicted_idle.inc_by(idle as u64);
     }
 }
 
@@ -510,7 +575,7 @@ mod tests {
 
     #[tokio::test(start_paused = true, flavor = "current_thread")]
     async fn token_buckets_follow_paused_tokio_time() {
-        let flows = Flows::new(4, secs(60));
+        let flows = Flows::new(4, secs(60), 1_000, &Metrics::new());
         let rate = Rate { qps: 2.0, burst: 2 };
         let now = Instant::now();
         assert!(flows.check_rate("r/a", 1, rate, None, now).is_ok());
@@ -560,7 +625,7 @@ mod tests {
 
     #[tokio::test(start_paused = true, flavor = "current_thread")]
     async fn a_new_fleet_share_scales_the_bucket_without_refilling_it() {
-        let flows = Flows::new(4, secs(60));
+        let flows = Flows::new(4, secs(60), 1_000, &Metrics::new());
         let rule = Rate {
             qps: 10.0,
             burst: 10,
@@ -603,7 +668,7 @@ mod tests {
 
     #[tokio::test(start_paused = true, flavor = "current_thread")]
     async fn the_fleet_hears_of_the_flows_near_their_rate_and_only_the_busiest() {
-        let flows = Flows::new(4, secs(600));
+        let flows = Flows::new(4, secs(600), 1_000, &Metrics::new());
         let rule = Rate {
             qps: 10.0,
             burst: 1000,
@@ -641,5 +706,61 @@ mod tests {
             "the busiest first"
         );
         assert!(heard.iter().all(|(_, milli, _)| *milli >= 1_000));
+    }
+
+    #[tokio::test(start_paused = true, flavor = "current_thread")]
+    async fn a_full_table_forgets_its_least_recently_seen_flow_without_a_watch() {
+        let metrics = Metrics::new();
+        let flows = Arc::new(Flows::new(1, secs(60), 3, &metrics));
+        // A token every 100 s: an emptied bucket stays empty through the test.
+        let rate = Rate {
+            qps: 0.01,
+            burst: 1,
+        };
+        let evicted = |reason: &str| {
+            metrics
+                .flows_evicted_total
+                .with_label_values(&[reason])
+                .get()
+        };
+        let take = |key: &str| flows.check_rate(key, 1, rate, None, Instant::now());
+        // `w` holds a watch; `a` and `b` empty their buckets.
+        let watch = flows.open_watch("r/w", 1, Some(1), Instant::now()).unwrap();
+        tokio::time::advance(secs(1)).await;
+        assert!(take("r/a").is_ok() && take("r/a").is_err());
+        tokio::time::advance(secs(1)).await;
+        assert!(take("r/b").is_ok());
+        assert_eq!((flows.len(), metrics.flows.get()), (3, 3));
+        // A fourth takes the place of `a`: seen before `b`, and `w`'s watch keeps it.
+        tokio::time::advance(secs(1)).await;
+        assert!(take("r/c").is_ok());
+        assert_eq!((flows.len(), metrics.flows.get()), (3, 3));
+        assert_eq!(evicted("capacity"), 1);
+        assert!(take("r/b").is_err(), "b is remembered, its bucket empty");
+        assert!(
+            flows
+                .open_watch("r/w", 1, Some(1), Instant::now())
+                .is_none(),
+            "w is remembered, its watch counted"
+        );
+        // A table of flows that all hold a watch grows past its size rather than forget
+        // one: they are bounded by the watches open.
+        let more: Vec<FlowWatch> = (0..3)
+            .map(|i| {
+                flows
+                    .open_watch(&format!("r/x{i}"), 1, Some(1), Instant::now())
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(flows.len(), 4, "w and x0..x2; b and c were forgotten");
+        assert_eq!(evicted("capacity"), 3);
+        // Idle flows go first, and are counted as idle.
+        drop((watch, more));
+        tokio::time::advance(secs(600)).await;
+        assert!(take("r/d").is_ok());
+        assert_eq!((flows.len(), metrics.flows.get()), (1, 1));
+        assert_eq!(evicted("idle"), 4);
+        assert_eq!(evicted("capacity"), 3);
+        assert!(metrics.render().contains("bulwark_flows_evicted_total"));
     }
 }

@@ -887,3 +887,160 @@ async fn one_flow_holds_at_most_its_cap_of_a_levels_seats() {
         .expect("admitted without waiting");
     assert!(next.unwrap().holds_seats());
 }
+
+/// Rules with one level and a kube-proxy rule keyed by `flow` with 10 watches per flow.
+fn kube_proxy_rules(flow: &str) -> crate::rules::RuleSet {
+    let text = format!(
+        "levels:\n\
+         \x20 - {{name: nodes, seats: 10, queues: 64, handSize: 6, queueLength: 50}}\n\
+         rules:\n\
+         \x20 - name: kube-proxy\n\
+         \x20   precedence: 90\n\
+         \x20   match: {{serviceAccounts: [kube-system/kube-proxy]}}\n\
+         \x20   level: nodes\n\
+         \x20   flow: {flow}\n\
+         \x20   watches: 10\n"
+    );
+    crate::rules::RuleSet::from_sources(&[crate::rules::Source {
+        path: "kube-proxy.yaml".into(),
+        text,
+    }])
+    .unwrap()
+}
+
+/// kube-proxy's ServiceAccount, with the node-name claim of a bound token on `node`.
+fn kube_proxy_on(node: Option<&str>) -> User {
+    let mut user = crate::rules::cli_user("system:serviceaccount:kube-system:kube-proxy", &[]);
+    if let Some(node) = node {
+        user.extra.insert(
+            crate::rules::client::NODE_NAME_CLAIM.into(),
+            vec![node.into()],
+        );
+    }
+    user
+}
+
+/// Opens a watch of `user` from `source` under `set` and keeps it open; the refusal if any.
+async fn open_watch(
+    admission: &Admission,
+    set: &crate::rules::RuleSet,
+    user: &User,
+    source: std::net::IpAddr,
+    open: &mut Vec<FlowWatch>,
+) -> Result<(), Refusal> {
+    let watch = req("/api/v1/services?watch=true");
+    let m = set.matches_from(user, &watch, Some(source));
+    let mut permit = admission.admit(&m, &watch, user, Answer::Upstream).await?;
+    // The response head arrived: the watch runs on without its seat.
+    permit.release_seats();
+    open.push(permit.watch_guard().expect("a limited watch is counted"));
+    Ok(())
+}
+
+#[tokio::test(start_paused = true, flavor = "current_thread")]
+async fn a_daemonset_on_2000_nodes_gets_its_watch_limit_per_node_under_flow_node() {
+    let set = kube_proxy_rules("node");
+    let (admission, _) = admission(set.levels(), big_budget());
+    let mut open = Vec::new();
+    // One ServiceAccount on 2,000 nodes, each behind its own address: all admitted.
+    for i in 0..2_000u32 {
+        let node = format!("node-{i}");
+        let source = std::net::IpAddr::from([10, 1, (i / 256) as u8, (i % 256) as u8]);
+        open_watch(
+            &admission,
+            &set,
+            &kube_proxy_on(Some(&node)),
+            source,
+            &mut open,
+        )
+        .await
+        .unwrap_or_else(|r| panic!("{node} refused: {}", r.message));
+    }
+    assert_eq!(open.len(), 2_000);
+    assert_eq!(admission.flows(), 2_000, "one flow per node");
+    // One node's kube-proxy: nine more make its ten, the eleventh is refused.
+    let on_0 = kube_proxy_on(Some("node-0"));
+    let source = std::net::IpAddr::from([10, 1, 0, 0]);
+    for _ in 0..9 {
+        open_watch(&admission, &set, &on_0, source, &mut open)
+            .await
+            .unwrap();
+    }
+    let refusal = open_watch(&admission, &set, &on_0, source, &mut open)
+        .await
+        .unwrap_err();
+    assert_eq!(refusal.reason, Reason::WatchLimit);
+    assert_eq!(refusal.status(), http::StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refusal.reason.as_str(), "watch_limit");
+    assert!(
+        refusal.message.contains("node:node-0"),
+        "{}",
+        refusal.message
+    );
+    // Another node's flow is untouched, even from the same address.
+    open_watch(
+        &admission,
+        &set,
+        &kube_proxy_on(Some("node-1")),
+        source,
+        &mut open,
+    )
+    .await
+    .unwrap();
+
+    // The same fleet keyed by user: one flow, and the eleventh node is refused.
+    let set = kube_proxy_rules("user");
+    let (by_user, _) = self::admission(set.levels(), big_budget());
+    let mut open = Vec::new();
+    let mut refused = None;
+    for i in 0..11u32 {
+        let node = format!("node-{i}");
+        let source = std::net::IpAddr::from([10, 1, 0, i as u8]);
+        if let Err(refusal) = open_watch(
+            &by_user,
+            &set,
+            &kube_proxy_on(Some(&node)),
+            source,
+            &mut open,
+        )
+        .await
+        {
+            refused = Some((i, refusal.reason));
+        }
+    }
+    assert_eq!(refused, Some((10, Reason::WatchLimit)));
+}
+
+#[tokio::test(start_paused = true, flavor = "current_thread")]
+async fn clients_without_a_node_claim_get_a_flow_per_address_and_user() {
+    let set = kube_proxy_rules("node");
+    let (admission, _) = admission(set.levels(), big_budget());
+    let mut open = Vec::new();
+    let a = std::net::IpAddr::from([10, 0, 0, 1]);
+    let b = std::net::IpAddr::from([10, 0, 0, 2]);
+    // No claim (a client certificate's user): keyed by its address.
+    let unnamed = kube_proxy_on(None);
+    for _ in 0..10 {
+        open_watch(&admission, &set, &unnamed, a, &mut open)
+            .await
+            .unwrap();
+    }
+    let refusal = open_watch(&admission, &set, &unnamed, a, &mut open)
+        .await
+        .unwrap_err();
+    assert_eq!(refusal.reason, Reason::WatchLimit);
+    // Another address is another client.
+    open_watch(&admission, &set, &unnamed, b, &mut open)
+        .await
+        .unwrap();
+    // A node named like the full address's text is not that address.
+    open_watch(
+        &admission,
+        &set,
+        &kube_proxy_on(Some("10.0.0.1")),
+        a,
+        &mut open,
+    )
+    .await
+    .unwrap();
+}

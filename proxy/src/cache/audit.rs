@@ -9,9 +9,9 @@ use std::time::SystemTime;
 
 use serde_json::json;
 
-use crate::identity::User;
 use crate::logs::rotate::{Limits, LineFile};
 use crate::metrics::Metrics;
+use crate::user::User;
 
 /// A file of audit events, one JSON object per line, rotated by size
 /// ([`crate::logs::rotate`]). Cheap to clone.

@@ -16,11 +16,9 @@ use futures::future::BoxFuture;
 use serde_json::json;
 
 use crate::coalesce::{Coalescing, Keep, Lookup};
-use crate::identity::forward::OwnToken;
-use crate::identity::review::ReviewError;
-use crate::identity::{AUTHENTICATED, User};
 use crate::metrics::Metrics;
-use crate::upstream::Upstream;
+use crate::own::{self, ReviewError};
+use crate::user::{AUTHENTICATED, User};
 
 /// What a request wants to do, in the authorizer's words.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -58,19 +56,19 @@ pub trait AccessReviewer: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<Decision, ReviewError>>;
 }
 
-/// Reviews with `POST /apis/authorization.k8s.io/v1/subjectaccessreviews` upstream.
+/// The path of SubjectAccessReviews.
+const SUBJECT_ACCESS_REVIEWS: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
+
+/// Reviews with `POST /apis/authorization.k8s.io/v1/subjectaccessreviews`, one of Bulwark's
+/// own calls.
 pub struct UpstreamAccessReviewer {
-    upstream: Upstream,
-    own_token: Option<Arc<OwnToken>>,
+    client: own::Client,
 }
 
 impl UpstreamAccessReviewer {
-    /// A reviewer over the upstream pool, with Bulwark's own identity.
-    pub fn new(upstream: Upstream, own_token: Option<Arc<OwnToken>>) -> Self {
-        Self {
-            upstream,
-            own_token,
-        }
+    /// A reviewer through Bulwark's own client.
+    pub fn new(client: own::Client) -> Self {
+        Self { client }
     }
 }
 
@@ -95,8 +93,7 @@ pub fn review_body(user: &User, attrs: &Attributes) -> serde_json::Value {
 /// with Bulwark's own identity. Not cached: its one caller, a scrape, comes every few
 /// seconds at most.
 pub async fn review_non_resource(
-    upstream: &Upstream,
-    own_token: Option<&OwnToken>,
+    client: &own::Client,
     user: &User,
     verb: &str,
     path: &str,
@@ -106,13 +103,7 @@ pub async fn review_non_resource(
         "nonResourceAttributes",
         json!({ "verb": verb, "path": path }),
     );
-    let review = crate::identity::review::post_json(
-        upstream,
-        own_token,
-        "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-        &body,
-    )
-    .await?;
+    let review = client.review(SUBJECT_ACCESS_REVIEWS, &body).await?;
     decision(&review)
 }
 
@@ -146,17 +137,10 @@ impl AccessReviewer for UpstreamAccessReviewer {
         user: &User,
         attrs: &Attributes,
     ) -> BoxFuture<'static, Result<Decision, ReviewError>> {
-        let upstream = self.upstream.clone();
-        let own_token = self.own_token.clone();
+        let client = self.client.clone();
         let body = review_body(user, attrs);
         async move {
-            let review = crate::identity::review::post_json(
-                &upstream,
-                own_token.as_deref(),
-                "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-                &body,
-            )
-            .await?;
+            let review = client.review(SUBJECT_ACCESS_REVIEWS, &body).await?;
             decision(&review)
         }
         .boxed()

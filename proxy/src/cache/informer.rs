@@ -15,7 +15,7 @@ use serde_json::value::RawValue;
 
 use super::store::{EventType, Kind, Obj, ResourceStore};
 use crate::config::GroupResource;
-use crate::upstream::{RetryPolicy, Route, Upstream, UpstreamCredential};
+use crate::own::{self, Call, CallError};
 
 /// Items per LIST page.
 const PAGE: u64 = 500;
@@ -37,15 +37,9 @@ const MAX_LINE: usize = 64 * 1024 * 1024;
 /// Why an informer step failed.
 #[derive(Debug, thiserror::Error)]
 pub enum InformerError {
-    /// The request could not be sent, or no apiserver answered it.
-    #[error("{path}")]
-    Request {
-        /// The path asked for.
-        path: String,
-        /// Why.
-        #[source]
-        source: crate::upstream::UpstreamError,
-    },
+    /// The call failed: no apiserver answered, or one answered with an error status.
+    #[error(transparent)]
+    Call(#[from] CallError),
     /// An answer's body broke off or was too large.
     #[error("{what}: the body")]
     Body {
@@ -54,16 +48,6 @@ pub enum InformerError {
         /// Why.
         #[source]
         source: crate::BoxError,
-    },
-    /// An apiserver answered with an error status.
-    #[error("{path} answered {status}: {message}")]
-    Status {
-        /// The path asked for.
-        path: String,
-        /// The status.
-        status: http::StatusCode,
-        /// The start of its body.
-        message: String,
     },
     /// An answer is not the JSON it should be.
     #[error("{what}: not the JSON expected")]
@@ -111,69 +95,25 @@ pub fn collection_path(kind: &Kind) -> String {
     }
 }
 
-/// A GET with Bulwark's own identity.
-async fn get(
-    upstream: &Upstream,
-    path: &str,
-    long_running: bool,
-) -> Result<http::Response<crate::Body>, InformerError> {
-    let request = http::Request::get(path)
-        .header(http::header::ACCEPT, "application/json")
-        .body(crate::empty())
-        .map_err(|e| InformerError::Protocol(format!("{path}: {e}")))?;
-    // A watch's response head comes at once; only its body is long-running. Bounding the
-    // wait for the head keeps an informer from hanging on a replica that took the request
-    // and never answered (the pool's timeout ends at the head).
-    let route = Route {
-        credential: UpstreamCredential::Own,
-        retry: RetryPolicy::Read,
-        long_running: false,
-        watch: long_running,
-        timeout: Some(if long_running {
-            WATCH_HEAD_TIMEOUT
-        } else {
-            LIST_TIMEOUT
-        }),
-        // A replica ejected for not answering its probe still moves these on at once.
-        attempt_timeout: None,
-        client_timeout: None,
-        replica: None,
-        body_flow: None,
-    };
-    upstream
-        .send(request, route)
-        .await
-        .map_err(|source| InformerError::Request {
-            path: path.to_owned(),
-            source,
-        })
+/// A whole JSON answer; a 410 is [`InformerError::Expired`].
+async fn get_json(client: &own::Client, path: &str) -> Result<bytes::Bytes, InformerError> {
+    let call = Call::get(path)
+        .timeout(LIST_TIMEOUT)
+        .max_bytes(MAX_PAGE_BYTES);
+    client.bytes(call).await.map_err(expired_or)
 }
 
-/// A whole JSON answer; a non-2xx is an error (410 is [`InformerError::Expired`]).
-async fn get_json(upstream: &Upstream, path: &str) -> Result<bytes::Bytes, InformerError> {
-    let response = get(upstream, path, false).await?;
-    let status = response.status();
-    let body = crate::read_to_limit(response.into_body(), MAX_PAGE_BYTES)
-        .await
-        .map_err(|source| InformerError::Body {
-            what: path.to_owned(),
-            source: source.into(),
-        })?;
-    if status == http::StatusCode::GONE {
-        return Err(InformerError::Expired);
+/// A 410 is the stored history gone ([`InformerError::Expired`]); anything else stays the
+/// call's error.
+fn expired_or(error: CallError) -> InformerError {
+    match error.answered() {
+        Some(http::StatusCode::GONE) => InformerError::Expired,
+        _ => InformerError::Call(error),
     }
-    if !status.is_success() {
-        return Err(InformerError::Status {
-            path: path.to_owned(),
-            status,
-            message: String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned(),
-        });
-    }
-    Ok(body)
 }
 
 /// Finds the preferred version, kind and scope of a configured resource.
-pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, InformerError> {
+pub async fn discover(client: &own::Client, gr: &GroupResource) -> Result<Kind, InformerError> {
     let bad = |why: String| InformerError::Discovery {
         resource: gr.to_string(),
         why,
@@ -186,7 +126,7 @@ pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, I
         "v1".to_owned()
     } else {
         let group: serde_json::Value =
-            serde_json::from_slice(&get_json(upstream, &format!("/apis/{}", gr.group)).await?)
+            serde_json::from_slice(&get_json(client, &format!("/apis/{}", gr.group)).await?)
                 .map_err(decode("the API group"))?;
         group["preferredVersion"]["version"]
             .as_str()
@@ -199,7 +139,7 @@ pub async fn discover(upstream: &Upstream, gr: &GroupResource) -> Result<Kind, I
         format!("/apis/{}/{version}", gr.group)
     };
     let list: serde_json::Value =
-        serde_json::from_slice(&get_json(upstream, &path).await?).map_err(decode(&path))?;
+        serde_json::from_slice(&get_json(client, &path).await?).map_err(decode(&path))?;
     let resource = list["resources"]
         .as_array()
         .and_then(|all| all.iter().find(|r| r["name"] == gr.resource.as_str()))
@@ -242,7 +182,7 @@ struct ListMeta {
 }
 
 /// Lists every object, page by page, and returns them with the list's version.
-pub async fn list_all(upstream: &Upstream, kind: &Kind) -> Result<(Vec<Obj>, u64), InformerError> {
+pub async fn list_all(client: &own::Client, kind: &Kind) -> Result<(Vec<Obj>, u64), InformerError> {
     let base = collection_path(kind);
     let mut objects = Vec::new();
     let mut token: Option<String> = None;
@@ -254,7 +194,7 @@ pub async fn list_all(upstream: &Upstream, kind: &Kind) -> Result<(Vec<Obj>, u64
                 percent_encoding::utf8_percent_encode(t, percent_encoding::NON_ALPHANUMERIC)
             ),
         };
-        let body = get_json(upstream, &path).await?;
+        let body = get_json(client, &path).await?;
         let page: ListPage<'_> =
             serde_json::from_slice(&body).map_err(|source| InformerError::Decode {
                 what: path.clone(),
@@ -323,7 +263,7 @@ pub struct NoWatchList;
 /// for a 410 (relist), another error for backoff; a WatchList the upstream refuses with
 /// a 4xx is `Err(Ok(NoWatchList))`.
 pub async fn watch(
-    upstream: &Upstream,
+    client: &own::Client,
     store: &ResourceStore,
     start: Start,
 ) -> Result<(), Result<NoWatchList, InformerError>> {
@@ -338,28 +278,27 @@ pub async fn watch(
             "{base}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds={timeout}"
         ),
     };
-    let response = get(upstream, &path, true).await.map_err(Err)?;
-    let status = response.status();
-    if status == http::StatusCode::GONE {
-        return Err(Err(InformerError::Expired));
-    }
-    if !status.is_success() {
-        let body = crate::read_to_limit(response.into_body(), 64 * 1024)
-            .await
-            .unwrap_or_default();
-        if start == Start::WatchList
-            && status.is_client_error()
-            && status != http::StatusCode::TOO_MANY_REQUESTS
-        {
-            tracing::info!(%status, "the upstream refuses WatchList; listing instead");
-            return Err(Ok(NoWatchList));
+    // A watch's response head comes at once; only its body is long-running. Bounding the
+    // wait for the head keeps an informer from hanging on a replica that took the request
+    // and never answered.
+    let call = Call::get(path).timeout(WATCH_HEAD_TIMEOUT);
+    let response = match client.watch(call).await {
+        Ok(response) => response,
+        Err(error) => {
+            return Err(match error.answered() {
+                Some(http::StatusCode::GONE) => Err(InformerError::Expired),
+                Some(status)
+                    if start == Start::WatchList
+                        && status.is_client_error()
+                        && status != http::StatusCode::TOO_MANY_REQUESTS =>
+                {
+                    tracing::info!(%status, "the upstream refuses WatchList; listing instead");
+                    Ok(NoWatchList)
+                }
+                _ => Err(InformerError::Call(error)),
+            });
         }
-        return Err(Err(InformerError::Status {
-            path: path.to_owned(),
-            status,
-            message: String::from_utf8_lossy(&body).into_owned(),
-        }));
-    }
+    };
     store.set_connected(true);
     let mut initial = (start == Start::WatchList).then(Vec::new);
     let result = follow(response.into_body(), store, &mut initial).await;
@@ -483,7 +422,7 @@ fn handle_line(
 
 /// Runs one resource's informer forever: discover, list, watch, and again.
 pub async fn run(
-    upstream: Upstream,
+    client: own::Client,
     gr: GroupResource,
     slot: Arc<std::sync::OnceLock<Arc<ResourceStore>>>,
     make: impl FnOnce(Kind) -> Arc<ResourceStore> + Send,
@@ -492,7 +431,7 @@ pub async fn run(
     let label = gr.to_string();
     let mut backoff = BACKOFF.0;
     let kind = loop {
-        match discover(&upstream, &gr).await {
+        match discover(&client, &gr).await {
             Ok(kind) => break kind,
             Err(e) => {
                 tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache discovery failed; retrying");
@@ -509,7 +448,7 @@ pub async fn run(
         if use_watch_list {
             let relists = store.generation();
             let started = tokio::time::Instant::now();
-            let result = watch(&upstream, &store, Start::WatchList).await;
+            let result = watch(&client, &store, Start::WatchList).await;
             if started.elapsed() >= HEALTHY_WATCH {
                 backoff = BACKOFF.0;
             }
@@ -536,7 +475,7 @@ pub async fn run(
             }
         }
         if !use_watch_list {
-            match list_all(&upstream, &store.kind).await {
+            match list_all(&client, &store.kind).await {
                 Ok((objects, rv)) => {
                     tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
                     store.replace(objects, rv);
@@ -552,7 +491,7 @@ pub async fn run(
         }
         loop {
             let started = tokio::time::Instant::now();
-            let result = watch(&upstream, &store, Start::Resume).await;
+            let result = watch(&client, &store, Start::Resume).await;
             if started.elapsed() >= HEALTHY_WATCH {
                 // A watch that ran a while was healthy: a failure now starts over.
                 backoff = BACKOFF.0;

@@ -13,7 +13,7 @@ use apimachinery::continue_token;
 
 use super::store::{EventType, Kind};
 use super::*;
-use crate::identity::review::ReviewError;
+use crate::own::ReviewError;
 
 /// Allows everyone except the denied users; names, when set, limit what may be read.
 #[derive(Default)]
@@ -139,7 +139,7 @@ fn seeded() -> Setup {
 fn user(name: &str) -> User {
     User {
         username: name.into(),
-        groups: vec!["dev".into(), crate::identity::AUTHENTICATED.into()],
+        groups: vec!["dev".into(), crate::user::AUTHENTICATED.into()],
         ..User::default()
     }
 }
@@ -345,11 +345,7 @@ async fn the_review_names_user_groups_verb_and_the_field_selector_name() {
     }
     let seen = s.policy.seen.lock().unwrap();
     let (who, attrs) = &seen[0];
-    assert!(
-        who.groups
-            .iter()
-            .any(|g| g == crate::identity::AUTHENTICATED)
-    );
+    assert!(who.groups.iter().any(|g| g == crate::user::AUTHENTICATED));
     assert_eq!(attrs.verb, "list");
     assert_eq!(attrs.name, "one");
     assert_eq!(attrs.namespace, "ns-a");

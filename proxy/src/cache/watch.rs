@@ -21,9 +21,9 @@ use super::accept::Encoding;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
 use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
-use crate::identity::User;
-use crate::identity::review::ReviewError;
 use crate::metrics::Metrics;
+use crate::own::ReviewError;
+use crate::user::User;
 
 /// Which objects a watch (or list) sees.
 #[derive(Debug, Clone, Default)]

@@ -10,8 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 
-use bytes::Bytes;
-use http::{Method, StatusCode};
+use http::StatusCode;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
@@ -20,8 +19,7 @@ use serde::Serialize;
 
 use super::share::{Demand, Member};
 use crate::BoxFuture;
-use crate::identity::forward::{ForwardError, OwnToken};
-use crate::upstream::{self, RetryPolicy, Route, Upstream, UpstreamError};
+use crate::own::{self, Call, CallError};
 
 /// The annotation a member's [`Demand`] travels in.
 pub const DEMAND_ANNOTATION: &str = "bulwark.io/demand";
@@ -43,50 +41,9 @@ const MAX_LIST_BYTES: usize = 4 << 20;
 /// Why a Lease could not be written or read.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
-    /// Bulwark's own token could not be read.
-    #[error("own token: {0}")]
-    OwnToken(#[from] ForwardError),
-    /// The request could not be built (a namespace or name that is no path).
-    #[error("building the request: {0}")]
-    Request(#[source] http::Error),
-    /// No apiserver answered.
-    #[error("{method} {path}: {source}")]
-    Upstream {
-        /// The request method.
-        method: Method,
-        /// The request path.
-        path: String,
-        /// What went wrong.
-        source: Box<UpstreamError>,
-    },
-    /// The answer could not be read.
-    #[error("{path}: reading the answer: {source}")]
-    Read {
-        /// The request path.
-        path: String,
-        /// What went wrong.
-        source: crate::ReadError,
-    },
-    /// The apiserver refused.
-    #[error("{method} {path}: {status}: {message}")]
-    Status {
-        /// The request method.
-        method: Method,
-        /// The request path.
-        path: String,
-        /// The answer's status.
-        status: StatusCode,
-        /// The `Status` message.
-        message: String,
-    },
-    /// The answer is not a Lease (list).
-    #[error("{path}: {source}")]
-    Decode {
-        /// The request path.
-        path: String,
-        /// What went wrong.
-        source: serde_json::Error,
-    },
+    /// The call failed: no apiserver answered, one refused, or the answer is no Lease.
+    #[error(transparent)]
+    Call(#[from] CallError),
     /// The store is unreachable (tests' in-memory stores).
     #[error("lease store unreachable")]
     Unreachable,
@@ -399,10 +356,9 @@ impl Check {
     }
 }
 
-/// The Leases at the apiservers, through Bulwark's own credential.
+/// The Leases at the apiservers, through Bulwark's own client.
 pub struct UpstreamLeases {
-    upstream: Upstream,
-    own_token: Option<Arc<OwnToken>>,
+    client: own::Client,
     namespace: String,
     name: String,
     timeout: Duration,
@@ -415,16 +371,9 @@ pub struct UpstreamLeases {
 impl UpstreamLeases {
     /// The Leases in `namespace`; this replica's is `name`. Each call gives up after
     /// `timeout`.
-    pub fn new(
-        upstream: Upstream,
-        own_token: Option<Arc<OwnToken>>,
-        namespace: &str,
-        name: &str,
-        timeout: Duration,
-    ) -> Self {
+    pub fn new(client: own::Client, namespace: &str, name: &str, timeout: Duration) -> Self {
         Self {
-            upstream,
-            own_token,
+            client,
             namespace: namespace.to_string(),
             name: name.to_string(),
             timeout,
@@ -443,143 +392,65 @@ impl UpstreamLeases {
         format!("{}/{}", self.collection(), self.name)
     }
 
-    /// One call as Bulwark itself: the status and body of a success, or why not.
-    async fn call(
-        &self,
-        method: Method,
-        path: String,
-        body: Option<Vec<u8>>,
-    ) -> Result<(StatusCode, Bytes), LeaseError> {
-        let mut request = http::Request::builder()
-            .method(method.clone())
-            .uri(path.as_str())
-            .header(http::header::ACCEPT, "application/json");
-        if body.is_some() {
-            request = request.header(http::header::CONTENT_TYPE, "application/json");
-        }
-        if let Some(own) = &self.own_token {
-            request = request.header(http::header::AUTHORIZATION, own.header()?);
-        }
-        let request = request
-            .body(body.map_or_else(crate::empty, crate::full))
-            .map_err(LeaseError::Request)?;
-        let route = Route {
-            credential: upstream::UpstreamCredential::Own,
-            // A renewal is conditional on its resourceVersion, so sending it again cannot
-            // overwrite anything; reads are reads.
-            retry: RetryPolicy::Read,
-            long_running: false,
-            watch: false,
-            timeout: Some(self.timeout),
-            attempt_timeout: None,
-            client_timeout: None,
-            replica: None,
-            body_flow: None,
-        };
-        let response =
-            self.upstream
-                .send(request, route)
-                .await
-                .map_err(|source| LeaseError::Upstream {
-                    method: method.clone(),
-                    path: path.clone(),
-                    source: Box::new(source),
-                })?;
-        let status = response.status();
-        let body = crate::read_to_limit(response.into_body(), MAX_LIST_BYTES)
-            .await
-            .map_err(|source| LeaseError::Read {
-                path: path.clone(),
-                source,
-            })?;
-        if status.is_success() {
-            return Ok((status, body));
-        }
-        let message = serde_json::from_slice::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["message"].as_str().map(str::to_string))
-            .unwrap_or_default();
-        Err(LeaseError::Status {
-            method,
-            path,
-            status,
-            message,
-        })
+    fn known(&self) -> Option<String> {
+        self.resource_version
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
-    fn remember(&self, body: &[u8], path: &str) -> Result<(), LeaseError> {
-        let lease: Lease = serde_json::from_slice(body).map_err(|source| LeaseError::Decode {
-            path: path.to_string(),
-            source,
-        })?;
+    fn remember(&self, resource_version: Option<String>) {
         *self
             .resource_version
             .lock()
-            .unwrap_or_else(|p| p.into_inner()) = lease.metadata.resource_version;
+            .unwrap_or_else(|p| p.into_inner()) = resource_version;
+    }
+
+    /// Creates this replica's Lease, or replaces it conditionally on `known`.
+    async fn put_or_create(&self, member: &Lease, known: Option<String>) -> Result<(), LeaseError> {
+        let mut lease = member.clone();
+        lease.metadata.resource_version = known;
+        let call = match lease.metadata.resource_version {
+            Some(_) => Call::put(self.own_path(), &lease)?,
+            None => Call::post(self.collection(), &lease)?,
+        };
+        let written: Lease = self
+            .client
+            .json(call.timeout(self.timeout).max_bytes(MAX_LIST_BYTES))
+            .await?;
+        self.remember(written.metadata.resource_version);
         Ok(())
     }
 
-    fn encode(&self, lease: &Lease, resource_version: Option<String>) -> Vec<u8> {
-        let mut lease = lease.clone();
-        lease.metadata.resource_version = resource_version;
-        serde_json::to_vec(&lease).unwrap_or_default()
-    }
-
     async fn write_once(&self, member: &Lease) -> Result<(), LeaseError> {
-        let known = self
-            .resource_version
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let result = match known {
-            Some(rv) => {
-                let body = self.encode(member, Some(rv));
-                self.call(Method::PUT, self.own_path(), Some(body)).await
-            }
-            None => {
-                let body = self.encode(member, None);
-                self.call(Method::POST, self.collection(), Some(body)).await
-            }
-        };
-        match result {
-            Ok((_, body)) => self.remember(&body, &self.own_path()),
-            Err(LeaseError::Status { status, .. })
-                if status == StatusCode::CONFLICT || status == StatusCode::NOT_FOUND =>
+        match self.put_or_create(member, self.known()).await {
+            Err(LeaseError::Call(e))
+                if matches!(
+                    e.answered(),
+                    Some(StatusCode::CONFLICT | StatusCode::NOT_FOUND)
+                ) =>
             {
                 // Created before (a restart), changed by someone else, or deleted: read
                 // what is there (or learn it is gone) and write once more.
-                match self.call(Method::GET, self.own_path(), None).await {
-                    Ok((_, body)) => self.remember(&body, &self.own_path())?,
-                    Err(LeaseError::Status { status, .. }) if status == StatusCode::NOT_FOUND => {
-                        *self
-                            .resource_version
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner()) = None;
-                    }
-                    Err(e) => return Err(e),
+                let call = Call::get(self.own_path())
+                    .timeout(self.timeout)
+                    .max_bytes(MAX_LIST_BYTES);
+                match self.client.json::<Lease>(call).await {
+                    Ok(there) => self.remember(there.metadata.resource_version),
+                    Err(e) if e.answered() == Some(StatusCode::NOT_FOUND) => self.remember(None),
+                    Err(e) => return Err(e.into()),
                 }
-                let known = self
-                    .resource_version
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                let (method, path) = match &known {
-                    Some(_) => (Method::PUT, self.own_path()),
-                    None => (Method::POST, self.collection()),
-                };
-                let body = self.encode(member, known);
-                let (_, answer) = self.call(method, path, Some(body)).await?;
-                self.remember(&answer, &self.own_path())
+                self.put_or_create(member, self.known()).await
             }
-            Err(e) => Err(e),
+            result => result,
         }
     }
 
     async fn list_once(&self) -> Result<Vec<Lease>, LeaseError> {
-        let path = self.collection();
-        let (_, body) = self.call(Method::GET, path.clone(), None).await?;
-        let list: k8s_openapi::List<Lease> =
-            serde_json::from_slice(&body).map_err(|source| LeaseError::Decode { path, source })?;
+        let call = Call::get(self.collection())
+            .timeout(self.timeout)
+            .max_bytes(MAX_LIST_BYTES);
+        let list: k8s_openapi::List<Lease> = self.client.json(call).await?;
         Ok(list.items)
     }
 }

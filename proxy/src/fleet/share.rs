@@ -26,6 +26,11 @@ pub struct Demand {
     /// over the last renew period, in thousandths of a request per second.
     #[serde(default, rename = "r", skip_serializing_if = "BTreeMap::is_empty")]
     pub rates: BTreeMap<String, u64>,
+    /// The address in-cluster clients dial for this member, when the fleet publishes the
+    /// `kubernetes` Service's endpoints (`fleet.kubernetesService.endpoint`). Signed with
+    /// the rest of the Lease; not a demand, but what the member publishes along with it.
+    #[serde(default, rename = "e", skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
 }
 
 /// LIST bytes one member wants of one apiserver replica.
@@ -175,6 +180,7 @@ pub fn clamped(
         bytes,
         seats,
         rates: rates.into_iter().map(|(f, r)| (f.clone(), r)).collect(),
+        endpoint: demand.endpoint.clone(),
     }
 }
 

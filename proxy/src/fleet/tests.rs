@@ -109,7 +109,12 @@ impl Default for Wants {
             bytes: Default::default(),
             in_flight: Default::default(),
             seats: Default::default(),
-            flows: Flows::new(4, Duration::from_secs(300)),
+            flows: Flows::new(
+                4,
+                Duration::from_secs(300),
+                crate::admit::MAX_FLOWS,
+                &crate::metrics::Metrics::new(),
+            ),
         }
     }
 }
@@ -194,6 +199,7 @@ impl Replica {
             lease_duration: LEASE,
             bulwark_replicas: 3,
             clock: Arc::new(move || clock.now()),
+            endpoint: None,
         };
         let reach = Arc::new(Reach {
             memory: memory.clone(),
@@ -964,6 +970,7 @@ fn a_key_file_that_cannot_be_used_stops_the_start_and_says_why() {
         lease_duration: LEASE,
         key_file: Some(key_file.to_path_buf()),
         accept_unsigned: false,
+        kubernetes_service: None,
     };
     let missing = dir.path().join("missing");
     let error = Settings::from_config(&config(&missing), 3).err().unwrap();

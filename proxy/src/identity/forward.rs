@@ -8,17 +8,12 @@
 //! passthrough modes (the apiserver authorizes them against the real user) and are refused
 //! in impersonate mode, where they would be read as Bulwark's own.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
-
 use http::HeaderMap;
 use http::header::{AUTHORIZATION, CONNECTION, HeaderName, HeaderValue, UPGRADE};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 
 use super::{Credential, Identity, User};
 use crate::config::{self, IdentityMode};
-use crate::report::SharedError;
 use crate::upstream;
 
 /// Bytes that stay as they are in an extra key; everything else is percent-encoded, as the
@@ -45,55 +40,6 @@ pub enum ForwardError {
     /// The identity cannot be written into a header.
     #[error("the identity cannot be sent upstream: {0}")]
     Unrepresentable(String),
-    /// Bulwark's own token file could not be read, or holds what a header cannot carry.
-    #[error("bulwark's own token {} is unavailable", path.display())]
-    OwnToken {
-        /// The token file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: SharedError,
-    },
-}
-
-/// Bulwark's own bearer token, re-read when its file changes (projected ServiceAccount
-/// tokens rotate).
-pub struct OwnToken {
-    path: PathBuf,
-    cached: Mutex<Option<(SystemTime, HeaderValue)>>,
-}
-
-impl OwnToken {
-    /// A token read from `path` on first use and whenever the file changes.
-    pub fn new(path: PathBuf) -> Self {
-        Self {
-            path,
-            cached: Mutex::new(None),
-        }
-    }
-
-    /// The `Authorization` header value.
-    pub fn header(&self) -> Result<HeaderValue, ForwardError> {
-        let unavailable = |source: SharedError| ForwardError::OwnToken {
-            path: self.path.clone(),
-            source,
-        };
-        let modified = std::fs::metadata(&self.path)
-            .and_then(|m| m.modified())
-            .map_err(|e| unavailable(Arc::new(e)))?;
-        let mut cached = self.cached.lock().expect("own token lock");
-        if let Some((at, value)) = cached.as_ref()
-            && *at == modified
-        {
-            return Ok(value.clone());
-        }
-        let token = std::fs::read_to_string(&self.path).map_err(|e| unavailable(Arc::new(e)))?;
-        let mut value = HeaderValue::from_str(&format!("Bearer {}", token.trim()))
-            .map_err(|e| unavailable(Arc::new(e)))?;
-        value.set_sensitive(true);
-        *cached = Some((modified, value.clone()));
-        Ok(value)
-    }
 }
 
 /// The identity-forwarding policy built from config.
@@ -101,7 +47,6 @@ pub struct Forwarding {
     mode: IdentityMode,
     names: Names,
     front_proxy: bool,
-    own_token: Option<std::sync::Arc<OwnToken>>,
 }
 
 /// The request-header names, parsed once.
@@ -123,7 +68,6 @@ impl Forwarding {
     pub fn new(
         mode: IdentityMode,
         front_proxy: Option<&config::FrontProxy>,
-        own_token: Option<std::sync::Arc<OwnToken>>,
     ) -> Result<Self, ForwardError> {
         let defaults = config::HeaderNames::default();
         let names = front_proxy.map_or(&defaults, |f| &f.headers);
@@ -167,7 +111,6 @@ impl Forwarding {
                 strip_prefixes,
             },
             front_proxy: front_proxy.is_some(),
-            own_token,
         })
     }
 
@@ -220,9 +163,8 @@ impl Forwarding {
                 return Err(ForwardError::ClientImpersonation);
             }
             impersonation_headers(user, headers)?;
-            if let Some(own) = &self.own_token {
-                headers.insert(AUTHORIZATION, own.header()?);
-            }
+            // The pool adds Bulwark's own bearer token, when it has one, to every request
+            // that travels with the own credential.
             Ok(upstream::UpstreamCredential::Own)
         }
     }
@@ -339,6 +281,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
+    use std::sync::Arc;
 
     use super::*;
 
@@ -373,7 +316,7 @@ mod tests {
             key: "fp.key".into(),
             headers: config::HeaderNames::default(),
         };
-        Forwarding::new(mode, Some(&front), None).unwrap()
+        Forwarding::new(mode, Some(&front)).unwrap()
     }
 
     #[test]
@@ -412,7 +355,7 @@ mod tests {
             IdentityMode::Impersonate,
             IdentityMode::Passthrough,
         ] {
-            let forwarding = Forwarding::new(mode, Some(&front), None).unwrap();
+            let forwarding = Forwarding::new(mode, Some(&front)).unwrap();
             let mut headers = spoofing_headers();
             headers.insert("x-proxy-user", "system:admin".parse().unwrap());
             headers.insert("x-proxy-group", "system:masters".parse().unwrap());

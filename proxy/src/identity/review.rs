@@ -26,18 +26,17 @@ use std::time::Duration;
 use base64::Engine;
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
-use http::StatusCode;
 use lru::LruCache;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use super::forward::{ForwardError, OwnToken};
 use super::limits::{Limited, ReviewLimits};
 use super::{IdentityError, User};
 use crate::coalesce::{Coalescing, Keep, Lookup};
 use crate::config;
 use crate::metrics::Metrics;
-use crate::upstream::{self, RetryPolicy, Route, Upstream, UpstreamError};
+use crate::own;
+pub use crate::own::ReviewError;
 
 /// What a TokenReview said.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -473,40 +472,31 @@ fn token_lifetime(token: &str) -> Option<Duration> {
     Some(Duration::from_secs(exp.saturating_sub(now)))
 }
 
-/// Reviews tokens with `POST /apis/authentication.k8s.io/v1/tokenreviews`, sent upstream
-/// with Bulwark's own identity.
+/// Reviews tokens with `POST /apis/authentication.k8s.io/v1/tokenreviews`, one of
+/// Bulwark's own calls.
 pub struct UpstreamReviewer {
-    upstream: Upstream,
-    own_token: Option<Arc<OwnToken>>,
+    client: own::Client,
 }
 
 impl UpstreamReviewer {
-    /// A reviewer over the upstream pool.
-    pub fn new(upstream: Upstream, own_token: Option<Arc<OwnToken>>) -> Self {
-        Self {
-            upstream,
-            own_token,
-        }
+    /// A reviewer through Bulwark's own client.
+    pub fn new(client: own::Client) -> Self {
+        Self { client }
     }
 }
 
 impl TokenReviewer for UpstreamReviewer {
     fn review(&self, token: &str) -> BoxFuture<'static, Result<ReviewOutcome, ReviewError>> {
-        let upstream = self.upstream.clone();
-        let own_token = self.own_token.clone();
+        let client = self.client.clone();
         let body = serde_json::json!({
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenReview",
             "spec": {"token": token},
         });
         async move {
-            let review = post_json(
-                &upstream,
-                own_token.as_deref(),
-                "/apis/authentication.k8s.io/v1/tokenreviews",
-                &body,
-            )
-            .await?;
+            let review = client
+                .review("/apis/authentication.k8s.io/v1/tokenreviews", &body)
+                .await?;
             let status = &review["status"];
             if status["authenticated"].as_bool() != Some(true) {
                 let why = status["error"].as_str().unwrap_or("not authenticated");
@@ -524,122 +514,6 @@ impl TokenReviewer for UpstreamReviewer {
         .boxed()
     }
 }
-
-/// Largest review answer Bulwark reads.
-const MAX_REVIEW_BYTES: usize = 1 << 20;
-
-/// Why a review (a TokenReview or a SubjectAccessReview) has no answer.
-#[derive(Debug, thiserror::Error)]
-pub enum ReviewError {
-    /// The review could not be written as JSON.
-    #[error("encoding the review")]
-    Encode(#[source] serde_json::Error),
-    /// The review request could not be built.
-    #[error("building the review request")]
-    Request(#[source] http::Error),
-    /// Bulwark's own credential for the review is unavailable.
-    #[error("the review needs bulwark's own token")]
-    OwnToken(#[source] ForwardError),
-    /// The review could not be sent, or no answer came.
-    #[error("{path}")]
-    Upstream {
-        /// The review's path.
-        path: &'static str,
-        /// Why.
-        #[source]
-        source: UpstreamError,
-    },
-    /// The answer could not be read.
-    #[error("{path}: reading the answer")]
-    Read {
-        /// The review's path.
-        path: &'static str,
-        /// Why.
-        #[source]
-        source: crate::ReadError,
-    },
-    /// The apiserver answered with an error status.
-    #[error("{path} answered {status}: {message}")]
-    Status {
-        /// The review's path.
-        path: &'static str,
-        /// The status.
-        status: StatusCode,
-        /// The message of its `Status` body, if any.
-        message: String,
-    },
-    /// The answer is not JSON.
-    #[error("{path}: the answer is not JSON")]
-    Decode {
-        /// The review's path.
-        path: &'static str,
-        /// Why.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// A TokenReview's `status.user` is not a user.
-    #[error("TokenReview status.user")]
-    User(#[source] serde_json::Error),
-    /// A SubjectAccessReview came back without a status.
-    #[error("the SubjectAccessReview has no status")]
-    NoStatus,
-}
-
-/// Posts a review object with Bulwark's own identity and returns the answer, or why there
-/// is none. Reviews change nothing, so the pool may retry them like reads.
-pub async fn post_json(
-    upstream: &Upstream,
-    own_token: Option<&OwnToken>,
-    path: &'static str,
-    body: &serde_json::Value,
-) -> Result<serde_json::Value, ReviewError> {
-    let bytes = serde_json::to_vec(body).map_err(ReviewError::Encode)?;
-    let mut request = http::Request::post(path)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .header(http::header::ACCEPT, "application/json")
-        .body(crate::full(bytes))
-        .map_err(ReviewError::Request)?;
-    if let Some(own) = own_token {
-        let value = own.header().map_err(ReviewError::OwnToken)?;
-        request
-            .headers_mut()
-            .insert(http::header::AUTHORIZATION, value);
-    }
-    let route = Route {
-        credential: upstream::UpstreamCredential::Own,
-        retry: RetryPolicy::Read,
-        long_running: false,
-        watch: false,
-        timeout: Some(REVIEW_TIMEOUT),
-        attempt_timeout: None,
-        client_timeout: None,
-        replica: None,
-        body_flow: None,
-    };
-    let response = upstream
-        .send(request, route)
-        .await
-        .map_err(|source| ReviewError::Upstream { path, source })?;
-    let status = response.status();
-    let body = crate::read_to_limit(response.into_body(), MAX_REVIEW_BYTES)
-        .await
-        .map_err(|source| ReviewError::Read { path, source })?;
-    if !status.is_success() {
-        let message = serde_json::from_slice::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["message"].as_str().map(str::to_string))
-            .unwrap_or_default();
-        return Err(ReviewError::Status {
-            path,
-            status,
-            message,
-        });
-    }
-    serde_json::from_slice(&body).map_err(|source| ReviewError::Decode { path, source })
-}
-
-/// How long a review may take.
-const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

@@ -154,6 +154,10 @@ pub(crate) enum FlowDoc {
     Namespace,
     /// One flow for the rule.
     None,
+    /// One flow per user and node (else per user and source address).
+    Node,
+    /// One flow per user and pod (else per user and source address).
+    Pod,
 }
 
 /// Enforce or shadow.

@@ -40,6 +40,13 @@ pub enum FlowBy {
     Namespace,
     /// One flow for the whole rule.
     None,
+    /// One flow per user and node: the node a bound ServiceAccount token names
+    /// (`authentication.kubernetes.io/node-name`) or a kubelet's (`system:node:<name>`),
+    /// else the client's source address.
+    Node,
+    /// One flow per user and pod: the pod UID a bound ServiceAccount token names
+    /// (`authentication.kubernetes.io/pod-uid`), else the client's source address.
+    Pod,
 }
 
 /// Whether a rule's limits reject requests or only count what they would have rejected.
@@ -67,7 +74,8 @@ pub struct Matched {
     pub rule: Arc<str>,
     /// The rule's priority level.
     pub level: Arc<LevelSpec>,
-    /// The flow key: `rule/user`, `rule/namespace` or `rule`.
+    /// The flow key: `rule/user`, `rule/namespace`, `rule`, or per client
+    /// `rule/user/node:NAME`, `rule/user/pod:UID` or `rule/user/addr:IP`.
     pub flow: Arc<str>,
     /// The per-flow token bucket, if the rule has one.
     pub rate: Option<Rate>,

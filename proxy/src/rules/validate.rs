@@ -432,6 +432,8 @@ fn rule(
                     FlowDoc::User => FlowBy::User,
                     FlowDoc::Namespace => FlowBy::Namespace,
                     FlowDoc::None => FlowBy::None,
+                    FlowDoc::Node => FlowBy::Node,
+                    FlowDoc::Pod => FlowBy::Pod,
                 },
                 rate,
                 watches,

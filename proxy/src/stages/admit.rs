@@ -75,7 +75,10 @@ where
         let (facts, mut call) = call.take_facts();
         let info = facts.info.clone();
         let user = facts.user();
-        let matched = rules.current().matches(&user, &info);
+        // The client's address keys a per-client flow (`flow: node`, `flow: pod`) whose
+        // credential names no node or pod.
+        let client_addr = call.conn.as_ref().map(|c| c.peer.ip());
+        let matched = rules.current().matches_from(&user, &info, client_addr);
         // Only an identified reader is authorized by the cache; the anonymous allowlist
         // holds no cached resource.
         let cached = match &facts.identity {

@@ -76,10 +76,6 @@ impl ProxyError {
             ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
                 Refusal::new(Reason::BadRequest, message)
             }
-            ProxyError::Forward(ForwardError::OwnToken { .. }) => Refusal::new(
-                Reason::UpstreamError,
-                "bulwark's own credential is unavailable",
-            ),
             ProxyError::Upstream(error) => upstream_refusal(error),
             ProxyError::Refused(refusal) => refusal.clone(),
             ProxyError::Cache(error) => match error {
@@ -196,7 +192,7 @@ mod tests {
 
     use super::*;
     use crate::cache::Status;
-    use crate::identity::review::ReviewError;
+    use crate::own::{CallError, ReviewError};
     use crate::report::SharedError;
     use crate::upstream::TlsFailure;
 
@@ -232,11 +228,15 @@ mod tests {
         let status: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(status["message"], "secrets \"one\" is forbidden");
 
-        let error = ProxyError::Cache(CacheError::ReviewFailed(Arc::new(ReviewError::Status {
-            path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: "etcd is down".into(),
-        })))
+        let error = ProxyError::Cache(CacheError::ReviewFailed(Arc::new(ReviewError::Call(
+            CallError::Status {
+                method: http::Method::POST,
+                path: "/apis/authorization.k8s.io/v1/subjectaccessreviews".into(),
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                reason: "InternalError".into(),
+                message: "etcd is down".into(),
+            },
+        ))))
         .admitted(Arc::from("r"), "l".into());
         let refusal = error.refusal();
         assert_eq!(refusal.reason, Reason::UpstreamError);
@@ -330,22 +330,25 @@ mod tests {
                 path: format!("/var/run/secrets/{replica}/ca.crt").into(),
                 source: refused(),
             }),
-            ProxyError::Identity(IdentityError::ReviewFailed(Arc::new(ReviewError::Status {
-                path: "/apis/authentication.k8s.io/v1/tokenreviews",
-                status: StatusCode::BAD_GATEWAY,
-                message: format!("{replica}: refused"),
-            }))),
-            ProxyError::Forward(ForwardError::OwnToken {
-                path: format!("/var/run/secrets/{replica}/token").into(),
-                source: refused(),
-            }),
-            ProxyError::Cache(CacheError::ReviewFailed(Arc::new(ReviewError::Upstream {
-                path: "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-                source: UpstreamError::Connect {
-                    replica: replica.into(),
-                    source: Arc::new(std::io::Error::other("refused")),
+            ProxyError::Identity(IdentityError::ReviewFailed(Arc::new(ReviewError::Call(
+                CallError::Status {
+                    method: http::Method::POST,
+                    path: "/apis/authentication.k8s.io/v1/tokenreviews".into(),
+                    status: StatusCode::BAD_GATEWAY,
+                    reason: String::new(),
+                    message: format!("{replica}: refused"),
                 },
-            })))
+            )))),
+            ProxyError::Cache(CacheError::ReviewFailed(Arc::new(ReviewError::Call(
+                CallError::Upstream {
+                    method: http::Method::POST,
+                    path: "/apis/authorization.k8s.io/v1/subjectaccessreviews".into(),
+                    source: Box::new(UpstreamError::Connect {
+                        replica: replica.into(),
+                        source: Arc::new(std::io::Error::other("refused")),
+                    }),
+                },
+            ))))
             .admitted(Arc::from("r"), "l".into()),
         ];
         for error in errors {

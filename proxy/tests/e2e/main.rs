@@ -6,6 +6,7 @@ mod cache;
 mod dos;
 mod fairness;
 mod fleet;
+mod flows;
 mod front_door;
 mod identity;
 mod kube_client;

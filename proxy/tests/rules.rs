@@ -817,11 +817,23 @@ fn check_summarises_a_good_folder() {
 const NODE_SEATS: u32 = 40;
 const CONTROLLER_SEATS: u32 = 30;
 
+/// What a client sends and where it must land: (what, user, groups, verb, path, rule, the
+/// fewest seats of its level).
+type Component = (
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<u32>,
+);
+
 /// The cluster's own components under the shipped rules: what each sends, the rule it must
 /// land in, and the fewest seats its level may have (`None`: exempt). Every
 /// `system:serviceaccount:` user gets its ServiceAccount groups, as authentication gives
 /// them.
-const COMPONENTS: [(&str, &str, &[&str], &str, &str, &str, Option<u32>); 13] = [
+const COMPONENTS: [Component; 13] = [
     (
         "kube-scheduler binds a pod",
         "system:kube-scheduler",
@@ -988,6 +1000,16 @@ fn the_shipped_rules_give_every_component_of_the_cluster_a_rule_and_the_seats_it
     }
 }
 
+/// (user, groups, verb, path, rule, level).
+type Placed = (
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+);
+
 /// Everyone else under the shipped rules: DaemonSets by node, operators by pod, people,
 /// break-glass admins, and a storm of Secret LISTs on its own few seats; only
 /// unauthenticated requests are left to the catch-all.
@@ -1009,7 +1031,7 @@ fn the_shipped_rules_place_agents_operators_people_and_the_storm() {
         let m = set.matches(&user, &rules::request_for(verb, path).unwrap());
         (m.rule.to_string(), m.level.name.clone())
     };
-    let cases: [(&str, &[&str], &str, &str, &str, &str); 10] = [
+    let cases: [Placed; 10] = [
         (
             "system:serviceaccount:kube-system:cilium",
             &[],

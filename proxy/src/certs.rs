@@ -114,6 +114,20 @@ impl InitOptions {
     }
 }
 
+/// The names an in-cluster client may dial the apiservers by: the `kubernetes` Service's
+/// DNS names in the cluster domain (`cluster.local` unless the cluster says otherwise)
+/// and its ClusterIP (`KUBERNETES_SERVICE_HOST`, which `rest.InClusterConfig()` dials). A
+/// serving certificate in front of pods must name them all.
+pub fn in_cluster_names(service_ip: &str, cluster_domain: &str) -> Vec<String> {
+    vec![
+        "kubernetes".into(),
+        "kubernetes.default".into(),
+        "kubernetes.default.svc".into(),
+        format!("kubernetes.default.svc.{cluster_domain}"),
+        service_ip.into(),
+    ]
+}
+
 /// A user and its groups, as a client certificate carries them (CN and one `O` per group).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdentitySpec {

@@ -149,13 +149,31 @@ pub struct InitArgs {
     /// Validity of the leaf certificates in days (CAs get ten times as long).
     #[arg(long, default_value_t = 365)]
     days: u32,
+    /// Also name what pods dial in the serving certificate, for Bulwark behind the
+    /// `kubernetes` Service: its ClusterIP SERVICE_IP and `kubernetes`,
+    /// `kubernetes.default`, `kubernetes.default.svc`, `kubernetes.default.svc.DOMAIN`. Put
+    /// the cluster CA (the one `kube-root-ca.crt` carries: kubeadm's `ca.crt` and
+    /// `ca.key`) in `--dir` first, and the certificate comes from it.
+    #[arg(long = "in-cluster", value_name = "SERVICE_IP")]
+    in_cluster: Option<std::net::IpAddr>,
+    /// The cluster's DNS domain, with `--in-cluster`.
+    #[arg(long, default_value = "cluster.local")]
+    cluster_domain: String,
 }
 
 impl From<InitArgs> for InitOptions {
     fn from(args: InitArgs) -> Self {
+        let mut server_names = args.server_names;
+        if let Some(ip) = args.in_cluster {
+            for name in bulwark::certs::in_cluster_names(&ip.to_string(), &args.cluster_domain) {
+                if !server_names.contains(&name) {
+                    server_names.push(name);
+                }
+            }
+        }
         InitOptions {
             dir: args.dir,
-            server_names: args.server_names,
+            server_names,
             identities: args.identities,
             server: args.server,
             front_proxy_name: args.front_proxy_name,

@@ -145,6 +145,23 @@ pub struct KubernetesService {
     /// published as serving-but-terminating, which kube-proxy uses only while no replica is
     /// ready, so pods reach the apiservers directly when no Bulwark is live.
     pub apiservers: Vec<SocketAddr>,
+    /// The Service's ClusterIP (`KUBERNETES_SERVICE_HOST`: the first address of the
+    /// apiservers' `--service-cluster-ip-range`), which `check-config` wants in the serving
+    /// certificate. Default: 10.96.0.1, kubeadm's.
+    #[serde(default = "default_service_ip", rename = "serviceIP")]
+    pub service_ip: std::net::IpAddr,
+    /// The cluster's DNS domain, for the name `kubernetes.default.svc.DOMAIN`. Default:
+    /// `cluster.local`.
+    #[serde(default = "default_cluster_domain")]
+    pub cluster_domain: String,
+}
+
+fn default_service_ip() -> std::net::IpAddr {
+    std::net::Ipv4Addr::new(10, 96, 0, 1).into()
+}
+
+fn default_cluster_domain() -> String {
+    "cluster.local".into()
 }
 
 fn default_lease_prefix() -> String {

@@ -108,6 +108,13 @@ pub fn check(config: &Config, config_path: &Path, text: &str) -> Vec<FileProblem
     if let Some(token) = &config.admin.token_file {
         token_file("admin.tokenFile", token, &mut add);
     }
+    if let Some(service) = config
+        .fleet
+        .as_ref()
+        .and_then(|f| f.kubernetes_service.as_ref())
+    {
+        in_cluster_serving(config, service, &mut add);
+    }
     if let Some(tls) = &config.admin.tls {
         cert_and_key(
             ("admin.tls.cert", &tls.cert),
@@ -244,6 +251,80 @@ fn ca_file(field: &str, path: &Path, add: &mut impl FnMut(&str, String)) {
         });
     if let Err(e) = result {
         add(field, e);
+    }
+}
+
+/// With `fleet.kubernetesService`, pods dial Bulwark as the `kubernetes` Service and check
+/// its certificate against the CA of `kube-root-ca.crt` (the cluster CA, which signs the
+/// apiservers' serving certificates: `upstream.ca`) for the name they dialed: the
+/// serving certificate must hold for each of the Service's names and its ClusterIP.
+fn in_cluster_serving(
+    config: &Config,
+    service: &crate::config::KubernetesService,
+    add: &mut impl FnMut(&str, String),
+) {
+    let cert_path = &config.listen.cert;
+    let Ok(chain) = read(cert_path).and_then(|pem| certificates(cert_path, &pem)) else {
+        return; // listen.cert's own check says why
+    };
+    let Ok(cas) = read(&config.upstream.ca).and_then(|pem| certificates(&config.upstream.ca, &pem))
+    else {
+        return; // upstream.ca's own check says why
+    };
+    let mut roots = RootCertStore::empty();
+    roots.add_parsable_certificates(cas);
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let Ok(verifier) =
+        rustls::client::WebPkiServerVerifier::builder_with_provider(roots.into(), provider).build()
+    else {
+        return;
+    };
+    let (leaf, intermediates) = chain.split_first().expect("at least one certificate");
+    let names =
+        crate::certs::in_cluster_names(&service.service_ip.to_string(), &service.cluster_domain);
+    let mut missing = Vec::new();
+    for name in &names {
+        let Ok(server_name) = rustls::pki_types::ServerName::try_from(name.as_str()) else {
+            continue;
+        };
+        use rustls::client::danger::ServerCertVerifier as _;
+        let verdict = verifier.verify_server_cert(
+            leaf,
+            intermediates,
+            &server_name,
+            &[],
+            rustls::pki_types::UnixTime::now(),
+        );
+        match verdict {
+            Ok(_) => {}
+            Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::NotValidForName
+                | rustls::CertificateError::NotValidForNameContext { .. },
+            )) => missing.push(name.as_str()),
+            Err(e) => {
+                add(
+                    "listen.cert",
+                    format!(
+                        "{}: pods dialing the kubernetes Service check it against the cluster CA \
+                         (upstream.ca, which kube-root-ca.crt carries) and would refuse it: {e}",
+                        cert_path.display()
+                    ),
+                );
+                return;
+            }
+        }
+    }
+    if !missing.is_empty() {
+        add(
+            "listen.cert",
+            format!(
+                "{}: pods dial the kubernetes Service by names this certificate does not hold: \
+                 {} (bulwark certs init --in-cluster {} makes one that does)",
+                cert_path.display(),
+                missing.join(", "),
+                service.service_ip
+            ),
+        );
     }
 }
 

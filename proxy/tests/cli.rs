@@ -341,3 +341,89 @@ fn rules_explain_takes_a_credential_s_extras_and_the_client_s_address() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn check_config_wants_what_pods_dial_in_the_serving_certificate_and_certs_init_makes_it() {
+    let root = tempfile::tempdir().unwrap();
+    let config = example_under(root.path());
+    let certs = root.path().join("certs/dev");
+    let init = |extra: &[&str]| {
+        let mut args = vec![
+            "certs",
+            "init",
+            "--dir",
+            certs.to_str().unwrap(),
+            "--server-name",
+            "localhost",
+        ];
+        args.extend_from_slice(extra);
+        let out = bulwark(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    init(&[]);
+    std::fs::copy(certs.join("ca.crt"), certs.join("apiserver-ca.crt")).unwrap();
+    std::fs::create_dir_all(root.path().join("var")).unwrap();
+    let rules = root.path().join("rules/examples");
+    std::fs::create_dir_all(&rules).unwrap();
+    for entry in std::fs::read_dir(bulwark_testkit::repo_path("rules/examples")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), rules.join(entry.file_name())).unwrap();
+    }
+    let key = root.path().join("fleet.key");
+    std::fs::write(&key, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str(&format!(
+        "fleet:\n  namespace: bulwark\n  keyFile: {}\n  kubernetesService:\n    \
+         apiservers: [\"10.0.0.1:6443\"]\n",
+        key.display()
+    ));
+    std::fs::write(&config, text).unwrap();
+    let check = || bulwark(&["check-config", config.to_str().unwrap()]);
+
+    // A certificate for localhost alone: pods would refuse it by every name they dial.
+    let out = check();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "pods dial the kubernetes Service by names this certificate does not hold: \
+             kubernetes, kubernetes.default, kubernetes.default.svc, \
+             kubernetes.default.svc.cluster.local, 10.96.0.1"
+        ),
+        "{stderr}"
+    );
+
+    // `--in-cluster` names them all, from the same CA.
+    init(&["--in-cluster", "10.96.0.1"]);
+    let out = check();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // A cluster CA that did not sign it: refused whatever the names.
+    let other = root.path().join("other");
+    let out = bulwark(&[
+        "certs",
+        "init",
+        "--dir",
+        other.to_str().unwrap(),
+        "--server-name",
+        "x",
+    ]);
+    assert!(out.status.success());
+    std::fs::copy(other.join("ca.crt"), certs.join("apiserver-ca.crt")).unwrap();
+    let out = check();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("check it against the cluster CA") && stderr.contains("would refuse it"),
+        "{stderr}"
+    );
+}

@@ -71,7 +71,7 @@ impl Credentials {
         std::fs::write(&upstream_ca, pki.server_ca.cert_pem())?;
         Ok(Credentials {
             serving: serving_ca
-                .server_cert(&["127.0.0.1", "localhost"])
+                .server_cert(&serving_names())
                 .write(dir, "serving")?,
             client_ca,
             upstream_ca,
@@ -85,6 +85,20 @@ impl Credentials {
                 .write(dir, "self")?,
         })
     }
+}
+
+/// The names Bulwark's serving certificate carries: 127.0.0.1 and localhost, and what an
+/// in-cluster client dials (the `kubernetes` Service's names and ClusterIP 10.96.0.1).
+pub fn serving_names() -> Vec<&'static str> {
+    vec![
+        "127.0.0.1",
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+        "10.96.0.1",
+    ]
 }
 
 /// Bulwark's configuration with named knobs; everything else is Bulwark's default unless

@@ -24,7 +24,9 @@ pub use cluster::{
     ALICE_LISTS_RULES, BAD_TOKEN, BulwarkProcess, Cluster, GOOD_TOKEN, Setup, UNLIMITED_RULES,
     fleet_config, grant, kube_client, policy, start_fleet,
 };
-pub use config::{BulwarkConfig, Credentials, FRONT_PROXY_CN, Names, OWN_GROUP, OWN_USER};
+pub use config::{
+    BulwarkConfig, Credentials, FRONT_PROXY_CN, Names, OWN_GROUP, OWN_USER, serving_names,
+};
 pub use ports::{free_addr, free_port};
 
 /// The sum of the samples of metric `family` in a Prometheus text exposition.

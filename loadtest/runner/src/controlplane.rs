@@ -200,6 +200,11 @@ pub struct Options {
     /// More Bulwark settings, as `BulwarkConfig::set` takes them (`cache.resources`,
     /// `[endpoints]`).
     pub bulwark_settings: Vec<(String, String)>,
+    /// Whether pods reach the apiservers through Bulwark: with [`FleetMode::Leases`], the
+    /// fleet (one Bulwark or several) publishes the `kubernetes` Service's endpoints, and a
+    /// `bulwark guard` publishes the apiservers when no Bulwark is live (DESIGN.md
+    /// "In-cluster clients"). Default: on.
+    pub kubernetes_service: bool,
 }
 
 /// How several Bulwark replicas share the apiservers' budgets.
@@ -220,6 +225,39 @@ pub fn fleet_setting(i: usize) -> String {
     format!("{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}}}")
 }
 
+/// The `fleet:` setting of Bulwark `i` when the fleet publishes the `kubernetes` Service:
+/// signed Leases (`key_file`), and the apiservers behind the replicas. Each replica's
+/// address is its listen address (127.0.0.1 and a port of its own).
+pub fn fleet_publishing(i: usize, key_file: &Path, apiservers: &[SocketAddr]) -> String {
+    let apiservers: Vec<String> = apiservers.iter().map(|a| format!("\"{a}\"")).collect();
+    format!(
+        "{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}, keyFile: {:?}, \
+         kubernetesService: {{apiservers: [{}]}}}}",
+        key_file.display().to_string(),
+        apiservers.join(", ")
+    )
+}
+
+/// The host's first address that is not loopback, link-local or unspecified: what the
+/// `kubernetes` Service's endpoints can name (the apiserver refuses the others). `None` on
+/// a host with loopback alone.
+pub fn node_address() -> Option<std::net::IpAddr> {
+    let addrs = if_addrs::get_if_addrs().ok()?;
+    addrs
+        .into_iter()
+        .map(|i| i.ip())
+        .filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+        .find(|ip| match ip {
+            std::net::IpAddr::V4(v4) => !v4.is_link_local(),
+            std::net::IpAddr::V6(v6) => !v6.is_unicast_link_local(),
+        })
+}
+
+/// The ClusterIP of the `kubernetes` Service: the first address of the apiservers'
+/// `--service-cluster-ip-range`, which in-cluster clients dial and Bulwark's and the
+/// apiservers' serving certificates name.
+pub const KUBERNETES_SERVICE_IP: &str = "10.96.0.1";
+
 impl Options {
     /// Three replicas without a memory limit, the binaries located, this binary as Bulwark.
     pub fn new(dir: impl Into<PathBuf>) -> Options {
@@ -238,6 +276,7 @@ impl Options {
             bulwarks: 1,
             fleet: FleetMode::Leases,
             bulwark_settings: Vec::new(),
+            kubernetes_service: true,
         }
     }
 }
@@ -259,6 +298,11 @@ pub struct ControlPlane {
     bulwark_exe: Option<PathBuf>,
     /// The heap headroom Bulwark was configured with (`None`: its default).
     heap_headroom: Option<u64>,
+    /// `bulwark guard`, publishing the `kubernetes` Service when no Bulwark is live.
+    guard: Option<Child>,
+    /// The host's own address, which the `kubernetes` Service's endpoints name, when the
+    /// fleet publishes them ([`Options::kubernetes_service`]).
+    node_ip: Option<std::net::IpAddr>,
     started_in: Duration,
     stopped: bool,
 }
@@ -372,11 +416,22 @@ impl ControlPlane {
             balancer: None,
             bulwark_exe: None,
             heap_headroom: None,
+            guard: None,
+            node_ip: None,
             started_in: Duration::ZERO,
             stopped: false,
         };
         // From here on, a failure drops `cp`, which kills whatever was started.
         let began = Instant::now();
+        if opts.kubernetes_service && opts.fleet == FleetMode::Leases && opts.bulwarks > 0 {
+            cp.node_ip = node_address();
+            if cp.node_ip.is_none() {
+                tracing::warn!(
+                    "no address but loopback on this host: the kubernetes Service's \
+                     endpoints cannot name one, so pods are not led through Bulwark"
+                );
+            }
+        }
         cp.start_etcd().await?;
         cp.start_replicas(&opts).await?;
         cp.started_in = began.elapsed();
@@ -390,7 +445,7 @@ impl ControlPlane {
             let client = cp.admin_client(i).await?;
             seed::wait_for_rbac(&client, cp.ready_timeout).await?;
         }
-        if opts.bulwarks > 1 {
+        if opts.bulwarks > 1 || (opts.bulwarks == 1 && cp.publishes_service(&opts)) {
             seed::fleet_rbac(&admin).await?;
         }
         if opts.bulwarks == 0 {
@@ -727,6 +782,9 @@ impl ControlPlane {
         self.stopped = true;
         let _ = std::fs::remove_file(self.dir.join("ready"));
         let mut first_error = None;
+        if let Some(mut guard) = self.guard.take() {
+            terminate(&mut guard).await;
+        }
         for proxy in self.bulwarks.iter_mut().filter_map(|b| b.process.take()) {
             if let Err(e) = proxy.stop().await {
                 first_error.get_or_insert(Error::Proxy(e));
@@ -807,6 +865,15 @@ impl ControlPlane {
         Ok(())
     }
 
+    /// Where the apiservers listen: 127.0.0.1, or every address when the `kubernetes`
+    /// Service leads pods to them by the host's own address.
+    fn bind_ip(&self) -> std::net::IpAddr {
+        match self.node_ip {
+            Some(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+            None => std::net::Ipv4Addr::LOCALHOST.into(),
+        }
+    }
+
     async fn start_replicas(&mut self, opts: &Options) -> Result<(), Error> {
         let etcd = self
             .etcd_addr()
@@ -823,7 +890,7 @@ impl ControlPlane {
             let spec = Spec {
                 index,
                 program: self.binaries.kube_apiserver(),
-                args: apiserver_args(&self.pki, &etcd, addr, &cert_dir),
+                args: apiserver_args(&self.pki, &etcd, addr, self.bind_ip(), &cert_dir),
                 addr,
                 log: self.dir.join(format!("apiserver-{index}.log")),
                 cgroup,
@@ -892,7 +959,24 @@ impl ControlPlane {
             })?,
         };
         self.bulwark_exe = Some(exe.clone());
-        let serving_ca = bulwark_sim::pki::Ca::new("bulwark-serving-ca");
+        // Pods trust the CA that `kube-root-ca.crt` carries: the cluster's, which signs the
+        // apiservers' serving certificates. Bulwark's comes from it too when pods reach
+        // the apiservers through Bulwark; otherwise from a CA of its own.
+        let publishing = self.publishes_service(opts);
+        let own_ca;
+        let serving_ca = if publishing {
+            &self.pki.pki.server_ca
+        } else {
+            own_ca = bulwark_sim::pki::Ca::new("bulwark-serving-ca");
+            &own_ca
+        };
+        let key_file = self.dir.join("fleet.key");
+        if publishing {
+            let key: String = (0..64)
+                .map(|_| char::from(b"0123456789abcdef"[rand::random_range(0..16)]))
+                .collect();
+            pki::write(&self.dir, "fleet.key", &format!("{key}\n"), true)?;
+        }
         let rules = match &opts.rules {
             Some(folder) => folder.clone(),
             None => write_loadtest_rules(&self.dir.join("rules")).map_err(Error::Proxy)?,
@@ -903,9 +987,12 @@ impl ControlPlane {
             let mut settings = opts.bulwark_settings.clone();
             if n > 1 {
                 settings.push(("upstream.bulwarkReplicas".to_string(), n.to_string()));
-                if opts.fleet == FleetMode::Leases {
-                    settings.push(("fleet".to_string(), fleet_setting(i)));
-                }
+            }
+            if publishing {
+                let fleet = fleet_publishing(i, &key_file, &self.advertised_replicas());
+                settings.push(("fleet".to_string(), fleet));
+            } else if n > 1 && opts.fleet == FleetMode::Leases {
+                settings.push(("fleet".to_string(), fleet_setting(i)));
             }
             let upstream = Upstream {
                 replicas: self.replica_addrs(),
@@ -916,8 +1003,9 @@ impl ControlPlane {
                 heap_headroom: self.heap_headroom,
                 rules: Some(rules.clone()),
                 identity_mode: opts.identity_mode.as_deref(),
-                serving_ca: Some(&serving_ca),
+                serving_ca: Some(serving_ca),
                 settings,
+                advertise: self.node_ip.filter(|_| publishing),
             };
             let dir = match n {
                 1 => self.dir.join("bulwark"),
@@ -939,6 +1027,75 @@ impl ControlPlane {
                 .map_err(Error::Proxy)?;
             self.balancer = Some(balancer);
         }
+        if publishing {
+            self.start_guard(&exe)?;
+        }
+        Ok(())
+    }
+
+    /// The apiservers as the `kubernetes` Service names them: the host's own address and
+    /// each replica's port.
+    fn advertised_replicas(&self) -> Vec<SocketAddr> {
+        let ip = self.node_ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+        self.replica_addrs()
+            .into_iter()
+            .map(|a| SocketAddr::new(ip, a.port()))
+            .collect()
+    }
+
+    /// The apiservers as the `kubernetes` Service leads pods to them when no Bulwark is
+    /// live.
+    pub fn advertised_apiservers(&self) -> Vec<SocketAddr> {
+        self.advertised_replicas()
+    }
+
+    /// Each Bulwark as the `kubernetes` Service leads pods to it.
+    pub fn advertised_bulwarks(&self) -> Vec<SocketAddr> {
+        let ip = self.node_ip.unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
+        self.bulwark_addrs()
+            .into_iter()
+            .map(|a| SocketAddr::new(ip, a.port()))
+            .collect()
+    }
+
+    /// Whether the fleet publishes the `kubernetes` Service ([`Options::kubernetes_service`]):
+    /// asked for, and the host has an address other than loopback for its endpoints.
+    fn publishes_service(&self, opts: &Options) -> bool {
+        self.node_ip.is_some() && opts.fleet == FleetMode::Leases && opts.bulwarks > 0
+    }
+
+    /// The address the `kubernetes` Service's endpoints name, when the fleet publishes it.
+    pub fn node_ip(&self) -> Option<std::net::IpAddr> {
+        self.node_ip
+    }
+
+    /// Starts `bulwark guard` with the first Bulwark's configuration (it reads `upstream`
+    /// and `fleet` only), as a static Pod beside the apiservers would run it.
+    fn start_guard(&mut self, exe: &Path) -> Result<(), Error> {
+        let dir = self.dir.join("guard");
+        create_dir(&dir)?;
+        let config = self.bulwarks[0].dir.join("bulwark.yaml");
+        let log = dir.join("guard.log");
+        let io = |source| Error::Io {
+            path: log.clone(),
+            source,
+        };
+        let file = std::fs::File::create(&log).map_err(io)?;
+        let child = crate::child::command(exe)
+            .arg(crate::proxy_process::GUARD_SUBCOMMAND)
+            .arg("--config")
+            .arg(&config)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(std::process::Stdio::null())
+            .stdout(file.try_clone().map_err(io)?)
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(io)?;
+        self.guard = Some(child);
         Ok(())
     }
 
@@ -1284,11 +1441,12 @@ fn apiserver_args(
     pki: &pki::Files,
     etcd: &str,
     addr: SocketAddr,
+    bind: std::net::IpAddr,
     cert_dir: &Path,
 ) -> Vec<OsString> {
     vec![
         format!("--etcd-servers={etcd}").into(),
-        "--bind-address=127.0.0.1".into(),
+        format!("--bind-address={bind}").into(),
         "--advertise-address=127.0.0.1".into(),
         format!("--secure-port={}", addr.port()).into(),
         flag("--cert-dir", cert_dir),
@@ -1473,6 +1631,7 @@ apiserver_request_total{code=\"200\",component=\"apiserver\",resource=\"secrets\
             &files,
             "http://127.0.0.1:2379",
             SocketAddr::from(([127, 0, 0, 1], 6443)),
+            std::net::Ipv4Addr::LOCALHOST.into(),
             dir.path(),
         );
         let args: Vec<String> = args

@@ -261,6 +261,13 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Runs `bulwark guard` (started by the control plane beside the apiservers).
+    #[command(name = "__bulwark-guard", hide = true)]
+    BulwarkGuard {
+        /// Bulwark's configuration file.
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Times a fixed amount of CPU and memory work and prints its milliseconds
     /// (`src/calibrate.rs`; run by `passthrough` on the proxy's core).
     #[command(name = "__calibrate", hide = true)]
@@ -311,7 +318,10 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() -> anyhow::Result<()> {
     raise_fd_limit();
     let cli = Cli::parse();
-    if matches!(cli.command, Command::Bulwark { .. } | Command::Floor { .. }) {
+    if matches!(
+        cli.command,
+        Command::Bulwark { .. } | Command::BulwarkGuard { .. } | Command::Floor { .. }
+    ) {
         // The subscriber the `bulwark` binary installs, in the floor too: without one,
         // every span hyper and h2 make falls back to the `log` crate (the tree enables
         // tracing's `log` feature), a cost per request that a bare proxy does not pay.
@@ -328,6 +338,10 @@ fn main() -> anyhow::Result<()> {
         // Bulwark on the runtime the `bulwark` binary builds.
         let runtime = bulwark::serve::runtime().context("starting the async runtime")?;
         return runtime.block_on(proxy_process::serve(config));
+    }
+    if let Command::BulwarkGuard { config } = &cli.command {
+        let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+        return runtime.block_on(proxy_process::guard(config));
     }
     if let Command::Calibrate = cli.command {
         println!("{:.3}", calibrate::run().as_secs_f64() * 1e3);
@@ -364,7 +378,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
         list_storm::ListStorm, passthrough, skew::Skew,
     };
     let (report, common) = match command {
-        Command::Bulwark { .. } | Command::Floor { .. } | Command::Calibrate => {
+        Command::Bulwark { .. }
+        | Command::BulwarkGuard { .. }
+        | Command::Floor { .. }
+        | Command::Calibrate => {
             unreachable!("main runs Bulwark and the floor on their own runtimes")
         }
         Command::Report { json, html, charts } => return redraw(&json, html, charts),

@@ -19,6 +19,9 @@ use crate::report::ProxyCost;
 /// The name of the hidden subcommand that runs Bulwark in this binary.
 pub const SUBCOMMAND: &str = "__bulwark";
 
+/// The hidden subcommand that runs `bulwark guard` (the `kubernetes` Service's publisher).
+pub const GUARD_SUBCOMMAND: &str = "__bulwark-guard";
+
 /// The rules Bulwark ships for a cluster (`deploy/base/rules/*.yaml`, which the kustomize
 /// base and the Helm chart install), compiled in so that no path is baked into the binary;
 /// every run writes them into its own folder unless told otherwise.
@@ -101,6 +104,11 @@ pub struct Upstream<'a> {
     pub serving_ca: Option<&'a Ca>,
     /// More settings, as `BulwarkConfig::set` takes them (`upstream.bulwarkReplicas`, `3`).
     pub settings: Vec<(String, String)>,
+    /// The host's own address, for the `kubernetes` Service (which refuses loopback
+    /// endpoints): Bulwark then listens on every address, and its
+    /// `fleet.kubernetesService.endpoint` is this one with its port. Clients still dial
+    /// 127.0.0.1.
+    pub advertise: Option<std::net::IpAddr>,
 }
 
 /// A running Bulwark process.
@@ -151,6 +159,15 @@ pub fn write_config(
     for (path, yaml) in &upstream.settings {
         config = config.set(path, yaml);
     }
+    let dial = config.listen;
+    if let Some(ip) = upstream.advertise {
+        let endpoint = SocketAddr::new(ip, dial.port());
+        config.listen = SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), dial.port());
+        config = config.set(
+            "fleet.kubernetesService.endpoint",
+            &format!("\"{endpoint}\""),
+        );
+    }
     if let Some(mode) = upstream.identity_mode {
         config.identity =
             serde_norway::from_str(mode).with_context(|| format!("identity mode {mode:?}"))?;
@@ -165,7 +182,7 @@ pub fn write_config(
     let path = dir.join("bulwark.yaml");
     config.write(&path)?;
     let target = Target {
-        addr: config.listen,
+        addr: dial,
         ca_pem: serving_ca.cert_pem(),
     };
     Ok((path, target, config.admin))
@@ -411,6 +428,13 @@ pub async fn serve(config: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `bulwark guard --config FILE`, in this process.
+pub async fn guard(config: &Path) -> anyhow::Result<()> {
+    let config = bulwark::config::Config::load(config)?;
+    bulwark::serve::guard(config).await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,6 +502,7 @@ mod tests {
             identity_mode: None,
             serving_ca: None,
             settings: Vec::new(),
+            advertise: None,
         };
         let (path, _, _) = write_config(dir.path(), &upstream).unwrap();
         let config = bulwark::config::Config::load(&path).unwrap();

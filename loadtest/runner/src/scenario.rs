@@ -338,6 +338,7 @@ impl Env {
                     identity_mode: None,
                     serving_ca: None,
                     settings: Vec::new(),
+                    advertise: None,
                 };
                 let proxy = ProxyProcess::start(&dir, &upstream).await?;
                 (proxy.target.clone(), Some(proxy))

@@ -257,7 +257,9 @@ impl UpstreamService {
 
     async fn publish_once(&self, published: &Published) -> Result<usize, CallError> {
         let mut writes = 0;
-        let selector = "?labelSelector=kubernetes.io%2Fservice-name%3Dkubernetes";
+        // From the apiserver's watch cache (`resourceVersion=0`): a stale read costs one
+        // write refused with 409, and the next round reads again.
+        let selector = "?labelSelector=kubernetes.io%2Fservice-name%3Dkubernetes&resourceVersion=0";
         let listed: k8s_openapi::List<EndpointSlice> = self
             .client
             .json(Call::get(format!("{SLICES}{selector}")).timeout(self.timeout))
@@ -305,7 +307,7 @@ impl UpstreamService {
         let path = format!("{ENDPOINTS}/{SERVICE}");
         match self
             .client
-            .json::<Endpoints>(Call::get(path.as_str()).timeout(self.timeout))
+            .json::<Endpoints>(Call::get(format!("{path}?resourceVersion=0")).timeout(self.timeout))
             .await
         {
             Ok(there) if same_endpoints(&there, &wanted) => {}
@@ -391,8 +393,14 @@ pub struct Settings {
     pub clock: Arc<dyn Fn() -> SystemTime + Send + Sync>,
 }
 
-/// Reads the Leases and publishes, every `settings.every` and the moment a published
-/// member's Lease runs out; runs until aborted.
+/// How many reads of the Leases pass between two checks of the Service's objects when
+/// nothing changed: someone else's change to them (an apiserver whose reconciler was left
+/// on, a person) is undone within this many periods.
+const CHECK_EVERY_READS: u32 = 15;
+
+/// Reads the Leases every `settings.every`, and publishes when what the Service should
+/// lead to changes, the moment a published member's Lease runs out, and every
+/// [`CHECK_EVERY_READS`] reads; runs until aborted.
 pub async fn run(
     settings: Settings,
     leases: Arc<dyn LeaseStore>,
@@ -402,6 +410,7 @@ pub async fn run(
     let mut last: Option<Published> = None;
     let mut members: Vec<Member> = Vec::new();
     let mut next_read = Instant::now();
+    let mut reads = 0u32;
     loop {
         let now = (settings.clock)();
         if Instant::now() >= next_read {
@@ -416,8 +425,11 @@ pub async fn run(
                             _ => None,
                         })
                         .collect();
-                    // Read again: write again whatever someone else changed since.
-                    last = None;
+                    reads += 1;
+                    if reads.is_multiple_of(CHECK_EVERY_READS) {
+                        // Check the objects again: write whatever someone else changed.
+                        last = None;
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %crate::report::Chain(&e), "kubernetes Service: listing the Leases");

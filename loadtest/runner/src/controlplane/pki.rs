@@ -25,7 +25,8 @@ pub struct Files {
     pub client_ca: PathBuf,
     /// The front-proxy CA certificate (`--requestheader-client-ca-file`).
     pub front_proxy_ca: PathBuf,
-    /// The apiservers' serving certificate (127.0.0.1 and localhost).
+    /// The apiservers' serving certificate (127.0.0.1, localhost, and the `kubernetes`
+    /// Service's names and ClusterIP).
     pub serving_cert: PathBuf,
     /// Its key.
     pub serving_key: PathBuf,
@@ -54,7 +55,9 @@ pub fn mint(dir: &Path) -> Result<Files, Error> {
         client_ca: load("ca")?,
         front_proxy_ca: load("front-proxy-ca")?,
     };
-    let serving = pki.server_ca.server_cert(&["127.0.0.1", "localhost"]);
+    // What in-cluster clients dial too: the `kubernetes` Service's names and ClusterIP,
+    // which lead to the apiservers themselves when no Bulwark is live.
+    let serving = pki.server_ca.server_cert(&bulwark_testkit::serving_names());
     let serving_cert = write(dir, "apiserver.crt", &serving.cert_pem, false)?;
     let serving_key = write(dir, "apiserver.key", &serving.key_pem, true)?;
     let sa = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)

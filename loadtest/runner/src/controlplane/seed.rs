@@ -37,6 +37,10 @@ const SECRET_BYTES: usize = 2048;
 /// Bulwark's ClusterRole as shipped.
 const DEPLOY_RBAC: &str = include_str!("../../../../deploy/base/rbac.yaml");
 
+/// What publishing the `kubernetes` Service needs, as shipped.
+const SERVICE_RBAC: &str =
+    include_str!("../../../../deploy/components/kubernetes-service/rbac.yaml");
+
 /// Creates everything with `admin` (a `system:masters` client straight to a replica);
 /// objects that already exist are left as they are.
 pub async fn seed(admin: &Client) -> Result<(), Error> {
@@ -186,19 +190,24 @@ fn shipped_cluster_role() -> Result<Value, Error> {
 
 /// The first object of `kind` in `deploy/base/rbac.yaml`.
 fn shipped(kind: &str) -> Result<Value, Error> {
+    shipped_in(DEPLOY_RBAC, "deploy/base/rbac.yaml", kind)
+}
+
+/// The first object of `kind` in `text`, the shipped file `file`.
+fn shipped_in(text: &str, file: &str, kind: &str) -> Result<Value, Error> {
     use serde::Deserialize as _;
-    for doc in serde_norway::Deserializer::from_str(DEPLOY_RBAC) {
-        let value = Value::deserialize(doc)
-            .map_err(|e| Error::Seed(format!("deploy/base/rbac.yaml: {e}")))?;
+    for doc in serde_norway::Deserializer::from_str(text) {
+        let value = Value::deserialize(doc).map_err(|e| Error::Seed(format!("{file}: {e}")))?;
         if value["kind"] == kind {
             return Ok(value);
         }
     }
-    Err(Error::Seed(format!("deploy/base/rbac.yaml has no {kind}")))
+    Err(Error::Seed(format!("{file} has no {kind}")))
 }
 
 /// What a fleet of Bulwarks needs: namespace `bulwark`, and there the shipped Role on
-/// Leases bound to Bulwark's own user (the shipped RoleBinding names its ServiceAccount).
+/// Leases, and in `default` the shipped Role on the `kubernetes` Service's endpoints, bound
+/// to Bulwark's own user.
 pub async fn fleet_rbac(admin: &Client) -> Result<(), Error> {
     let namespace = super::FLEET_NAMESPACE;
     create(
@@ -206,7 +215,14 @@ pub async fn fleet_rbac(admin: &Client) -> Result<(), Error> {
         json!({"metadata": {"name": namespace}}),
     )
     .await?;
-    let role = shipped("Role")?;
+    bind_role(admin, namespace, shipped("Role")?).await?;
+    let file = "deploy/components/kubernetes-service/rbac.yaml";
+    bind_role(admin, "default", shipped_in(SERVICE_RBAC, file, "Role")?).await
+}
+
+/// Creates `role` in `namespace` and binds it to Bulwark's own user (the shipped bindings
+/// name its ServiceAccount).
+async fn bind_role(admin: &Client, namespace: &str, role: Value) -> Result<(), Error> {
     let name = role["metadata"]["name"].clone();
     create(&Api::<Role>::namespaced(admin.clone(), namespace), role).await?;
     create(

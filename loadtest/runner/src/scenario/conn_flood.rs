@@ -195,6 +195,7 @@ async fn start_bulwark(
         identity_mode: None,
         serving_ca: None,
         settings: Vec::new(),
+        advertise: None,
     };
     let (config, target, admin) = proxy_process::write_config(dir, &upstream)?;
     if legacy {

@@ -305,44 +305,6 @@ fn check_config_names_the_file_of_a_yaml_error() {
 }
 
 #[test]
-fn rules_explain_takes_a_credential_s_extras_and_the_client_s_address() {
-    let dir = bulwark_testkit::repo_path("rules/examples");
-    let proxy = "system:serviceaccount:kube-system:kube-proxy";
-    let explain = |more: &[&str]| {
-        let mut args = vec!["rules", "explain", dir.to_str().unwrap(), "--user", proxy];
-        args.extend(more);
-        args.extend(["watch", "/api/v1/services"]);
-        bulwark(&args)
-    };
-    let out = explain(&["--extra", "authentication.kubernetes.io/node-name=node-1"]);
-    assert_eq!(out.status.code(), Some(0));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        stdout.contains(&format!(
-            "  flow: node, key kube-proxy/{proxy}/node:node-1\n"
-        )),
-        "{stdout}"
-    );
-    let out = explain(&["--source", "10.0.0.1"]);
-    assert_eq!(out.status.code(), Some(0));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        stdout.contains(&format!(
-            "  flow: node, key kube-proxy/{proxy}/addr:10.0.0.1 \
-             (no node-name claim: keyed by source address)\n"
-        )),
-        "{stdout}"
-    );
-    let out = explain(&["--extra", "no-value"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("expected KEY=VALUE"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-#[test]
 fn check_config_wants_what_pods_dial_in_the_serving_certificate_and_certs_init_makes_it() {
     let root = tempfile::tempdir().unwrap();
     let config = example_under(root.path());
@@ -425,5 +387,43 @@ fn check_config_wants_what_pods_dial_in_the_serving_certificate_and_certs_init_m
     assert!(
         stderr.contains("check it against the cluster CA") && stderr.contains("would refuse it"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn rules_explain_takes_a_credential_s_extras_and_the_client_s_address() {
+    let dir = bulwark_testkit::repo_path("rules/examples");
+    let proxy = "system:serviceaccount:kube-system:kube-proxy";
+    let explain = |more: &[&str]| {
+        let mut args = vec!["rules", "explain", dir.to_str().unwrap(), "--user", proxy];
+        args.extend(more);
+        args.extend(["watch", "/api/v1/services"]);
+        bulwark(&args)
+    };
+    let out = explain(&["--extra", "authentication.kubernetes.io/node-name=node-1"]);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "  flow: node, key kube-proxy/{proxy}/node:node-1\n"
+        )),
+        "{stdout}"
+    );
+    let out = explain(&["--source", "10.0.0.1"]);
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "  flow: node, key kube-proxy/{proxy}/addr:10.0.0.1 \
+             (no node-name claim: keyed by source address)\n"
+        )),
+        "{stdout}"
+    );
+    let out = explain(&["--extra", "no-value"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expected KEY=VALUE"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

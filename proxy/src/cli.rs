@@ -81,6 +81,10 @@ pub enum RulesCommand {
     Explain {
         /// The folder of rule files.
         dir: PathBuf,
+        /// Bulwark's configuration, for its `rules.mode` (default: enforce, each rule's own
+        /// mode).
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// The user name.
         #[arg(long)]
         user: String,

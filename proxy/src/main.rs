@@ -123,6 +123,7 @@ fn main() -> ExitCode {
             command:
                 RulesCommand::Explain {
                     dir,
+                    config,
                     user,
                     groups,
                     extras,
@@ -131,11 +132,18 @@ fn main() -> ExitCode {
                     path,
                 },
         } => {
+            let mode = match &config {
+                None => bulwark::config::RulesMode::default(),
+                Some(path) => match load(path) {
+                    Some(config) => config.rules.mode,
+                    None => return ExitCode::from(2),
+                },
+            };
             let mut user = bulwark::rules::cli_user(&user, &groups);
             for (key, value) in extras {
                 user.extra.entry(key).or_default().push(value);
             }
-            explain(&dir, &user, source, &verb, &path)
+            explain(&dir, mode.into(), &user, source, &verb, &path)
         }
     }
 }
@@ -143,12 +151,13 @@ fn main() -> ExitCode {
 /// `bulwark rules explain`: the text, or the reason there is none (exit 1).
 fn explain(
     dir: &std::path::Path,
+    mode: bulwark::rules::Mode,
     user: &bulwark::identity::User,
     source: Option<std::net::IpAddr>,
     verb: &str,
     path: &str,
 ) -> ExitCode {
-    match bulwark::rules::explain_dir(dir, user, source, verb, path) {
+    match bulwark::rules::explain_dir(dir, mode, user, source, verb, path) {
         Ok(text) => {
             print!("{text}");
             ExitCode::SUCCESS

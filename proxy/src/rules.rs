@@ -165,14 +165,22 @@ fn client_key(rule: &str, user: &str, client: Client<'_>) -> Arc<str> {
 }
 
 impl CompiledRule {
-    fn matched(&self, user: &User, info: &RequestInfo, source: Option<IpAddr>) -> Matched {
+    /// What admission needs of this rule for `user`'s request from `source`, in `mode`
+    /// (the rule's own, or shadow when `rules.mode` says so).
+    fn matched(
+        &self,
+        user: &User,
+        info: &RequestInfo,
+        source: Option<IpAddr>,
+        mode: Mode,
+    ) -> Matched {
         Matched {
             rule: self.name.clone(),
             level: self.level.clone(),
             flow: self.flow_of(user, info, source).0,
             rate: self.rate,
             watches: self.watches,
-            mode: self.mode,
+            mode,
             staleness: self.staleness,
             headers: self.headers.clone(),
         }
@@ -299,6 +307,17 @@ pub struct RuleSet {
     files: Vec<PathBuf>,
     hash: String,
     loaded_at: SystemTime,
+    /// `rules.mode`: `Shadow` puts every rule in shadow mode, `Enforce` leaves each its own.
+    mode: Mode,
+}
+
+impl From<crate::config::RulesMode> for Mode {
+    fn from(mode: crate::config::RulesMode) -> Mode {
+        match mode {
+            crate::config::RulesMode::Enforce => Mode::Enforce,
+            crate::config::RulesMode::Shadow => Mode::Shadow,
+        }
+    }
 }
 
 impl RuleSet {
@@ -368,10 +387,34 @@ impl RuleSet {
             files,
             hash: String::new(),
             loaded_at: SystemTime::now(),
+            mode: Mode::Enforce,
         };
         let digest = Sha256::digest(set.content_json(false).to_string().as_bytes());
         set.hash = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
         set
+    }
+
+    /// The set under `rules.mode`: with [`Mode::Shadow`] every rule (the built-in ones
+    /// included) only counts what its limits would refuse, whatever its own `mode`; with
+    /// [`Mode::Enforce`] each rule keeps its own. Not part of the hash, which is the
+    /// folder's.
+    pub fn with_mode(mut self, mode: Mode) -> RuleSet {
+        self.mode = mode;
+        self
+    }
+
+    /// `rules.mode` over this set: [`Mode::Enforce`] unless [`RuleSet::with_mode`] said
+    /// otherwise.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The mode a rule runs in under `rules.mode`.
+    fn mode_of(&self, rule: &CompiledRule) -> Mode {
+        match self.mode {
+            Mode::Shadow => Mode::Shadow,
+            Mode::Enforce => rule.mode,
+        }
     }
 
     /// The rule a request matches: the first by precedence, the catch-all last. Without
@@ -385,7 +428,8 @@ impl RuleSet {
     /// trusted balancer's PROXY header carries, else the peer's), which keys the flows of
     /// `flow: node` and `flow: pod` rules whose client names no node or pod.
     pub fn matches_from(&self, user: &User, info: &RequestInfo, source: Option<IpAddr>) -> Matched {
-        self.rule_for(user, info).matched(user, info, source)
+        let rule = self.rule_for(user, info);
+        rule.matched(user, info, source, self.mode_of(rule))
     }
 
     fn rule_for(&self, user: &User, info: &RequestInfo) -> &CompiledRule {
@@ -439,6 +483,7 @@ impl RuleSet {
         use std::fmt::Write;
         let rule = self.rule_for(user, info);
         let (flow, fallback) = rule.flow_of(user, info, source);
+        let mode = self.mode_of(rule);
         let mut out = String::new();
         let query = if info.query.raw.is_empty() {
             String::new()
@@ -480,7 +525,17 @@ impl RuleSet {
         if let Some(watches) = rule.watches {
             let _ = writeln!(out, "  watches: {watches} per flow");
         }
-        let _ = writeln!(out, "  mode: {}", mode_name(rule.mode));
+        if mode == rule.mode {
+            let _ = writeln!(out, "  mode: {}", mode_name(rule.mode));
+        } else {
+            let _ = writeln!(
+                out,
+                "  mode: {} (rules.mode: {} in Bulwark's configuration overrides the rule's {})",
+                mode_name(mode),
+                mode_name(self.mode),
+                mode_name(rule.mode)
+            );
+        }
         if let Some(staleness) = rule.staleness {
             let _ = writeln!(
                 out,
@@ -512,6 +567,7 @@ impl RuleSet {
     pub fn to_json(&self) -> Value {
         let mut value = self.content_json(true);
         value["hash"] = json!(self.hash);
+        value["mode"] = json!(mode_name(self.mode));
         value["loadedAt"] = json!(humantime::format_rfc3339_seconds(self.loaded_at).to_string());
         value["files"] = json!(
             self.files
@@ -693,15 +749,19 @@ pub fn check(dir: &Path, max_staleness: Duration) -> Checked {
 }
 
 /// `bulwark rules explain DIR --user U [--group G]... [--extra K=V]... [--source ADDR]
-/// VERB PATH`, for `user` (see [`cli_user`]) connecting from `source`.
+/// VERB PATH`, for `user` (see [`cli_user`]) connecting from `source`, under `mode`
+/// (Bulwark's `rules.mode`).
 pub fn explain_dir(
     dir: &Path,
+    mode: Mode,
     user: &User,
     source: Option<IpAddr>,
     verb: &str,
     path: &str,
 ) -> Result<String, ExplainError> {
-    let set = RuleSet::load_dir(dir).map_err(ExplainError::Rules)?;
+    let set = RuleSet::load_dir(dir)
+        .map_err(ExplainError::Rules)?
+        .with_mode(mode);
     let info = request_for(verb, path)?;
     Ok(set.explain_from(user, &info, source))
 }

@@ -156,7 +156,14 @@ impl Running {
         let rule_set = match &config.rules.folder {
             Some(folder) => RuleSet::load_dir(folder).map_err(StartError::Rules)?,
             None => RuleSet::builtin(),
-        };
+        }
+        .with_mode(config.rules.mode.into());
+        if config.rules.mode == config::RulesMode::Shadow {
+            tracing::warn!(
+                "rules.mode is shadow: no rule refuses; would-be refusals are counted in \
+                 bulwark_shadow_rejections_total"
+            );
+        }
         let rules = Rules::new(rule_set, config.rules.folder.clone(), metrics.clone());
         rules.spawn_watch();
         let fleet_shares = config.fleet.as_ref().map(|_| FleetShares::new());

@@ -128,6 +128,46 @@ fn rules_check_warnings_alone_exit_0_unless_strict() {
     );
 }
 
+/// `rules explain --config FILE` explains under the configuration's `rules.mode`: a rule's
+/// own `mode: enforce` overridden by `shadow` is said so.
+#[test]
+fn rules_explain_says_when_rules_mode_overrides_a_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("bulwark.yaml");
+    std::fs::write(
+        &config,
+        "listen:\n  address: 127.0.0.1:0\n  cert: a.crt\n  key: a.key\n\
+         upstream:\n  replicas: [\"127.0.0.1:6443\"]\n  ca: ca.crt\n  self: {tokenFile: t}\n\
+         identity:\n  mode: impersonate\nrules:\n  mode: shadow\n",
+    )
+    .unwrap();
+    let examples = bulwark_testkit::repo_path("rules/examples");
+    let explain = |config: Option<&std::path::Path>| {
+        let mut args = vec!["rules", "explain", examples.to_str().unwrap()];
+        if let Some(config) = config {
+            args.extend(["--config", config.to_str().unwrap()]);
+        }
+        args.extend([
+            "--user",
+            "system:serviceaccount:ops:secret-sync",
+            "list",
+            "/api/v1/secrets",
+        ]);
+        let out = bulwark(&args);
+        assert_eq!(out.status.code(), Some(0), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let shadow = explain(Some(&config));
+    assert!(
+        shadow.contains(
+            "mode: shadow (rules.mode: shadow in Bulwark's configuration overrides the rule's enforce)"
+        ),
+        "{shadow}"
+    );
+    let own = explain(None);
+    assert!(own.contains("  mode: enforce\n"), "{own}");
+}
+
 /// The shipped example configuration, copied to `root/proxy/` so that its relative paths
 /// (`../certs/dev/...`, `../rules/examples`, `../var/...`) land under `root`.
 fn example_under(root: &std::path::Path) -> std::path::PathBuf {

@@ -299,6 +299,56 @@ fn the_dockerfile_builds_a_non_root_image_the_daemonset_can_run() {
     }
 }
 
+/// The rule files of a folder (`*.yaml`, `*.yml`), by name, with their bytes.
+fn rule_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&p).unwrap())
+        })
+        .collect()
+}
+
+/// One rule set ships, from one folder: the base's `bulwark-rules` ConfigMap is made of
+/// every file of `deploy/base/rules` and of nothing else, and the chart's `rules/` (Helm reads
+/// only files under the chart) holds the same files, byte for byte.
+#[test]
+fn the_base_and_the_chart_ship_exactly_the_rules_folder() {
+    let shipped = rule_files(&repo("deploy/base/rules"));
+    assert!(shipped.len() > 1, "{:?}", shipped.keys());
+
+    let kustomization = yaml(&repo("deploy/base/kustomization.yaml"));
+    let generator = kustomization["configMapGenerator"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == "bulwark-rules")
+        .expect("the bulwark-rules ConfigMap generator");
+    let listed: BTreeSet<String> = strings(&generator["files"]).into_iter().collect();
+    let folder: BTreeSet<String> = shipped.keys().map(|n| format!("rules/{n}")).collect();
+    assert_eq!(
+        listed, folder,
+        "deploy/base/kustomization.yaml's bulwark-rules lists every file of deploy/base/rules"
+    );
+
+    let chart = rule_files(&repo("deploy/helm/bulwark/rules"));
+    assert_eq!(
+        chart.keys().collect::<Vec<_>>(),
+        shipped.keys().collect::<Vec<_>>(),
+        "the chart's rules/ has the files of deploy/base/rules (copy them: \
+         cp deploy/base/rules/*.yaml deploy/helm/bulwark/rules/)"
+    );
+    for (name, bytes) in &shipped {
+        assert!(
+            chart[name] == *bytes,
+            "deploy/helm/bulwark/rules/{name} differs from deploy/base/rules/{name}"
+        );
+    }
+}
+
 /// Does the label selector `selector` (matchLabels or a plain map) select `labels`?
 fn selects(selector: &Value, labels: &Value) -> bool {
     let wanted = selector

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use bulwark::config::Config;
+use bulwark::config::{Config, RulesMode};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -237,8 +237,15 @@ fn rendered_config(objects: &[Value]) -> String {
 #[test]
 fn default_values_render_what_the_kustomize_base_does() {
     let Some(dir) = tools() else { return };
+    let rendered = helm_template(&dir, "");
+    let config: Config = rendered_config(&rendered).parse().unwrap();
+    assert_eq!(
+        config.rules.mode,
+        RulesMode::Shadow,
+        "a default install observes first"
+    );
     let base = normalized_base(kustomize(&dir));
-    let chart = normalized_chart(helm_template(&dir, ""));
+    let chart = normalized_chart(rendered);
     assert_eq!(
         base.keys().collect::<Vec<_>>(),
         chart.keys().collect::<Vec<_>>(),
@@ -266,6 +273,7 @@ certificates:
   frontProxySecret: my-front-proxy
   clientCASecret: my-client-ca
 rules:
+  mode: enforce
   files:
     only.yaml: |
       levels:
@@ -299,6 +307,7 @@ config:
         config.listen.proxy_protocol.is_none(),
         "a null value removes a block"
     );
+    assert_eq!(config.rules.mode, RulesMode::Enforce);
 
     let ds = find(&objects, "DaemonSet", "bulwark");
     let pod = &ds["spec"]["template"]["spec"];

@@ -17,6 +17,12 @@ fn examples() -> PathBuf {
     bulwark_testkit::repo_path("rules/examples")
 }
 
+/// The rules every install ships (`deploy/base/rules`; the chart's copy is checked to be
+/// the same bytes by `tests/deploy.rs`).
+fn shipped() -> PathBuf {
+    bulwark_testkit::repo_path("deploy/base/rules")
+}
+
 /// `cache.maxStaleness` when the configuration does not set it.
 const DEFAULT_MAX_STALENESS: Duration = Duration::from_secs(10);
 
@@ -440,7 +446,15 @@ fn explain_says_which_client_keys_a_flow_and_why_it_fell_back() {
                 .push(value.to_string());
         }
         let source = source.map(|s| s.parse().unwrap());
-        let out = rules::explain_dir(&examples(), &u, source, "watch", "/api/v1/services").unwrap();
+        let out = rules::explain_dir(
+            &examples(),
+            Mode::Enforce,
+            &u,
+            source,
+            "watch",
+            "/api/v1/services",
+        )
+        .unwrap();
         out.lines()
             .find(|l| l.starts_with("  flow: "))
             .unwrap()
@@ -627,6 +641,7 @@ fn explain_on_the_examples_prints_the_expected_text() {
         let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
         let out = rules::explain_dir(
             &examples(),
+            Mode::Enforce,
             &rules::cli_user(user, &groups),
             None,
             verb,
@@ -644,16 +659,31 @@ fn explain_on_the_examples_prints_the_expected_text() {
 
 #[test]
 fn explain_refuses_a_bad_request_and_a_bad_folder() {
-    let err = rules::explain_dir(&examples(), &user("u", &[]), None, "lsit", "/api/v1/pods")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &examples(),
+        Mode::Enforce,
+        &user("u", &[]),
+        None,
+        "lsit",
+        "/api/v1/pods",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.starts_with("unknown verb \"lsit\""), "{err}");
-    let err = rules::explain_dir(&examples(), &user("u", &[]), None, "get", "/api/v1/pods")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &examples(),
+        Mode::Enforce,
+        &user("u", &[]),
+        None,
+        "get",
+        "/api/v1/pods",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("is a list request"), "{err}");
     let err = rules::explain_dir(
         &examples(),
+        Mode::Enforce,
         &user("u", &[]),
         None,
         "get",
@@ -663,10 +693,104 @@ fn explain_refuses_a_bad_request_and_a_bad_folder() {
     .to_string();
     assert!(err.contains("encoded"), "{err}");
     let bad = testdata().join("missing-level");
-    let err = rules::explain_dir(&bad, &user("u", &[]), None, "get", "/version")
-        .unwrap_err()
-        .to_string();
+    let err = rules::explain_dir(
+        &bad,
+        Mode::Enforce,
+        &user("u", &[]),
+        None,
+        "get",
+        "/version",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("list-hevy"), "{err}");
+}
+
+/// `rules.mode: shadow` puts every rule in shadow mode, the built-in catch-all and the
+/// rules that say `mode: enforce` included; `enforce` leaves each rule its own. The mode
+/// outlives a reload, and `explain` says when it overrides a rule.
+#[test]
+fn rules_mode_shadow_overrides_every_rule_and_explain_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    replace_files(&examples(), dir.path());
+    let operator = user("system:serviceaccount:ops:secret-sync", &[]);
+    let requests = [
+        (operator.clone(), "list", "/api/v1/secrets"),
+        (user("storm-17", &["storm"]), "list", "/api/v1/secrets"),
+        (
+            user("system:node:n1", &["system:nodes"]),
+            "watch",
+            "/api/v1/pods",
+        ),
+        (user("alice", &[]), "get", "/api/v1/namespaces/a/pods/p"),
+    ];
+    let modes = |set: &RuleSet| -> Vec<(String, Mode)> {
+        requests
+            .iter()
+            .map(|(u, verb, path)| {
+                let m = set.matches(u, &rules::request_for(verb, path).unwrap());
+                (m.rule.to_string(), m.mode)
+            })
+            .collect()
+    };
+    let enforced = RuleSet::load_dir(dir.path()).unwrap();
+    assert_eq!(enforced.mode(), Mode::Enforce, "enforce is the default");
+    let rule_names: Vec<String> = modes(&enforced).into_iter().map(|(r, _)| r).collect();
+    assert_eq!(
+        rule_names,
+        [
+            "secret-operators",
+            "cluster-wide-secret-lists",
+            "kubelets",
+            "catch-all"
+        ]
+    );
+    assert!(modes(&enforced).iter().all(|(_, m)| *m == Mode::Enforce));
+
+    let metrics = Metrics::new();
+    let shadowed = Rules::new(
+        RuleSet::load_dir(dir.path())
+            .unwrap()
+            .with_mode(Mode::Shadow),
+        Some(dir.path().to_owned()),
+        metrics,
+    );
+    assert!(
+        modes(&shadowed.current())
+            .iter()
+            .all(|(_, m)| *m == Mode::Shadow)
+    );
+    // Not part of the hash: the same folder is the same set.
+    assert_eq!(shadowed.current().hash(), enforced.hash());
+    assert_eq!(shadowed.current().to_json()["mode"], "shadow");
+    fs::remove_file(dir.path().join("monitoring.yaml")).unwrap();
+    shadowed.reload().unwrap();
+    assert_ne!(shadowed.current().hash(), enforced.hash(), "reloaded");
+    assert!(
+        modes(&shadowed.current())
+            .iter()
+            .all(|(_, m)| *m == Mode::Shadow),
+        "a reloaded set keeps rules.mode"
+    );
+
+    let explain = |mode| {
+        rules::explain_dir(
+            &examples(),
+            mode,
+            &operator,
+            None,
+            "list",
+            "/api/v1/secrets",
+        )
+        .unwrap()
+    };
+    let overridden = "  mode: shadow (rules.mode: shadow in Bulwark's configuration overrides the rule's enforce)\n";
+    assert!(
+        explain(Mode::Shadow).contains(overridden),
+        "{}",
+        explain(Mode::Shadow)
+    );
+    assert!(explain(Mode::Enforce).contains("  mode: enforce\n"));
 }
 
 #[test]
@@ -679,11 +803,323 @@ fn check_summarises_a_good_folder() {
     assert_eq!(
         checked.summary.unwrap(),
         format!(
-            "{}: 12 files, 6 levels, 15 rules, hash {}\n",
+            "{}: 11 files, 6 levels, 12 rules, hash {}\n",
             examples().display(),
             set.hash()
         )
     );
+}
+
+/// Seats of the levels that carried the cluster's own components through `bulwark-loadtest
+/// cluster` at 2,000 nodes with no 429 (loadtest/runner/README.md): the nodes' agents (a
+/// kubelet's, kube-proxy's and a node daemon's reads at once) on 40, kube-controller-manager,
+/// its controllers and kube-scheduler on 30.
+const NODE_SEATS: u32 = 40;
+const CONTROLLER_SEATS: u32 = 30;
+
+/// What a client sends and where it must land: (what, user, groups, verb, path, rule, the
+/// fewest seats of its level).
+type Component = (
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static str,
+    &'static str,
+    Option<u32>,
+);
+
+/// The cluster's own components under the shipped rules: what each sends, the rule it must
+/// land in, and the fewest seats its level may have (`None`: exempt). Every
+/// `system:serviceaccount:` user gets its ServiceAccount groups, as authentication gives
+/// them.
+const COMPONENTS: [Component; 13] = [
+    (
+        "kube-scheduler binds a pod",
+        "system:kube-scheduler",
+        &[],
+        "create",
+        "/api/v1/namespaces/default/pods/web-1/binding",
+        "kube-scheduler",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "kube-scheduler watches the pods to schedule",
+        "system:kube-scheduler",
+        &[],
+        "watch",
+        "/api/v1/pods?fieldSelector=status.phase%21%3DSucceeded",
+        "kube-scheduler",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "kube-scheduler renews its leader Lease",
+        "system:kube-scheduler",
+        &[],
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-scheduler",
+        "leader-election",
+        None,
+    ),
+    (
+        "a kubelet patches a pod's status",
+        "system:node:n1",
+        &["system:nodes"],
+        "patch",
+        "/api/v1/namespaces/default/pods/web-1/status",
+        "kubelets",
+        Some(NODE_SEATS),
+    ),
+    (
+        "a kubelet watches its pods",
+        "system:node:n1",
+        &["system:nodes"],
+        "watch",
+        "/api/v1/pods?fieldSelector=spec.nodeName%3Dn1",
+        "kubelets",
+        Some(NODE_SEATS),
+    ),
+    (
+        "a kubelet renews its node Lease",
+        "system:node:n1",
+        &["system:nodes"],
+        "update",
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/n1",
+        "node-heartbeats",
+        None,
+    ),
+    (
+        "kube-controller-manager's informers list every pod",
+        "system:kube-controller-manager",
+        &[],
+        "list",
+        "/api/v1/pods?limit=500",
+        "kube-controller-manager",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "kube-controller-manager mints a controller's token",
+        "system:kube-controller-manager",
+        &[],
+        "create",
+        "/api/v1/namespaces/kube-system/serviceaccounts/job-controller/token",
+        "kube-controller-manager",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "the job controller creates a pod",
+        "system:serviceaccount:kube-system:job-controller",
+        &[],
+        "create",
+        "/api/v1/namespaces/default/pods",
+        "kube-system-service-accounts",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "the garbage collector deletes a pod",
+        "system:serviceaccount:kube-system:generic-garbage-collector",
+        &[],
+        "delete",
+        "/api/v1/namespaces/default/pods/web-1",
+        "kube-system-service-accounts",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "the EndpointSlice controller updates a slice",
+        "system:serviceaccount:kube-system:endpointslice-controller",
+        &[],
+        "update",
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/web-abcde",
+        "kube-system-service-accounts",
+        Some(CONTROLLER_SEATS),
+    ),
+    (
+        "kube-proxy watches EndpointSlices",
+        "system:serviceaccount:kube-system:kube-proxy",
+        &[],
+        "watch",
+        "/apis/discovery.k8s.io/v1/endpointslices?labelSelector=%21service.kubernetes.io%2Fheadless",
+        "kube-proxy",
+        Some(NODE_SEATS),
+    ),
+    (
+        "CoreDNS watches Services",
+        "system:serviceaccount:kube-system:coredns",
+        &[],
+        "watch",
+        "/api/v1/services",
+        "coredns",
+        Some(CONTROLLER_SEATS),
+    ),
+];
+
+/// Under the shipped rules no component of the cluster itself lands in the catch-all (as
+/// under the rules shipped before, where the scheduler's bindings, the kubelets' pod status
+/// and kube-controller-manager's own requests did), nor in a level with fewer seats than it
+/// needs: `explain` names its rule and level. The set loads without a warning.
+#[test]
+fn the_shipped_rules_give_every_component_of_the_cluster_a_rule_and_the_seats_it_needs() {
+    let checked = rules::check(&shipped(), DEFAULT_MAX_STALENESS);
+    assert!(checked.errors.is_empty(), "{:?}", checked.errors);
+    assert!(checked.warnings.is_empty(), "{:?}", checked.warnings);
+    let set = RuleSet::load_dir(&shipped()).unwrap();
+    for (what, name, groups, verb, path, rule, seats) in COMPONENTS {
+        let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
+        let user = rules::cli_user(name, &groups);
+        let text = rules::explain_dir(&shipped(), Mode::Enforce, &user, None, verb, path)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let matched = text
+            .lines()
+            .find_map(|l| l.strip_prefix("matched: rule "))
+            .unwrap_or_else(|| panic!("{what}:\n{text}"));
+        assert!(
+            !matched.starts_with("catch-all "),
+            "{what} lands in the catch-all:\n{text}"
+        );
+        assert!(
+            matched.starts_with(&format!("{rule} (")),
+            "{what}: expected rule {rule}:\n{text}"
+        );
+        let m = set.matches(
+            &rules::cli_user(name, &groups),
+            &rules::request_for(verb, path).unwrap(),
+        );
+        match seats {
+            None => assert!(m.level.exempt, "{what}: {}", m.level.name),
+            Some(needed) => assert!(
+                !m.level.exempt && m.level.seats >= needed && m.mode == Mode::Enforce,
+                "{what}: level {} has {} seats, it needs {needed}:\n{text}",
+                m.level.name,
+                m.level.seats
+            ),
+        }
+        assert!(
+            text.contains(&format!("  level: {} (", m.level.name)),
+            "{text}"
+        );
+    }
+}
+
+/// (user, groups, verb, path, rule, level).
+type Placed = (
+    &'static str,
+    &'static [&'static str],
+    &'static str,
+    &'static str,
+    &'static str,
+    &'static str,
+);
+
+/// Everyone else under the shipped rules: DaemonSets by node, operators by pod, people,
+/// break-glass admins, and a storm of Secret LISTs on its own few seats; only
+/// unauthenticated requests are left to the catch-all.
+#[test]
+fn the_shipped_rules_place_agents_operators_people_and_the_storm() {
+    let set = RuleSet::load_dir(&shipped()).unwrap();
+    let route = |name: &str, groups: &[&str], verb: &str, path: &str| {
+        let groups: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
+        let user = if groups.iter().any(|g| g == "system:unauthenticated") {
+            // As Bulwark sees a request on the anonymous allowlist: not authenticated.
+            User {
+                username: name.to_owned(),
+                groups,
+                ..User::default()
+            }
+        } else {
+            rules::cli_user(name, &groups)
+        };
+        let m = set.matches(&user, &rules::request_for(verb, path).unwrap());
+        (m.rule.to_string(), m.level.name.clone())
+    };
+    let cases: [Placed; 10] = [
+        (
+            "system:serviceaccount:kube-system:cilium",
+            &[],
+            "watch",
+            "/api/v1/pods",
+            "cni-agents",
+            "system",
+        ),
+        (
+            "system:serviceaccount:kube-system:ebs-csi-node-sa",
+            &[],
+            "get",
+            "/api/v1/nodes/n1",
+            "csi-node-plugins",
+            "system",
+        ),
+        (
+            "system:serviceaccount:monitoring:kube-state-metrics",
+            &[],
+            "list",
+            "/api/v1/secrets",
+            "monitoring-agents",
+            "node-agents",
+        ),
+        (
+            "system:serviceaccount:kube-system:fluent-bit",
+            &[],
+            "watch",
+            "/api/v1/pods?fieldSelector=spec.nodeName%3Dn1",
+            "logging-agents",
+            "node-agents",
+        ),
+        (
+            "system:serviceaccount:cert-manager:cert-manager",
+            &[],
+            "update",
+            "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/cert-manager-controller",
+            "workload-leader-election",
+            "leader-election",
+        ),
+        (
+            "system:serviceaccount:cert-manager:cert-manager",
+            &[],
+            "watch",
+            "/apis/cert-manager.io/v1/certificates",
+            "operators",
+            "workload-low",
+        ),
+        (
+            "system:serviceaccount:tenant-3:secret-reader",
+            &[],
+            "list",
+            "/api/v1/secrets",
+            "cluster-wide-secret-lists",
+            "list-heavy",
+        ),
+        (
+            "alice",
+            &["developers"],
+            "get",
+            "/api/v1/namespaces/default/pods/web-1",
+            "people",
+            "global-default",
+        ),
+        (
+            "root",
+            &["system:masters"],
+            "delete",
+            "/api/v1/nodes/n1",
+            "cluster-admins",
+            "exempt",
+        ),
+        (
+            "system:anonymous",
+            &["system:unauthenticated"],
+            "get",
+            "/version",
+            "catch-all",
+            "catch-all",
+        ),
+    ];
+    for (name, groups, verb, path, rule, level) in cases {
+        assert_eq!(
+            route(name, groups, verb, path),
+            (rule.to_owned(), level.to_owned()),
+            "{name} {verb} {path}"
+        );
+    }
 }
 
 fn reloads(metrics: &Metrics, result: &str) -> u64 {

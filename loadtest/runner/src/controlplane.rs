@@ -41,7 +41,7 @@ pub use seed::{BULWARK_GROUP, BULWARK_USER, NAMESPACES, SECRETS_PER_NAMESPACE};
 
 use crate::balancer::{Balancer, Pick};
 use crate::child;
-use crate::proxy_process::{ProxyProcess, Upstream};
+use crate::proxy_process::{ProxyProcess, Upstream, write_loadtest_rules};
 use crate::sandbox::{Servers, kubeconfigs};
 
 /// How long a stopped process gets between SIGTERM and SIGKILL.
@@ -174,7 +174,9 @@ pub struct Options {
     pub binaries: Option<PathBuf>,
     /// A `bulwark-loadtest` binary to run Bulwark with; `None` is this very binary.
     pub bulwark_exe: Option<PathBuf>,
-    /// Bulwark's rules folder; `None` is the built-in copy of `rules/examples`.
+    /// Bulwark's rules folder; `None` writes the built-in copies of the shipped rules
+    /// (`deploy/base/rules`) and the loadtest's own (`loadtest/rules`: KWOK's controller,
+    /// the operator `ops/secret-sync`) into the control plane's folder.
     pub rules: Option<PathBuf>,
     /// Where cgroup v1's memory controller is mounted.
     pub cgroup_root: PathBuf,
@@ -975,6 +977,10 @@ impl ControlPlane {
                 .collect();
             pki::write(&self.dir, "fleet.key", &format!("{key}\n"), true)?;
         }
+        let rules = match &opts.rules {
+            Some(folder) => folder.clone(),
+            None => write_loadtest_rules(&self.dir.join("rules")).map_err(Error::Proxy)?,
+        };
         let n = opts.bulwarks;
         self.heap_headroom = self.heap_headroom();
         for i in 0..n {
@@ -995,7 +1001,7 @@ impl ControlPlane {
                 own_user: BULWARK_USER,
                 own_group: BULWARK_GROUP,
                 heap_headroom: self.heap_headroom,
-                rules: opts.rules.clone(),
+                rules: Some(rules.clone()),
                 identity_mode: opts.identity_mode.as_deref(),
                 serving_ca: Some(serving_ca),
                 settings,

@@ -157,7 +157,7 @@ enum Command {
         /// Folder for the kubeconfigs, certificates and the `ready` file.
         #[arg(long)]
         dir: PathBuf,
-        /// Bulwark's rules folder (default: the shipped `rules/examples`, built in).
+        /// Bulwark's rules folder (default: the shipped `deploy/base/rules`, built in).
         #[arg(long)]
         rules: Option<PathBuf>,
         /// Bulwark replicas; more than one run behind a TCP balancer that the kubeconfigs
@@ -178,7 +178,8 @@ enum Command {
         /// or with a Ki, Mi or Gi suffix); an OOM-killed replica is restarted.
         #[arg(long, value_parser = bytes)]
         apiserver_memory_limit: Option<u64>,
-        /// Bulwark's rules folder (default: the shipped `rules/examples`, built in).
+        /// Bulwark's rules folder (default: the shipped `deploy/base/rules` and the loadtest's
+        /// own `loadtest/rules`, built in).
         #[arg(long)]
         rules: Option<PathBuf>,
         /// Bulwark replicas; more than one run behind a TCP balancer that the kubeconfigs

@@ -22,56 +22,56 @@ pub const SUBCOMMAND: &str = "__bulwark";
 /// The hidden subcommand that runs `bulwark guard` (the `kubernetes` Service's publisher).
 pub const GUARD_SUBCOMMAND: &str = "__bulwark-guard";
 
-/// The shipped example rules (`rules/examples/*.yaml`), compiled in so that no path is
-/// baked into the binary; every run writes them into its own folder unless told otherwise.
-pub const EXAMPLE_RULES: [(&str, &str); 12] = [
+/// The rules Bulwark ships for a cluster (`deploy/base/rules/*.yaml`, which the kustomize
+/// base and the Helm chart install), compiled in so that no path is baked into the binary;
+/// every run writes them into its own folder unless told otherwise.
+pub const SHIPPED_RULES: [(&str, &str); 8] = [
     (
-        "catch-all.yaml",
-        include_str!("../../../rules/examples/catch-all.yaml"),
+        "agents.yaml",
+        include_str!("../../../deploy/base/rules/agents.yaml"),
     ),
     (
         "cluster-admins.yaml",
-        include_str!("../../../rules/examples/cluster-admins.yaml"),
+        include_str!("../../../deploy/base/rules/cluster-admins.yaml"),
     ),
     (
-        "controllers.yaml",
-        include_str!("../../../rules/examples/controllers.yaml"),
-    ),
-    (
-        "heartbeats.yaml",
-        include_str!("../../../rules/examples/heartbeats.yaml"),
-    ),
-    (
-        "kube-proxy.yaml",
-        include_str!("../../../rules/examples/kube-proxy.yaml"),
-    ),
-    (
-        "kubelets.yaml",
-        include_str!("../../../rules/examples/kubelets.yaml"),
-    ),
-    (
-        "kwok.yaml",
-        include_str!("../../../rules/examples/kwok.yaml"),
+        "control-plane.yaml",
+        include_str!("../../../deploy/base/rules/control-plane.yaml"),
     ),
     (
         "levels.yaml",
-        include_str!("../../../rules/examples/levels.yaml"),
+        include_str!("../../../deploy/base/rules/levels.yaml"),
     ),
     (
-        "logging-agent.yaml",
-        include_str!("../../../rules/examples/logging-agent.yaml"),
+        "nodes.yaml",
+        include_str!("../../../deploy/base/rules/nodes.yaml"),
     ),
     (
-        "monitoring.yaml",
-        include_str!("../../../rules/examples/monitoring.yaml"),
+        "people.yaml",
+        include_str!("../../../deploy/base/rules/people.yaml"),
     ),
     (
         "secret-lists.yaml",
-        include_str!("../../../rules/examples/secret-lists.yaml"),
+        include_str!("../../../deploy/base/rules/secret-lists.yaml"),
+    ),
+    (
+        "workloads.yaml",
+        include_str!("../../../deploy/base/rules/workloads.yaml"),
+    ),
+];
+
+/// The loadtest's own rules (`loadtest/rules/*.yaml`), for identities only its real
+/// control plane has: KWOK's controller, which speaks for every simulated node, and the
+/// operator `ops/secret-sync` whose rate the fleet test measures. Written beside
+/// [`SHIPPED_RULES`] on the real control plane.
+pub const LOADTEST_RULES: [(&str, &str); 2] = [
+    (
+        "kwok.yaml",
+        include_str!("../../../loadtest/rules/kwok.yaml"),
     ),
     (
         "secret-operator.yaml",
-        include_str!("../../../rules/examples/secret-operator.yaml"),
+        include_str!("../../../loadtest/rules/secret-operator.yaml"),
     ),
 ];
 
@@ -93,8 +93,9 @@ pub struct Upstream<'a> {
     pub own_group: &'a str,
     /// Heap headroom of one replica, for Bulwark's in-flight LIST byte budget.
     pub heap_headroom: Option<u64>,
-    /// Bulwark's `rules.folder`: `None` writes [`EXAMPLE_RULES`] into the run's folder and
-    /// uses that.
+    /// Bulwark's `rules.folder`: `None` writes [`SHIPPED_RULES`] into the run's folder and
+    /// uses that. Whichever, the rules are enforced (`rules.mode: enforce`), as the
+    /// scenarios check who is refused.
     pub rules: Option<PathBuf>,
     /// Bulwark's `identity.mode`; `None` is `front-proxy`.
     pub identity_mode: Option<&'a str>,
@@ -174,8 +175,10 @@ pub fn write_config(
     config.rules = Some(match &upstream.rules {
         Some(folder) => std::path::absolute(folder)
             .with_context(|| format!("locating the rules folder {}", folder.display()))?,
-        None => write_example_rules(&dir.join("rules"))?,
+        None => write_shipped_rules(&dir.join("rules"))?,
     });
+    // The deployments install in shadow mode; the runs measure the rules as enforced.
+    config = config.set("rules.mode", "enforce");
     let path = dir.join("bulwark.yaml");
     config.write(&path)?;
     let target = Target {
@@ -185,10 +188,21 @@ pub fn write_config(
     Ok((path, target, config.admin))
 }
 
-/// Writes [`EXAMPLE_RULES`] into `folder` and returns it.
-pub fn write_example_rules(folder: &Path) -> anyhow::Result<PathBuf> {
+/// Writes [`SHIPPED_RULES`] into `folder` and returns it.
+pub fn write_shipped_rules(folder: &Path) -> anyhow::Result<PathBuf> {
+    write_rules(folder, &SHIPPED_RULES)
+}
+
+/// Writes [`SHIPPED_RULES`] and [`LOADTEST_RULES`] into `folder` and returns it: the rules
+/// of the real control plane's runs.
+pub fn write_loadtest_rules(folder: &Path) -> anyhow::Result<PathBuf> {
+    write_rules(folder, &SHIPPED_RULES)?;
+    write_rules(folder, &LOADTEST_RULES)
+}
+
+fn write_rules(folder: &Path, files: &[(&str, &str)]) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(folder).with_context(|| format!("creating {}", folder.display()))?;
-    for (name, text) in EXAMPLE_RULES {
+    for (name, text) in files {
         let path = folder.join(name);
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
     }
@@ -426,21 +440,50 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_shipped_example_rule_file_is_embedded() {
-        let folder = concat!(env!("CARGO_MANIFEST_DIR"), "/../../rules/examples");
-        let mut shipped: Vec<String> = std::fs::read_dir(folder)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
-            .collect();
-        shipped.sort();
-        let embedded: Vec<&str> = EXAMPLE_RULES.iter().map(|(n, _)| *n).collect();
-        assert_eq!(embedded, shipped);
-        for (name, text) in EXAMPLE_RULES {
-            assert_eq!(
-                std::fs::read_to_string(format!("{folder}/{name}")).unwrap(),
-                text
-            );
+    fn every_shipped_and_loadtest_rule_file_is_embedded() {
+        for (folder, embedded) in [
+            ("deploy/base/rules", &SHIPPED_RULES[..]),
+            ("loadtest/rules", &LOADTEST_RULES[..]),
+        ] {
+            let folder = format!("{}/../../{folder}", env!("CARGO_MANIFEST_DIR"));
+            let mut files: Vec<String> = std::fs::read_dir(&folder)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".yaml") || n.ends_with(".yml"))
+                .collect();
+            files.sort();
+            let names: Vec<&str> = embedded.iter().map(|(n, _)| *n).collect();
+            assert_eq!(names, files, "{folder}");
+            for (name, text) in embedded {
+                assert_eq!(
+                    std::fs::read_to_string(format!("{folder}/{name}")).unwrap(),
+                    *text,
+                    "{folder}/{name}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_shipped_and_loadtest_rules_load_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = write_loadtest_rules(dir.path()).unwrap();
+        let set = bulwark::rules::RuleSet::load_dir(&folder).unwrap_or_else(|problems| {
+            panic!(
+                "{}",
+                problems
+                    .iter()
+                    .map(|p| format!("{p}\n"))
+                    .collect::<String>()
+            )
+        });
+        for rule in [
+            "kwok-node-heartbeats",
+            "kwok",
+            "secret-operators",
+            "kubelets",
+        ] {
+            assert!(set.rule_names().contains(&rule), "{rule}");
         }
     }
 
@@ -463,10 +506,15 @@ mod tests {
         };
         let (path, _, _) = write_config(dir.path(), &upstream).unwrap();
         let config = bulwark::config::Config::load(&path).unwrap();
+        assert_eq!(
+            config.rules.mode,
+            bulwark::config::RulesMode::Enforce,
+            "the runs enforce the rules"
+        );
         let folder = config.rules.folder.unwrap();
         assert_eq!(folder, dir.path().join("rules"));
         let written = std::fs::read_dir(&folder).unwrap().count();
-        assert_eq!(written, EXAMPLE_RULES.len());
+        assert_eq!(written, SHIPPED_RULES.len());
     }
 
     #[test]

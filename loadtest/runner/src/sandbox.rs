@@ -15,7 +15,7 @@ use bulwark_sim::policy::{Policy, PolicyRule};
 use bulwark_testkit::{Cluster, Setup};
 
 use crate::balancer::{Balancer, Pick};
-use crate::proxy_process::write_example_rules;
+use crate::proxy_process::write_shipped_rules;
 
 /// The node whose kubeconfig the sandbox writes.
 pub const NODE: &str = "node-1";
@@ -171,7 +171,9 @@ pub fn kubeconfigs(servers: &Servers<'_>, client_ca: &Ca) -> Vec<(&'static str, 
 /// Bulwark in front, in this process) with the sandbox's policy and objects; with
 /// `bulwarks` > 1, that many Bulwarks sharing one budget through Leases behind a
 /// round-robin L4 balancer, all serving with certificates from the replicas' CA.
-/// Bulwark loads the rules in `rules`, or the built-in copy of `rules/examples` without it.
+/// Bulwark loads the rules in `rules`, or the built-in copy of the shipped ones
+/// (`deploy/base/rules`) without it, and enforces them (`rules.mode: enforce`; the
+/// deployments install in shadow mode).
 pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let ready = dir.join("ready");
@@ -180,10 +182,11 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow:
     let rules = match rules {
         Some(folder) => std::path::absolute(&folder)
             .with_context(|| format!("locating the rules folder {}", folder.display()))?,
-        None => write_example_rules(&bulwark_dir.join("rules"))?,
+        None => write_shipped_rules(&bulwark_dir.join("rules"))?,
     };
     // Who is throttled, named: the ten identities refused most get their own series.
-    let mut settings: Vec<(&'static str, &'static str)> = vec![("metrics.identities", "10")];
+    let mut settings: Vec<(&'static str, &'static str)> =
+        vec![("metrics.identities", "10"), ("rules.mode", "enforce")];
     match bulwarks {
         // One JSON line per request beside the audit log (one Bulwark: the others would
         // share its file).

@@ -92,7 +92,7 @@ pub struct Setup {
     pub lists_to_oom: Option<u64>,
     /// The replicas' watch bookmark interval.
     pub bookmark_interval: Duration,
-    /// Rule files `(name, YAML)` Bulwark gets beside the shipped examples.
+    /// Rule files `(name, YAML)` Bulwark gets beside the shipped rules.
     pub extra_rules: Vec<(&'static str, &'static str)>,
 }
 
@@ -316,7 +316,7 @@ impl Env {
                 let rules = if setup.extra_rules.is_empty() {
                     None
                 } else {
-                    let folder = crate::proxy_process::write_example_rules(&dir.join("rules"))?;
+                    let folder = crate::proxy_process::write_shipped_rules(&dir.join("rules"))?;
                     for (name, yaml) in &setup.extra_rules {
                         let path = folder.join(name);
                         std::fs::write(&path, yaml)

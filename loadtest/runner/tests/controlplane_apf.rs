@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bulwark_loadtest::controlplane::{ControlPlane, Options};
-use bulwark_loadtest::proxy_process::write_example_rules;
+use bulwark_loadtest::proxy_process::write_shipped_rules;
 use futures::StreamExt as _;
 use http_body_util::BodyExt as _;
 use kube::Client;
@@ -126,9 +126,9 @@ fn samples(metrics: &str, name: &str, label: &str) -> Vec<f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    // The example rules, and the hammered user exempt in Bulwark: its own fair queues would
+    // The shipped rules, and the hammered user exempt in Bulwark: its own fair queues would
     // otherwise hold the storm back before the apiserver's APF saw it.
-    let rules = write_example_rules(&dir.path().join("rules")).unwrap();
+    let rules = write_shipped_rules(&dir.path().join("rules")).unwrap();
     std::fs::write(
         rules.join("apf-hammer.yaml"),
         format!(

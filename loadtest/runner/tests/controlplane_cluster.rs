@@ -165,7 +165,9 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
         "kwok-node-heartbeats",
         "kwok-node-status",
         "kwok",
-        "core-controllers",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kube-system-service-accounts",
         "leader-election",
     ] {
         let matched = metrics

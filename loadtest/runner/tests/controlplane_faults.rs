@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bulwark_loadtest::controlplane::{ControlPlane, NAMESPACES, Options, SECRETS_PER_NAMESPACE};
-use bulwark_loadtest::proxy_process::write_example_rules;
+use bulwark_loadtest::proxy_process::write_shipped_rules;
 use futures::StreamExt as _;
 use http_body_util::BodyExt as _;
 use kube::Client;
@@ -81,7 +81,7 @@ const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
 const STATUS_200: u8 = 0x88;
 
 /// A control plane of one replica with Bulwark in front (its rules in `rules`, the shipped
-/// examples unless given), and the `direct-admin` client; with `configmaps`, the large
+/// ones and the loadtest's own unless given), and the `direct-admin` client; with `configmaps`, the large
 /// collection seeded.
 async fn start(dir: &Path, rules: Option<PathBuf>, configmaps: bool) -> (ControlPlane, Client) {
     let began = Instant::now();
@@ -113,7 +113,7 @@ async fn start(dir: &Path, rules: Option<PathBuf>, configmaps: bool) -> (Control
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_rule_files_leave_the_old_rules_serving() {
     let dir = tempfile::tempdir().unwrap();
-    let rules = write_example_rules(&dir.path().join("rules")).unwrap();
+    let rules = write_shipped_rules(&dir.path().join("rules")).unwrap();
     let (cp, _) = start(dir.path(), Some(rules.clone()), false).await;
     let cp = &cp;
     let operator = cp.client_without_retries("operator").await.unwrap();

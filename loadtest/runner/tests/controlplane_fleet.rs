@@ -17,7 +17,8 @@ use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::Value;
 
-/// The shipped rule of `ops/secret-sync` (`rules/examples/secret-operator.yaml`).
+/// The loadtest's rule of `ops/secret-sync` (`loadtest/rules/secret-operator.yaml`, written
+/// beside the shipped ones on the real control plane).
 const OPERATOR: &str = "system:serviceaccount:ops:secret-sync";
 const OPERATOR_QPS: f64 = 5.0;
 

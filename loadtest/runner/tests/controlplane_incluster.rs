@@ -28,13 +28,13 @@ const LEASE: Duration = Duration::from_secs(10);
 const AGENT_RULE: &str = "\
 rules:
   - name: incluster-agent
-    precedence: 100
+    precedence: 50
     match:
       serviceAccounts: [incluster/agent]
       verbs: [\"*\"]
       resources: [{group: \"*\", resource: \"*\"}]
       namespaces: [\"*\"]
-    level: agents
+    level: node-agents
     flow: user
     rate: {qps: 0.2, burst: 4}
     mode: enforce
@@ -187,7 +187,7 @@ async fn agent_token(cp: &ControlPlane, admin: &Client, dir: &Path) -> (PathBuf,
 async fn pods_reach_the_apiservers_through_bulwark_and_directly_when_none_is_live() {
     let dir = tempfile::tempdir().unwrap();
     let rules =
-        bulwark_loadtest::proxy_process::write_example_rules(&dir.path().join("rules")).unwrap();
+        bulwark_loadtest::proxy_process::write_shipped_rules(&dir.path().join("rules")).unwrap();
     std::fs::write(rules.join("incluster-agent.yaml"), AGENT_RULE).unwrap();
     let mut opts = Options::new(dir.path().join("cp"));
     opts.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));

@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 use notify::{EventKind, RecursiveMode, Watcher};
 use tokio::sync::{mpsc, watch};
 
-use super::{RuleProblem, RuleSet};
+use super::{Mode, RuleProblem, RuleSet};
 use crate::metrics::Metrics;
 
 /// How long the folder must be quiet before a reload: a ConfigMap update or an editor's
@@ -26,6 +26,8 @@ const DEBOUNCE: Duration = Duration::from_millis(200);
 pub struct Rules {
     current: ArcSwap<RuleSet>,
     folder: Option<PathBuf>,
+    /// `rules.mode`, which every reloaded set runs under as the first did.
+    mode: Mode,
     metrics: Metrics,
     publish: watch::Sender<Arc<RuleSet>>,
     /// Serializes reloads, so that an older load never replaces a newer one.
@@ -34,15 +36,17 @@ pub struct Rules {
 
 impl Rules {
     /// Starts with `initial` (validated at startup) read from `folder`, which later
-    /// reloads read again; without a folder only the built-in rules apply and reloads do
-    /// nothing.
+    /// reloads read again under `initial`'s mode ([`RuleSet::with_mode`]); without a folder
+    /// only the built-in rules apply and reloads do nothing.
     pub fn new(initial: RuleSet, folder: Option<PathBuf>, metrics: Metrics) -> Arc<Rules> {
+        let mode = initial.mode();
         let initial = Arc::new(initial);
         set_loaded_info(&metrics, initial.hash());
         let (publish, _) = watch::channel(initial.clone());
         Arc::new(Rules {
             current: ArcSwap::new(initial),
             folder,
+            mode,
             metrics,
             publish,
             reloading: Mutex::new(()),
@@ -70,7 +74,7 @@ impl Rules {
             .reloading
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match RuleSet::load_dir(folder) {
+        match RuleSet::load_dir(folder).map(|set| set.with_mode(self.mode)) {
             Ok(set) => {
                 self.metrics
                     .rules_reload_total

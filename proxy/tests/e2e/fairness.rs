@@ -105,6 +105,54 @@ async fn a_rate_limited_flow_gets_429_with_retry_after_rule_and_level_while_othe
     );
 }
 
+/// `rules.mode: shadow` in Bulwark's configuration (a first install): the rule above says
+/// nothing of a mode (so enforce), yet alice's requests over its rate are all served, each
+/// counted as the refusal it would have been; with `rules.mode: enforce` the same requests
+/// are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_mode_shadow_serves_what_an_enforced_rule_would_refuse_and_counts_it() {
+    for mode in ["shadow", "enforce"] {
+        let cluster = Cluster::start(Setup {
+            replicas: 1,
+            rules: RULES,
+            settings: vec![("rules.mode", mode)],
+            ..super::setup()
+        })
+        .await;
+        let mut alice = cluster.client("alice", &[]).await;
+        let mut statuses = Vec::new();
+        for _ in 0..5 {
+            let answer = alice.get(SECRETS).await;
+            assert_eq!(answer.headers["x-bulwark-rule"], "alice-limited");
+            statuses.push(answer.status.as_u16());
+        }
+        let metrics = cluster.metrics();
+        let shadow = r#"bulwark_shadow_rejections_total{level="tight",reason="rate_limited",rule="alice-limited"} 3"#;
+        let refused = r#"bulwark_rejected_requests_total{level="tight",reason="rate_limited",rule="alice-limited"} 3"#;
+        if mode == "shadow" {
+            assert_eq!(statuses, [200; 5], "{mode}");
+            assert!(
+                metrics.contains(shadow),
+                "{mode}: {shadow} not in\n{metrics}"
+            );
+            assert!(
+                !metrics.contains("bulwark_rejected_requests_total{"),
+                "{mode}: nothing refused:\n{metrics}"
+            );
+        } else {
+            assert_eq!(statuses, [200, 200, 429, 429, 429], "{mode}");
+            assert!(
+                metrics.contains(refused),
+                "{mode}: {refused} not in\n{metrics}"
+            );
+            assert!(
+                !metrics.contains("bulwark_shadow_rejections_total{"),
+                "{mode}:\n{metrics}"
+            );
+        }
+    }
+}
+
 /// client-go and kubectl accept gzip, and the apiserver compresses every list over
 /// 128 KiB: a LIST seen compressed teaches the cost model the JSON the apiserver built
 /// (the gzip trailer's length), not the bytes on the wire, and a Table answer teaches it

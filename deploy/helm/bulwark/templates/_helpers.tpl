@@ -21,8 +21,8 @@ app.kubernetes.io/name: {{ include "bulwark.name" . }}
 
 {{/*
 bulwark.yaml: .Values.config with what the chart owns set over it (the paths of its mounts,
-the listeners, the apiservers, the fleet's namespace), so a value can never point Bulwark at
-a file the DaemonSet does not mount.
+the listeners, the apiservers, the fleet's namespace, the rules' mode), so a value can never
+point Bulwark at a file the DaemonSet does not mount.
 */}}
 {{- define "bulwark.config" -}}
 {{- $pki := include "bulwark.pki" . -}}
@@ -50,7 +50,7 @@ a file the DaemonSet does not mount.
       "key" (printf "%s/front-proxy/tls.key" $pki))
     "self" (dict "tokenFile" (printf "%s/token" $sa)))
   "identity" (dict "tokenReview" (dict "memoryFile" "/var/lib/bulwark/review-memory"))
-  "rules" (dict "folder" "/etc/bulwark/rules")
+  "rules" (dict "folder" "/etc/bulwark/rules" "mode" .Values.rules.mode)
   "cache" (dict "excludeNamespaces" $excluded)
   "audit" (dict "path" "/var/log/bulwark/audit.jsonl")
   "fleet" (dict

@@ -6,7 +6,7 @@
 //! KWOK manages the nodes annotated [`KWOK_ANNOTATION`]: it renews their Leases in
 //! `kube-node-lease`, keeps their status Ready and runs their pods through their life (a
 //! Job's pods run, then succeed). One client speaks for every node, so its identity has rules
-//! of its own (`rules/examples/kwok.yaml`) where a real cluster's kubelets have the node rules.
+//! of its own (`loadtest/rules/kwok.yaml`) where a real cluster's kubelets have the node rules.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -5,7 +5,9 @@
 //! runs; an agent per node lists and watches its pods, its Secret and the EndpointSlices as
 //! `system:node:<name>`; a few probe nodes renew their own Leases as kubelets do, timing
 //! each renewal at the client; and a LIST storm of large Secrets runs on top. Every one of
-//! those clients goes through the front door as its own identity, under the shipped rules.
+//! those clients goes through the front door as its own identity, under the shipped rules
+//! (`deploy/base/rules`, enforced) and, for KWOK's controller, the loadtest's own
+//! (`loadtest/rules`).
 //!
 //! The figures are the ones a cluster's operator looks at: nodes that went NotReady, the
 //! Lease renewal latency at the client and how old the Leases got, how long a burst's pods
@@ -158,8 +160,20 @@ pub struct ClusterReport {
     /// The command line that produced it.
     #[serde(default)]
     pub command: String,
+    /// The rule folders Bulwark loaded in the `bulwark` run, and their mode (reports
+    /// recorded before this field ran under `rules/examples`).
+    #[serde(default = "examples_rules")]
+    pub rules: String,
     /// One run per front door, in the order they ran.
     pub runs: Vec<ClusterRun>,
+}
+
+/// The rules a Bulwark run loads: the shipped set and the loadtest's own, enforced.
+pub const RULES: &str = "deploy/base/rules and loadtest/rules, enforced";
+
+/// The rules of the reports recorded before they were named in them.
+fn examples_rules() -> String {
+    "rules/examples".into()
 }
 
 /// One front door's run.
@@ -354,6 +368,7 @@ pub async fn run(o: &ClusterOptions) -> anyhow::Result<ClusterReport> {
         storm_secrets: o.storm_secrets,
         storm_bytes: o.storm_secrets as u64 * STORM_SECRET_BYTES,
         command: String::new(),
+        rules: RULES.into(),
         runs: Vec::new(),
     };
     for &front in &o.fronts {

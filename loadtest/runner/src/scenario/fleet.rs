@@ -37,7 +37,7 @@ pub const BULWARKS: usize = 3;
 const STORM_IDENTITIES: usize = 6;
 /// Connections each storm identity holds, pinned like every client.
 const STORM_CONNECTIONS: usize = 40;
-/// The shipped storm rule's rate (`rules/examples/secret-lists.yaml`, checked by a test).
+/// The shipped storm rule's rate (`deploy/base/rules/secret-lists.yaml`, checked by a test).
 pub const STORM_RULE_QPS: f64 = 1.0;
 /// The storm identities' FlowSchema on the apiservers: they are ServiceAccounts.
 const STORM_FLOW_SCHEMA: &str = "service-accounts";
@@ -489,7 +489,7 @@ mod tests {
 
     #[test]
     fn the_storm_rule_is_the_shipped_one() {
-        let (_, text) = crate::proxy_process::EXAMPLE_RULES
+        let (_, text) = crate::proxy_process::SHIPPED_RULES
             .iter()
             .find(|(name, _)| *name == "secret-lists.yaml")
             .unwrap();

@@ -305,8 +305,8 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         verdict: verdict(r),
         notes: vec![
             format!(
-                "{} kube-apiservers; {} KWOK nodes and {} probe nodes; kube-controller-manager, kube-scheduler, KWOK, the nodes' agents and the storm each as itself, under rules/examples in the Bulwark run ({} Bulwark(s)).",
-                r.replicas, r.nodes, r.probes, r.bulwarks
+                "{} kube-apiservers; {} KWOK nodes and {} probe nodes; kube-controller-manager, kube-scheduler, KWOK, the nodes' agents and the storm each as itself, under {} in the Bulwark run ({} Bulwark(s)).",
+                r.replicas, r.nodes, r.probes, r.rules, r.bulwarks
             ),
             "Time is seconds since the burst: the Jobs created at once, the agents and the storm started.".into(),
         ]

@@ -190,9 +190,11 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
 }
 
 /// `bulwark-loadtest cluster` at a small size, direct and through Bulwark on the same
-/// seed: the nodes' agents (each `system:node:<name>`, listing and watching its pods, its
-/// Secret and the EndpointSlices), the probe kubelets renewing their Leases and a small
-/// LIST storm are all answered beside KWOK and the controllers; no node goes NotReady, the
+/// seed: the nodes' pods (a logging agent listing and watching its node's pods, its Secret
+/// and the EndpointSlices, and a kube-proxy watching Services and EndpointSlices, each with
+/// a ServiceAccount token bound to its node, through the `kubernetes` Service), the probe
+/// kubelets renewing their Leases and a small LIST storm from tenant operators' pods are
+/// all answered beside KWOK and the controllers; no node goes NotReady, the
 /// Job finishes, the apiservers' own metrics show what they served, and the report draws
 /// each chart once per front door.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,6 +239,12 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
             agents.ok >= 60 && agents.errors == 0 && agents.rejected == 0,
             "{front}: {agents:#?}"
         );
+        let proxies = run.kube_proxies.as_ref().expect("the kube-proxies ran");
+        // Each kube-proxy's two lists and two watches, every one answered.
+        assert!(
+            proxies.ok >= 40 && proxies.errors == 0 && proxies.rejected == 0,
+            "{front}: {proxies:#?}"
+        );
         let storm = run.storm.as_ref().expect("the storm ran");
         assert!(storm.ok > 0, "{front}: {storm:#?}");
         // The apiservers' own counts: the agents' and the controllers' LISTs and watches.
@@ -247,9 +255,9 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
             .iter()
             .map(|s| s.open_watches)
             .fold(0.0, f64::max);
-        // At least each agent's three watches.
+        // At least each agent's three watches and each kube-proxy's two.
         assert!(
-            lists > 0.0 && events > 0.0 && open >= 30.0,
+            lists > 0.0 && events > 0.0 && open >= 50.0,
             "{front}: {:#?}",
             run.samples
         );
@@ -264,14 +272,12 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
         "{:?}",
         bulwark.refused
     );
-    assert!(
-        bulwark
-            .rule_requests
-            .get("kubelets")
-            .copied()
-            .unwrap_or(0.0)
-            >= 60.0
-    );
+    // The pods were Bulwark's clients, each under its rule: they came through the
+    // kubernetes Service.
+    for (rule, at_least) in [("logging-agents", 60.0), ("kube-proxy", 40.0)] {
+        let served = bulwark.rule_requests.get(rule).copied().unwrap_or(0.0);
+        assert!(served >= at_least, "{rule}: {:?}", bulwark.rule_requests);
+    }
     assert!(
         bulwark
             .rule_requests
@@ -285,8 +291,9 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
     assert!(report.runs[0].bulwark.is_none() && bulwark.bulwark.is_some());
     let html = bulwark_loadtest::report::html::render(&cluster::page(&report).unwrap());
     // Memory, nodes, LISTs and watches, requests per replica, refusals: once per front
-    // door; the Jobs once; latency of the probes, the agents and the storm once each.
-    assert_eq!(html.matches("<svg").count(), 14);
+    // door; the Jobs once; latency of the probes, the agents, the kube-proxies and the
+    // storm once each.
+    assert_eq!(html.matches("<svg").count(), 15);
     for run in &report.runs {
         assert!(
             run.samples

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::list_storm::STORM;
-use super::{Load, Req, spawn_loads};
+use super::{Load, Req, spawn_loads_at};
 use crate::client::{ClassStats, Target};
 use crate::controlplane::{ControlPlane, NODE_LEASE_SECONDS, Options, kwok_node};
 use crate::proxy_process::admin_text;
@@ -41,6 +41,8 @@ pub use metrics::{Rates, counters};
 use page::run_line;
 pub use page::{page, verdict};
 use probes::{probe_name, probe_node, start_probes};
+
+mod pods;
 
 /// The cluster's front door in a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,7 +97,9 @@ pub struct ClusterOptions {
     /// How long the cluster runs on after the burst, its Leases watched; the storm and the
     /// agents run this long.
     pub settle: Duration,
-    /// Whether every node also runs an agent as `system:node:<name>`.
+    /// Whether every node also runs its pods that talk to the apiservers, as pods do
+    /// (`scenario/cluster/pods.rs`): a logging agent and a kube-proxy, each with a
+    /// ServiceAccount token bound to its node, through the `kubernetes` Service.
     pub agents: bool,
     /// LIST storm identities (0: no storm), each listing every Secret of the cluster with
     /// no resourceVersion, again and again.
@@ -209,8 +213,12 @@ pub struct ClusterRun {
     pub refused: BTreeMap<String, f64>,
     /// Bulwark's peak memory and CPU (the first replica; the `bulwark` run).
     pub bulwark: Option<ProxyCost>,
-    /// The per-node agents' requests (lists and watches), when they ran.
+    /// The per-node logging agents' requests (lists and watches), when they ran.
     pub agents: Option<Class>,
+    /// The per-node kube-proxies' requests (lists and watches of Services and
+    /// EndpointSlices), when they ran.
+    #[serde(default)]
+    pub kube_proxies: Option<Class>,
     /// The storm's LISTs, when it ran.
     pub storm: Option<Class>,
     /// How often kube-controller-manager, kube-scheduler and KWOK exited and were started
@@ -389,6 +397,13 @@ async fn run_front(o: &ClusterOptions, front: Front) -> anyhow::Result<ClusterRu
         Front::Bulwark => o.bulwarks,
     };
     opts.bulwark_exe = o.bulwark_exe.clone();
+    // Every pod here reaches Bulwark from this one host, where a cluster's come from as
+    // many nodes: the review budget for unknown tokens per source address is the
+    // cluster's, not one node's.
+    opts.bulwark_settings.push((
+        "identity.tokenReview.perSource".into(),
+        "{qps: 1000, burst: 5000}".into(),
+    ));
     if o.storm > 0 {
         opts.seed = vec![
             format!(
@@ -461,12 +476,29 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         leases,
     )
     .await?;
+    // The pods' ServiceAccounts and their tokens, bound to their nodes.
+    let node_list = pods::nodes(&observer, o.nodes).await?;
+    let (mut agent_tokens, mut proxy_tokens) = (Vec::new(), Vec::new());
     if o.agents {
-        prepare_agents(cp, &admin, o.nodes).await?;
+        grant(cp, "pods-rbac.yaml", &pods::rbac()).await?;
+        pods::service_account(&observer, pods::AGENT).await?;
+        pods::service_account(&observer, pods::KUBE_PROXY).await?;
+        pods::agent_secrets(&observer, o.nodes).await?;
+        agent_tokens = pods::bound_tokens(&observer, pods::AGENT, &node_list).await?;
+        proxy_tokens = pods::bound_tokens(&observer, pods::KUBE_PROXY, &node_list).await?;
     }
+    let mut storm_tokens = Vec::new();
     if o.storm > 0 {
         grant(cp, "storm-rbac.yaml", &storm_rbac(o.storm)).await?;
+        for i in 0..o.storm {
+            let account = storm_account(i);
+            let account = (account.0.as_str(), account.1.as_str());
+            pods::service_account(&observer, account).await?;
+            let node = &node_list[i % node_list.len().max(1)..][..1];
+            storm_tokens.extend(pods::bound_tokens(&observer, account, node).await?);
+        }
     }
+    let pod_targets = pods::targets(cp, &observer, front).await?;
     let (stop_probes, stopped) = tokio::sync::watch::channel(false);
     let probe_stats = ClassStats::new();
     let slowest = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -495,9 +527,28 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
     // The agents and the storm run as long as the burst is watched (`settle`).
     let until = tokio::time::Instant::now() + o.settle;
     let agent_stats = ClassStats::new();
+    let proxy_stats = ClassStats::new();
     let mut agent_tasks = if o.agents {
-        eprintln!("cluster: starting an agent per node (its pods, its Secret, the EndpointSlices)");
-        start_agents(cp, &target, o.nodes, &agent_stats, until)
+        eprintln!(
+            "cluster: starting a logging agent and a kube-proxy per node, with tokens bound to \
+             it, through the kubernetes Service ({:?})",
+            pod_targets.iter().map(|t| t.addr).collect::<Vec<_>>()
+        );
+        let mut tasks = pods::start_per_node(
+            &pod_targets,
+            std::mem::take(&mut agent_tokens),
+            pods::agent_paths,
+            &agent_stats,
+            until,
+        );
+        tasks.extend(pods::start_per_node(
+            &pod_targets,
+            std::mem::take(&mut proxy_tokens),
+            pods::kube_proxy_paths,
+            &proxy_stats,
+            until,
+        ));
+        tasks
     } else {
         Vec::new()
     };
@@ -508,7 +559,13 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
             o.storm_secrets,
             STORM_SECRET_BYTES >> 10
         );
-        Some(spawn_loads(&target, vec![storm_load(cp, o.storm)], until)?)
+        let targets = pod_targets.clone();
+        Some(spawn_loads_at(
+            vec![storm_load(std::mem::take(&mut storm_tokens))],
+            until,
+            move |_, i| targets[i % targets.len()].clone(),
+            None,
+        )?)
     } else {
         None
     };
@@ -633,6 +690,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         None => None,
     };
     let agents = o.agents.then(|| agent_stats.summary(burst.elapsed()));
+    let kube_proxies = o.agents.then(|| proxy_stats.summary(burst.elapsed()));
     let component_restarts = components
         .restarts()
         .into_iter()
@@ -677,6 +735,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         refused: refused.into_iter().filter(|(_, n)| *n >= 0.5).collect(),
         bulwark: cp.bulwark_cost(),
         agents,
+        kube_proxies,
         storm,
         component_restarts,
     })
@@ -711,10 +770,23 @@ async fn job_progress(admin: &Client, name: &str) -> anyhow::Result<(u64, u64, u
 
 /// The storm: identities listing every Secret of the cluster with no resourceVersion,
 /// one LIST after another, as a cluster-wide informer that relists without end.
-fn storm_load(cp: &ControlPlane, identities: usize) -> Load {
+/// The `i`-th storm identity's ServiceAccount: `tenant-i/secret-reader`.
+fn storm_account(i: usize) -> (String, String) {
+    let (user, _) = STORM.who(i);
+    let mut parts = user.rsplitn(3, ':');
+    let name = parts.next().unwrap_or_default().to_owned();
+    let namespace = parts.next().unwrap_or_default().to_owned();
+    (namespace, name)
+}
+
+/// The storm: tenant operators in pods, each with its token, listing every Secret.
+fn storm_load(tokens: Vec<String>) -> Load {
     Load {
         class: "storm".into(),
-        identities: STORM.mint(cp.pki(), identities),
+        identities: tokens
+            .into_iter()
+            .map(|t| crate::client::Identity::in_cluster(t, pods::service_ip()))
+            .collect(),
         think: Duration::from_millis(10),
         next: Arc::new(|_, _| Req::get("/api/v1/secrets".into(), Duration::from_secs(60))),
     }
@@ -783,132 +855,17 @@ fn node_client(cp: &ControlPlane, target: &Target, name: &str) -> Option<crate::
     crate::client::Client::new(target, &identity).ok()
 }
 
-/// The namespace of the agents' Secrets, one per node, named after it.
-const AGENT_NAMESPACE: &str = "kwok-agents";
-
-/// What the nodes' agents may read beyond a kubelet's own: the EndpointSlices of the
-/// cluster (as a node's proxy or monitoring daemon reads them) and the Secrets of
-/// [`AGENT_NAMESPACE`] (each agent watches only its own, by name).
-fn agent_rbac() -> String {
-    format!(
-        "apiVersion: v1
-kind: Namespace
-metadata:
-  name: {AGENT_NAMESPACE}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata:
-  name: kwok-node-agents
-rules:
-  - apiGroups: [discovery.k8s.io]
-    resources: [endpointslices]
-    verbs: [get, list, watch]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata:
-  name: kwok-node-agents
-roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: kwok-node-agents}}
-subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: \"system:nodes\"}}]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata:
-  name: kwok-node-agents
-  namespace: {AGENT_NAMESPACE}
-rules:
-  - apiGroups: [\"\"]
-    resources: [secrets]
-    verbs: [get, list, watch]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata:
-  name: kwok-node-agents
-  namespace: {AGENT_NAMESPACE}
-roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: kwok-node-agents}}
-subjects: [{{apiGroup: rbac.authorization.k8s.io, kind: Group, name: \"system:nodes\"}}]
-"
-    )
-}
-
-/// Grants the agents their reads and creates each node's Secret.
-async fn prepare_agents(cp: &ControlPlane, admin: &Client, nodes: usize) -> anyhow::Result<()> {
-    grant(cp, "agents-rbac.yaml", &agent_rbac()).await?;
-    let created = futures::stream::iter(0..nodes)
-        .map(|i| {
-            let admin = admin.clone();
-            async move {
-                let secret = json!({
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {"name": format!("kwok-node-{i}")},
-                    "data": {"config": "c2V0dGluZ3M="},
-                });
-                post(
-                    &admin,
-                    &format!("/api/v1/namespaces/{AGENT_NAMESPACE}/secrets"),
-                    &secret,
-                )
-                .await
-            }
-        })
-        .buffer_unordered(16)
-        .collect::<Vec<_>>()
-        .await;
-    created.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
-    Ok(())
-}
-
-/// One agent per node, as `system:node:<name>` in `system:nodes`, through Bulwark: it
-/// lists and watches its own pods (`spec.nodeName`), its own Secret and every
-/// EndpointSlice, as a kubelet and the nodes' logging and monitoring daemons do, on one
-/// connection. Started a few at a time so that the handshakes do not all land at once.
-fn start_agents(
-    cp: &ControlPlane,
-    target: &Target,
-    nodes: usize,
-    stats: &std::sync::Arc<crate::client::ClassStats>,
-    until: tokio::time::Instant,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..nodes)
-        .filter_map(|i| {
-            let name = format!("kwok-node-{i}");
-            let client = node_client(cp, target, &name)?;
-            let stats = stats.clone();
-            let start = tokio::time::Instant::now() + Duration::from_millis(10 * i as u64);
-            Some(tokio::spawn(async move {
-                tokio::time::sleep_until(start).await;
-                let received = std::sync::Arc::new(super::informers::Received::default());
-                let reflect = |path: String| {
-                    super::informers::reflector(
-                        client.clone(),
-                        stats.tally(),
-                        path,
-                        until,
-                        None,
-                        received.clone(),
-                    )
-                };
-                let (mut pods, secret, slices) = tokio::join!(
-                    reflect(format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{name}")),
-                    reflect(format!(
-                        "/api/v1/namespaces/{AGENT_NAMESPACE}/secrets?fieldSelector=metadata.name%3D{name}"
-                    )),
-                    reflect("/apis/discovery.k8s.io/v1/endpointslices".into()),
-                );
-                pods.merge(secret);
-                pods.merge(slices);
-                stats.done(pods);
-            }))
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_storm_identity_is_a_tenants_service_account() {
+        assert_eq!(
+            storm_account(3),
+            ("tenant-3".to_owned(), "secret-reader".to_owned())
+        );
+    }
 
     #[test]
     fn the_storm_may_read_every_secret_and_nothing_else() {

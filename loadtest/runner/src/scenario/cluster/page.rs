@@ -305,7 +305,7 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         verdict: verdict(r),
         notes: vec![
             format!(
-                "{} kube-apiservers; {} KWOK nodes and {} probe nodes; kube-controller-manager, kube-scheduler, KWOK, the nodes' agents and the storm each as itself, under {} in the Bulwark run ({} Bulwark(s)).",
+                "{} kube-apiservers; {} KWOK nodes and {} probe nodes; kube-controller-manager, kube-scheduler and KWOK each as itself; per node a logging agent and a kube-proxy, and the storm's tenant operators, as pods: ServiceAccount tokens bound to their nodes, through the kubernetes Service (the Bulwarks it leads to, or the apiservers in the direct run); under {} in the Bulwark run ({} Bulwark(s)).",
                 r.replicas, r.nodes, r.probes, r.rules, r.bulwarks
             ),
             "Time is seconds since the burst: the Jobs created at once, the agents and the storm started.".into(),
@@ -323,9 +323,10 @@ type ClassOf = fn(&ClusterRun) -> Option<&Class>;
 /// Latency percentiles of each client class Bulwark's run times at the client (the probes'
 /// Lease renewals, the agents' lists, the storm's LISTs), the front doors side by side.
 fn latency_bars(r: &ClusterReport) -> anyhow::Result<Vec<Item>> {
-    let classes: [(&str, ClassOf); 3] = [
+    let classes: [(&str, ClassOf); 4] = [
         ("Lease renewals", |run| Some(&run.lease_renewals)),
         ("node agents", |run| run.agents.as_ref()),
+        ("kube-proxies", |run| run.kube_proxies.as_ref()),
         ("storm LISTs", |run| run.storm.as_ref()),
     ];
     let mut items = Vec::new();
@@ -519,6 +520,10 @@ fn figures(r: &ClusterReport) -> Table {
     rows.push(row(
         "node agents: requests, ok, 429, errors, p99 (ms)",
         &|run| class(&run.agents),
+    ));
+    rows.push(row(
+        "kube-proxies: requests, ok, 429, errors, p99 (ms)",
+        &|run| class(&run.kube_proxies),
     ));
     rows.push(row("components started again after exiting", &|run| {
         let restarted: Vec<String> = run

@@ -441,3 +441,76 @@ fn the_front_proxy_key_can_come_from_the_node_and_never_be_in_the_api() {
     let why = String::from_utf8_lossy(&refused.stderr);
     assert!(why.contains("frontProxyFromNode.group"), "{why}");
 }
+
+/// The chart's values that lead pods through Bulwark, as `deploy/overlays/in-cluster` does.
+const IN_CLUSTER: &str = "kubernetesService: {apiservers: [\"10.0.0.11:6443\", \"10.0.0.12:6443\"]}";
+
+#[test]
+fn the_in_cluster_overlay_renders_what_the_chart_does_with_kubernetes_service() {
+    let Some(dir) = tools() else { return };
+    // A strategic-merge patch puts what it adds first; the order means nothing.
+    let sorted = |mut objects: BTreeMap<(String, String), Value>| {
+        let pod = objects
+            .get_mut(&("DaemonSet".into(), "bulwark".into()))
+            .unwrap()
+            .pointer_mut("/spec/template/spec")
+            .unwrap();
+        pod["containers"]
+            .as_array_mut()
+            .unwrap()
+            .sort_by_key(|c| c["name"].as_str().unwrap().to_owned());
+        let mut lists = vec!["/volumes".to_owned()];
+        for i in 0..pod["containers"].as_array().unwrap().len() {
+            lists.push(format!("/containers/{i}/volumeMounts"));
+        }
+        for list in lists {
+            let list = pod.pointer_mut(&list).unwrap().as_array_mut().unwrap();
+            list.sort_by_key(|v| v["name"].as_str().unwrap().to_owned());
+        }
+        objects
+    };
+    let overlay = sorted(normalized_base(kustomize_at(
+        &dir,
+        "deploy/overlays/in-cluster",
+    )));
+    let chart = sorted(normalized_chart(helm_template(&dir, IN_CLUSTER)));
+    assert_eq!(
+        overlay.keys().collect::<Vec<_>>(),
+        chart.keys().collect::<Vec<_>>()
+    );
+    // The configuration is the user's to extend in the overlay (deploy/README.md); the chart
+    // writes it from the values. Everything else is the same.
+    for (k, o) in overlay.iter().filter(|(k, _)| k.0 != "ConfigMap") {
+        if let Some(d) = difference(&format!("{} {}", k.0, k.1), o, &chart[k]) {
+            panic!("the chart differs from deploy/overlays/in-cluster at {d}");
+        }
+    }
+    for kind in ["Role", "RoleBinding"] {
+        let object = &chart[&(kind.into(), "bulwark-kubernetes-service".into())];
+        assert_eq!(object["metadata"]["namespace"], "default");
+    }
+    let pod = &chart[&("DaemonSet".into(), "bulwark".into())]["spec"]["template"]["spec"];
+    let guard = pod["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "guard")
+        .expect("a guard beside Bulwark");
+    assert_eq!(guard["args"][0], "guard");
+
+    // The chart's configuration publishes the Service, signed, and Bulwark accepts it.
+    let objects = helm_template(&dir, IN_CLUSTER);
+    let config: Config = rendered_config(&objects)
+        .parse()
+        .unwrap_or_else(|e| panic!("the rendered bulwark.yaml is not a valid configuration: {e}"));
+    let fleet = config.fleet.expect("a fleet");
+    assert_eq!(
+        fleet.key_file.as_deref(),
+        Some(std::path::Path::new("/etc/bulwark/fleet/key"))
+    );
+    let service = fleet.kubernetes_service.expect("the Service published");
+    assert_eq!(service.apiservers.len(), 2);
+    // Without the values, none of it.
+    let plain = normalized_chart(helm_template(&dir, ""));
+    assert!(!plain.contains_key(&("Role".into(), "bulwark-kubernetes-service".into())));
+}

@@ -57,5 +57,9 @@ point Bulwark at a file the DaemonSet does not mount.
     "namespace" .Release.Namespace
     "leasePrefix" (printf "%s-" (include "bulwark.name" .)))
 -}}
+{{- with .Values.kubernetesService.apiservers }}
+{{- $_ := set $owned.fleet "keyFile" "/etc/bulwark/fleet/key" -}}
+{{- $_ := set $owned.fleet "kubernetesService" (dict "apiservers" .) -}}
+{{- end }}
 {{- toYaml (mustMergeOverwrite (deepCopy .Values.config) $owned) -}}
 {{- end -}}

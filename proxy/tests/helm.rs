@@ -443,7 +443,8 @@ fn the_front_proxy_key_can_come_from_the_node_and_never_be_in_the_api() {
 }
 
 /// The chart's values that lead pods through Bulwark, as `deploy/overlays/in-cluster` does.
-const IN_CLUSTER: &str = "kubernetesService: {apiservers: [\"10.0.0.11:6443\", \"10.0.0.12:6443\"]}";
+const IN_CLUSTER: &str =
+    "kubernetesService: {apiservers: [\"10.0.0.11:6443\", \"10.0.0.12:6443\"]}";
 
 #[test]
 fn the_in_cluster_overlay_renders_what_the_chart_does_with_kubernetes_service() {

@@ -73,6 +73,9 @@ pub struct InCluster {
     pub token: String,
     /// The name the serving certificate is checked for (`KUBERNETES_SERVICE_HOST`).
     pub server_name: std::net::IpAddr,
+    /// The address its connections come from: its node's, so that per-source bounds see
+    /// one node's pods as one source, as in a cluster (`None`: the host's own).
+    pub source: Option<std::net::IpAddr>,
 }
 
 impl Identity {
@@ -90,8 +93,20 @@ impl Identity {
         Identity {
             cert_pem: String::new(),
             key_pem: String::new(),
-            in_cluster: Some(InCluster { token, server_name }),
+            in_cluster: Some(InCluster {
+                token,
+                server_name,
+                source: None,
+            }),
         }
+    }
+
+    /// The same pod, its connections from `source` (its node's address).
+    pub fn from_source(mut self, source: std::net::IpAddr) -> Identity {
+        if let Some(pod) = &mut self.in_cluster {
+            pod.source = Some(source);
+        }
+        self
     }
 }
 
@@ -105,6 +120,8 @@ pub struct Client {
     accept: &'static str,
     /// An in-cluster client's `Authorization` and the name its TLS checks.
     in_cluster: Option<(http::HeaderValue, ServerName<'static>)>,
+    /// Where its connections come from, when not the host's own address.
+    source: Option<std::net::IpAddr>,
 }
 
 /// What kubelet and most client-go programs send: protobuf first, JSON for the rest.
@@ -195,6 +212,7 @@ impl Client {
             sender: None,
             accept: "application/json",
             in_cluster,
+            source: identity.in_cluster.as_ref().and_then(|pod| pod.source),
         })
     }
 
@@ -214,9 +232,19 @@ impl Client {
         self.sender = None;
         let addr = self.target.addr;
         let fail = |message: String| ClientError::Connect { addr, message };
-        let tcp = TcpStream::connect(addr)
-            .await
-            .map_err(|e| fail(e.to_string()))?;
+        let tcp = match self.source {
+            Some(source) => {
+                let socket = match source {
+                    std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+                    std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+                }
+                .and_then(|s| s.bind(SocketAddr::new(source, 0)).map(|()| s))
+                .map_err(|e| fail(format!("binding {source}: {e}")))?;
+                socket.connect(addr).await
+            }
+            None => TcpStream::connect(addr).await,
+        }
+        .map_err(|e| fail(e.to_string()))?;
         let _ = tcp.set_nodelay(true);
         let name = match &self.in_cluster {
             Some((_, name)) => name.clone(),

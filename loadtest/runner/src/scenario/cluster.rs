@@ -397,13 +397,6 @@ async fn run_front(o: &ClusterOptions, front: Front) -> anyhow::Result<ClusterRu
         Front::Bulwark => o.bulwarks,
     };
     opts.bulwark_exe = o.bulwark_exe.clone();
-    // Every pod here reaches Bulwark from this one host, where a cluster's come from as
-    // many nodes: the review budget for unknown tokens per source address is the
-    // cluster's, not one node's.
-    opts.bulwark_settings.push((
-        "identity.tokenReview.perSource".into(),
-        "{qps: 1000, burst: 5000}".into(),
-    ));
     if o.storm > 0 {
         opts.seed = vec![
             format!(
@@ -785,7 +778,11 @@ fn storm_load(tokens: Vec<String>) -> Load {
         class: "storm".into(),
         identities: tokens
             .into_iter()
-            .map(|t| crate::client::Identity::in_cluster(t, pods::service_ip()))
+            .enumerate()
+            .map(|(i, t)| {
+                crate::client::Identity::in_cluster(t, pods::service_ip())
+                    .from_source(pods::node_source(i))
+            })
             .collect(),
         think: Duration::from_millis(10),
         next: Arc::new(|_, _| Req::get("/api/v1/secrets".into(), Duration::from_secs(60))),

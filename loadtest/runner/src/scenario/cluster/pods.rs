@@ -29,6 +29,15 @@ pub const KUBE_PROXY: (&str, &str) = ("kube-system", "kube-proxy");
 /// The namespace of the agents' Secrets, one per node, named after it.
 pub const AGENT_NAMESPACE: &str = "kwok-agents";
 
+/// Where node `i`'s pods connect from: an address of its own in 127.1.0.0/16 (the host
+/// answers the whole of 127.0.0.0/8), so that Bulwark's per-source and per-prefix bounds
+/// see one node's pods as one source and 256 nodes to a /24, as a cluster's would be,
+/// rather than every pod of the cluster as this one host.
+pub fn node_source(i: usize) -> IpAddr {
+    let n = (i % 65_535) + 1;
+    std::net::Ipv4Addr::new(127, 1, (n >> 8) as u8, (n & 0xff) as u8).into()
+}
+
 /// The `kubernetes` Service's ClusterIP: the name a pod's client checks.
 pub fn service_ip() -> IpAddr {
     KUBERNETES_SERVICE_IP.parse().expect("an IP address")
@@ -280,7 +289,7 @@ pub fn start_per_node(
         .enumerate()
         .filter_map(|(i, token)| {
             let target = &targets[i % targets.len()];
-            let identity = Identity::in_cluster(token, service_ip());
+            let identity = Identity::in_cluster(token, service_ip()).from_source(node_source(i));
             let client = crate::client::Client::new(target, &identity).ok()?;
             let stats = stats.clone();
             let paths = paths(&format!("kwok-node-{i}"));

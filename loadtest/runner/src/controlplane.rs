@@ -448,6 +448,9 @@ impl ControlPlane {
         if opts.bulwarks > 1 || (opts.bulwarks == 1 && cp.publishes_service(&opts)) {
             seed::fleet_rbac(&admin).await?;
         }
+        if opts.bulwarks > 0 {
+            seed::flowcontrol(&admin).await?;
+        }
         if opts.bulwarks == 0 {
             let balancer = Balancer::start(cp.replica_addrs(), Pick::RoundRobin)
                 .await

@@ -37,6 +37,9 @@ const SECRET_BYTES: usize = 2048;
 /// Bulwark's ClusterRole as shipped.
 const DEPLOY_RBAC: &str = include_str!("../../../../deploy/base/rbac.yaml");
 
+/// Bulwark's own priority level and FlowSchema in the apiservers' APF, as shipped.
+const DEPLOY_FLOWCONTROL: &str = include_str!("../../../../deploy/base/flowcontrol.yaml");
+
 /// What publishing the `kubernetes` Service needs, as shipped.
 const SERVICE_RBAC: &str =
     include_str!("../../../../deploy/components/kubernetes-service/rbac.yaml");
@@ -218,6 +221,25 @@ pub async fn fleet_rbac(admin: &Client) -> Result<(), Error> {
     bind_role(admin, namespace, shipped("Role")?).await?;
     let file = "deploy/components/kubernetes-service/rbac.yaml";
     bind_role(admin, "default", shipped_in(SERVICE_RBAC, file, "Role")?).await
+}
+
+/// Bulwark's own traffic in the apiservers' APF as `deploy/base/flowcontrol.yaml` ships it
+/// (its reviews, informers and Leases on a priority level of their own, so that what it
+/// holds back cannot starve them), matching Bulwark's own user here where the shipped
+/// schema names its ServiceAccount.
+pub async fn flowcontrol(admin: &Client) -> Result<(), Error> {
+    use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
+    let file = "deploy/base/flowcontrol.yaml";
+    let level = shipped_in(DEPLOY_FLOWCONTROL, file, "PriorityLevelConfiguration")?;
+    create(
+        &Api::<PriorityLevelConfiguration>::all(admin.clone()),
+        level,
+    )
+    .await?;
+    let mut schema = shipped_in(DEPLOY_FLOWCONTROL, file, "FlowSchema")?;
+    schema["spec"]["rules"][0]["subjects"] =
+        json!([{"kind": "User", "user": {"name": BULWARK_USER}}]);
+    create(&Api::<FlowSchema>::all(admin.clone()), schema).await
 }
 
 /// Creates `role` in `namespace` and binds it to Bulwark's own user (the shipped bindings

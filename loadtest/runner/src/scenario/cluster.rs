@@ -469,29 +469,12 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         leases,
     )
     .await?;
-    // The pods' ServiceAccounts and their tokens, bound to their nodes.
-    let node_list = pods::nodes(&observer, o.nodes).await?;
-    let (mut agent_tokens, mut proxy_tokens) = (Vec::new(), Vec::new());
-    if o.agents {
-        grant(cp, "pods-rbac.yaml", &pods::rbac()).await?;
-        pods::service_account(&observer, pods::AGENT).await?;
-        pods::service_account(&observer, pods::KUBE_PROXY).await?;
-        pods::agent_secrets(&observer, o.nodes).await?;
-        agent_tokens = pods::bound_tokens(&observer, pods::AGENT, &node_list).await?;
-        proxy_tokens = pods::bound_tokens(&observer, pods::KUBE_PROXY, &node_list).await?;
-    }
-    let mut storm_tokens = Vec::new();
     if o.storm > 0 {
         grant(cp, "storm-rbac.yaml", &storm_rbac(o.storm)).await?;
-        for i in 0..o.storm {
-            let account = storm_account(i);
-            let account = (account.0.as_str(), account.1.as_str());
-            pods::service_account(&observer, account).await?;
-            let node = &node_list[i % node_list.len().max(1)..][..1];
-            storm_tokens.extend(pods::bound_tokens(&observer, account, node).await?);
-        }
     }
-    let pod_targets = pods::targets(cp, &observer, front).await?;
+    let storm_accounts: Vec<(String, String)> = (0..o.storm).map(storm_account).collect();
+    let mut pods =
+        pods::Pods::prepare(cp, &observer, front, o.agents, o.nodes, &storm_accounts).await?;
     let (stop_probes, stopped) = tokio::sync::watch::channel(false);
     let probe_stats = ClassStats::new();
     let slowest = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -519,32 +502,8 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
 
     // The agents and the storm run as long as the burst is watched (`settle`).
     let until = tokio::time::Instant::now() + o.settle;
-    let agent_stats = ClassStats::new();
-    let proxy_stats = ClassStats::new();
-    let mut agent_tasks = if o.agents {
-        eprintln!(
-            "cluster: starting a logging agent and a kube-proxy per node, with tokens bound to \
-             it, through the kubernetes Service ({:?})",
-            pod_targets.iter().map(|t| t.addr).collect::<Vec<_>>()
-        );
-        let mut tasks = pods::start_per_node(
-            &pod_targets,
-            std::mem::take(&mut agent_tokens),
-            pods::agent_paths,
-            &agent_stats,
-            until,
-        );
-        tasks.extend(pods::start_per_node(
-            &pod_targets,
-            std::mem::take(&mut proxy_tokens),
-            pods::kube_proxy_paths,
-            &proxy_stats,
-            until,
-        ));
-        tasks
-    } else {
-        Vec::new()
-    };
+    let (agent_stats, proxy_stats) = (ClassStats::new(), ClassStats::new());
+    let mut agent_tasks = pods.start_nodes(&agent_stats, &proxy_stats, until);
     let storm = if o.storm > 0 {
         eprintln!(
             "cluster: a storm of {} identities listing {} Secrets of {} KiB",
@@ -552,9 +511,9 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
             o.storm_secrets,
             STORM_SECRET_BYTES >> 10
         );
-        let targets = pod_targets.clone();
+        let targets = pods.targets.clone();
         Some(spawn_loads_at(
-            vec![storm_load(std::mem::take(&mut storm_tokens))],
+            vec![storm_load(std::mem::take(&mut pods.storm_tokens))],
             until,
             move |_, i| targets[i % targets.len()].clone(),
             None,
@@ -823,7 +782,7 @@ subjects:
 }
 
 /// Applies `yaml` as the admin, from `DIR/file`.
-async fn grant(cp: &ControlPlane, file: &str, yaml: &str) -> anyhow::Result<()> {
+pub(crate) async fn grant(cp: &ControlPlane, file: &str, yaml: &str) -> anyhow::Result<()> {
     let path = cp.dir().join(file);
     std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
     let (applied, said) = cp

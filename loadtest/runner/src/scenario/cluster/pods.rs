@@ -29,6 +29,84 @@ pub const KUBE_PROXY: (&str, &str) = ("kube-system", "kube-proxy");
 /// The namespace of the agents' Secrets, one per node, named after it.
 pub const AGENT_NAMESPACE: &str = "kwok-agents";
 
+/// The run's pods, their tokens minted and the Service's endpoints found, ready to start.
+pub struct Pods {
+    /// Where kube-proxy sends them ([`targets`]).
+    pub targets: Vec<Target>,
+    /// Each node's logging agent's token, by node.
+    agent_tokens: Vec<String>,
+    /// Each node's kube-proxy's token, by node.
+    proxy_tokens: Vec<String>,
+    /// The storm's operators' tokens, bound to the first nodes.
+    pub storm_tokens: Vec<String>,
+}
+
+impl Pods {
+    /// ServiceAccounts, RBAC and tokens bound to their nodes: with `per_node`, a logging
+    /// agent and a kube-proxy on each of `nodes`; an operator for each of `storm` (its
+    /// namespace and name), the `i`-th on node `i`.
+    pub async fn prepare(
+        cp: &ControlPlane,
+        client: &Client,
+        front: Front,
+        per_node: bool,
+        nodes: usize,
+        storm: &[(String, String)],
+    ) -> anyhow::Result<Pods> {
+        let node_list = self::nodes(client, nodes).await?;
+        let (mut agent_tokens, mut proxy_tokens) = (Vec::new(), Vec::new());
+        if per_node {
+            super::grant(cp, "pods-rbac.yaml", &rbac()).await?;
+            service_account(client, AGENT).await?;
+            service_account(client, KUBE_PROXY).await?;
+            agent_secrets(client, nodes).await?;
+            agent_tokens = bound_tokens(client, AGENT, &node_list).await?;
+            proxy_tokens = bound_tokens(client, KUBE_PROXY, &node_list).await?;
+        }
+        let mut storm_tokens = Vec::new();
+        for (i, (namespace, name)) in storm.iter().enumerate() {
+            let account = (namespace.as_str(), name.as_str());
+            service_account(client, account).await?;
+            let node = &node_list[i % node_list.len().max(1)..][..1];
+            storm_tokens.extend(bound_tokens(client, account, node).await?);
+        }
+        Ok(Pods {
+            targets: targets(cp, client, front).await?,
+            agent_tokens,
+            proxy_tokens,
+            storm_tokens,
+        })
+    }
+
+    /// Starts each node's logging agent and kube-proxy, until `until`.
+    pub fn start_nodes(
+        &mut self,
+        agents: &Arc<ClassStats>,
+        proxies: &Arc<ClassStats>,
+        until: tokio::time::Instant,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        if self.agent_tokens.is_empty() {
+            return Vec::new();
+        }
+        eprintln!(
+            "cluster: starting a logging agent and a kube-proxy per node, with tokens bound to \
+             it, through the kubernetes Service ({:?})",
+            self.targets.iter().map(|t| t.addr).collect::<Vec<_>>()
+        );
+        let agent_tokens = std::mem::take(&mut self.agent_tokens);
+        let proxy_tokens = std::mem::take(&mut self.proxy_tokens);
+        let mut tasks = start_per_node(&self.targets, agent_tokens, agent_paths, agents, until);
+        tasks.extend(start_per_node(
+            &self.targets,
+            proxy_tokens,
+            kube_proxy_paths,
+            proxies,
+            until,
+        ));
+        tasks
+    }
+}
+
 /// Where node `i`'s pods connect from: an address of its own in 127.1.0.0/16 (the host
 /// answers the whole of 127.0.0.0/8), so that Bulwark's per-source and per-prefix bounds
 /// see one node's pods as one source and 256 nodes to a /24, as a cluster's would be,
@@ -277,7 +355,7 @@ pub async fn agent_secrets(client: &Client, nodes: usize) -> anyhow::Result<()> 
 /// connection until `until`, started 10 ms apart so that the handshakes do not all land at
 /// once; the `i`-th node's client goes where kube-proxy would send it (`targets`, round
 /// robin as its random pick spreads them).
-pub fn start_per_node(
+fn start_per_node(
     targets: &[Target],
     tokens: Vec<String>,
     paths: impl Fn(&str) -> Vec<String>,
@@ -320,7 +398,7 @@ pub fn start_per_node(
 }
 
 /// A logging agent's informers on node `name`: its pods, its Secret, every EndpointSlice.
-pub fn agent_paths(name: &str) -> Vec<String> {
+fn agent_paths(name: &str) -> Vec<String> {
     vec![
         format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{name}"),
         format!(
@@ -331,7 +409,7 @@ pub fn agent_paths(name: &str) -> Vec<String> {
 }
 
 /// kube-proxy's informers: Services and EndpointSlices.
-pub fn kube_proxy_paths(_node: &str) -> Vec<String> {
+fn kube_proxy_paths(_node: &str) -> Vec<String> {
     vec![
         "/api/v1/services".into(),
         "/apis/discovery.k8s.io/v1/endpointslices".into(),

@@ -388,7 +388,7 @@ pub struct Admin {
     /// Address to bind; localhost unless configured.
     pub address: SocketAddr,
     /// File holding the bearer token that `/debug/*` requires when the admin listener is not
-    /// bound to localhost.
+    /// bound to localhost; with `metricsAccess: authorized` it opens `/metrics` too.
     pub token_file: Option<PathBuf>,
     /// Serve HTTPS with this certificate and key (re-read when they change).
     pub tls: Option<AdminTls>,
@@ -475,7 +475,8 @@ pub enum MetricsAccess {
     Anyone,
     /// A caller whose bearer token a TokenReview accepts and whom a SubjectAccessReview
     /// allows `get` on the non-resource URL `/metrics` (as `system:monitoring` is in a
-    /// cluster), both made upstream with Bulwark's own identity. Needs `tls`.
+    /// cluster), both made upstream with Bulwark's own identity, or the admin token
+    /// (`admin.tokenFile`). Needs `tls`.
     Authorized,
 }
 

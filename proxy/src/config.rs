@@ -916,6 +916,15 @@ impl Default for Audit {
     }
 }
 
+impl AccessLog {
+    /// The bytes the log may take on disk: `maxSize × (maxFiles + 1)`.
+    pub fn max_disk_bytes(&self) -> u64 {
+        self.max_size
+            .0
+            .saturating_mul(u64::from(self.max_files) + 1)
+    }
+}
+
 impl Audit {
     /// The bytes the log may take on disk: `maxSize × (maxFiles + 1)`.
     pub fn max_disk_bytes(&self) -> u64 {

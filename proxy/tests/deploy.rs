@@ -478,6 +478,15 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
     mounts.assert_file(&front_proxy.cert);
     mounts.assert_file(&front_proxy.key);
     mounts.assert_file(config.upstream.own.token_file.as_ref().unwrap());
+    // The on-call's token for /debug/* (on every address, the admin port needs one) comes
+    // from a Secret something makes: the dev overlay generates it.
+    mounts.assert_file(
+        config
+            .admin
+            .token_file
+            .as_ref()
+            .expect("admin.tokenFile: /debug/* answers nobody without it"),
+    );
     let rules = config.rules.folder.as_ref().unwrap();
     let rules_volume = mounts
         .volume_at(rules)
@@ -494,15 +503,33 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         audit_volume.get("emptyDir").is_some() || audit_volume.get("hostPath").is_some(),
         "the audit log needs a writable volume"
     );
+    // The access log, sampled, beside it on the same volume.
+    let access = config
+        .access_log
+        .as_ref()
+        .expect("the deployment writes an access log");
+    assert!(
+        access.sample > 0.0 && access.sample < 1.0,
+        "a sampled access log"
+    );
+    assert_eq!(
+        mounts.volume_at(access.path.parent().unwrap()),
+        Some(audit_volume),
+        "the access log goes to the logs volume"
+    );
+    assert!(
+        config.metrics.identities > 0,
+        "the metrics name who is refused"
+    );
     // The kubelet evicts the pod whose emptyDir passes its sizeLimit: the rotated logs in
     // it must fit at their largest, with a quarter to spare.
     if let Some(limit) = audit_volume["emptyDir"].get("sizeLimit") {
         let limit: Quantity = serde_json::from_value(limit.clone()).expect("a quantity");
-        let logs = config.audit.max_disk_bytes();
+        let logs = config.audit.max_disk_bytes() + access.max_disk_bytes();
         assert!(
             limit.0 >= logs + logs / 4,
-            "the audit volume's sizeLimit ({} bytes) does not hold audit.maxSize x \
-             (audit.maxFiles + 1) = {logs} bytes with 25% to spare",
+            "the logs volume's sizeLimit ({} bytes) does not hold maxSize x (maxFiles + 1) \
+             of the audit log and the access log = {logs} bytes with 25% to spare",
             limit.0
         );
     }

@@ -267,7 +267,7 @@ fn values_reach_the_objects_and_make_a_configuration_bulwark_accepts() {
 image: {repository: registry.example/bulwark, tag: "1.2.3"}
 apiservers: [192.0.2.1:6443, "cp-2.example:6443"]
 listen: {port: 8443}
-admin: {address: 127.0.0.1, port: 9444}
+admin: {address: 127.0.0.1, port: 9444, tokenSecret: {name: my-admin-token}}
 certificates:
   servingSecret: my-serving
   frontProxySecret: my-front-proxy
@@ -335,7 +335,10 @@ config:
         .iter()
         .filter_map(|v| v["secret"]["secretName"].as_str())
         .collect();
-    assert_eq!(secrets, ["my-serving", "my-front-proxy", "my-client-ca"]);
+    assert_eq!(
+        secrets,
+        ["my-serving", "my-front-proxy", "my-client-ca", "my-admin-token"]
+    );
     let rules = &find(&objects, "ConfigMap", "bulwark-rules")["data"];
     assert_eq!(
         rules.as_object().unwrap().keys().collect::<Vec<_>>(),
@@ -402,7 +405,10 @@ fn the_front_proxy_key_can_come_from_the_node_and_never_be_in_the_api() {
         .iter()
         .filter_map(|v| v["secret"]["secretName"].as_str())
         .collect();
-    assert_eq!(secrets, ["bulwark-serving", "bulwark-client-ca"]);
+    assert_eq!(
+        secrets,
+        ["bulwark-serving", "bulwark-client-ca", "bulwark-admin-token"]
+    );
     // Each file Bulwark reads is the node's own, alone, where the configuration names it.
     let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
     for (file, node) in [
@@ -514,4 +520,46 @@ fn the_in_cluster_overlay_renders_what_the_chart_does_with_kubernetes_service() 
     // Without the values, none of it.
     let plain = normalized_chart(helm_template(&dir, ""));
     assert!(!plain.contains_key(&("Role".into(), "bulwark-kubernetes-service".into())));
+}
+
+#[test]
+fn the_admin_token_is_mounted_where_bulwark_reads_it_and_the_chart_can_make_it() {
+    let Some(dir) = tools() else { return };
+    let objects = helm_template(&dir, "");
+    assert!(
+        !objects.iter().any(|o| o["kind"] == "Secret"),
+        "by default the Secret is made by hand, as for the base"
+    );
+    let config: Config = rendered_config(&objects).parse().unwrap();
+    let token_file = config.admin.token_file.expect("admin.tokenFile");
+    let pod = &find(&objects, "DaemonSet", "bulwark")["spec"]["template"]["spec"];
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == token_file.parent().unwrap().to_str().unwrap())
+        .expect("the token's folder is mounted");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(volume["secret"]["secretName"], "bulwark-admin-token");
+    assert_eq!(token_file.file_name().unwrap(), "token");
+    assert!(config.access_log.is_some() && config.metrics.identities > 0);
+
+    let objects = helm_template(
+        &dir,
+        "admin: {tokenSecret: {create: true}}\nconfig: {accessLog: null}",
+    );
+    let secret = find(&objects, "Secret", "bulwark-admin-token");
+    use base64::Engine as _;
+    let token = base64::engine::general_purpose::STANDARD
+        .decode(secret["data"]["token"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(token.len(), 48);
+    assert!(token.iter().all(u8::is_ascii_alphanumeric));
+    let config: Config = rendered_config(&objects).parse().unwrap();
+    assert!(config.access_log.is_none(), "accessLog: null turns it off");
 }

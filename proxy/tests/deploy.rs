@@ -349,6 +349,27 @@ fn the_base_and_the_chart_ship_exactly_the_rules_folder() {
     }
 }
 
+/// The chart ships the alerts and the dashboard of `deploy/` as copies under its own folder
+/// (Helm reads only files under the chart): the same files, byte for byte.
+#[test]
+fn the_chart_ships_the_alerts_and_the_dashboard_of_deploy() {
+    for (shipped, copy) in [
+        (
+            "deploy/prometheus/bulwark.rules.yml",
+            "deploy/helm/bulwark/prometheus/bulwark.rules.yml",
+        ),
+        (
+            "deploy/grafana/bulwark.json",
+            "deploy/helm/bulwark/grafana/bulwark.json",
+        ),
+    ] {
+        assert!(
+            read(&repo(shipped)) == read(&repo(copy)),
+            "{copy} differs from {shipped} (copy it: cp {shipped} {copy})"
+        );
+    }
+}
+
 /// Does the label selector `selector` (matchLabels or a plain map) select `labels`?
 fn selects(selector: &Value, labels: &Value) -> bool {
     let wanted = selector

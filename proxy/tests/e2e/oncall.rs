@@ -288,7 +288,9 @@ async fn the_admin_token_reads_metrics_and_debug_pages_on_a_protected_admin_port
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut oncall = cluster.anonymous_client_at(admin).await;
-    let answer = oncall.get_with_token("/metrics", "s3cret-admin-token").await;
+    let answer = oncall
+        .get_with_token("/metrics", "s3cret-admin-token")
+        .await;
     assert_eq!(answer.status, 200, "{}", answer.text());
     assert!(answer.text().contains("# TYPE bulwark_"));
     let answer = oncall
@@ -296,7 +298,9 @@ async fn the_admin_token_reads_metrics_and_debug_pages_on_a_protected_admin_port
         .await;
     assert_eq!(answer.status, 200, "{}", answer.text());
     // Any other token is still reviewed (and unknown here), and no token opens /debug/*.
-    let answer = oncall.get_with_token("/metrics", "s3cret-admin-tokem").await;
+    let answer = oncall
+        .get_with_token("/metrics", "s3cret-admin-tokem")
+        .await;
     assert_eq!(answer.status, 401, "{}", answer.text());
     assert_eq!(oncall.get("/debug/flows").await.status, 403);
 }

@@ -132,6 +132,12 @@ fn debug_allowed(access: &DebugAccess, headers: &http::HeaderMap) -> bool {
     }
 }
 
+/// Whether the request carries the configured admin token (never true on a loopback
+/// listener, whose `/debug/*` is open without one).
+fn holds_admin_token(access: &DebugAccess, headers: &http::HeaderMap) -> bool {
+    matches!(access, DebugAccess::Token(_)) && debug_allowed(access, headers)
+}
+
 /// How `/metrics` callers are checked (`admin.metricsAccess: authorized`): a TokenReview of
 /// their bearer token, then a SubjectAccessReview of `get` on `/metrics`, both upstream.
 pub struct MetricsAuth {
@@ -286,8 +292,11 @@ const MAX_LOG_FILTER: usize = 4096;
 
 /// [`route`], after reading the body of `PUT /debug/log-level`, the one request with a body.
 async fn handle(state: &State, request: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    // The admin token opens `/metrics` too: the on-call who holds it for `/debug/*` reads
+    // what Prometheus reads, without a ServiceAccount token of a scraper.
     if request.uri().path() == "/metrics"
         && let Some(auth) = &state.metrics_auth
+        && !holds_admin_token(&state.debug_token, request.headers())
         && let Err(refused) = metrics_allowed(auth, &request, peer).await
     {
         return refused;

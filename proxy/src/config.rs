@@ -388,7 +388,7 @@ pub struct Admin {
     /// Address to bind; localhost unless configured.
     pub address: SocketAddr,
     /// File holding the bearer token that `/debug/*` requires when the admin listener is not
-    /// bound to localhost.
+    /// bound to localhost; with `metricsAccess: authorized` it opens `/metrics` too.
     pub token_file: Option<PathBuf>,
     /// Serve HTTPS with this certificate and key (re-read when they change).
     pub tls: Option<AdminTls>,
@@ -475,7 +475,8 @@ pub enum MetricsAccess {
     Anyone,
     /// A caller whose bearer token a TokenReview accepts and whom a SubjectAccessReview
     /// allows `get` on the non-resource URL `/metrics` (as `system:monitoring` is in a
-    /// cluster), both made upstream with Bulwark's own identity. Needs `tls`.
+    /// cluster), both made upstream with Bulwark's own identity, or the admin token
+    /// (`admin.tokenFile`). Needs `tls`.
     Authorized,
 }
 
@@ -912,6 +913,15 @@ impl Default for Audit {
             max_size: Quantity(100 * 1024 * 1024),
             max_files: 5,
         }
+    }
+}
+
+impl AccessLog {
+    /// The bytes the log may take on disk: `maxSize × (maxFiles + 1)`.
+    pub fn max_disk_bytes(&self) -> u64 {
+        self.max_size
+            .0
+            .saturating_mul(u64::from(self.max_files) + 1)
     }
 }
 

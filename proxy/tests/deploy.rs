@@ -349,6 +349,27 @@ fn the_base_and_the_chart_ship_exactly_the_rules_folder() {
     }
 }
 
+/// The chart ships the alerts and the dashboard of `deploy/` as copies under its own folder
+/// (Helm reads only files under the chart): the same files, byte for byte.
+#[test]
+fn the_chart_ships_the_alerts_and_the_dashboard_of_deploy() {
+    for (shipped, copy) in [
+        (
+            "deploy/prometheus/bulwark.rules.yml",
+            "deploy/helm/bulwark/prometheus/bulwark.rules.yml",
+        ),
+        (
+            "deploy/grafana/bulwark.json",
+            "deploy/helm/bulwark/grafana/bulwark.json",
+        ),
+    ] {
+        assert!(
+            read(&repo(shipped)) == read(&repo(copy)),
+            "{copy} differs from {shipped} (copy it: cp {shipped} {copy})"
+        );
+    }
+}
+
 /// Does the label selector `selector` (matchLabels or a plain map) select `labels`?
 fn selects(selector: &Value, labels: &Value) -> bool {
     let wanted = selector
@@ -478,6 +499,15 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
     mounts.assert_file(&front_proxy.cert);
     mounts.assert_file(&front_proxy.key);
     mounts.assert_file(config.upstream.own.token_file.as_ref().unwrap());
+    // The on-call's token for /debug/* (on every address, the admin port needs one) comes
+    // from a Secret something makes: the dev overlay generates it.
+    mounts.assert_file(
+        config
+            .admin
+            .token_file
+            .as_ref()
+            .expect("admin.tokenFile: /debug/* answers nobody without it"),
+    );
     let rules = config.rules.folder.as_ref().unwrap();
     let rules_volume = mounts
         .volume_at(rules)
@@ -494,15 +524,33 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         audit_volume.get("emptyDir").is_some() || audit_volume.get("hostPath").is_some(),
         "the audit log needs a writable volume"
     );
+    // The access log, sampled, beside it on the same volume.
+    let access = config
+        .access_log
+        .as_ref()
+        .expect("the deployment writes an access log");
+    assert!(
+        access.sample > 0.0 && access.sample < 1.0,
+        "a sampled access log"
+    );
+    assert_eq!(
+        mounts.volume_at(access.path.parent().unwrap()),
+        Some(audit_volume),
+        "the access log goes to the logs volume"
+    );
+    assert!(
+        config.metrics.identities > 0,
+        "the metrics name who is refused"
+    );
     // The kubelet evicts the pod whose emptyDir passes its sizeLimit: the rotated logs in
     // it must fit at their largest, with a quarter to spare.
     if let Some(limit) = audit_volume["emptyDir"].get("sizeLimit") {
         let limit: Quantity = serde_json::from_value(limit.clone()).expect("a quantity");
-        let logs = config.audit.max_disk_bytes();
+        let logs = config.audit.max_disk_bytes() + access.max_disk_bytes();
         assert!(
             limit.0 >= logs + logs / 4,
-            "the audit volume's sizeLimit ({} bytes) does not hold audit.maxSize x \
-             (audit.maxFiles + 1) = {logs} bytes with 25% to spare",
+            "the logs volume's sizeLimit ({} bytes) does not hold maxSize x (maxFiles + 1) \
+             of the audit log and the access log = {logs} bytes with 25% to spare",
             limit.0
         );
     }
@@ -1683,4 +1731,301 @@ fn the_fleet_s_namespace_with_the_front_proxy_key_is_never_cached() {
     assert!(daemonset.contains("secretName: bulwark-front-proxy"));
     let namespace = yaml(&repo("deploy/base/namespace.yaml"));
     assert_eq!(namespace["metadata"]["name"], fleet.namespace.as_str());
+}
+
+// ---------------------------------------------------------------------------------------
+// The load balancer: deploy/README.md's haproxy lines, run
+
+/// haproxy, or `None` (with a note) where it is not installed, except under CI, which
+/// installs it.
+fn haproxy() -> Option<PathBuf> {
+    let found = ["haproxy", "/usr/sbin/haproxy"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| {
+            std::process::Command::new(p)
+                .arg("-v")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        });
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "haproxy is not installed; .ci/run installs it"
+        );
+        eprintln!("haproxy not installed: skipped (apt-get install haproxy)");
+    }
+    found
+}
+
+/// The haproxy configuration deploy/README.md gives, exactly: the code block after "In
+/// haproxy".
+fn readme_haproxy_lines() -> String {
+    let readme = read(&repo("deploy/README.md"));
+    let after = readme
+        .split_once("In haproxy")
+        .expect("deploy/README.md shows haproxy's configuration")
+        .1;
+    let block = after
+        .split_once("```\n")
+        .expect("a code block")
+        .1
+        .split_once("```")
+        .expect("the block ends")
+        .0;
+    block
+        .lines()
+        .map(|l| l.trim_start().to_string() + "\n")
+        .collect()
+}
+
+/// `text` with `from` replaced by `to`, which must be there.
+fn substituted(text: &str, from: &str, to: &str) -> String {
+    assert!(text.contains(from), "no {from:?} in:\n{text}");
+    text.replace(from, to)
+}
+
+/// Each server of haproxy's stats (`show stat` on its socket) as backend/server → column →
+/// value.
+async fn haproxy_servers(socket: &Path) -> BTreeMap<String, BTreeMap<String, String>> {
+    use tokio::io::AsyncWriteExt as _;
+    let Ok(mut stream) = tokio::net::UnixStream::connect(socket).await else {
+        return BTreeMap::new();
+    };
+    stream.write_all(b"show stat\n").await.unwrap();
+    let mut csv = String::new();
+    stream.read_to_string(&mut csv).await.unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("# ")
+        .split(',')
+        .collect();
+    lines
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            header
+                .iter()
+                .zip(line.split(','))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>()
+        })
+        .filter(|row| !["FRONTEND", "BACKEND"].contains(&row["svname"].as_str()))
+        .map(|row| (format!("{}/{}", row["pxname"], row["svname"]), row))
+        .collect()
+}
+
+/// The README's haproxy lines, run against a Bulwark in the deployed shape (HTTPS admin
+/// port, the PROXY protocol required from the balancer): every server's health check
+/// passes and a client reaches Bulwark through the frontend. The same lines with a
+/// plain-HTTP check, as the README had them, fail theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_s_haproxy_lines_health_check_bulwark_s_https_admin_port() {
+    let Some(haproxy) = haproxy() else { return };
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        settings: vec![(
+            "listen.proxyProtocol",
+            "{trustedSources: [127.0.0.1/32], required: true}",
+        )],
+        tweak: |config| {
+            config.admin.tls = Some(bulwark::config::AdminTls {
+                cert: config.listen.cert.clone(),
+                key: config.listen.key.clone(),
+            });
+        },
+        ..Setup::default()
+    })
+    .await
+    .ready()
+    .await;
+    let dir = cluster.dir();
+    let ca = dir.join("serving-ca.crt");
+    std::fs::write(&ca, cluster.pki.server_ca.cert_pem()).unwrap();
+    let front = bulwark_testkit::free_addr();
+    let bulwark = cluster.bulwark.addr.to_string();
+    let admin_port = cluster.bulwark.admin_addr.port().to_string();
+
+    // The README's lines with this test's addresses, names and files.
+    let mut lines = readme_haproxy_lines();
+    lines = substituted(&lines, "bind :443", &format!("bind {front}"));
+    for node in ["10.0.0.11:7443", "10.0.0.12:7443", "10.0.0.13:7443"] {
+        lines = substituted(&lines, node, &bulwark);
+    }
+    lines = substituted(&lines, "port 9443", &format!("port {admin_port}"));
+    lines = substituted(
+        &lines,
+        "/etc/haproxy/bulwark-serving-ca.crt",
+        ca.to_str().unwrap(),
+    );
+    // The serving certificate's name here.
+    lines = substituted(&lines, "bulwark.example.com", "localhost");
+    // The same backend checked in plain HTTP, as the README had it.
+    let plain = lines
+        .split_once("\nbackend bulwark\n")
+        .expect("the backend")
+        .1
+        .lines()
+        .map(|l| {
+            if l.starts_with("default-server") {
+                format!("default-server check port {admin_port}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect::<String>();
+    let socket = dir.join("haproxy.sock");
+    let config = format!(
+        "global\n  stats socket {} mode 600 level admin\n\
+         defaults\n  timeout connect 2s\n  timeout client 30s\n  timeout server 30s\n\
+         {lines}backend plain-http\n{plain}",
+        socket.display()
+    );
+    let path = dir.join("haproxy.cfg");
+    std::fs::write(&path, &config).unwrap();
+    let checked = std::process::Command::new(&haproxy)
+        .arg("-c")
+        .arg("-f")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        checked.status.success(),
+        "haproxy -c refuses the README's lines:\n{}{}\n{config}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    let _haproxy = tokio::process::Command::new(&haproxy)
+        .arg("-db")
+        .arg("-f")
+        .arg(&path)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+
+    // Every server's first check has a result (haproxy starts them UP and checks every 2 s).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let servers = loop {
+        let servers = haproxy_servers(&socket).await;
+        let checked = |row: &BTreeMap<String, String>| {
+            !row["check_status"].is_empty() && !row["check_status"].starts_with("INI")
+        };
+        if servers.len() == 6 && servers.values().all(checked) {
+            break servers;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "haproxy's checks never ran: {servers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for server in ["cp1", "cp2", "cp3"] {
+        let row = &servers[&format!("bulwark/{server}")];
+        assert_eq!(
+            (row["status"].as_str(), row["check_status"].as_str()),
+            ("UP", "L7OK"),
+            "{server}: {row:?}"
+        );
+        let row = &servers[&format!("plain-http/{server}")];
+        assert_ne!(
+            row["check_status"], "L7OK",
+            "a plain-HTTP check of the HTTPS admin port passed: {row:?}"
+        );
+    }
+
+    // A client through the frontend reaches Bulwark, which takes haproxy's PROXY header.
+    let tcp = bulwark_testkit::tcp_from([127, 0, 0, 2].into(), front)
+        .await
+        .unwrap();
+    let cert = cluster.pki.client_ca.client_cert("carol", &[]);
+    let mut client = Client::over(tcp, &cluster.pki, Some(&cert))
+        .await
+        .expect("TLS through haproxy");
+    let answer = client.get("/api/v1/namespaces/default/configmaps").await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+}
+
+// ---------------------------------------------------------------------------------------
+// deploy/README.md's alert table
+
+/// The alert table lists exactly the alerts of the rules file, each with its severity, and
+/// names unit tests that exist and show it firing (or, marked "quiet:", staying quiet).
+#[test]
+fn the_readme_s_alert_table_lists_every_alert_with_its_severity_and_tests() {
+    let readme = read(&repo("deploy/README.md"));
+    let table = readme
+        .split_once("| alert | fires when | severity |")
+        .expect("deploy/README.md has the alert table")
+        .1;
+    let rows: Vec<Vec<String>> = table
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            l.trim_matches('|')
+                .split(" | ")
+                .map(|c| c.trim().to_string())
+                .collect()
+        })
+        .collect();
+    let file = yaml(&repo("deploy/prometheus/bulwark.rules.yml"));
+    let severities: BTreeMap<String, String> = file["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["rules"].as_array().unwrap().iter())
+        .filter_map(|r| {
+            Some((
+                r["alert"].as_str()?.to_string(),
+                r["labels"]["severity"].as_str()?.to_string(),
+            ))
+        })
+        .collect();
+    let tests = yaml(&repo("deploy/prometheus/bulwark.rules.test.yml"));
+    let groups: BTreeMap<&str, &Value> = tests["tests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["name"].as_str().unwrap(), t))
+        .collect();
+
+    let listed: Vec<String> = rows
+        .iter()
+        .map(|r| r[0].trim_matches('`').to_string())
+        .collect();
+    assert_eq!(
+        listed.iter().cloned().collect::<BTreeSet<_>>(),
+        severities.keys().cloned().collect::<BTreeSet<_>>(),
+        "deploy/README.md's alert table and bulwark.rules.yml list different alerts"
+    );
+    assert_eq!(listed.len(), severities.len(), "an alert listed twice");
+    for row in &rows {
+        let alert = row[0].trim_matches('`');
+        assert_eq!(row.len(), 4, "{alert}: {row:?}");
+        assert_eq!(row[2], severities[alert], "{alert}: the table's severity");
+        for named in row[3].split("; ") {
+            let (quiet, name) = match named.strip_prefix("quiet: ") {
+                Some(name) => (true, name),
+                None => (false, named),
+            };
+            let name = name.trim_matches('"');
+            let group = groups
+                .get(name)
+                .unwrap_or_else(|| panic!("{alert}: no unit test {name:?}"));
+            let shown = group["alert_rule_test"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| {
+                    c["alertname"] == alert
+                        && c["exp_alerts"].as_array().is_some_and(|a| a.is_empty()) == quiet
+                });
+            assert!(
+                shown,
+                "{alert}: unit test {name:?} does not show it {}",
+                if quiet { "quiet" } else { "firing" }
+            );
+        }
+    }
 }

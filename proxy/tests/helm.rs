@@ -267,7 +267,7 @@ fn values_reach_the_objects_and_make_a_configuration_bulwark_accepts() {
 image: {repository: registry.example/bulwark, tag: "1.2.3"}
 apiservers: [192.0.2.1:6443, "cp-2.example:6443"]
 listen: {port: 8443}
-admin: {address: 127.0.0.1, port: 9444}
+admin: {address: 127.0.0.1, port: 9444, tokenSecret: {name: my-admin-token}}
 certificates:
   servingSecret: my-serving
   frontProxySecret: my-front-proxy
@@ -335,7 +335,15 @@ config:
         .iter()
         .filter_map(|v| v["secret"]["secretName"].as_str())
         .collect();
-    assert_eq!(secrets, ["my-serving", "my-front-proxy", "my-client-ca"]);
+    assert_eq!(
+        secrets,
+        [
+            "my-serving",
+            "my-front-proxy",
+            "my-client-ca",
+            "my-admin-token"
+        ]
+    );
     let rules = &find(&objects, "ConfigMap", "bulwark-rules")["data"];
     assert_eq!(
         rules.as_object().unwrap().keys().collect::<Vec<_>>(),
@@ -402,7 +410,14 @@ fn the_front_proxy_key_can_come_from_the_node_and_never_be_in_the_api() {
         .iter()
         .filter_map(|v| v["secret"]["secretName"].as_str())
         .collect();
-    assert_eq!(secrets, ["bulwark-serving", "bulwark-client-ca"]);
+    assert_eq!(
+        secrets,
+        [
+            "bulwark-serving",
+            "bulwark-client-ca",
+            "bulwark-admin-token"
+        ]
+    );
     // Each file Bulwark reads is the node's own, alone, where the configuration names it.
     let mounts = pod["containers"][0]["volumeMounts"].as_array().unwrap();
     for (file, node) in [
@@ -514,4 +529,218 @@ fn the_in_cluster_overlay_renders_what_the_chart_does_with_kubernetes_service() 
     // Without the values, none of it.
     let plain = normalized_chart(helm_template(&dir, ""));
     assert!(!plain.contains_key(&("Role".into(), "bulwark-kubernetes-service".into())));
+}
+
+#[test]
+fn the_admin_token_is_mounted_where_bulwark_reads_it_and_the_chart_can_make_it() {
+    let Some(dir) = tools() else { return };
+    let objects = helm_template(&dir, "");
+    assert!(
+        !objects.iter().any(|o| o["kind"] == "Secret"),
+        "by default the Secret is made by hand, as for the base"
+    );
+    let config: Config = rendered_config(&objects).parse().unwrap();
+    let token_file = config.admin.token_file.expect("admin.tokenFile");
+    let pod = &find(&objects, "DaemonSet", "bulwark")["spec"]["template"]["spec"];
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == token_file.parent().unwrap().to_str().unwrap())
+        .expect("the token's folder is mounted");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(volume["secret"]["secretName"], "bulwark-admin-token");
+    assert_eq!(token_file.file_name().unwrap(), "token");
+    assert!(config.access_log.is_some() && config.metrics.identities > 0);
+
+    let objects = helm_template(
+        &dir,
+        "admin: {tokenSecret: {create: true}}\nconfig: {accessLog: null}",
+    );
+    let secret = find(&objects, "Secret", "bulwark-admin-token");
+    use base64::Engine as _;
+    let token = base64::engine::general_purpose::STANDARD
+        .decode(secret["data"]["token"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(token.len(), 48);
+    assert!(token.iter().all(u8::is_ascii_alphanumeric));
+    let config: Config = rendered_config(&objects).parse().unwrap();
+    assert!(config.access_log.is_none(), "accessLog: null turns it off");
+}
+
+/// `helm` with `args` and `values` (YAML) on stdin: whether it succeeded, and what it said.
+fn helm_says(dir: &std::path::Path, args: &[&str], values: &str) -> (bool, String) {
+    use std::io::Write as _;
+    let mut child = Command::new(dir.join("helm"))
+        .args(args)
+        .arg(repo("deploy/helm/bulwark"))
+        .args(["--values", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(values.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
+#[test]
+fn a_misspelt_key_or_a_value_of_the_wrong_type_fails_lint_and_template() {
+    let Some(dir) = tools() else { return };
+    let template = ["template", "bulwark", "--namespace", "bulwark"];
+    let lint = ["lint", "--strict"];
+    for args in [&template[..], &lint[..]] {
+        let (ok, said) = helm_says(&dir, args, "apiservers: [10.0.0.21:6443]\n");
+        assert!(ok, "helm {args:?} refuses good values: {said}");
+    }
+    for (values, named) in [
+        // `apiserver:` would leave the replicas at the chart's examples, silently.
+        ("apiserver: [10.0.0.21:6443]\n", "apiserver"),
+        ("admin: {tokenSecret: {creat: true}}\n", "creat"),
+        ("resources: {request: {memory: 1Gi}}\n", "request"),
+        ("listen: {port: \"7443/tcp\"}\n", "/listen/port"),
+        ("rules: {mode: enfroce}\n", "/rules/mode"),
+        (
+            "serviceMonitor: {enabled: \"yes\"}\n",
+            "/serviceMonitor/enabled",
+        ),
+        ("auditVolumeSizeLimit: 1 GB\n", "/auditVolumeSizeLimit"),
+    ] {
+        for args in [&template[..], &lint[..]] {
+            let (ok, said) = helm_says(&dir, args, values);
+            assert!(!ok, "helm {args:?} accepted {values:?}");
+            assert!(said.contains(named), "helm {args:?} on {values:?}: {said}");
+        }
+    }
+    // Bulwark's own configuration is Bulwark's to validate: any key passes the chart.
+    let (ok, said) = helm_says(&dir, &template, "config: {cache: {resources: [secrets]}}\n");
+    assert!(ok, "{said}");
+}
+
+#[test]
+fn the_monitoring_objects_render_what_deploy_prometheus_and_grafana_do() {
+    let Some(dir) = tools() else { return };
+    let plain = helm_template(&dir, "");
+    for kind in ["ServiceMonitor", "PrometheusRule"] {
+        assert!(
+            !plain.iter().any(|o| o["kind"] == kind),
+            "{kind} by default"
+        );
+    }
+    let objects = helm_template(
+        &dir,
+        "serviceMonitor: {enabled: true}\nprometheusRule: {enabled: true}\ndashboard: {enabled: true}\n",
+    );
+    let prometheus = kustomize_at(&dir, "deploy/prometheus");
+    let grafana = kustomize_at(&dir, "deploy/grafana");
+    for kind in ["ServiceMonitor", "PrometheusRule"] {
+        let shipped = find(&prometheus, kind, "bulwark");
+        let chart = find(&objects, kind, "bulwark");
+        assert_eq!(chart["apiVersion"], shipped["apiVersion"], "{kind}");
+        assert_eq!(chart["metadata"]["namespace"], "bulwark");
+        if let Some(d) = difference(kind, &shipped["spec"], &chart["spec"]) {
+            panic!("the chart's {kind} differs from deploy/prometheus at {d}");
+        }
+        for (label, value) in shipped["metadata"]["labels"].as_object().unwrap() {
+            assert_eq!(&chart["metadata"]["labels"][label], value, "{kind} {label}");
+        }
+    }
+    // The ServiceMonitor selects the chart's metrics Service and its port.
+    let monitor = find(&objects, "ServiceMonitor", "bulwark");
+    let service = find(&objects, "Service", "bulwark-metrics");
+    for (label, value) in monitor["spec"]["selector"]["matchLabels"]
+        .as_object()
+        .unwrap()
+    {
+        assert_eq!(&service["metadata"]["labels"][label], value);
+    }
+    assert_eq!(
+        monitor["spec"]["endpoints"][0]["port"],
+        service["spec"]["ports"][0]["name"]
+    );
+    // The alerts are the rules file's, and promtool takes them as a rules file.
+    let rules: Value = serde_norway::from_str(
+        &std::fs::read_to_string(repo("deploy/prometheus/bulwark.rules.yml")).unwrap(),
+    )
+    .unwrap();
+    let groups = &find(&objects, "PrometheusRule", "bulwark")["spec"]["groups"];
+    assert_eq!(groups, &rules["groups"]);
+    if let Ok(out) = Command::new("promtool").arg("--version").output()
+        && out.status.success()
+    {
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let text = serde_norway::to_string(&serde_json::json!({ "groups": groups })).unwrap();
+        std::fs::write(file.path(), text).unwrap();
+        let checked = Command::new("promtool")
+            .args(["check", "rules"])
+            .arg(file.path())
+            .output()
+            .unwrap();
+        assert!(
+            checked.status.success(),
+            "{}",
+            String::from_utf8_lossy(&checked.stdout)
+        );
+    }
+    // The dashboard is deploy/grafana's, labelled for Grafana's sidecar.
+    let shipped = find(&grafana, "ConfigMap", "bulwark-dashboard");
+    let chart = find(&objects, "ConfigMap", "bulwark-dashboard");
+    assert_eq!(chart["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json = |o: &Value| -> Value {
+        serde_json::from_str(o["data"]["bulwark.json"].as_str().unwrap()).unwrap()
+    };
+    assert_eq!(json(chart), json(shipped));
+}
+
+#[test]
+fn extra_volumes_and_mounts_are_added_to_the_chart_s_own() {
+    let Some(dir) = tools() else { return };
+    let objects = helm_template(
+        &dir,
+        r#"
+extraVolumes:
+  - name: state-on-node
+    hostPath: {path: /var/lib/bulwark-state, type: DirectoryOrCreate}
+extraVolumeMounts:
+  - name: state-on-node
+    mountPath: /var/lib/bulwark-node
+"#,
+    );
+    let pod = &find(&objects, "DaemonSet", "bulwark")["spec"]["template"]["spec"];
+    let default = helm_template(&dir, "");
+    let plain = &find(&default, "DaemonSet", "bulwark")["spec"]["template"]["spec"];
+    for (list, name) in [
+        ("/volumes", "state-on-node"),
+        ("/containers/0/volumeMounts", "state-on-node"),
+    ] {
+        let with = pod.pointer(list).unwrap().as_array().unwrap();
+        let without = plain.pointer(list).unwrap().as_array().unwrap();
+        assert_eq!(with.len(), without.len() + 1, "{list}");
+        assert_eq!(
+            &with[..without.len()],
+            &without[..],
+            "{list}: the chart's own first"
+        );
+        assert_eq!(with.last().unwrap()["name"], name, "{list}");
+    }
+    assert_eq!(
+        pod["volumes"].as_array().unwrap().last().unwrap()["hostPath"]["path"],
+        "/var/lib/bulwark-state"
+    );
 }

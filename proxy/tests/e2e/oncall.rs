@@ -250,3 +250,57 @@ async fn a_flood_of_refused_scrapes_costs_one_access_review_and_is_bounded() {
         "past the bound the scraper is told to slow down: {statuses:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_reads_metrics_and_debug_pages_on_a_protected_admin_port() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        ..Setup::default()
+    })
+    .await;
+    // As deployed: every address (so /debug/* needs the token), HTTPS, /metrics for
+    // authorized callers only.
+    let port = bulwark_testkit::free_port();
+    let token = cluster.dir().join("admin-token");
+    std::fs::write(&token, "s3cret-admin-token\n").unwrap();
+    let (cert, key) = cluster.process_config().credentials.serving.clone();
+    let config = cluster
+        .process_config()
+        .set("admin.address", &format!("0.0.0.0:{port}"))
+        .set(
+            "admin.tls",
+            &format!("{{cert: {}, key: {}}}", cert.display(), key.display()),
+        )
+        .set("admin.metricsAccess", "authorized")
+        .set("admin.tokenFile", &token.display().to_string());
+    let path = cluster.dir().join("admin-token.yaml");
+    config.write(&path).unwrap();
+    let _bulwark = tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let admin = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(admin).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "no admin listener");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut oncall = cluster.anonymous_client_at(admin).await;
+    let answer = oncall
+        .get_with_token("/metrics", "s3cret-admin-token")
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert!(answer.text().contains("# TYPE bulwark_"));
+    let answer = oncall
+        .get_with_token("/debug/flows", "s3cret-admin-token")
+        .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    // Any other token is still reviewed (and unknown here), and no token opens /debug/*.
+    let answer = oncall
+        .get_with_token("/metrics", "s3cret-admin-tokem")
+        .await;
+    assert_eq!(answer.status, 401, "{}", answer.text());
+    assert_eq!(oncall.get("/debug/flows").await.status, 403);
+}

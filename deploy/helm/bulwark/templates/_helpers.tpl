@@ -21,8 +21,9 @@ app.kubernetes.io/name: {{ include "bulwark.name" . }}
 
 {{/*
 bulwark.yaml: .Values.config with what the chart owns set over it (the paths of its mounts,
-the listeners, the apiservers, the fleet's namespace, the rules' mode), so a value can never
-point Bulwark at a file the DaemonSet does not mount.
+the admin token's and the access log's included, the listeners, the apiservers, the fleet's
+namespace, the rules' mode), so a value can never point Bulwark at a file the DaemonSet does
+not mount.
 */}}
 {{- define "bulwark.config" -}}
 {{- $pki := include "bulwark.pki" . -}}
@@ -38,6 +39,7 @@ point Bulwark at a file the DaemonSet does not mount.
     "clientCA" (printf "%s/client-ca/ca.crt" $pki))
   "admin" (dict
     "address" (printf "%s:%d" .Values.admin.address (int .Values.admin.port))
+    "tokenFile" "/etc/bulwark/admin/token"
     "tls" (dict
       "cert" (printf "%s/serving/tls.crt" $pki)
       "key" (printf "%s/serving/tls.key" $pki))
@@ -57,6 +59,10 @@ point Bulwark at a file the DaemonSet does not mount.
     "namespace" .Release.Namespace
     "leasePrefix" (printf "%s-" (include "bulwark.name" .)))
 -}}
+{{- /* The access log goes to the logs volume, when the values keep one. */ -}}
+{{- if .Values.config.accessLog }}
+{{- $_ := set $owned "accessLog" (dict "path" "/var/log/bulwark/access.jsonl") -}}
+{{- end }}
 {{- with .Values.kubernetesService.apiservers }}
 {{- $_ := set $owned.fleet "keyFile" "/etc/bulwark/fleet/key" -}}
 {{- $_ := set $owned.fleet "kubernetesService" (dict "apiservers" .) -}}

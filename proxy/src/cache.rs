@@ -75,7 +75,7 @@ use apimachinery::selector as select;
 use apimachinery::status::{Details, qualified};
 use respond::Continue;
 use select::{FieldSelector, LabelSelector};
-use store::{Obj, ResourceStore};
+use store::{Obj, Store, Writer};
 
 /// Why the cache refused a request it would otherwise answer.
 #[derive(Debug, thiserror::Error)]
@@ -105,11 +105,11 @@ impl CacheError {
 struct CachedResource {
     gr: GroupResource,
     label: String,
-    store: Arc<OnceLock<Arc<ResourceStore>>>,
+    store: Arc<OnceLock<Store>>,
 }
 
 impl CachedResource {
-    fn store(&self) -> Option<&Arc<ResourceStore>> {
+    fn store(&self) -> Option<&Store> {
         self.store.get()
     }
 }
@@ -216,7 +216,7 @@ enum Freshness {
 /// objects that answer holds, for admission to weigh before it is given.
 pub struct Plan {
     resource: usize,
-    store: Arc<ResourceStore>,
+    store: Store,
     filter: watch::Filter,
     what: Planned,
     bytes: u64,
@@ -283,9 +283,7 @@ impl Cache {
                     client.clone(),
                     resource.gr.clone(),
                     resource.store.clone(),
-                    move |kind| {
-                        Arc::new(ResourceStore::new(kind, ring, buffer).counting_relists(relists))
-                    },
+                    move |kind| Writer::new(kind, ring, buffer).counting_relists(relists),
                     cfg.watch_list,
                 )));
             }
@@ -364,7 +362,7 @@ impl Cache {
         self.resources
             .iter()
             .filter_map(CachedResource::store)
-            .map(|s| s.encodings.load(std::sync::atomic::Ordering::Relaxed))
+            .map(|s| s.encodings().load(std::sync::atomic::Ordering::Relaxed))
             .sum()
     }
 
@@ -479,14 +477,14 @@ impl Cache {
             return Err(GoUpstream::Miss("not synced"));
         };
         let encoding =
-            accept::negotiate(headers, store.kind.proto.is_some()).map_err(GoUpstream::Bypass)?;
+            accept::negotiate(headers, store.kind().proto.is_some()).map_err(GoUpstream::Bypass)?;
         if !store.synced() {
             return Err(GoUpstream::Miss("not synced"));
         }
-        if info.api_version != store.kind.version {
+        if info.api_version != store.kind().version {
             return Err(GoUpstream::Bypass("another API version"));
         }
-        if !store.kind.namespaced && info.namespace.is_some() {
+        if !store.kind().namespaced && info.namespace.is_some() {
             // The apiserver answers 404 for a namespaced path to a cluster-scoped resource.
             return Err(GoUpstream::Bypass(
                 "a namespace on a cluster-scoped resource",
@@ -578,7 +576,7 @@ impl Cache {
 
     fn plan_get(
         &self,
-        store: &ResourceStore,
+        store: &Store,
         info: &RequestInfo,
         rv: Option<u64>,
         staleness: Option<Duration>,
@@ -608,7 +606,7 @@ impl Cache {
 
     fn plan_list(
         &self,
-        store: &ResourceStore,
+        store: &Store,
         filter: &watch::Filter,
         info: &RequestInfo,
         rv: Option<u64>,
@@ -689,7 +687,7 @@ impl Cache {
 
     fn plan_watch(
         &self,
-        store: &ResourceStore,
+        store: &Store,
         filter: &watch::Filter,
         info: &RequestInfo,
         rv: Option<u64>,
@@ -750,12 +748,7 @@ impl Cache {
     }
 
     /// Whether the store is fresh enough now; the cache never waits for it.
-    fn fresh(
-        &self,
-        store: &ResourceStore,
-        freshness: Freshness,
-        staleness: Option<Duration>,
-    ) -> bool {
+    fn fresh(&self, store: &Store, freshness: Freshness, staleness: Option<Duration>) -> bool {
         match freshness {
             Freshness::Any => true,
             Freshness::AtLeast(rv) => store.rv() >= rv,
@@ -783,7 +776,7 @@ impl Cache {
         verb: &str,
         name: &str,
     ) -> Result<Attributes, CacheError> {
-        let kind = &request.store.kind;
+        let kind = request.store.kind();
         let attrs = Attributes {
             verb: verb.to_owned(),
             group: kind.group.clone(),
@@ -813,7 +806,7 @@ impl Cache {
     }
 
     fn audit(&self, request: &Request<'_>, verb: &str, name: Option<&str>, code: u16) {
-        let (Some(log), kind) = (&self.audit, &request.store.kind) else {
+        let (Some(log), kind) = (&self.audit, request.store.kind()) else {
             return;
         };
         if !(kind.group.is_empty() && kind.resource == "secrets") {
@@ -849,7 +842,7 @@ impl Cache {
         name: String,
     ) -> Result<Response<Body>, CacheError> {
         self.authorize(&request, "get", &name).await?;
-        let kind = &request.store.kind;
+        let kind = request.store.kind();
         let namespace = request.info.namespace.as_deref().unwrap_or_default();
         let (obj, _) = request.store.get(namespace, &name);
         let Some(obj) = obj else {
@@ -941,9 +934,14 @@ impl Cache {
             let response = self.send(&request, pieces, gzipped);
             return Ok(self.give(&request, ("list", None, 200), response));
         }
-        let pieces =
-            respond::list_answer(&request.store.kind, list_rv, None, &items, request.encoding)
-                .map_err(|e| self.unencodable(&e, &request, ("list", None)))?;
+        let pieces = respond::list_answer(
+            request.store.kind(),
+            list_rv,
+            None,
+            &items,
+            request.encoding,
+        )
+        .map_err(|e| self.unencodable(&e, &request, ("list", None)))?;
         drop(items);
         let (pieces, gzipped) = encode(pieces, gzip).await;
         self.lists.lock().unwrap_or_else(|p| p.into_inner()).put(
@@ -976,7 +974,7 @@ impl Cache {
             }
         });
         let page = &items[..items.len().min(limit)];
-        let kind = &request.store.kind;
+        let kind = request.store.kind();
         let pieces = respond::list_answer(kind, rv, next.as_ref(), page, request.encoding)
             .map_err(|e| self.unencodable(&e, request, ("list", None)))?;
         Ok(self.respond(request, pieces).await)
@@ -1078,12 +1076,7 @@ fn limit(info: &RequestInfo) -> Option<u64> {
 /// The bytes of the objects an answer holds: the first `limit` of those `filter` selects in
 /// `ns`. A whole scope is as large as the store counts it; only a narrower answer needs a
 /// listing to know its size.
-fn answer_bytes(
-    store: &ResourceStore,
-    filter: &watch::Filter,
-    ns: Option<&str>,
-    limit: usize,
-) -> u64 {
+fn answer_bytes(store: &Store, filter: &watch::Filter, ns: Option<&str>, limit: usize) -> u64 {
     if !filter.selects() && limit == usize::MAX {
         return store.size(ns).1;
     }
@@ -1115,7 +1108,7 @@ async fn encode(pieces: Arc<[Bytes]>, gzip: bool) -> (Arc<[Bytes]>, bool) {
 /// What one answer carries through its steps.
 struct Request<'a> {
     resource: &'a CachedResource,
-    store: Arc<ResourceStore>,
+    store: Store,
     info: &'a RequestInfo,
     user: &'a User,
     headers: &'a HeaderMap,

@@ -13,7 +13,7 @@ use http_body_util::BodyExt;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::store::{EventType, Kind, Obj, ResourceStore};
+use super::store::{EventType, Kind, Obj, Store, Writer};
 use crate::config::GroupResource;
 use crate::own::{self, Call, CallError};
 
@@ -264,11 +264,11 @@ pub struct NoWatchList;
 /// a 4xx is `Err(Ok(NoWatchList))`.
 pub async fn watch(
     client: &own::Client,
-    store: &ResourceStore,
+    store: &mut Writer,
     start: Start,
 ) -> Result<(), Result<NoWatchList, InformerError>> {
     let timeout = 300 + rand::random_range(0..300u32);
-    let base = collection_path(&store.kind);
+    let base = collection_path(store.kind());
     let path = match start {
         Start::Resume => format!(
             "{base}?watch=1&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={timeout}",
@@ -313,7 +313,7 @@ pub async fn watch(
 
 async fn follow(
     mut body: crate::Body,
-    store: &ResourceStore,
+    store: &mut Writer,
     initial: &mut Option<Vec<Obj>>,
 ) -> Result<(), InformerError> {
     let mut buffer = BytesMut::new();
@@ -349,7 +349,7 @@ async fn follow(
 /// gather there until the `initial-events-end` bookmark replaces the store with them.
 fn handle_line(
     line: &[u8],
-    store: &ResourceStore,
+    store: &mut Writer,
     initial: &mut Option<Vec<Obj>>,
 ) -> Result<(), InformerError> {
     let event: WatchLine<'_> =
@@ -424,8 +424,8 @@ fn handle_line(
 pub async fn run(
     client: own::Client,
     gr: GroupResource,
-    slot: Arc<std::sync::OnceLock<Arc<ResourceStore>>>,
-    make: impl FnOnce(Kind) -> Arc<ResourceStore> + Send,
+    slot: Arc<std::sync::OnceLock<Store>>,
+    make: impl FnOnce(Kind) -> Writer + Send,
     watch_list: bool,
 ) {
     let label = gr.to_string();
@@ -440,7 +440,8 @@ pub async fn run(
             }
         }
     };
-    let store = slot.get_or_init(|| make(kind)).clone();
+    let mut store = make(kind);
+    let _ = slot.set(store.as_reader());
     backoff = BACKOFF.0;
     let mut use_watch_list = watch_list;
     loop {
@@ -448,7 +449,7 @@ pub async fn run(
         if use_watch_list {
             let relists = store.generation();
             let started = tokio::time::Instant::now();
-            let result = watch(&client, &store, Start::WatchList).await;
+            let result = watch(&client, &mut store, Start::WatchList).await;
             if started.elapsed() >= HEALTHY_WATCH {
                 backoff = BACKOFF.0;
             }
@@ -475,7 +476,7 @@ pub async fn run(
             }
         }
         if !use_watch_list {
-            match list_all(&client, &store.kind).await {
+            match list_all(&client, store.kind()).await {
                 Ok((objects, rv)) => {
                     tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
                     store.replace(objects, rv);
@@ -491,7 +492,7 @@ pub async fn run(
         }
         loop {
             let started = tokio::time::Instant::now();
-            let result = watch(&client, &store, Start::Resume).await;
+            let result = watch(&client, &mut store, Start::Resume).await;
             if started.elapsed() >= HEALTHY_WATCH {
                 // A watch that ran a while was healthy: a failure now starts over.
                 backoff = BACKOFF.0;

@@ -2,9 +2,11 @@
 //! a ring of recent events that keeps each event's previous object, and the broadcast that
 //! fans new events out to open watches.
 //!
-//! One writer (the informer), many readers (requests). Readers take the read lock only long
-//! enough to clone `Arc`s; a watch subscribes to the broadcast under the same lock that
-//! writers send under, so its snapshot and its live feed neither overlap nor leave a gap.
+//! One writer, many readers, in the types (as kube-runtime's `reflector::store`): the
+//! informer alone holds the [`Writer`], whose mutations take `&mut self`; requests hold
+//! cloneable, read-only [`Store`]s. Readers take the read lock only long enough to clone
+//! `Arc`s; a watch subscribes to the broadcast under the same lock that the writer sends
+//! under, so its snapshot and its live feed neither overlap nor leave a gap.
 //!
 //! Objects are keyed by their etcd key after the resource's prefix (`namespace/name`, or
 //! `name`), so that lists walk them in the apiserver's order and a page can end where the
@@ -469,26 +471,38 @@ pub struct Expired {
     pub oldest: u64,
 }
 
-/// One resource's store.
-pub struct ResourceStore {
-    /// The resource's type.
-    pub kind: Kind,
+/// What the writer and every reader of one resource share.
+struct Shared {
+    kind: Kind,
     state: RwLock<State>,
-    ring_size: usize,
     tx: broadcast::Sender<Arc<Event>>,
-    rv_tx: watch::Sender<u64>,
     generation: watch::Sender<u64>,
-    /// Event encodings made, for the fan-out efficiency check.
-    pub encodings: AtomicU64,
+    encodings: AtomicU64,
+}
+
+/// One resource's store as requests read it: cloneable, and read-only by construction (the
+/// mutations are the [`Writer`]'s alone). A clone is an `Arc`'s; a read takes the read lock
+/// only long enough to clone `Arc`s.
+#[derive(Clone)]
+pub struct Store {
+    shared: Arc<Shared>,
+}
+
+/// One resource's store as the informer writes it: the one writer. Not `Clone`, and every
+/// mutation takes `&mut self`, so that nothing but its holder can change the store. It reads
+/// like any [`Store`] (`Deref`).
+pub struct Writer {
+    store: Store,
+    ring_size: usize,
     relists: Option<prometheus::IntCounter>,
 }
 
-impl ResourceStore {
+impl Writer {
     /// An empty, unsynced store. A watcher may fall `watcher_buffer` events behind before it
     /// is disconnected.
-    pub fn new(kind: Kind, ring_size: usize, watcher_buffer: usize) -> ResourceStore {
+    pub fn new(kind: Kind, ring_size: usize, watcher_buffer: usize) -> Writer {
         let (tx, _) = broadcast::channel(watcher_buffer.max(1));
-        ResourceStore {
+        let shared = Shared {
             kind,
             state: RwLock::new(State {
                 objects: BTreeMap::new(),
@@ -500,34 +514,43 @@ impl ResourceStore {
                 namespaces: HashMap::new(),
                 disconnected_since: Some(Instant::now()),
             }),
-            ring_size: ring_size.max(1),
             tx,
-            rv_tx: watch::channel(0).0,
             generation: watch::channel(0).0,
             encodings: AtomicU64::new(0),
+        };
+        Writer {
+            store: Store {
+                shared: Arc::new(shared),
+            },
+            ring_size: ring_size.max(1),
             relists: None,
         }
     }
 
     /// Counts every full state after the first in `counter` (`cache_relists_total`).
-    pub fn counting_relists(mut self, counter: prometheus::IntCounter) -> ResourceStore {
+    pub fn counting_relists(mut self, counter: prometheus::IntCounter) -> Writer {
         self.relists = Some(counter);
         self
     }
 
-    fn read(&self) -> RwLockReadGuard<'_, State> {
-        // Every mutation is a few map operations that leave the state consistent, so a
-        // poisoned lock is still usable.
-        self.state.read().unwrap_or_else(|p| p.into_inner())
+    /// A read handle on what this writer writes.
+    pub fn as_reader(&self) -> Store {
+        self.store.clone()
     }
 
     fn write(&self) -> RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(|p| p.into_inner())
+        // Every mutation is a few map operations that leave the state consistent, so a
+        // poisoned lock is still usable.
+        self.store
+            .shared
+            .state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Replaces everything with a full list at `rv`. Ends every open watch (they
     /// re-watch) and forgets the ring: history before the list is unknown.
-    pub fn replace(&self, objects: Vec<Obj>, rv: u64) {
+    pub fn replace(&mut self, objects: Vec<Obj>, rv: u64) {
         let mut state = self.write();
         state.objects.clear();
         state.total = Size::default();
@@ -545,13 +568,12 @@ impl ResourceStore {
             counter.inc();
         }
         state.synced = true;
-        self.generation.send_modify(|g| *g += 1);
-        self.rv_tx.send_replace(rv);
+        self.store.shared.generation.send_modify(|g| *g += 1);
     }
 
     /// Applies one event from the upstream watch. Events at or below the cache's version
     /// are duplicates (a re-watch overlaps) and are dropped; false then.
-    pub fn apply(&self, kind: EventType, obj: Obj) -> bool {
+    pub fn apply(&mut self, kind: EventType, obj: Obj) -> bool {
         let mut state = self.write();
         if obj.rv <= state.rv {
             return false;
@@ -578,23 +600,22 @@ impl ResourceStore {
             }
         }
         state.rv = rv;
-        // No receivers is fine: nobody watches.
-        let _ = self.tx.send(event);
-        self.rv_tx.send_replace(rv);
+        // Sent under the write lock, which a watch subscribes under: its snapshot and its
+        // live feed neither overlap nor leave a gap. No receivers is fine: nobody watches.
+        let _ = self.store.shared.tx.send(event);
         true
     }
 
     /// A BOOKMARK from upstream: the cache has every event up to `rv`.
-    pub fn advance(&self, rv: u64) {
+    pub fn advance(&mut self, rv: u64) {
         let mut state = self.write();
         if rv > state.rv {
             state.rv = rv;
-            self.rv_tx.send_replace(rv);
         }
     }
 
     /// Records whether the upstream watch runs (for bounded staleness and the lag metric).
-    pub fn set_connected(&self, connected: bool) {
+    pub fn set_connected(&mut self, connected: bool) {
         let mut state = self.write();
         match (connected, state.disconnected_since) {
             (true, Some(_)) => state.disconnected_since = None,
@@ -603,17 +624,42 @@ impl ResourceStore {
         }
     }
 
+    /// How many times the store was replaced by a full state.
+    pub fn generation(&self) -> u64 {
+        *self.store.shared.generation.borrow()
+    }
+}
+
+impl std::ops::Deref for Writer {
+    type Target = Store;
+
+    fn deref(&self) -> &Store {
+        &self.store
+    }
+}
+
+impl Store {
+    fn read(&self) -> RwLockReadGuard<'_, State> {
+        // See `Writer::write`: a poisoned lock is still consistent.
+        self.shared.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The resource's type.
+    pub fn kind(&self) -> &Kind {
+        &self.shared.kind
+    }
+
+    /// Event encodings made, for the fan-out efficiency check.
+    pub fn encodings(&self) -> &AtomicU64 {
+        &self.shared.encodings
+    }
+
     /// How far behind the apiserver the cache may be: zero while the upstream watch runs,
     /// else the time since it stopped.
     pub fn lag(&self) -> std::time::Duration {
         self.read()
             .disconnected_since
             .map_or(std::time::Duration::ZERO, |since| since.elapsed())
-    }
-
-    /// How many times the store was replaced by a full state.
-    pub fn generation(&self) -> u64 {
-        *self.generation.borrow()
     }
 
     /// Whether the first full list is in.
@@ -644,7 +690,7 @@ impl ResourceStore {
 
     /// Open watches of this resource.
     pub fn watchers(&self) -> usize {
-        self.tx.receiver_count()
+        self.shared.tx.receiver_count()
     }
 
     /// The object under `namespace/name`, with the cache's version.
@@ -706,9 +752,9 @@ impl ResourceStore {
         WatchStart {
             initial: state.objects.values().cloned().collect(),
             backlog: Vec::new(),
-            rx: self.tx.subscribe(),
+            rx: self.shared.tx.subscribe(),
             rv: state.rv,
-            generation: self.generation.subscribe(),
+            generation: self.shared.generation.subscribe(),
         }
     }
 
@@ -730,9 +776,9 @@ impl ResourceStore {
                 .skip_while(|e| e.rv <= n)
                 .cloned()
                 .collect(),
-            rx: self.tx.subscribe(),
+            rx: self.shared.tx.subscribe(),
             rv: state.rv,
-            generation: self.generation.subscribe(),
+            generation: self.shared.generation.subscribe(),
         })
     }
 }
@@ -768,8 +814,8 @@ mod tests {
         Obj::parse(raw.as_bytes()).unwrap()
     }
 
-    fn store() -> ResourceStore {
-        ResourceStore::new(Kind::new("", "v1", "secrets", "Secret", true), 3, 16)
+    fn store() -> Writer {
+        Writer::new(Kind::new("", "v1", "secrets", "Secret", true), 3, 16)
     }
 
     #[test]
@@ -837,7 +883,7 @@ mod tests {
 
     #[test]
     fn duplicates_are_dropped_and_the_ring_is_bounded() {
-        let s = store();
+        let mut s = store();
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
         assert!(!s.apply(EventType::Modified, secret("ns", "a", 5, "web")));
         for rv in 6..10 {
@@ -853,7 +899,7 @@ mod tests {
 
     #[test]
     fn a_continued_list_sees_the_state_at_its_version() {
-        let s = store();
+        let mut s = store();
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
         s.apply(EventType::Added, secret("ns", "b", 6, "web"));
         s.apply(EventType::Deleted, secret("ns", "a", 7, "web"));
@@ -874,12 +920,12 @@ mod tests {
 
     #[test]
     fn an_object_leaving_a_selector_is_deleted_at_the_event_version() {
-        let s = store();
+        let mut s = store();
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
         s.apply(EventType::Modified, secret("ns", "a", 6, "db"));
         let start = s.watch_after(5).ok().unwrap();
         let counter = AtomicU64::new(0);
-        let line = start.backlog[0].left_line(&s.kind, Encoding::Json, &counter);
+        let line = start.backlog[0].left_line(s.kind(), Encoding::Json, &counter);
         let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(value["type"], "DELETED");
         assert_eq!(value["object"]["metadata"]["labels"]["app"], "web");
@@ -888,7 +934,7 @@ mod tests {
 
     #[test]
     fn sizes_follow_the_objects() {
-        let s = store();
+        let mut s = store();
         s.replace(
             vec![secret("a", "x", 5, "web"), secret("b", "y", 5, "web")],
             5,

@@ -283,7 +283,7 @@ impl Cache {
                     client.clone(),
                     resource.gr.clone(),
                     resource.store.clone(),
-                    move |kind| Writer::new(kind, ring, buffer).counting_relists(relists),
+                    Box::new(move |kind| Writer::new(kind, ring, buffer).counting_relists(relists)),
                     cfg.watch_list,
                 )));
             }

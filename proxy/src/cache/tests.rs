@@ -11,7 +11,9 @@ use serde_json::Value;
 
 use apimachinery::continue_token;
 
-use super::store::{EventType, Kind};
+use http::{HeaderValue, StatusCode};
+
+use super::store::{EventType, Kind, Obj, Writer};
 use super::*;
 use crate::own::ReviewError;
 

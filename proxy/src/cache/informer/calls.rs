@@ -371,44 +371,53 @@ fn handle_line(
         return Ok(());
     }
     match event.kind.as_str() {
-        "BOOKMARK" => {
-            let bookmark: Bookmark =
-                serde_json::from_slice(raw).map_err(|source| InformerError::Decode {
-                    what: "a bookmark".into(),
-                    source,
-                })?;
-            let rv = bookmark.metadata.resource_version.parse::<u64>().ok();
-            let end = bookmark.metadata.annotations.as_ref().is_some_and(|a| {
-                a.get("k8s.io/initial-events-end")
-                    .is_some_and(|v| v == "true")
-            });
-            match (initial.is_some(), end, rv) {
-                (true, true, Some(rv)) => {
-                    let objects = initial.take().unwrap_or_default();
-                    store.replace(objects, rv);
-                }
-                (true, true, None) => {
-                    return Err(InformerError::Protocol(
-                        "the initial-events-end bookmark has no numeric resourceVersion".into(),
-                    ));
-                }
-                (false, _, Some(rv)) => store.advance(rv),
-                _ => {}
-            }
-            Ok(())
-        }
-        "ERROR" => {
-            let status: serde_json::Value = serde_json::from_slice(raw).unwrap_or_default();
-            if status["code"] == 410 {
-                Err(InformerError::Expired)
-            } else {
-                Err(InformerError::Watch(
-                    status["message"].as_str().unwrap_or("unknown").to_owned(),
-                ))
-            }
-        }
+        "BOOKMARK" => bookmark(raw, store, initial),
+        "ERROR" => Err(watch_error(raw)),
         other => Err(InformerError::Protocol(format!(
             "unknown watch event type {other:?}"
         ))),
+    }
+}
+
+/// A BOOKMARK: the store has every event up to its version, and a WatchList's
+/// `initial-events-end` one replaces the store with the initial state gathered.
+fn bookmark(
+    raw: &[u8],
+    store: &mut Writer,
+    initial: &mut Option<Vec<Obj>>,
+) -> Result<(), InformerError> {
+    let bookmark: Bookmark =
+        serde_json::from_slice(raw).map_err(|source| InformerError::Decode {
+            what: "a bookmark".into(),
+            source,
+        })?;
+    let rv = bookmark.metadata.resource_version.parse::<u64>().ok();
+    let end = bookmark.metadata.annotations.as_ref().is_some_and(|a| {
+        a.get("k8s.io/initial-events-end")
+            .is_some_and(|v| v == "true")
+    });
+    match (initial.is_some(), end, rv) {
+        (true, true, Some(rv)) => {
+            let objects = initial.take().unwrap_or_default();
+            store.replace(objects, rv);
+        }
+        (true, true, None) => {
+            return Err(InformerError::Protocol(
+                "the initial-events-end bookmark has no numeric resourceVersion".into(),
+            ));
+        }
+        (false, _, Some(rv)) => store.advance(rv),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// The error an ERROR event ends the watch with: 410 is the history gone.
+fn watch_error(raw: &[u8]) -> InformerError {
+    let status: serde_json::Value = serde_json::from_slice(raw).unwrap_or_default();
+    if status["code"] == 410 {
+        InformerError::Expired
+    } else {
+        InformerError::Watch(status["message"].as_str().unwrap_or("unknown").to_owned())
     }
 }

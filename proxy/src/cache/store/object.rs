@@ -64,15 +64,10 @@ impl Kind {
     }
 
     /// The fields the apiserver's encoder writes for the zero value of this kind, after
-    /// `metadata` (a BOOKMARK carries such an object).
+    /// `metadata` (a BOOKMARK carries such an object): the shared table's, none for a
+    /// kind it does not know.
     pub fn zero_fields(&self) -> &'static str {
-        match self.kind.as_str() {
-            "Pod" => ",\"spec\":{\"containers\":null},\"status\":{}",
-            "Namespace" | "Node" | "Service" => ",\"spec\":{},\"status\":{}",
-            "Lease" => ",\"spec\":{}",
-            "EndpointSlice" => ",\"addressType\":\"\",\"endpoints\":null",
-            _ => "",
-        }
+        apimachinery::kinds::by_kind(&self.group, &self.kind).map_or("", |r| r.zero_fields)
     }
 
     /// The object with `kind` and `apiVersion` first, as GET returns it: two pieces, no

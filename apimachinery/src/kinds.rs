@@ -29,6 +29,7 @@ pub struct Resource {
     pub zero_fields: &'static str,
 }
 
+/// The verbs of a resource with objects.
 const RW: &[&str] = &[
     "create",
     "delete",
@@ -39,6 +40,11 @@ const RW: &[&str] = &[
     "update",
     "watch",
 ];
+/// Namespaces: no `deletecollection`.
+const RW_BUT_DELETECOLLECTION: &[&str] = &[
+    "create", "delete", "get", "list", "patch", "update", "watch",
+];
+/// The verb of a review endpoint.
 const CREATE: &[&str] = &["create"];
 
 /// Every resource Bulwark or its simulated apiserver knows by name: those with objects,
@@ -52,7 +58,7 @@ pub const RESOURCES: &[Resource] = &[
         kind: "Namespace",
         namespaced: false,
         short_names: &["ns"],
-        verbs: RW,
+        verbs: RW_BUT_DELETECOLLECTION,
         zero_fields: ",\"spec\":{},\"status\":{}",
     },
     Resource {
@@ -64,7 +70,7 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: false,
         short_names: &["no"],
         verbs: RW,
-        zero_fields: ",\"spec\":{},\"status\":{}",
+        zero_fields: ",\"spec\":{},\"status\":{\"daemonEndpoints\":{\"kubeletEndpoint\":{\"Port\":0}},\"nodeInfo\":{\"machineID\":\"\",\"systemUUID\":\"\",\"bootID\":\"\",\"kernelVersion\":\"\",\"osImage\":\"\",\"containerRuntimeVersion\":\"\",\"kubeletVersion\":\"\",\"kubeProxyVersion\":\"\",\"operatingSystem\":\"\",\"architecture\":\"\"}}",
     },
     Resource {
         group: "",
@@ -119,7 +125,7 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: true,
         short_names: &["svc"],
         verbs: RW,
-        zero_fields: ",\"spec\":{},\"status\":{}",
+        zero_fields: ",\"spec\":{},\"status\":{\"loadBalancer\":{}}",
     },
     Resource {
         group: "",
@@ -130,7 +136,7 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: true,
         short_names: &["ev"],
         verbs: RW,
-        zero_fields: ",\"involvedObject\":{},\"reason\":\"\",\"message\":\"\",\"source\":{},\"firstTimestamp\":null,\"lastTimestamp\":null,\"eventTime\":null,\"reportingComponent\":\"\",\"reportingInstance\":\"\"",
+        zero_fields: ",\"involvedObject\":{},\"source\":{},\"firstTimestamp\":null,\"lastTimestamp\":null,\"eventTime\":null,\"reportingComponent\":\"\",\"reportingInstance\":\"\"",
     },
     Resource {
         group: "discovery.k8s.io",
@@ -141,7 +147,7 @@ pub const RESOURCES: &[Resource] = &[
         namespaced: true,
         short_names: &[],
         verbs: RW,
-        zero_fields: ",\"addressType\":\"\",\"endpoints\":null",
+        zero_fields: ",\"addressType\":\"\",\"endpoints\":null,\"ports\":null",
     },
     Resource {
         group: "coordination.k8s.io",

@@ -13,6 +13,7 @@
 //! or reordered.
 
 mod calls;
+mod stream;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

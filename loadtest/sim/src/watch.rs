@@ -57,20 +57,6 @@ pub fn event_line(out: &mut BytesMut, def: &ResourceDef, kind: &str, obj: &Obj) 
     out.put_slice(b"}\n");
 }
 
-/// The empty-object fields the apiserver's encoder writes for a kind's zero value.
-fn zero_fields(def: &ResourceDef) -> &'static str {
-    match def.kind {
-        "Pod" => ",\"spec\":{\"containers\":null},\"status\":{}",
-        "Namespace" | "Node" => ",\"spec\":{},\"status\":{}",
-        "Lease" => ",\"spec\":{}",
-        "EndpointSlice" => ",\"addressType\":\"\",\"endpoints\":null",
-        "Event" => {
-            ",\"involvedObject\":{},\"reason\":\"\",\"message\":\"\",\"source\":{},\"firstTimestamp\":null,\"lastTimestamp\":null,\"eventTime\":null,\"reportingComponent\":\"\",\"reportingInstance\":\"\""
-        }
-        _ => "",
-    }
-}
-
 /// A BOOKMARK line at `rv`.
 pub fn bookmark_line(out: &mut BytesMut, def: &ResourceDef, rv: u64, initial_end: bool) {
     let ann = if initial_end {
@@ -82,7 +68,7 @@ pub fn bookmark_line(out: &mut BytesMut, def: &ResourceDef, rv: u64, initial_end
         "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{ann}}}{}}}}}\n",
         def.kind,
         def.api_version(),
-        zero_fields(def)
+        def.zero_fields
     );
     out.put_slice(s.as_bytes());
 }

@@ -1,520 +1,351 @@
-//! One upstream informer per cached resource, with Bulwark's own identity: discovery of the
-//! resource's kind, a WatchList (or, where the upstream refuses it, a paginated LIST), then
-//! a WATCH with bookmarks from the state's version;
-//! a re-watch from the last version when the stream ends, a relist on 410, backoff on
-//! errors. Events at or below the cache's version are duplicates of a re-watch and dropped,
-//! so none is missed, doubled or reordered.
+//! One upstream informer per cached resource, with Bulwark's own identity, as an explicit
+//! state machine (after kube-runtime's `watcher`): [`State::Discover`] finds the resource's
+//! kind and makes the store; [`State::WatchList`] (or, where the upstream refuses it,
+//! [`State::List`], for good) takes the full state; [`State::Watch`] follows events with
+//! bookmarks from the store's version; [`State::Backoff`] waits before a retry.
+//!
+//! [`Informer::step`] does one state's work (a call, [`calls`]) and hands what came of it,
+//! an [`Outcome`], to [`Transitions::next`], a function of no I/O that picks the next state:
+//! a clean end re-watches from the last version, a 410 relists, any other error backs off
+//! and retries. One backoff serves them all: it doubles from the first wait to the cap and
+//! starts over after a success or a watch that lasted [`HEALTHY_WATCH`]. Events at or below
+//! the store's version are duplicates of a re-watch and dropped, so none is missed, doubled
+//! or reordered.
 
-use std::sync::Arc;
+mod calls;
+mod stream;
+
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use bytes::{Buf, BytesMut};
-use http_body_util::BodyExt;
-use serde::Deserialize;
-use serde_json::value::RawValue;
+use tokio::time::Instant;
 
-use super::store::{EventType, Kind, Obj, ResourceStore};
+use super::store::{Kind, Store, Writer};
 use crate::config::GroupResource;
-use crate::own::{self, Call, CallError};
+use crate::own;
+use calls::{InformerError, Start, WatchError};
 
-/// Items per LIST page.
-const PAGE: u64 = 500;
-/// Largest LIST page or discovery document read.
-const MAX_PAGE_BYTES: usize = 512 * 1024 * 1024;
-/// Time allowed for a watch's response head.
-const WATCH_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
-/// Time allowed for a LIST page.
-const LIST_TIMEOUT: Duration = Duration::from_secs(120);
 /// Backoff between failed attempts: from the first to the last, doubling. The cap is short
 /// because a stale cache answers nobody consistently, and a Bulwark runs only a handful of
 /// informers (one per cached resource), so their retries cannot load an apiserver.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 /// A watch that lasted this long was healthy; the backoff starts over after it.
 const HEALTHY_WATCH: Duration = Duration::from_secs(5);
-/// Longest line of a watch stream (one object) read.
-const MAX_LINE: usize = 64 * 1024 * 1024;
 
-/// Why an informer step failed.
-#[derive(Debug, thiserror::Error)]
-pub enum InformerError {
-    /// The call failed: no apiserver answered, or one answered with an error status.
-    #[error(transparent)]
-    Call(#[from] CallError),
-    /// An answer's body broke off or was too large.
-    #[error("{what}: the body")]
-    Body {
-        /// The path, or which stream.
-        what: String,
-        /// Why.
-        #[source]
-        source: crate::BoxError,
-    },
-    /// An answer is not the JSON it should be.
-    #[error("{what}: not the JSON expected")]
-    Decode {
-        /// What was read.
-        what: String,
-        /// Why.
-        #[source]
-        source: serde_json::Error,
-    },
-    /// An object is not one the cache can store.
-    #[error("{what}: an object")]
-    Object {
-        /// Where it came from.
-        what: String,
-        /// Why.
-        #[source]
-        source: super::store::ObjError,
-    },
-    /// The resource cannot be cached as configured (discovery).
-    #[error("discovery of {resource}: {why}")]
-    Discovery {
-        /// The configured resource.
-        resource: String,
-        /// What is missing.
-        why: String,
-    },
-    /// The stream broke the watch protocol.
-    #[error("{0}")]
-    Protocol(String),
-    /// The apiserver ended the watch with an error other than 410.
-    #[error("watch error: {0}")]
-    Watch(String),
-    /// The stored history is gone: relist.
-    #[error("resource version expired")]
-    Expired,
-}
-
-/// The path of the collection, e.g. `/api/v1/secrets`.
-pub fn collection_path(kind: &Kind) -> String {
-    if kind.group.is_empty() {
-        format!("/api/{}/{}", kind.version, kind.resource)
-    } else {
-        format!("/apis/{}/{}/{}", kind.group, kind.version, kind.resource)
-    }
-}
-
-/// A whole JSON answer; a 410 is [`InformerError::Expired`].
-async fn get_json(client: &own::Client, path: &str) -> Result<bytes::Bytes, InformerError> {
-    let call = Call::get(path)
-        .timeout(LIST_TIMEOUT)
-        .max_bytes(MAX_PAGE_BYTES);
-    client.bytes(call).await.map_err(expired_or)
-}
-
-/// A 410 is the stored history gone ([`InformerError::Expired`]); anything else stays the
-/// call's error.
-fn expired_or(error: CallError) -> InformerError {
-    match error.answered() {
-        Some(http::StatusCode::GONE) => InformerError::Expired,
-        _ => InformerError::Call(error),
-    }
-}
-
-/// Finds the preferred version, kind and scope of a configured resource.
-pub async fn discover(client: &own::Client, gr: &GroupResource) -> Result<Kind, InformerError> {
-    let bad = |why: String| InformerError::Discovery {
-        resource: gr.to_string(),
-        why,
-    };
-    let decode = |what: &str| {
-        let what = what.to_owned();
-        move |source| InformerError::Decode { what, source }
-    };
-    let version = if gr.group.is_empty() {
-        "v1".to_owned()
-    } else {
-        let group: serde_json::Value =
-            serde_json::from_slice(&get_json(client, &format!("/apis/{}", gr.group)).await?)
-                .map_err(decode("the API group"))?;
-        group["preferredVersion"]["version"]
-            .as_str()
-            .ok_or_else(|| bad("no preferredVersion".into()))?
-            .to_owned()
-    };
-    let path = if gr.group.is_empty() {
-        "/api/v1".to_owned()
-    } else {
-        format!("/apis/{}/{version}", gr.group)
-    };
-    let list: serde_json::Value =
-        serde_json::from_slice(&get_json(client, &path).await?).map_err(decode(&path))?;
-    let resource = list["resources"]
-        .as_array()
-        .and_then(|all| all.iter().find(|r| r["name"] == gr.resource.as_str()))
-        .ok_or_else(|| bad(format!("{path} does not list {}", gr.resource)))?;
-    let verbs: Vec<&str> = resource["verbs"]
-        .as_array()
-        .map(|v| v.iter().filter_map(|v| v.as_str()).collect())
-        .unwrap_or_default();
-    if !verbs.contains(&"list") || !verbs.contains(&"watch") {
-        return Err(bad("the resource does not support list and watch".into()));
-    }
-    let kind = resource["kind"]
-        .as_str()
-        .ok_or_else(|| bad("no kind".into()))?;
-    let namespaced = resource["namespaced"].as_bool().unwrap_or(false);
-    Ok(Kind::new(
-        &gr.group,
-        &version,
-        &gr.resource,
-        kind,
-        namespaced,
-    ))
-}
-
-#[derive(Deserialize)]
-struct ListPage<'a> {
-    #[serde(default)]
-    metadata: ListMeta,
-    #[serde(borrow, default)]
-    items: Vec<&'a RawValue>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-struct ListMeta {
-    #[serde(default)]
-    resource_version: String,
-    #[serde(default, rename = "continue")]
-    continue_token: Option<String>,
-}
-
-/// Lists every object, page by page, and returns them with the list's version.
-pub async fn list_all(client: &own::Client, kind: &Kind) -> Result<(Vec<Obj>, u64), InformerError> {
-    let base = collection_path(kind);
-    let mut objects = Vec::new();
-    let mut token: Option<String> = None;
-    loop {
-        let path = match &token {
-            None => format!("{base}?limit={PAGE}"),
-            Some(t) => format!(
-                "{base}?limit={PAGE}&continue={}",
-                percent_encoding::utf8_percent_encode(t, percent_encoding::NON_ALPHANUMERIC)
-            ),
-        };
-        let body = get_json(client, &path).await?;
-        let page: ListPage<'_> =
-            serde_json::from_slice(&body).map_err(|source| InformerError::Decode {
-                what: path.clone(),
-                source,
-            })?;
-        for item in page.items {
-            objects.push(Obj::parse(item.get().as_bytes()).map_err(|source| {
-                InformerError::Object {
-                    what: path.clone(),
-                    source,
-                }
-            })?);
-        }
-        match page.metadata.continue_token.filter(|t| !t.is_empty()) {
-            Some(next) => token = Some(next),
-            None => {
-                let rv = page.metadata.resource_version.parse::<u64>().map_err(|_| {
-                    InformerError::Protocol(format!(
-                        "{path}: list resourceVersion {:?} is not a number",
-                        page.metadata.resource_version
-                    ))
-                })?;
-                return Ok((objects, rv));
-            }
-        }
-    }
-}
-
-#[derive(Deserialize)]
-struct WatchLine<'a> {
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(borrow)]
-    object: &'a RawValue,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct Bookmark {
-    metadata: BookmarkMeta,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct BookmarkMeta {
-    resource_version: String,
-    #[serde(default)]
-    annotations: Option<std::collections::HashMap<String, String>>,
-}
-
-/// How a watch begins.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Start {
-    /// Events after the store's version.
-    Resume,
-    /// A WatchList: the current state as ADDED events up to the `initial-events-end`
-    /// bookmark, which replaces the store (a relist without a LIST), then events.
+/// What an informer does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    /// Find the resource's preferred version, kind and scope; the store is made then.
+    Discover,
+    /// Take the full state with a WatchList: the objects as ADDED events up to the
+    /// `initial-events-end` bookmark, which replaces the store, then events on the same
+    /// stream.
     WatchList,
+    /// Take the full state with a paginated LIST.
+    List,
+    /// Follow the events after `rv`, with bookmarks.
+    Watch {
+        /// The version to watch from: the store's.
+        rv: u64,
+    },
+    /// Wait `delay` (and up to a quarter more), then go on with `then`.
+    Backoff {
+        /// The state to retry.
+        then: Box<State>,
+        /// The wait before jitter.
+        delay: Duration,
+    },
 }
 
-/// Why a WatchList could not even start: the upstream does not offer it.
-#[derive(Debug)]
-pub struct NoWatchList;
+/// What came of a state's work: the input of [`Transitions::next`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Discovery found the kind; the store exists.
+    Discovered,
+    /// A LIST replaced the store's state at `rv`.
+    Listed {
+        /// The list's version.
+        rv: u64,
+    },
+    /// The upstream refused the WatchList: LIST from now on.
+    WatchListRefused,
+    /// A watch (or WatchList) ended.
+    Watched {
+        /// How.
+        end: End,
+        /// How long it ran, from the request to its end.
+        lasted: Duration,
+        /// The version to watch on from: the store's, `None` when a WatchList ended
+        /// before its initial state was in (nothing to resume).
+        resume: Option<u64>,
+    },
+    /// Discovery or a LIST failed.
+    Failed,
+}
 
-/// Follows an upstream watch until it ends. `Ok` for a clean end (watch again), `Expired`
-/// for a 410 (relist), another error for backoff; a WatchList the upstream refuses with
-/// a 4xx is `Err(Ok(NoWatchList))`.
-pub async fn watch(
-    client: &own::Client,
-    store: &ResourceStore,
-    start: Start,
-) -> Result<(), Result<NoWatchList, InformerError>> {
-    let timeout = 300 + rand::random_range(0..300u32);
-    let base = collection_path(&store.kind);
-    let path = match start {
-        Start::Resume => format!(
-            "{base}?watch=1&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={timeout}",
-            store.rv()
-        ),
-        Start::WatchList => format!(
-            "{base}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds={timeout}"
-        ),
-    };
-    // A watch's response head comes at once; only its body is long-running. Bounding the
-    // wait for the head keeps an informer from hanging on a replica that took the request
-    // and never answered.
-    let call = Call::get(path).timeout(WATCH_HEAD_TIMEOUT);
-    let response = match client.watch(call).await {
-        Ok(response) => response,
-        Err(error) => {
-            return Err(match error.answered() {
-                Some(http::StatusCode::GONE) => Err(InformerError::Expired),
-                Some(status)
-                    if start == Start::WatchList
-                        && status.is_client_error()
-                        && status != http::StatusCode::TOO_MANY_REQUESTS =>
-                {
-                    tracing::info!(%status, "the upstream refuses WatchList; listing instead");
-                    Ok(NoWatchList)
+/// How a watch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// The stream ended (its `timeoutSeconds`): watch again at once.
+    Clean,
+    /// 410 Gone: the history after the version is compacted away; take the state again.
+    Expired,
+    /// Any other error: back off, then watch again.
+    Failed,
+}
+
+/// The one backoff: waits from `BACKOFF.0`, doubling up to `BACKOFF.1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff { next: BACKOFF.0 }
+    }
+
+    /// The wait before the next retry; the one after is twice as long, up to the cap.
+    fn delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (delay * 2).min(BACKOFF.1);
+        delay
+    }
+
+    /// Starts over after a success.
+    fn reset(&mut self) {
+        self.next = BACKOFF.0;
+    }
+}
+
+/// The informer's transitions: what it remembers across states (whether the upstream
+/// takes WatchList, the backoff) and the choice of the next state, without I/O.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transitions {
+    watch_list: bool,
+    backoff: Backoff,
+}
+
+impl Transitions {
+    /// Takes the full state by WatchList when `watch_list`, else by LIST.
+    pub fn new(watch_list: bool) -> Transitions {
+        Transitions {
+            watch_list,
+            backoff: Backoff::new(),
+        }
+    }
+
+    /// The state after `state` came to `outcome`.
+    pub fn next(&mut self, state: State, outcome: Outcome) -> State {
+        match outcome {
+            Outcome::Discovered => {
+                self.backoff.reset();
+                self.full_state()
+            }
+            Outcome::Listed { rv } => {
+                self.backoff.reset();
+                State::Watch { rv }
+            }
+            Outcome::WatchListRefused => {
+                self.watch_list = false;
+                State::List
+            }
+            Outcome::Failed => self.back_off(state),
+            Outcome::Watched {
+                end,
+                lasted,
+                resume,
+            } => {
+                if lasted >= HEALTHY_WATCH {
+                    // A watch that ran a while was healthy: a failure now starts over.
+                    self.backoff.reset();
                 }
-                _ => Err(InformerError::Call(error)),
-            });
-        }
-    };
-    store.set_connected(true);
-    let mut initial = (start == Start::WatchList).then(Vec::new);
-    let result = follow(response.into_body(), store, &mut initial).await;
-    store.set_connected(false);
-    match (result, initial) {
-        (Ok(()), Some(_)) => Err(Err(InformerError::Protocol(
-            "the WatchList ended before its initial-events-end bookmark".into(),
-        ))),
-        (result, _) => result.map_err(Err),
-    }
-}
-
-async fn follow(
-    mut body: crate::Body,
-    store: &ResourceStore,
-    initial: &mut Option<Vec<Obj>>,
-) -> Result<(), InformerError> {
-    let mut buffer = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let Ok(data) = frame
-            .map_err(|source| InformerError::Body {
-                what: "watch stream".into(),
-                source,
-            })?
-            .into_data()
-        else {
-            continue;
-        };
-        buffer.extend_from_slice(&data);
-        while let Some(end) = buffer.iter().position(|b| *b == b'\n') {
-            let line = buffer.split_to(end + 1);
-            let line = &line[..end];
-            if !line.iter().all(u8::is_ascii_whitespace) {
-                handle_line(line, store, initial)?;
-            }
-        }
-        if buffer.len() > MAX_LINE {
-            return Err(InformerError::Protocol("a watch event is too long".into()));
-        }
-    }
-    if buffer.has_remaining() && !buffer.iter().all(u8::is_ascii_whitespace) {
-        handle_line(&buffer, store, initial)?;
-    }
-    Ok(())
-}
-
-/// One line of a watch stream. While `initial` holds a WatchList's state, ADDED events
-/// gather there until the `initial-events-end` bookmark replaces the store with them.
-fn handle_line(
-    line: &[u8],
-    store: &ResourceStore,
-    initial: &mut Option<Vec<Obj>>,
-) -> Result<(), InformerError> {
-    let event: WatchLine<'_> =
-        serde_json::from_slice(line).map_err(|source| InformerError::Decode {
-            what: "a watch event".into(),
-            source,
-        })?;
-    let raw = event.object.get().as_bytes();
-    if let Some(kind) = EventType::parse(&event.kind) {
-        let obj = Obj::parse(raw).map_err(|source| InformerError::Object {
-            what: "a watch event".into(),
-            source,
-        })?;
-        match initial {
-            Some(objects) if kind == EventType::Added => objects.push(obj),
-            Some(_) => {
-                return Err(InformerError::Protocol(format!(
-                    "a {} event before the end of a WatchList's initial events",
-                    event.kind
-                )));
-            }
-            None => {
-                store.apply(kind, obj);
-            }
-        }
-        return Ok(());
-    }
-    match event.kind.as_str() {
-        "BOOKMARK" => {
-            let bookmark: Bookmark =
-                serde_json::from_slice(raw).map_err(|source| InformerError::Decode {
-                    what: "a bookmark".into(),
-                    source,
-                })?;
-            let rv = bookmark.metadata.resource_version.parse::<u64>().ok();
-            let end = bookmark.metadata.annotations.as_ref().is_some_and(|a| {
-                a.get("k8s.io/initial-events-end")
-                    .is_some_and(|v| v == "true")
-            });
-            match (initial.is_some(), end, rv) {
-                (true, true, Some(rv)) => {
-                    let objects = initial.take().unwrap_or_default();
-                    store.replace(objects, rv);
+                let again = match resume {
+                    Some(rv) => State::Watch { rv },
+                    None => self.full_state(),
+                };
+                match end {
+                    End::Clean => {
+                        self.backoff.reset();
+                        again
+                    }
+                    End::Expired => self.full_state(),
+                    End::Failed => self.back_off(again),
                 }
-                (true, true, None) => {
-                    return Err(InformerError::Protocol(
-                        "the initial-events-end bookmark has no numeric resourceVersion".into(),
-                    ));
-                }
-                (false, _, Some(rv)) => store.advance(rv),
-                _ => {}
-            }
-            Ok(())
-        }
-        "ERROR" => {
-            let status: serde_json::Value = serde_json::from_slice(raw).unwrap_or_default();
-            if status["code"] == 410 {
-                Err(InformerError::Expired)
-            } else {
-                Err(InformerError::Watch(
-                    status["message"].as_str().unwrap_or("unknown").to_owned(),
-                ))
             }
         }
-        other => Err(InformerError::Protocol(format!(
-            "unknown watch event type {other:?}"
-        ))),
+    }
+
+    /// How the full state is taken: WatchList until the upstream refuses it.
+    fn full_state(&self) -> State {
+        if self.watch_list {
+            State::WatchList
+        } else {
+            State::List
+        }
+    }
+
+    fn back_off(&mut self, then: State) -> State {
+        State::Backoff {
+            then: Box::new(then),
+            delay: self.backoff.delay(),
+        }
     }
 }
 
-/// Runs one resource's informer forever: discover, list, watch, and again.
-pub async fn run(
+/// Makes the store's writer once discovery has found the kind.
+pub type MakeWriter = Box<dyn FnOnce(Kind) -> Writer + Send>;
+
+/// One resource's informer: its calls, its store's writer (once discovered) and its
+/// transitions.
+pub struct Informer {
     client: own::Client,
     gr: GroupResource,
-    slot: Arc<std::sync::OnceLock<Arc<ResourceStore>>>,
-    make: impl FnOnce(Kind) -> Arc<ResourceStore> + Send,
-    watch_list: bool,
-) {
-    let label = gr.to_string();
-    let mut backoff = BACKOFF.0;
-    let kind = loop {
-        match discover(&client, &gr).await {
-            Ok(kind) => break kind,
+    label: String,
+    slot: Arc<OnceLock<Store>>,
+    make: Option<MakeWriter>,
+    writer: Option<Writer>,
+    transitions: Transitions,
+}
+
+impl Informer {
+    /// An informer of `gr` whose store, made by `make` after discovery, is published in
+    /// `slot` for requests to read.
+    pub fn new(
+        client: own::Client,
+        gr: GroupResource,
+        slot: Arc<OnceLock<Store>>,
+        make: MakeWriter,
+        watch_list: bool,
+    ) -> Informer {
+        Informer {
+            client,
+            label: gr.to_string(),
+            gr,
+            slot,
+            make: Some(make),
+            writer: None,
+            transitions: Transitions::new(watch_list),
+        }
+    }
+
+    /// Does `state`'s work and returns the state after it.
+    pub async fn step(&mut self, state: State) -> State {
+        let outcome = match &state {
+            State::Backoff { then, delay } => return wait(then, *delay).await,
+            State::Discover => self.discover().await,
+            State::WatchList | State::List | State::Watch { .. } => {
+                // Only discovery leads past `Discover`, and it made the writer.
+                let Some(writer) = self.writer.as_mut() else {
+                    return State::Discover;
+                };
+                let (client, label) = (&self.client, self.label.as_str());
+                match &state {
+                    State::List => list(client, label, writer).await,
+                    State::Watch { rv } => watch(client, label, writer, Start::Resume(*rv)).await,
+                    _ => watch(client, label, writer, Start::WatchList).await,
+                }
+            }
+        };
+        self.transitions.next(state, outcome)
+    }
+
+    async fn discover(&mut self) -> Outcome {
+        match calls::discover(&self.client, &self.gr).await {
+            Ok(kind) => {
+                if let Some(make) = self.make.take() {
+                    let writer = make(kind);
+                    let _ = self.slot.set(writer.as_reader());
+                    self.writer = Some(writer);
+                }
+                Outcome::Discovered
+            }
             Err(e) => {
-                tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache discovery failed; retrying");
-                tokio::time::sleep(jitter(backoff)).await;
-                backoff = (backoff * 2).min(BACKOFF.1);
-            }
-        }
-    };
-    let store = slot.get_or_init(|| make(kind)).clone();
-    backoff = BACKOFF.0;
-    let mut use_watch_list = watch_list;
-    loop {
-        // A full state: a WatchList when the upstream offers it, else a paginated LIST.
-        if use_watch_list {
-            let relists = store.generation();
-            let started = tokio::time::Instant::now();
-            let result = watch(&client, &store, Start::WatchList).await;
-            if started.elapsed() >= HEALTHY_WATCH {
-                backoff = BACKOFF.0;
-            }
-            match result {
-                Err(Ok(NoWatchList)) => use_watch_list = false,
-                result => {
-                    if store.generation() != relists {
-                        tracing::info!(resource = %label, rv = store.rv(), "cache synced by WatchList");
-                    }
-                    match result {
-                        Ok(()) => backoff = BACKOFF.0,
-                        Err(Err(InformerError::Expired)) => continue,
-                        Err(Err(e)) => {
-                            tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache WatchList failed; retrying");
-                            tokio::time::sleep(jitter(backoff)).await;
-                            backoff = (backoff * 2).min(BACKOFF.1);
-                        }
-                        Err(Ok(NoWatchList)) => use_watch_list = false,
-                    }
-                    if store.generation() == relists {
-                        continue;
-                    }
-                }
-            }
-        }
-        if !use_watch_list {
-            match list_all(&client, &store.kind).await {
-                Ok((objects, rv)) => {
-                    tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
-                    store.replace(objects, rv);
-                    backoff = BACKOFF.0;
-                }
-                Err(e) => {
-                    tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache list failed; retrying");
-                    tokio::time::sleep(jitter(backoff)).await;
-                    backoff = (backoff * 2).min(BACKOFF.1);
-                    continue;
-                }
-            }
-        }
-        loop {
-            let started = tokio::time::Instant::now();
-            let result = watch(&client, &store, Start::Resume).await;
-            if started.elapsed() >= HEALTHY_WATCH {
-                // A watch that ran a while was healthy: a failure now starts over.
-                backoff = BACKOFF.0;
-            }
-            match result {
-                Ok(()) => backoff = BACKOFF.0,
-                Err(Err(InformerError::Expired)) => {
-                    tracing::info!(resource = %label, "cache watch expired; relisting");
-                    break;
-                }
-                // Only a WatchList is refused that way; a resumed watch never is.
-                Err(Ok(NoWatchList)) => break,
-                Err(Err(e)) => {
-                    tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache watch failed; retrying");
-                    tokio::time::sleep(jitter(backoff)).await;
-                    backoff = (backoff * 2).min(BACKOFF.1);
-                }
+                tracing::warn!(resource = %self.label, error = %crate::report::Chain(&e), "cache discovery failed; retrying");
+                Outcome::Failed
             }
         }
     }
+}
+
+/// [`State::List`]'s work: a paginated LIST replaces the store's state.
+async fn list(client: &own::Client, label: &str, writer: &mut Writer) -> Outcome {
+    match calls::list_all(client, writer.kind()).await {
+        Ok((objects, rv)) => {
+            tracing::info!(resource = %label, objects = objects.len(), rv, "cache listed");
+            writer.replace(objects, rv);
+            Outcome::Listed { rv }
+        }
+        Err(e) => {
+            tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache list failed; retrying");
+            Outcome::Failed
+        }
+    }
+}
+
+/// [`State::Watch`]'s and [`State::WatchList`]'s work: a watch, followed to its end.
+async fn watch(client: &own::Client, label: &str, writer: &mut Writer, start: Start) -> Outcome {
+    let generation = writer.generation();
+    let started = Instant::now();
+    let result = calls::watch(client, writer, start).await;
+    let lasted = started.elapsed();
+    let replaced = writer.generation() != generation;
+    let resume = match start {
+        Start::Resume(_) => Some(writer.rv()),
+        Start::WatchList => replaced.then(|| writer.rv()),
+    };
+    if start == Start::WatchList && replaced {
+        tracing::info!(resource = %label, rv = writer.rv(), "cache synced by WatchList");
+    }
+    let end = match (result, start) {
+        (Ok(()), _) => End::Clean,
+        (Err(WatchError::Refused), _) => return Outcome::WatchListRefused,
+        (Err(WatchError::Failed(InformerError::Expired)), Start::Resume(_)) => {
+            tracing::info!(resource = %label, "cache watch expired; relisting");
+            End::Expired
+        }
+        (Err(WatchError::Failed(InformerError::Expired)), Start::WatchList) => End::Expired,
+        (Err(WatchError::Failed(e)), Start::Resume(_)) => {
+            tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache watch failed; retrying");
+            End::Failed
+        }
+        (Err(WatchError::Failed(e)), Start::WatchList) => {
+            tracing::warn!(resource = %label, error = %crate::report::Chain(&e), "cache WatchList failed; retrying");
+            End::Failed
+        }
+    };
+    Outcome::Watched {
+        end,
+        lasted,
+        resume,
+    }
+}
+
+/// A backoff's wait: `delay` and up to a quarter more, then `then`.
+async fn wait(then: &State, delay: Duration) -> State {
+    tokio::time::sleep(jitter(delay)).await;
+    then.clone()
 }
 
 /// Up to a quarter more, so that many informers do not retry in step.
 fn jitter(base: Duration) -> Duration {
     base + base.mul_f64(rand::random_range(0.0..0.25))
 }
+
+/// Runs one resource's informer forever, from discovery.
+pub async fn run(
+    client: own::Client,
+    gr: GroupResource,
+    slot: Arc<OnceLock<Store>>,
+    make: MakeWriter,
+    watch_list: bool,
+) {
+    let mut informer = Informer::new(client, gr, slot, make, watch_list);
+    let mut state = State::Discover;
+    loop {
+        state = informer.step(state).await;
+    }
+}
+
+#[cfg(test)]
+mod tests;

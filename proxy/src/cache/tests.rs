@@ -11,7 +11,9 @@ use serde_json::Value;
 
 use apimachinery::continue_token;
 
-use super::store::{EventType, Kind};
+use http::{HeaderValue, StatusCode};
+
+use super::store::{EventType, Kind, Obj, Writer};
 use super::*;
 use crate::own::ReviewError;
 
@@ -52,7 +54,7 @@ impl AccessReviewer for Arc<Policy> {
 
 struct Setup {
     cache: Arc<Cache>,
-    store: Arc<ResourceStore>,
+    store: Writer,
     policy: Arc<Policy>,
     metrics: Metrics,
 }
@@ -74,12 +76,12 @@ fn setup_with(cfg: config::Cache, audit: Option<AuditLog>) -> Setup {
     let policy = Arc::new(Policy::default());
     let metrics = Metrics::new();
     let cache = Cache::build(&cfg, Arc::new(policy.clone()), metrics.clone(), audit);
-    let store = Arc::new(ResourceStore::new(
+    let store = Writer::new(
         Kind::new("", "v1", "secrets", "Secret", true),
         cfg.ring_size,
         cfg.watcher_buffer,
-    ));
-    let _ = cache.resources[0].store.set(store.clone());
+    );
+    let _ = cache.resources[0].store.set(store.as_reader());
     Setup {
         cache,
         store,
@@ -124,7 +126,7 @@ fn secret(ns: &str, name: &str, rv: u64, app: &str) -> Obj {
 
 /// Three secrets at version 10: ns-a/one (web), ns-a/two (db), ns-b/three (web).
 fn seeded() -> Setup {
-    let s = setup();
+    let mut s = setup();
     s.store.replace(
         vec![
             secret("ns-a", "one", 3, "web"),
@@ -464,7 +466,7 @@ async fn impersonation_other_forms_and_writes_go_upstream() {
 
 #[tokio::test]
 async fn nothing_is_answered_before_the_first_list() {
-    let s = setup();
+    let mut s = setup();
     assert!(!s.cache.synced());
     assert!(
         ask(&s, "alice", "/api/v1/secrets?resourceVersion=0")
@@ -493,7 +495,7 @@ async fn nothing_is_answered_before_the_first_list() {
 async fn excluded_namespaces_and_names_go_upstream() {
     let mut cfg = config();
     cfg.exclude_names = vec!["ns-a/two".into()];
-    let s = setup_with(cfg, None);
+    let mut s = setup_with(cfg, None);
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     assert!(
         ask(
@@ -555,7 +557,7 @@ async fn a_version_zero_list_ignores_its_limit_as_the_apiserver_does() {
 
 #[tokio::test]
 async fn pages_follow_each_other_over_a_fixed_snapshot() {
-    let s = seeded();
+    let mut s = seeded();
     let (_, first) = json(
         ask(
             &s,
@@ -585,7 +587,7 @@ async fn pages_follow_each_other_over_a_fixed_snapshot() {
 /// Secrets at version 10 in namespaces `team` and `team-a`, whose keys etcd orders
 /// `team-a/…` first (`-` sorts before `/`).
 fn teams() -> Setup {
-    let s = setup();
+    let mut s = setup();
     s.store.replace(
         vec![
             secret("team", "a", 3, "web"),
@@ -717,7 +719,7 @@ async fn a_token_the_apiserver_refuses_goes_to_the_apiserver_for_its_400() {
 async fn an_inconsistent_continue_reads_the_latest_state_after_its_key() {
     // The apiserver hands out `rv: -1` with the 410 for a continue it compacted away: the
     // rest of the list at the latest version.
-    let s = teams();
+    let mut s = teams();
     s.store
         .apply(EventType::Added, secret("team", "b", 11, "web"));
     s.store
@@ -777,7 +779,7 @@ async fn a_read_the_cache_cannot_prove_fresh_goes_upstream_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn bounded_staleness_serves_a_recently_connected_cache_only() {
-    let s = seeded();
+    let mut s = seeded();
     let staleness = Some(Duration::from_secs(2));
     let request = info("/api/v1/secrets");
     s.store.set_connected(true);
@@ -821,7 +823,7 @@ async fn bounded_staleness_serves_a_recently_connected_cache_only() {
 
 #[tokio::test(start_paused = true)]
 async fn a_watch_streams_the_ring_then_live_events() {
-    let s = seeded();
+    let mut s = seeded();
     s.store
         .apply(EventType::Modified, secret("ns-a", "one", 11, "web"));
     let mut body = ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=10")
@@ -849,7 +851,7 @@ fn watch_misses(s: &Setup) -> u64 {
 
 #[tokio::test(start_paused = true)]
 async fn a_watch_older_or_newer_than_the_cache_goes_upstream_never_410() {
-    let s = setup_with(
+    let mut s = setup_with(
         config::Cache {
             ring_size: 2,
             ..config()
@@ -896,7 +898,7 @@ async fn a_watch_older_or_newer_than_the_cache_goes_upstream_never_410() {
 async fn after_a_relist_a_watch_or_a_page_from_before_it_goes_upstream() {
     // What every client sees after Bulwark restarts: the new cache starts at the version it
     // listed, later than the version each client resumes from.
-    let s = seeded();
+    let mut s = seeded();
     s.store.replace(
         vec![
             secret("ns-a", "one", 12, "web"),
@@ -934,7 +936,7 @@ async fn after_a_relist_a_watch_or_a_page_from_before_it_goes_upstream() {
 async fn a_planned_watch_keeps_its_events_while_admission_decides() {
     // Between the plan and the answer the ring moves on past the watch's version: the
     // answer still streams every event after it, not a 410.
-    let s = setup_with(
+    let mut s = setup_with(
         config::Cache {
             ring_size: 2,
             ..config()
@@ -968,7 +970,7 @@ async fn a_planned_watch_keeps_its_events_while_admission_decides() {
 
 #[tokio::test(start_paused = true)]
 async fn a_selector_watch_sees_an_object_leave_as_deleted() {
-    let s = seeded();
+    let mut s = seeded();
     let mut body = ask(
         &s,
         "alice",
@@ -1009,7 +1011,7 @@ async fn a_watch_list_ends_its_initial_state_with_the_annotated_bookmark() {
 
 #[tokio::test(start_paused = true)]
 async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
-    let s = setup_with(
+    let mut s = setup_with(
         config::Cache {
             bookmark_interval: Duration::from_secs(5),
             ..config()
@@ -1037,7 +1039,7 @@ async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn a_zero_watch_timeout_is_unset_and_a_negative_one_ends_the_watch_at_once() {
-    let s = seeded();
+    let mut s = seeded();
     let uri = |t: &str| format!("/api/v1/secrets?watch=1&resourceVersion=11&timeoutSeconds={t}");
     // 0 is "unset" to the apiserver: a random 30 to 60 minutes, not an immediate end.
     let zero = "/api/v1/secrets?watch=1&resourceVersion=10&timeoutSeconds=0";
@@ -1077,7 +1079,7 @@ async fn revoking_access_closes_an_open_watch_but_a_failing_review_does_not() {
         access_review_ttl: Duration::from_secs(1),
         ..config()
     };
-    let s = setup_with(cfg, None);
+    let mut s = setup_with(cfg, None);
     s.store.replace(Vec::new(), 10);
     let mut body = ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=10")
         .await
@@ -1100,7 +1102,7 @@ async fn revoking_access_closes_an_open_watch_but_a_failing_review_does_not() {
 
 #[tokio::test(start_paused = true)]
 async fn a_relist_ends_every_open_watch() {
-    let s = seeded();
+    let mut s = seeded();
     let mut body = ask(&s, "alice", "/api/v1/secrets?watch=1&resourceVersion=10")
         .await
         .unwrap()
@@ -1112,7 +1114,7 @@ async fn a_relist_ends_every_open_watch() {
 
 #[tokio::test(start_paused = true)]
 async fn a_slow_watcher_is_disconnected_while_the_others_keep_receiving() {
-    let s = setup_with(
+    let mut s = setup_with(
         config::Cache {
             watcher_buffer: 8,
             ..config()
@@ -1151,7 +1153,7 @@ async fn a_slow_watcher_is_disconnected_while_the_others_keep_receiving() {
 
 #[tokio::test(start_paused = true)]
 async fn one_encoding_per_event_for_a_thousand_watchers() {
-    let s = setup_with(
+    let mut s = setup_with(
         config::Cache {
             watcher_buffer: 16,
             ..config()
@@ -1180,7 +1182,7 @@ async fn one_encoding_per_event_for_a_thousand_watchers() {
 
 #[tokio::test]
 async fn gzip_is_honoured_for_large_answers() {
-    let s = setup();
+    let mut s = setup();
     let objects = (0..100)
         .map(|i| {
             let raw = format!(
@@ -1231,7 +1233,7 @@ async fn gzip_is_honoured_for_large_answers() {
 async fn a_small_answer_to_a_gzip_reader_is_plain_every_time() {
     // Under the gzip threshold the answer is sent as it is: its reuse from the LRU of
     // encoded lists must not say it is gzipped (it once did, and clients failed to read it).
-    let s = setup();
+    let mut s = setup();
     s.store.replace(vec![secret("ns", "a", 1, "web")], 1);
     let mut headers = HeaderMap::new();
     headers.insert("accept-encoding", "gzip".parse().unwrap());
@@ -1265,7 +1267,7 @@ async fn secret_reads_are_audited() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
     let audit = audit_log(&path);
-    let s = setup_with(config(), Some(audit.clone()));
+    let mut s = setup_with(config(), Some(audit.clone()));
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     let mut headers = HeaderMap::new();
     headers.insert("audit-id", "given-id".parse().unwrap());
@@ -1304,7 +1306,7 @@ async fn refused_secret_reads_are_audited_with_the_clients_address() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
     let audit = audit_log(&path);
-    let s = setup_with(config(), Some(audit.clone()));
+    let mut s = setup_with(config(), Some(audit.clone()));
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     s.policy.denied.lock().unwrap().insert("mallory".into());
     let mut headers = HeaderMap::new();
@@ -1402,11 +1404,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
         ..config()
     };
     let s = setup_with(cfg, None);
-    let store = Arc::new(ResourceStore::new(
-        Kind::new("", "v1", "pods", "Pod", true),
-        100,
-        100,
-    ));
+    let mut store = Writer::new(Kind::new("", "v1", "pods", "Pod", true), 100, 100);
     let cache = Cache::build(
         &config::Cache {
             resources: vec!["pods".into()],
@@ -1416,7 +1414,7 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
         Metrics::new(),
         None,
     );
-    let _ = cache.resources[0].store.set(store.clone());
+    let _ = cache.resources[0].store.set(store.as_reader());
     let rv: u64 = list["metadata"]["resourceVersion"]
         .as_str()
         .unwrap()
@@ -1617,7 +1615,7 @@ async fn frames(body: &mut Body, n: usize) -> Vec<(String, Vec<u8>)> {
 async fn a_protobuf_watch_list_sends_frames_and_ends_with_the_annotated_bookmark() {
     use k8s_pb::api::core::v1 as pb;
     use prost::Message;
-    let s = seeded();
+    let mut s = seeded();
     let uri = "/api/v1/namespaces/ns-a/secrets?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&allowWatchBookmarks=true";
     let response = ask_protobuf(&s, uri).await;
     assert_eq!(
@@ -1653,7 +1651,7 @@ async fn a_cached_object_that_does_not_convert_is_a_500_audited_never_a_differen
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("audit.jsonl");
     let audit = audit_log(&path);
-    let s = setup_with(config(), Some(audit.clone()));
+    let mut s = setup_with(config(), Some(audit.clone()));
     // The store reads only metadata; `data` that is not base64 is no Secret.
     let broken = br#"{"metadata":{"name":"bad","namespace":"ns-a","resourceVersion":"3"},"data":{"k":"not base64!"}}"#;
     s.store.replace(vec![Obj::parse(broken).unwrap()], 10);

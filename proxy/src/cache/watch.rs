@@ -20,7 +20,7 @@ use super::Held;
 use super::accept::Encoding;
 use super::authz::{AccessCache, Attributes, Decision};
 use super::select::{FieldSelector, LabelSelector};
-use super::store::{Event, EventType, Obj, ResourceStore, WatchStart, bookmark_line};
+use super::store::{Event, EventType, Obj, Store, WatchStart, bookmark_line};
 use crate::metrics::Metrics;
 use crate::own::ReviewError;
 use crate::user::User;
@@ -81,7 +81,7 @@ pub struct Reauthorize {
 }
 
 struct Watcher {
-    store: Arc<ResourceStore>,
+    store: Store,
     options: Options,
     /// The initial state, encoded when the watch started (its seats went back then).
     initial: VecDeque<Bytes>,
@@ -117,8 +117,8 @@ impl Watcher {
     fn convert(&mut self, out: &mut BytesMut, event: &Event) {
         self.last_rv = self.last_rv.max(event.rv);
         let filter = &self.options.filter;
-        let counter = &self.store.encodings;
-        let kind = &self.store.kind;
+        let counter = self.store.encodings();
+        let kind = self.store.kind();
         let encoding = self.options.encoding;
         let now = event.kind != EventType::Deleted && filter.matches(&event.obj);
         let before = match (&event.prev, event.kind) {
@@ -152,7 +152,7 @@ impl Watcher {
         if self.done {
             return None;
         }
-        let kind = self.store.kind.clone();
+        let kind = self.store.kind().clone();
         if let Some(chunk) = self.initial.pop_front() {
             return Some(chunk);
         }
@@ -256,10 +256,10 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-fn resource_label(store: &ResourceStore) -> String {
+fn resource_label(store: &Store) -> String {
     crate::config::GroupResource {
-        group: store.kind.group.clone(),
-        resource: store.kind.resource.clone(),
+        group: store.kind().group.clone(),
+        resource: store.kind().resource.clone(),
     }
     .to_string()
 }
@@ -269,7 +269,7 @@ fn resource_label(store: &ResourceStore) -> String {
 /// to their level then: seats pay for the work of a watch's start, not for a client's pace
 /// in reading it.
 pub fn body(
-    store: Arc<ResourceStore>,
+    store: Store,
     start: WatchStart,
     options: Options,
     reauth: Option<Reauthorize>,
@@ -287,7 +287,7 @@ pub fn body(
     let mut objects: VecDeque<Arc<Obj>> = initial.into();
     let mut encoded = VecDeque::new();
     while let Some(chunk) =
-        super::respond::added_frames(&store.kind, &mut objects, options.encoding, |o| {
+        super::respond::added_frames(store.kind(), &mut objects, options.encoding, |o| {
             options.filter.matches(o)
         })
     {

@@ -118,6 +118,16 @@ impl Client {
         Client { upstream }
     }
 
+    /// A client with a pool of its own for the configured replicas (one that serves no
+    /// client requests: tests, and tools that only make Bulwark's own calls).
+    pub fn from_config(
+        cfg: &crate::config::Upstream,
+        metrics: crate::metrics::Metrics,
+    ) -> Result<Client, UpstreamError> {
+        let tls = crate::upstream::UpstreamTls::from_config(cfg)?;
+        Ok(Client::new(Upstream::new(cfg, tls, metrics)?))
+    }
+
     /// The answer of a successful call; any other status is [`CallError::Status`].
     pub async fn bytes(&self, call: Call) -> Result<Bytes, CallError> {
         let max_bytes = call.max_bytes;

@@ -10,7 +10,6 @@ use serde_json::json;
 
 use super::*;
 use crate::metrics::Metrics;
-use crate::upstream::{Upstream, UpstreamTls};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -231,11 +230,9 @@ async fn sim(event_ring: usize, watch_list: bool) -> Sim {
         key.display()
     );
     let cfg: crate::config::Upstream = serde_norway::from_str(&yaml).unwrap();
-    let tls = UpstreamTls::from_config(&cfg).unwrap();
-    let upstream = Upstream::new(&cfg, tls, Metrics::new()).unwrap();
     let slot = Arc::new(OnceLock::new());
     let informer = Informer::new(
-        own::Client::new(upstream),
+        own::Client::from_config(&cfg, Metrics::new()).unwrap(),
         GroupResource {
             group: String::new(),
             resource: "secrets".into(),

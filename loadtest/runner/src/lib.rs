@@ -8,6 +8,7 @@ pub mod client;
 pub mod controlplane;
 pub mod floor;
 pub mod proxy_process;
+pub mod reference;
 pub mod report;
 pub mod sandbox;
 pub mod scenario;

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand};
 
 use bulwark_loadtest::controlplane::{self, ControlPlane};
 use bulwark_loadtest::scenario::{self, Options};
-use bulwark_loadtest::{calibrate, floor, proxy_process, report, sandbox};
+use bulwark_loadtest::{calibrate, floor, proxy_process, reference, report, sandbox};
 
 /// Bulwark's load tester: each scenario runs against a fresh simulated apiserver fleet,
 /// once directly (through an L4 balancer) and once through Bulwark, and prints a
@@ -254,6 +254,15 @@ enum Command {
         #[arg(long)]
         charts: Option<PathBuf>,
     },
+    /// Draws the figures of the scenario reference pages (`scenarios/*.md`) again from the
+    /// recorded results they name.
+    Reference {
+        /// The pages' folder (default: this source tree's `loadtest/runner/scenarios`).
+        dir: Option<PathBuf>,
+        /// Change nothing: fail when a page's figures are not its results'.
+        #[arg(long)]
+        check: bool,
+    },
     /// Runs Bulwark itself (used by the scenarios, which start it as its own process).
     #[command(name = "__bulwark", hide = true)]
     Bulwark {
@@ -385,6 +394,28 @@ async fn run(command: Command) -> anyhow::Result<()> {
             unreachable!("main runs Bulwark and the floor on their own runtimes")
         }
         Command::Report { json, html, charts } => return redraw(&json, html, charts),
+        Command::Reference { dir, check } => {
+            let dir = dir.unwrap_or_else(reference::pages_dir);
+            let stale = reference::run(&dir, check)?;
+            for page in &stale {
+                println!(
+                    "{} {}",
+                    if check {
+                        "out of date:"
+                    } else {
+                        "drawn again:"
+                    },
+                    page.display()
+                );
+            }
+            if check && !stale.is_empty() {
+                anyhow::bail!(
+                    "{} page(s) do not show their results' figures: run `bulwark-loadtest reference`",
+                    stale.len()
+                );
+            }
+            return Ok(());
+        }
         Command::Sandbox {
             dir,
             rules,

@@ -171,6 +171,10 @@ struct Line<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     expected_bytes: Option<u64>,
     seconds: f64,
+    /// The share of such answers written, when not all are: rates read back from a sample
+    /// are that much too low.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sample: Option<f64>,
 }
 
 /// The second line of a watch: when it ended, and how long it was open.
@@ -237,7 +241,9 @@ impl AccessLog {
         {
             return false;
         }
-        self.file.write_line(line(entry, SystemTime::now()));
+        let sampled = (!always && self.sample < 1.0).then_some(self.sample);
+        self.file
+            .write_line(line(entry, SystemTime::now(), sampled));
         true
     }
 
@@ -258,7 +264,7 @@ impl AccessLog {
     }
 }
 
-fn line(entry: &Entry<'_>, now: SystemTime) -> Vec<u8> {
+fn line(entry: &Entry<'_>, now: SystemTime, sample: Option<f64>) -> Vec<u8> {
     let info = entry.request;
     let resource_request = info.is_some_and(|i| i.resource_request);
     let line = Line {
@@ -293,6 +299,7 @@ fn line(entry: &Entry<'_>, now: SystemTime) -> Vec<u8> {
         reason: entry.reason.map(Reason::as_str),
         expected_bytes: entry.expected_bytes,
         seconds: entry.took.as_secs_f64(),
+        sample,
     };
     serde_json::to_vec(&line).unwrap_or_default()
 }
@@ -345,6 +352,7 @@ mod tests {
         let line = line(
             &entry(Some(&info), 429, Some(Reason::RateLimited)),
             SystemTime::UNIX_EPOCH,
+            None,
         );
         let line: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(
@@ -398,6 +406,7 @@ mod tests {
                 ..entry(None, 200, None)
             },
             SystemTime::UNIX_EPOCH,
+            None,
         );
         let line: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(
@@ -458,6 +467,16 @@ mod tests {
         assert_eq!(codes.iter().filter(|c| **c == 429).count(), 50);
         assert_eq!(codes.iter().filter(|c| **c == 503).count(), 50);
         let sampled = codes.iter().filter(|c| **c == 200).count();
+        // A sampled line says so; a refusal, always written, does not.
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(
+            lines
+                .iter()
+                .all(|l| (l["code"] == 200) == (l["sample"] == 0.1))
+        );
         assert!((120..=280).contains(&sampled), "{sampled} of 2000 at 0.1");
     }
 

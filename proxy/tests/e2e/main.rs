@@ -13,6 +13,7 @@ mod kube_client;
 mod oncall;
 mod slow_clients;
 mod streaming;
+mod suggest;
 
 /// The setup the fairness and cache tests start from: Bulwark serving on the test's runtime.
 fn setup() -> bulwark_testkit::Setup {

@@ -32,6 +32,19 @@ trap cleanup EXIT
 ctx="$work/context"
 sh "$repo/deploy/rootfs.sh" "$bin" "$ctx/rootfs"
 install -m 0755 "$bin" "$ctx/bulwark"
+# The SBOM the build stage makes (BULWARK_SBOM: made beforehand, as .ci/run does).
+sbom="${BULWARK_SBOM:-}"
+if [[ -z "$sbom" ]]; then
+  command -v cargo-sbom >/dev/null || { echo "image.sh: set BULWARK_SBOM, or install cargo-sbom (cargo install cargo-sbom --version 0.10.0 --locked)" >&2; exit 1; }
+  sbom="$work/sbom.cdx.json"
+  (cd "$repo" && cargo sbom --cargo-package bulwark --output-format cyclone_dx_json_1_6) >"$sbom"
+fi
+install -m 0644 "$sbom" "$ctx/sbom.cdx.json"
+# The labels: the binary's version, the checkout's commit, and its origin when that is a URL.
+version_arg="$("$bin" --version | awk '{print $2}')"
+revision_arg="$(git -C "$repo" rev-parse HEAD)"
+source_arg="$(git -C "$repo" config --get remote.origin.url || true)"
+[[ "$source_arg" == https://* ]] || source_arg=""
 # The Dockerfile's final stage, reading from this context instead of the build stage.
 sed -n '/^FROM scratch/,$p' "$repo/deploy/Dockerfile" |
   sed 's#^COPY --from=build /out/#COPY #' >"$ctx/Containerfile"
@@ -42,13 +55,18 @@ if grep -q -- '--from=' "$ctx/Containerfile"; then
 fi
 
 image=localhost/bulwark:ci
-buildah "${store[@]}" bud --isolation chroot --layers=false -f "$ctx/Containerfile" -t "$image" "$ctx"
+buildah "${store[@]}" bud --isolation chroot --layers=false -f "$ctx/Containerfile" -t "$image" \
+  --build-arg VERSION="$version_arg" --build-arg REVISION="$revision_arg" --build-arg SOURCE="$source_arg" "$ctx"
 buildah "${store[@]}" images "$image"
 
 user="$(buildah "${store[@]}" inspect --type image --format '{{.OCIv1.Config.User}}' "$image")"
 entrypoint="$(buildah "${store[@]}" inspect --type image --format '{{.OCIv1.Config.Entrypoint}}' "$image")"
 echo "image user: $user; entrypoint: $entrypoint"
 [[ "$user" == 65532:65532 ]] || { echo "image.sh: the image runs as '$user', not 65532:65532" >&2; exit 1; }
+label() { buildah "${store[@]}" inspect --type image --format "{{index .OCIv1.Config.Labels \"org.opencontainers.image.$1\"}}" "$image"; }
+echo "labels: version $(label version), revision $(label revision), source '$(label source)'"
+[[ "$(label version)" == "$version_arg" && -n "$version_arg" ]] || { echo "image.sh: the version label is not the binary's" >&2; exit 1; }
+[[ "$(label revision)" == "$revision_arg" ]] || { echo "image.sh: the revision label is not the checkout's commit" >&2; exit 1; }
 
 ctr="$(buildah "${store[@]}" from --pull-never "$image")"
 echo "files in the image:"
@@ -56,3 +74,8 @@ echo "files in the image:"
 version="$(buildah "${store[@]}" run --isolation chroot --user 65532:65532 "$ctr" -- /usr/local/bin/bulwark --version)"
 echo "bulwark --version in the image, as 65532: $version"
 [[ "$version" == "bulwark "* ]] || { echo "image.sh: unexpected version output" >&2; exit 1; }
+mnt="$(buildah "${store[@]}" mount "$ctr")"
+in_image="$mnt/usr/local/share/doc/bulwark/sbom.cdx.json"
+grep -q '"name": *"rustls"' "$in_image" || { echo "image.sh: the image's SBOM does not list rustls" >&2; exit 1; }
+echo "the image's SBOM lists $(grep -c '"purl"' "$in_image") components"
+buildah "${store[@]}" umount "$ctr" >/dev/null

@@ -237,6 +237,19 @@ fn the_dockerfile_builds_a_non_root_image_the_daemonset_can_run() {
         !last.iter().any(|l| l.contains("cargo")),
         "the run stage carries no toolchain"
     );
+    // What it is and what is inside: the OCI labels and the SBOM.
+    for label in ["version", "revision", "source", "licenses"] {
+        assert!(
+            last.iter()
+                .any(|l| l.contains(&format!("org.opencontainers.image.{label}="))),
+            "the image is labelled with its {label}"
+        );
+    }
+    assert!(
+        last.iter()
+            .any(|l| l.starts_with("COPY --from=build /out/sbom.cdx.json ")),
+        "the image carries its SBOM"
+    );
 
     // Non-root, and the same user the DaemonSet runs as.
     let user = instruction("USER ");

@@ -186,6 +186,7 @@ impl Running {
                     cfg,
                     config.upstream.bulwark_replicas,
                     config.listen.address,
+                    &config.admin,
                     own.clone(),
                     Arc::new(local),
                     shares,

@@ -378,17 +378,15 @@ fn refused_by_apiserver(status: StatusCode, body: &[u8], user: &str) -> String {
 /// One replica's page, or why it could not be read, in the words its row shows.
 async fn read_page(base: &str, page: Page, dial: &Dial) -> Result<Value, String> {
     let mut dial = dial.clone();
-    if dial.bearer.is_some() && base.starts_with("http://") && !is_loopback(base) {
-        // A token in the clear would be the admin port's key to anyone on the path; a
-        // loopback listener needs none anyway.
-        dial.bearer = None;
-    }
+    // The token goes only where TLS has verified the listener: a URL from a Lease anyone
+    // could write must not collect it in the clear (a loopback listener needs none).
+    let withheld = base.starts_with("http://") && dial.bearer.take().is_some();
     let (status, body) = fetch::get(base, &page.path(), &dial)
         .await
         .map_err(|e| match e {
-            FetchError::Tls(_) if dial.tls.is_some() => format!(
+            FetchError::Tls(_) => format!(
                 "{e} (is --admin-ca the CA of its admin.tls certificate, and does the \
-                 certificate name the host, or --admin-server-name?)"
+                 certificate name the host dialled, or --admin-server-name?)"
             ),
             e => e.to_string(),
         })?;
@@ -396,6 +394,10 @@ async fn read_page(base: &str, page: Page, dial: &Dial) -> Result<Value, String>
         StatusCode::OK => {
             serde_json::from_slice(&body).map_err(|e| format!("{} is not JSON: {e}", page.path()))
         }
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN if withheld => Err(format!(
+            "{status}: /debug/* needs the admin token, which is sent over HTTPS only \
+             (admin.tls)"
+        )),
         StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN if dial.bearer.is_some() => Err(format!(
             "{status}: the admin token was refused: --admin-token-file (or {TOKEN_FILE_ENV}) \
              must hold the replica's admin.tokenFile"
@@ -409,20 +411,6 @@ async fn read_page(base: &str, page: Page, dial: &Dial) -> Result<Value, String>
             String::from_utf8_lossy(&body).trim()
         )),
     }
-}
-
-fn is_loopback(base: &str) -> bool {
-    base.parse::<http::Uri>()
-        .ok()
-        .and_then(|u| {
-            let host = u
-                .host()?
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned();
-            Some(host == "localhost" || host.parse::<std::net::IpAddr>().ok()?.is_loopback())
-        })
-        .unwrap_or(false)
 }
 
 fn is_dns_label(s: &str) -> bool {
@@ -593,12 +581,42 @@ mod tests {
     }
 
     #[test]
-    fn addresses_without_a_scheme_are_https_and_tokens_stay_off_the_wire_in_the_clear() {
+    fn addresses_without_a_scheme_are_https_and_namespaces_are_names() {
         assert_eq!(admin_base("10.0.0.5:9443"), "https://10.0.0.5:9443");
         assert_eq!(admin_base("http://127.0.0.1:9090"), "http://127.0.0.1:9090");
-        assert!(is_loopback("http://127.0.0.1:9090"));
-        assert!(is_loopback("http://[::1]:9090"));
-        assert!(!is_loopback("http://10.0.0.5:9090"));
+        assert!(is_dns_label("bulwark"));
         assert!(!is_dns_label("bulwark/../x"));
+    }
+
+    #[tokio::test]
+    async fn the_admin_token_never_crosses_plain_http() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = vec![0; 4096];
+            let n = socket.read(&mut request).await.unwrap();
+            socket
+                .write_all(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            String::from_utf8_lossy(&request[..n]).to_lowercase()
+        });
+        let dial = Dial {
+            bearer: Some("s3cret".into()),
+            timeout: Duration::from_secs(5),
+            ..Dial::default()
+        };
+        let why = read_page(&format!("http://{addr}"), Page::Flows, &dial)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            why,
+            "403 Forbidden: /debug/* needs the admin token, which is sent over HTTPS only (admin.tls)"
+        );
+        let request = seen.await.unwrap();
+        assert!(request.starts_with("get /debug/flows "), "{request}");
+        assert!(!request.contains("s3cret"), "{request}");
     }
 }

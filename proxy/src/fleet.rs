@@ -326,15 +326,14 @@ impl Settings {
 /// `kubernetesService`, the Service's endpoints. The tasks stop when aborted.
 pub fn start(
     cfg: &crate::config::Fleet,
-    bulwark_replicas: u32,
-    listen: std::net::SocketAddr,
-    admin: &crate::config::Admin,
+    config: &crate::config::Config,
     own: own::Client,
     local: Arc<dyn Local>,
     shares: FleetShares,
     metrics: Metrics,
 ) -> Result<(Arc<Fleet>, Vec<JoinHandle<()>>), KeyError> {
-    let mut settings = Settings::from_config(cfg, bulwark_replicas)?;
+    let (listen, admin) = (config.listen.address, &config.admin);
+    let mut settings = Settings::from_config(cfg, config.upstream.bulwark_replicas)?;
     settings.admin = admin_url(
         admin.address,
         admin.tls.is_some(),

@@ -169,6 +169,11 @@ async fn run_async(options: Options) -> Result<bool, InspectError> {
             options.namespace
         )));
     }
+    if options.interval.is_zero() || options.request_timeout.is_zero() {
+        return Err(InspectError::Usage(
+            "--interval and --request-timeout must be longer than zero".into(),
+        ));
+    }
     let apiserver = if options.replicas.is_empty() {
         let files = kubeconfig::files(
             options.kubeconfig.as_deref(),

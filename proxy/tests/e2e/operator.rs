@@ -337,4 +337,18 @@ async fn installed_as_kubectl_bulwark_it_is_the_kubectl_plugin() {
         stderr(&output),
         "bulwark: /nonexistent/kubeconfig: No such file or directory (os error 2)\n"
     );
+    let output = bulwark(&[
+        "levels",
+        "--replica",
+        "127.0.0.1:1",
+        "--interval",
+        "0s",
+        "-w",
+    ])
+    .await;
+    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(
+        stderr(&output),
+        "bulwark: --interval and --request-timeout must be longer than zero\n"
+    );
 }

@@ -16,4 +16,4 @@ echo "--- promtool test rules"
 promtool test rules "$here/bulwark.rules.test.yml"
 echo "--- promtool check metrics on a live scrape, dashboard expressions"
 cd "$here/../.."
-BULWARK_REQUIRE_PROMTOOL=1 cargo test -p bulwark --test deploy -- promtool
+BULWARK_REQUIRE_TOOLS=1 cargo test -p bulwark --test deploy -- promtool

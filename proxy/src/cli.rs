@@ -211,6 +211,38 @@ pub enum RulesCommand {
         /// The request path, e.g. /api/v1/namespaces/default/secrets.
         path: String,
     },
+    /// Write a rule folder sized from recorded traffic: one file per client class, levels,
+    /// rates and watch limits from what each class was served, times the headroom, every
+    /// rule in shadow mode and every number explained in a comment.
+    Suggest {
+        /// An access-log file (repeatable); its rotated files (`FILE.1`, `FILE.2`, ...) are
+        /// read too.
+        #[arg(long = "access-log", required = true)]
+        access_logs: Vec<PathBuf>,
+        /// The folder to write the rules into (created).
+        #[arg(long)]
+        out: PathBuf,
+        /// What the observed peaks are multiplied by.
+        #[arg(long, default_value_t = 2.0)]
+        headroom: f64,
+    },
+    /// Replay recorded traffic against a rule folder: what its rates, watch limits, seats
+    /// and LIST byte budget would have refused, per rule and user, and when.
+    Replay {
+        /// An access-log file (repeatable); its rotated files are read too.
+        #[arg(long = "access-log", required = true)]
+        access_logs: Vec<PathBuf>,
+        /// The folder of rule files.
+        #[arg(long)]
+        rules: PathBuf,
+        /// The in-flight LIST byte budget (bytes): the apiservers' heap headroom ÷ 5, over
+        /// all replicas (default: three at the default 8 GiB).
+        #[arg(long, default_value_t = bulwark::traffic::replay::DEFAULT_LIST_BUDGET)]
+        list_budget: u64,
+        /// `table` or `json`.
+        #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json"])]
+        output: String,
+    },
 }
 
 /// `KEY=VALUE` of `--extra`.

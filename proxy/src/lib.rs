@@ -30,6 +30,7 @@ pub mod rules;
 pub mod serve;
 pub mod stages;
 pub mod status;
+pub mod traffic;
 pub mod upstream;
 pub mod user;
 

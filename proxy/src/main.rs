@@ -149,7 +149,104 @@ fn main() -> ExitCode {
             }
             explain(&dir, mode.into(), &user, source, &verb, &path)
         }
+        Command::Rules {
+            command:
+                RulesCommand::Suggest {
+                    access_logs,
+                    out,
+                    headroom,
+                },
+        } => suggest(&access_logs, &out, headroom),
+        Command::Rules {
+            command:
+                RulesCommand::Replay {
+                    access_logs,
+                    rules,
+                    list_budget,
+                    output,
+                },
+        } => replay(&access_logs, &rules, list_budget, &output),
     }
+}
+
+/// The recording of the access-log files named, their rotated files included.
+fn recording(files: &[std::path::PathBuf]) -> Option<bulwark::traffic::Recording> {
+    let files: Vec<_> = files
+        .iter()
+        .flat_map(|f| bulwark::traffic::rotated(f))
+        .collect();
+    match bulwark::traffic::Recording::read(&files) {
+        Ok(recording) => Some(recording),
+        Err(e) => {
+            eprintln!("bulwark: {e}");
+            None
+        }
+    }
+}
+
+/// `bulwark rules suggest`.
+fn suggest(files: &[std::path::PathBuf], out: &std::path::Path, headroom: f64) -> ExitCode {
+    let Some(recording) = recording(files) else {
+        return ExitCode::from(2);
+    };
+    let options = bulwark::traffic::suggest::Options { headroom };
+    let suggestion = bulwark::traffic::suggest::suggest(&recording, &options);
+    if let Err(problems) = bulwark::rules::RuleSet::from_sources(&suggestion.sources()) {
+        // A suggestion that does not load is Bulwark's bug, not the recording's.
+        for problem in problems {
+            eprintln!("{problem}");
+        }
+        return ExitCode::from(1);
+    }
+    if let Err(e) = suggestion.write(out) {
+        eprintln!("bulwark: writing {}: {e}", out.display());
+        return ExitCode::from(2);
+    }
+    println!(
+        "{} requests ({} lines skipped) -> {} files in {}:",
+        recording.records.len(),
+        recording.skipped,
+        suggestion.files.len(),
+        out.display()
+    );
+    for (name, _) in &suggestion.files {
+        println!("  {name}");
+    }
+    ExitCode::SUCCESS
+}
+
+/// `bulwark rules replay`.
+fn replay(
+    files: &[std::path::PathBuf],
+    dir: &std::path::Path,
+    list_budget: u64,
+    output: &str,
+) -> ExitCode {
+    let rules = match bulwark::rules::RuleSet::load_dir(dir) {
+        Ok(rules) => rules,
+        Err(problems) => {
+            for problem in problems {
+                eprintln!("{problem}");
+            }
+            return ExitCode::from(1);
+        }
+    };
+    let Some(recording) = recording(files) else {
+        return ExitCode::from(2);
+    };
+    let replay = bulwark::traffic::replay::replay(&recording, &rules, list_budget);
+    if output == "json" {
+        match serde_json::to_string_pretty(&replay) {
+            Ok(json) => println!("{json}"),
+            Err(e) => {
+                eprintln!("bulwark: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        print!("{}", replay.table());
+    }
+    ExitCode::SUCCESS
 }
 
 /// `bulwark rules explain`: the text, or the reason there is none (exit 1).

@@ -1252,23 +1252,11 @@ async fn probe_paths_answer_on_the_admin_listener() {
 // promtool
 
 /// promtool, or `None` (with a note) when it is not installed and not required.
-fn promtool() -> Option<&'static str> {
-    let found = std::process::Command::new("promtool")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if found {
-        return Some("promtool");
-    }
-    assert!(
-        std::env::var_os("BULWARK_REQUIRE_PROMTOOL").is_none(),
-        "promtool is required (apt-get install -y prometheus)"
-    );
-    eprintln!("promtool not installed: skipped (deploy/prometheus/test.sh requires it)");
-    None
+fn promtool() -> Option<PathBuf> {
+    bulwark_testkit::tools::find("promtool", "apt-get install prometheus")
 }
 
-fn run_promtool(promtool: &str, args: &[&str], stdin: &str) -> (bool, String) {
+fn run_promtool(promtool: &Path, args: &[&str], stdin: &str) -> (bool, String) {
     use std::io::Write as _;
     let mut child = std::process::Command::new(promtool)
         .args(args)
@@ -1297,14 +1285,14 @@ async fn promtool_check_metrics_passes_on_a_live_scrape() {
     let Some(promtool) = promtool() else { return };
     let cluster = Cluster::start(Setup::default()).await;
     let scrape = live_scrape(&cluster).await;
-    let (ok, output) = run_promtool(promtool, &["check", "metrics"], &scrape);
+    let (ok, output) = run_promtool(&promtool, &["check", "metrics"], &scrape);
     assert!(
         ok,
         "promtool check metrics:\n{output}\n--- scrape:\n{scrape}"
     );
     // And promtool is not a rubber stamp: a counter without _total is refused.
     let bad = "# HELP bulwark_things Things.\n# TYPE bulwark_things counter\nbulwark_things 1\n";
-    assert!(!run_promtool(promtool, &["check", "metrics"], bad).0);
+    assert!(!run_promtool(&promtool, &["check", "metrics"], bad).0);
 }
 
 #[test]
@@ -1322,7 +1310,7 @@ fn promtool_accepts_every_dashboard_expression() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("dashboard.rules.yml");
     std::fs::write(&path, rules).unwrap();
-    let (ok, output) = run_promtool(promtool, &["check", "rules", path.to_str().unwrap()], "");
+    let (ok, output) = run_promtool(&promtool, &["check", "rules", path.to_str().unwrap()], "");
     assert!(ok, "{output}");
 }
 
@@ -1431,8 +1419,13 @@ fn http_get(base: &str, path: &str) -> (u16, String) {
 /// not.
 #[test]
 fn dashboard_and_alert_queries_run_on_a_live_prometheus() {
+    use std::io::Write as _;
     let Ok(base) = std::env::var("BULWARK_PROMETHEUS_URL") else {
-        eprintln!("BULWARK_PROMETHEUS_URL not set: skipped (fire-test.sh sets it)");
+        // Only deploy/prometheus/fire-test.sh, which starts that Prometheus, runs it for real.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED dashboard_and_alert_queries_run_on_a_live_prometheus: BULWARK_PROMETHEUS_URL is not set (deploy/prometheus/fire-test.sh sets it)"
+        );
         return;
     };
     let mut queries: Vec<(String, String)> = dashboard_expressions(&dashboard())
@@ -1736,26 +1729,9 @@ fn the_fleet_s_namespace_with_the_front_proxy_key_is_never_cached() {
 // ---------------------------------------------------------------------------------------
 // The load balancer: deploy/README.md's haproxy lines, run
 
-/// haproxy, or `None` (with a note) where it is not installed, except under CI, which
-/// installs it.
+/// haproxy, or `None` where it is not on PATH (the test reported skipped).
 fn haproxy() -> Option<PathBuf> {
-    let found = ["haproxy", "/usr/sbin/haproxy"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| {
-            std::process::Command::new(p)
-                .arg("-v")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        });
-    if found.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "haproxy is not installed; .ci/run installs it"
-        );
-        eprintln!("haproxy not installed: skipped (apt-get install haproxy)");
-    }
-    found
+    bulwark_testkit::tools::find("haproxy", "apt-get install haproxy")
 }
 
 /// The haproxy configuration deploy/README.md gives, exactly: the code block after "In

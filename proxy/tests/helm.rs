@@ -3,7 +3,7 @@
 //! kustomize`, and the values a platform team sets reach the objects and make a
 //! configuration Bulwark accepts. Both tools are the ones `loadtest/controlplane/build.sh`
 //! builds; without them (and without `BULWARK_CONTROLPLANE_BIN`, which CI sets) the tests
-//! are skipped with a note.
+//! report themselves skipped.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -40,8 +40,8 @@ fn tools() -> Option<PathBuf> {
     if ["helm", "kubectl"].iter().all(|t| dir.join(t).is_file()) {
         return Some(dir);
     }
-    eprintln!(
-        "helm or kubectl not built: skipped (run loadtest/controlplane/build.sh, or set BULWARK_CONTROLPLANE_BIN)"
+    bulwark_testkit::tools::skip(
+        "helm or kubectl is not built (run loadtest/controlplane/build.sh, or set BULWARK_CONTROLPLANE_BIN)",
     );
     None
 }

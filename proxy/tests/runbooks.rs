@@ -8,9 +8,9 @@
 //! serving certificate's name and its admin port for 9443, and each command must exit 0
 //! and show what its comment says (`shows \`TEXT\``). `kubectl logs` of Bulwark's pods is
 //! the log of the process under test; blocks after `<!-- not run: REASON -->` need a real
-//! cluster and are only parsed. Skipped with a note without `kubectl` (built by
-//! `loadtest/controlplane/build.sh`; `BULWARK_CONTROLPLANE_BIN` makes it required), `jq`,
-//! `curl` or `openssl` (CI installs them). `BULWARK_TRACE_RUNBOOKS=1` prints every command
+//! cluster and are only parsed. Without `kubectl` (built by `loadtest/controlplane/build.sh`;
+//! `BULWARK_CONTROLPLANE_BIN` makes it required), `jq`, `curl` or `openssl` the test reports
+//! itself skipped (`bulwark_testkit::tools`; CI installs them and requires them). `BULWARK_TRACE_RUNBOOKS=1` prints every command
 //! with its output.
 
 use std::collections::BTreeMap;
@@ -181,27 +181,11 @@ fn kubectl() -> Option<PathBuf> {
             .find(|f| f.is_file())
     });
     if on_path.is_none() {
-        eprintln!(
-            "kubectl not found: skipped (run loadtest/controlplane/build.sh, or set BULWARK_CONTROLPLANE_BIN)"
+        bulwark_testkit::tools::skip(
+            "kubectl is not built (run loadtest/controlplane/build.sh, or set BULWARK_CONTROLPLANE_BIN)",
         );
     }
     on_path
-}
-
-/// Whether `program version` runs; under CI (which installs them) it must.
-fn installed((program, version): (&str, &str)) -> bool {
-    let found = std::process::Command::new(program)
-        .arg(version)
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "{program} is not installed; .ci/run installs it"
-        );
-        eprintln!("{program} not installed: skipped");
-    }
-    found
 }
 
 /// A Bulwark as `deploy/base` runs it, over the simulated apiservers.
@@ -634,13 +618,12 @@ fn runbook_blocks_are_split_into_commands_with_what_they_show() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_runbook_command_works_against_bulwark_as_deployed() {
     let Some(kubectl) = kubectl() else { return };
-    if ![
-        ("jq", "--version"),
-        ("curl", "--version"),
-        ("openssl", "version"),
-    ]
-    .into_iter()
-    .all(installed)
+    if bulwark_testkit::tools::find_all([
+        ("jq", "apt-get install jq"),
+        ("curl", "apt-get install curl"),
+        ("openssl", "apt-get install openssl"),
+    ])
+    .is_none()
     {
         return;
     }
@@ -782,7 +765,7 @@ async fn every_runbook_command_works_against_bulwark_as_deployed() {
 /// for `promtool check rules`), placeholders and all.
 #[test]
 fn every_runbook_query_parses() {
-    if !installed(("promtool", "--version")) {
+    if bulwark_testkit::tools::find("promtool", "apt-get install prometheus").is_none() {
         return;
     }
     let runbooks = std::fs::read_to_string(repo("docs/runbooks.md")).unwrap();

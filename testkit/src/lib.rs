@@ -18,6 +18,7 @@ pub mod client;
 pub mod cluster;
 pub mod config;
 pub mod ports;
+pub mod tools;
 
 pub use client::{Answer, Client, admin_get, get, post_json, tcp_from, tls_config, with_token};
 pub use cluster::{

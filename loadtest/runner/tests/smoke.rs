@@ -2,7 +2,6 @@
 //! targets (the simulator's L4 balancer, and Bulwark started as its own process) must write
 //! the JSON with both runs filled.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -174,11 +173,14 @@ fn a_direct_skew_run_shows_the_skew_after_the_restart() {
 
 #[test]
 fn sandbox_serves_kubectl_with_each_identity() {
-    let kubectl = PathBuf::from("/usr/bin/kubectl");
-    if !kubectl.exists() {
-        eprintln!("kubectl is not installed; skipping the sandbox test");
-        return;
-    }
+    // The kubectl the real control plane's tests build (loadtest/controlplane/build.sh).
+    let located = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(bulwark_loadtest::controlplane::Binaries::locate());
+    let kubectl = match located {
+        Ok(binaries) => binaries.kubectl(),
+        Err(e) => panic!("kubectl for the sandbox: {e}"),
+    };
     let dir = std::env::temp_dir().join(format!("bulwark-sandbox-smoke-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut child = Command::new(env!("CARGO_BIN_EXE_bulwark-loadtest"))
@@ -360,22 +362,18 @@ fn sandbox_runs_three_bulwarks_behind_a_balancer_sharing_one_budget() {
 }
 
 /// Whether `program` is installed (on `PATH` or in Debian's sbin).
-fn installed(program: &str) -> bool {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin")])
-        .any(|dir| dir.join(program).is_file())
-}
 
 #[test]
 fn passthrough_measures_bulwark_and_the_floor_with_h2load_without_bulwarks_limits() {
-    if !(installed("h2load") && installed("nginx")) {
-        // CI installs both (.ci/run); elsewhere the scenario says how to install them.
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must have h2load and nginx"
-        );
-        eprintln!("h2load or nginx is not installed; skipping the passthrough smoke test");
+    if bulwark_testkit::tools::find_all([
+        ("h2load", "apt-get install nghttp2-client"),
+        (
+            "nginx",
+            "apt-get install nginx; it may be in an sbin folder",
+        ),
+    ])
+    .is_none()
+    {
         return;
     }
     let (report, stdout) = run_table(

@@ -1,8 +1,11 @@
 //! The access log: one JSON line per request, written by the `stages::rescue::Rescue` stage
-//! once the answer's head is known — who asked (user, source address, user agent), what
-//! (verb, resource, namespace, name), the answer (code, who served it, the rule and level,
-//! a refusal's reason), how long until the head, and the `Audit-Id` the answer and the
-//! apiserver's audit log carry. Refusals and 5xx are always written; other answers are
+//! once the answer's head is known — who asked (user, groups, the node and pod a bound
+//! token names, source address, user agent), what (verb, resource, namespace, name), the
+//! answer (code, who served it, the rule, level and flow, a refusal's reason, the bytes
+//! admission expected it to cost), how long until the head, and the `Audit-Id` the answer
+//! and the apiserver's audit log carry. A watch whose line was written gets a second line
+//! when it ends (`"ended": true`, its lifetime in `seconds`), so that what a client held
+//! open can be read back (`bulwark rules suggest` and `replay`). Refusals and 5xx are always written; other answers are
 //! sampled at `accessLog.sample`. Refusals of requests that never identified anyone
 //! (`unauthenticated`, `review_limited`) are the exception: anyone can send them, so one
 //! client could rotate the whole log away with them. They are written at most
@@ -23,7 +26,9 @@ use serde::Serialize;
 use super::rotate::{Limits, LineFile};
 use crate::classify::RequestInfo;
 use crate::metrics::{Metrics, verb_label};
+use crate::rules::client::{NODE_NAME_CLAIM, POD_NAME_CLAIM, POD_UID_CLAIM};
 use crate::status::Reason;
+use crate::user::User;
 
 /// Lines a second of refusals that identified no one, per client prefix (a burst of ten).
 pub const PER_PREFIX: u32 = 1;
@@ -95,6 +100,12 @@ pub struct Entry<'a> {
     pub audit_id: &'a str,
     /// The user name, `-` when the request was refused before it was identified.
     pub user: &'a str,
+    /// The user, once identified: its groups and the claims flows are keyed by.
+    pub identity: Option<&'a User>,
+    /// The flow admission put it in, once its rule matched.
+    pub flow: Option<&'a str>,
+    /// The bytes admission expected the answer to cost, once admitted.
+    pub expected_bytes: Option<u64>,
     /// The client's address.
     pub source: Option<SocketAddr>,
     /// The client's `User-Agent` (cut).
@@ -123,6 +134,14 @@ struct Line<'a> {
     time: String,
     audit_id: &'a str,
     user: &'a str,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    groups: Vec<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pod: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pod_uid: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     source: Option<String>,
     #[serde(skip_serializing_if = "str::is_empty")]
@@ -146,8 +165,52 @@ struct Line<'a> {
     #[serde(skip_serializing_if = "str::is_empty")]
     level: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
+    flow: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expected_bytes: Option<u64>,
     seconds: f64,
+    /// The share of such answers written, when not all are: rates read back from a sample
+    /// are that much too low.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sample: Option<f64>,
+}
+
+/// The second line of a watch: when it ended, and how long it was open.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct EndLine<'a> {
+    time: String,
+    audit_id: &'a str,
+    user: &'a str,
+    verb: &'static str,
+    ended: bool,
+    seconds: f64,
+}
+
+/// Writes a watch's second line when dropped: hold it as long as the watch's body.
+pub struct WatchEnd {
+    log: AccessLog,
+    audit_id: String,
+    user: String,
+    started: std::time::Instant,
+}
+
+impl Drop for WatchEnd {
+    fn drop(&mut self) {
+        let line = EndLine {
+            time: humantime::format_rfc3339_micros(SystemTime::now()).to_string(),
+            audit_id: &self.audit_id,
+            user: &self.user,
+            verb: "watch",
+            ended: true,
+            seconds: self.started.elapsed().as_secs_f64(),
+        };
+        self.log
+            .file
+            .write_line(serde_json::to_vec(&line).unwrap_or_default());
+    }
 }
 
 impl AccessLog {
@@ -167,18 +230,32 @@ impl AccessLog {
         })
     }
 
-    /// Writes the line of one request, unless the sample leaves it out.
-    pub fn record(&self, entry: &Entry<'_>) {
+    /// Writes the line of one request, unless the sample leaves it out; whether it did.
+    pub fn record(&self, entry: &Entry<'_>) -> bool {
         let always = entry.reason.is_some() || entry.code >= 500;
         if !(always || self.sample >= 1.0 || rand::random::<f64>() < self.sample) {
-            return;
+            return false;
         }
         if let Some(reason @ (Reason::Unauthenticated | Reason::ReviewLimited)) = entry.reason
             && !self.anonymous.allow(entry.source, reason)
         {
-            return;
+            return false;
         }
-        self.file.write_line(line(entry, SystemTime::now()));
+        let sampled = (!always && self.sample < 1.0).then_some(self.sample);
+        self.file
+            .write_line(line(entry, SystemTime::now(), sampled));
+        true
+    }
+
+    /// The guard that writes a watch's second line when dropped: made when its answer's
+    /// head is sent, it times the watch from there.
+    pub fn watch_end(&self, audit_id: &str, user: &str) -> WatchEnd {
+        WatchEnd {
+            log: self.clone(),
+            audit_id: audit_id.to_owned(),
+            user: user.to_owned(),
+            started: std::time::Instant::now(),
+        }
     }
 
     /// The file the lines go to, for SIGHUP's reopen and for flushing at shutdown.
@@ -187,13 +264,20 @@ impl AccessLog {
     }
 }
 
-fn line(entry: &Entry<'_>, now: SystemTime) -> Vec<u8> {
+fn line(entry: &Entry<'_>, now: SystemTime, sample: Option<f64>) -> Vec<u8> {
     let info = entry.request;
     let resource_request = info.is_some_and(|i| i.resource_request);
     let line = Line {
         time: humantime::format_rfc3339_micros(now).to_string(),
         audit_id: entry.audit_id,
         user: entry.user,
+        groups: entry
+            .identity
+            .map(|u| u.groups.iter().map(String::as_str).collect())
+            .unwrap_or_default(),
+        node: claim(entry.identity, NODE_NAME_CLAIM),
+        pod: claim(entry.identity, POD_NAME_CLAIM),
+        pod_uid: claim(entry.identity, POD_UID_CLAIM),
         source: entry.source.map(|s| s.to_string()),
         user_agent: entry.user_agent,
         verb: info.map_or(entry.method, |i| verb_label(&i.verb)),
@@ -211,10 +295,21 @@ fn line(entry: &Entry<'_>, now: SystemTime) -> Vec<u8> {
         served_by: entry.served_by,
         rule: entry.rule,
         level: entry.level,
+        flow: entry.flow,
         reason: entry.reason.map(Reason::as_str),
+        expected_bytes: entry.expected_bytes,
         seconds: entry.took.as_secs_f64(),
+        sample,
     };
     serde_json::to_vec(&line).unwrap_or_default()
+}
+
+/// The one value of a claim in a user's extras (a bound token carries one of each).
+fn claim<'a>(user: Option<&'a User>, key: &str) -> Option<&'a str> {
+    match user?.extra.get(key)?.as_slice() {
+        [value] => Some(value.as_str()),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -225,6 +320,9 @@ mod tests {
         Entry {
             audit_id: "0a1b",
             user: "system:node:n1",
+            identity: None,
+            flow: None,
+            expected_bytes: None,
             source: Some("10.0.0.7:51000".parse().unwrap()),
             user_agent: "kubelet/v1.36.0",
             method: "GET",
@@ -254,6 +352,7 @@ mod tests {
         let line = line(
             &entry(Some(&info), 429, Some(Reason::RateLimited)),
             SystemTime::UNIX_EPOCH,
+            None,
         );
         let line: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(
@@ -281,6 +380,69 @@ mod tests {
     }
 
     #[test]
+    fn a_line_names_the_groups_claims_flow_and_cost_and_a_watch_gets_an_end_line() {
+        let user = User {
+            username: "system:serviceaccount:logging:fluent-bit".into(),
+            uid: None,
+            groups: vec![
+                "system:serviceaccounts".into(),
+                "system:authenticated".into(),
+            ],
+            extra: [
+                (NODE_NAME_CLAIM, "node-7"),
+                (POD_NAME_CLAIM, "fluent-bit-x2k"),
+                (POD_UID_CLAIM, "0f6c4a1e-5b7d-4c38-9a55-3d0c2e8b1f42"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), vec![v.to_owned()]))
+            .collect(),
+        };
+        let line = line(
+            &Entry {
+                user: &user.username,
+                identity: Some(&user),
+                flow: Some("logging-agents/system:serviceaccount:logging:fluent-bit/node:node-7"),
+                expected_bytes: Some(4096),
+                ..entry(None, 200, None)
+            },
+            SystemTime::UNIX_EPOCH,
+            None,
+        );
+        let line: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(
+            line["groups"],
+            serde_json::json!(["system:serviceaccounts", "system:authenticated"])
+        );
+        assert_eq!(line["node"], "node-7");
+        assert_eq!(line["pod"], "fluent-bit-x2k");
+        assert_eq!(line["podUid"], "0f6c4a1e-5b7d-4c38-9a55-3d0c2e8b1f42");
+        assert_eq!(
+            line["flow"],
+            "logging-agents/system:serviceaccount:logging:fluent-bit/node:node-7"
+        );
+        assert_eq!(line["expectedBytes"], 4096);
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("access.jsonl");
+        let log = AccessLog::open(&path, 1.0, Limits::new(1 << 20, 1), &Metrics::new()).unwrap();
+        let end = log.watch_end("0a1b", "system:node:n1");
+        log.file().flush();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "",
+            "nothing before the end"
+        );
+        drop(end);
+        log.file().flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let end: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(end["auditId"], "0a1b");
+        assert_eq!(end["verb"], "watch");
+        assert_eq!(end["ended"], true);
+        assert!(end["seconds"].as_f64().unwrap() >= 0.0);
+    }
+
+    #[test]
     fn sampling_keeps_every_refusal_and_5xx_and_a_share_of_the_rest() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("access.jsonl");
@@ -305,6 +467,16 @@ mod tests {
         assert_eq!(codes.iter().filter(|c| **c == 429).count(), 50);
         assert_eq!(codes.iter().filter(|c| **c == 503).count(), 50);
         let sampled = codes.iter().filter(|c| **c == 200).count();
+        // A sampled line says so; a refusal, always written, does not.
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(
+            lines
+                .iter()
+                .all(|l| (l["code"] == 200) == (l["sample"] == 0.1))
+        );
         assert!((120..=280).contains(&sampled), "{sampled} of 2000 at 0.1");
     }
 

@@ -19,6 +19,10 @@ pub const NODE_NAME_CLAIM: &str = "authentication.kubernetes.io/node-name";
 /// The extra of a bound ServiceAccount token that names its pod's UID.
 pub const POD_UID_CLAIM: &str = "authentication.kubernetes.io/pod-uid";
 
+/// The claim of a bound ServiceAccount token that names its pod (logged, never keyed by:
+/// a pod's name is reused by its successor).
+pub const POD_NAME_CLAIM: &str = "authentication.kubernetes.io/pod-name";
+
 /// The user name prefix and the group of a kubelet, as the Node authorizer reads them.
 const NODE_USER_PREFIX: &str = "system:node:";
 const NODES_GROUP: &str = "system:nodes";

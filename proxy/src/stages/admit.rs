@@ -79,6 +79,7 @@ where
         // credential names no node or pod.
         let client_addr = call.conn.as_ref().map(|c| c.peer.ip());
         let matched = rules.current().matches_from(&user, &info, client_addr);
+        let _ = call.report.flow.set(matched.flow.clone());
         // Only an identified reader is authorized by the cache; the anonymous allowlist
         // holds no cached resource.
         let cached = match &facts.identity {
@@ -137,6 +138,7 @@ where
             }
         };
         let mut permit = admitted.map_err(ProxyError::Refused)?;
+        let _ = call.report.expected_bytes.set(permit.expected_bytes());
         let source = match (plan, cached) {
             (Some(plan), Some((cache, reader))) => Source::Cache(Box::new(Cached {
                 cache: cache.clone(),

@@ -110,6 +110,11 @@ pub struct Report {
     pub info: OnceLock<Arc<RequestInfo>>,
     /// How long the request waited for admission (admission).
     pub waited: OnceLock<std::time::Duration>,
+    /// The flow the request was admitted in, or refused for (admission).
+    pub flow: OnceLock<Arc<str>>,
+    /// The bytes admission expected the answer to cost (admission; a LIST's, by what it
+    /// reads).
+    pub expected_bytes: OnceLock<u64>,
 }
 
 impl Report {

@@ -10,6 +10,7 @@ use std::task::{Context, Poll};
 
 use http::header::USER_AGENT;
 use http::{HeaderName, HeaderValue, Request, Response};
+use http_body_util::BodyExt as _;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
@@ -187,9 +188,12 @@ where
             if let Some(access) = access {
                 let user_agent = user_agent_text(user_agent.as_ref());
                 // A refusal names its rule and level in its headers too.
-                access.record(&AccessEntry {
+                let written = access.record(&AccessEntry {
                     audit_id: audit_id.to_str().unwrap_or(""),
                     user: report.who(),
+                    identity: report.user.get().and_then(Option::as_deref),
+                    flow: report.flow.get().map(|f| &**f),
+                    expected_bytes: report.expected_bytes.get().copied(),
                     source,
                     user_agent: &user_agent,
                     method,
@@ -201,6 +205,24 @@ where
                     reason,
                     took,
                 });
+                let watching = reason.is_none()
+                    && response.status().is_success()
+                    && report
+                        .info
+                        .get()
+                        .is_some_and(|i| i.verb == crate::classify::Verb::Watch);
+                if written && watching {
+                    // The watch's second line is written when its body is dropped: at its
+                    // end, whoever ends it.
+                    let end = access.watch_end(audit_id.to_str().unwrap_or(""), report.who());
+                    response = response.map(|body| {
+                        body.map_frame(move |frame| {
+                            let _ = &end;
+                            frame
+                        })
+                        .boxed_unsync()
+                    });
+                }
             }
             answer_audit_id(response.headers_mut(), audit_id);
             let labels = report.labels.get().cloned().unwrap_or(Labels {

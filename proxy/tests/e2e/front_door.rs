@@ -5,7 +5,6 @@
 //! established clients and the admin listener keep answering.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -34,26 +33,10 @@ fn metric(cluster: &Cluster, line: &str) -> f64 {
 }
 
 /// haproxy in TCP mode on a free port, sending a PROXY v2 header to `bulwark` for every
-/// connection; killed when dropped. `None` (and a note) where haproxy is not installed,
-/// except under CI, which installs it.
+/// connection; killed when dropped. `None` where haproxy is not on PATH (the test reported
+/// skipped).
 async fn haproxy_in_front_of(bulwark: SocketAddr, dir: &std::path::Path) -> Option<Haproxy> {
-    let binary = ["haproxy", "/usr/sbin/haproxy"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| {
-            std::process::Command::new(p)
-                .arg("-v")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        });
-    let Some(binary) = binary else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "haproxy is not installed; .ci/run installs it"
-        );
-        eprintln!("skipping: haproxy is not installed (apt-get install haproxy)");
-        return None;
-    };
+    let binary = bulwark_testkit::tools::find("haproxy", "apt-get install haproxy")?;
     let port = bulwark_testkit::free_port();
     let config = format!(
         "global\n  maxconn 1000\n\

@@ -14,6 +14,7 @@ mod oncall;
 mod operator;
 mod slow_clients;
 mod streaming;
+mod suggest;
 
 /// The setup the fairness and cache tests start from: Bulwark serving on the test's runtime.
 fn setup() -> bulwark_testkit::Setup {

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use bulwark::certs::{IdentitySpec, InitOptions};
 use clap::{Parser, Subcommand, ValueEnum};
 
+use crate::inspect::{Options, Output, Page};
+
 /// A TLS-terminating reverse proxy that keeps kube-apiservers alive.
 #[derive(Parser)]
 #[command(name = "bulwark", version, about)]
@@ -15,6 +17,32 @@ pub struct Cli {
     pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The command line, read as `kubectl bulwark` when the binary runs under the name kubectl
+/// gives plugins (`kubectl-bulwark`, on `PATH`): kubectl runs it with the words after
+/// `bulwark`, so only the name in help and errors changes.
+pub fn parse() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let mut command = Cli::command();
+    if std::env::args_os()
+        .next()
+        .is_some_and(|argv0| is_plugin(&argv0))
+    {
+        command = command.bin_name(PLUGIN_NAME).name(PLUGIN_NAME);
+    }
+    let matches = command.get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// How kubectl users call it.
+const PLUGIN_NAME: &str = "kubectl bulwark";
+
+/// Whether the program's name (`argv[0]`) is kubectl's plugin name for Bulwark.
+fn is_plugin(argv0: &std::ffi::OsStr) -> bool {
+    std::path::Path::new(argv0)
+        .file_name()
+        .is_some_and(|name| name == "kubectl-bulwark")
 }
 
 /// How log lines are written.
@@ -58,6 +86,85 @@ pub enum Command {
         #[command(subcommand)]
         command: RulesCommand,
     },
+    /// The flows each replica sees: who asks how much, under which rule and level, how
+    /// much is refused (`/debug/flows`).
+    Flows(InspectArgs),
+    /// Each priority level's seats, queues and waiting requests (`/debug/levels`).
+    Levels(InspectArgs),
+    /// Each replica's standing in the fleet: its share, the members it sees, its last
+    /// renewal (`/debug/fleet`).
+    Fleet(InspectArgs),
+    /// Each apiserver replica as each Bulwark replica sees it: healthy, throttled,
+    /// pending, watches (`/debug/upstream`).
+    Upstream(InspectArgs),
+}
+
+/// The arguments of `bulwark flows | levels | fleet | upstream`: which replicas, how to
+/// reach them, how to print.
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    /// A replica's admin listener, as `HOST:PORT` (https) or a URL (repeatable). Default:
+    /// every member the fleet's Leases name.
+    #[arg(long = "replica", value_name = "ADDR")]
+    pub replicas: Vec<String>,
+    /// Every member the fleet's Leases name, found with the kubeconfig (the default).
+    #[arg(long, conflicts_with = "replicas")]
+    pub fleet: bool,
+    /// Output format: wide (more columns), json or yaml. Default: a table.
+    #[arg(short = 'o', long = "output", value_enum)]
+    pub output: Option<Output>,
+    /// Print again every `--interval` until Ctrl-C.
+    #[arg(short = 'w', long)]
+    pub watch: bool,
+    /// Between two prints with `--watch`.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    pub interval: std::time::Duration,
+    /// File of the admin token (`admin.tokenFile`), sent to `/debug/*` as a bearer token.
+    #[arg(long, env = crate::inspect::TOKEN_FILE_ENV)]
+    pub admin_token_file: Option<PathBuf>,
+    /// CA of the admin listeners' certificates (`admin.tls`). Default: the kubeconfig's
+    /// cluster CA.
+    #[arg(long, env = "BULWARK_ADMIN_CA")]
+    pub admin_ca: Option<PathBuf>,
+    /// Name the admin listeners' certificates must carry. Default: the host dialled.
+    #[arg(long)]
+    pub admin_server_name: Option<String>,
+    /// The kubeconfig. Default: `KUBECONFIG`'s files, else `~/.kube/config`.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The kubeconfig context. Default: its current context.
+    #[arg(long)]
+    pub context: Option<String>,
+    /// Namespace of the fleet's Leases (`fleet.namespace`).
+    #[arg(short = 'n', long, default_value = "bulwark")]
+    pub namespace: String,
+    /// Prefix of the fleet's Lease names (`fleet.leasePrefix`).
+    #[arg(long, default_value = "bulwark-")]
+    pub lease_prefix: String,
+    /// The longest one request may take.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub request_timeout: std::time::Duration,
+}
+
+impl InspectArgs {
+    /// The options of the command reading `page`.
+    pub fn options(self, page: Page) -> Options {
+        Options {
+            page,
+            replicas: self.replicas,
+            output: self.output,
+            watch: self.watch,
+            interval: self.interval,
+            admin_token_file: self.admin_token_file,
+            admin_ca: self.admin_ca,
+            admin_server_name: self.admin_server_name,
+            kubeconfig: self.kubeconfig,
+            context: self.context,
+            namespace: self.namespace,
+            lease_prefix: self.lease_prefix,
+            request_timeout: self.request_timeout,
+        }
+    }
 }
 
 /// `bulwark rules ...` subcommands.

@@ -275,6 +275,8 @@ pub struct Settings {
     /// The address this replica's Lease publishes for the `kubernetes` Service
     /// (`fleet.kubernetesService.endpoint`).
     pub endpoint: Option<std::net::SocketAddr>,
+    /// The URL of this replica's admin listener its Lease publishes ([`admin_url`]).
+    pub admin: Option<String>,
 }
 
 impl Settings {
@@ -298,6 +300,7 @@ impl Settings {
             bulwark_replicas,
             clock: Arc::new(SystemTime::now),
             endpoint: (fleet.kubernetes_service.as_ref()).and_then(|k| k.endpoint),
+            admin: None,
         })
     }
 
@@ -323,14 +326,19 @@ impl Settings {
 /// `kubernetesService`, the Service's endpoints. The tasks stop when aborted.
 pub fn start(
     cfg: &crate::config::Fleet,
-    bulwark_replicas: u32,
-    listen: std::net::SocketAddr,
+    config: &crate::config::Config,
     own: own::Client,
     local: Arc<dyn Local>,
     shares: FleetShares,
     metrics: Metrics,
 ) -> Result<(Arc<Fleet>, Vec<JoinHandle<()>>), KeyError> {
-    let mut settings = Settings::from_config(cfg, bulwark_replicas)?;
+    let (listen, admin) = (config.listen.address, &config.admin);
+    let mut settings = Settings::from_config(cfg, config.upstream.bulwark_replicas)?;
+    settings.admin = admin_url(
+        admin.address,
+        admin.tls.is_some(),
+        std::env::var("POD_IP").ok(),
+    );
     if cfg.kubernetes_service.is_some() && settings.endpoint.is_none() {
         settings.endpoint = default_endpoint(listen);
         match settings.endpoint {
@@ -367,6 +375,29 @@ fn default_endpoint(listen: std::net::SocketAddr) -> Option<std::net::SocketAddr
     }
     let ip: std::net::IpAddr = std::env::var("POD_IP").ok()?.trim().parse().ok()?;
     Some(std::net::SocketAddr::new(ip, listen.port()))
+}
+
+/// The URL the other members and the command line reach this replica's admin listener at:
+/// its address when it names one, else `pod_ip` (`POD_IP`, as for [`default_endpoint`])
+/// with its port; `https` with `admin.tls`. `None` on port 0, whose port is picked at bind.
+pub fn admin_url(
+    address: std::net::SocketAddr,
+    tls: bool,
+    pod_ip: Option<String>,
+) -> Option<String> {
+    if address.port() == 0 {
+        return None;
+    }
+    let ip = if address.ip().is_unspecified() {
+        pod_ip?.trim().parse().ok()?
+    } else {
+        address.ip()
+    };
+    let scheme = if tls { "https" } else { "http" };
+    Some(format!(
+        "{scheme}://{}",
+        std::net::SocketAddr::new(ip, address.port())
+    ))
 }
 
 /// Publishes the `kubernetes` Service's endpoints from the fleet's Leases
@@ -608,6 +639,7 @@ impl Fleet {
     async fn round(&self, mut demand: Demand) -> Result<Shares, String> {
         let s = &self.settings;
         demand.endpoint = s.endpoint.map(|e| e.to_string());
+        demand.admin = s.admin.clone();
         let keys = s.keys.as_ref().map(|k| k.current());
         let mut me = Member {
             identity: s.identity.clone(),
@@ -766,6 +798,7 @@ impl Fleet {
             .map(|m| {
                 json!({
                     "identity": m.identity,
+                    "admin": m.demand.admin,
                     "live": m.live(now),
                     "renewedUnixMillis": millis(m.renewed),
                     "leaseDurationSeconds": m.duration.as_secs(),

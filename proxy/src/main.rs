@@ -1,14 +1,14 @@
 //! The `bulwark` binary: `bulwark serve --config FILE`.
 
 mod cli;
+mod inspect;
 
 use std::process::ExitCode;
 
 use bulwark::config::{Config, ConfigError};
 use bulwark::report::Chain;
 use bulwark::serve::StartError;
-use clap::Parser;
-use cli::{CertsCommand, Cli, Command, LogFormat, RulesCommand};
+use cli::{CertsCommand, Command, LogFormat, RulesCommand};
 
 /// mimalloc rather than glibc's malloc: a proxy allocates and frees small buffers for every
 /// request, and glibc's arenas spent about 15% of a saturated core on it (`_int_malloc`,
@@ -20,7 +20,7 @@ use cli::{CertsCommand, Cli, Command, LogFormat, RulesCommand};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = cli::parse();
     init_logging(cli.log_format);
     match cli.command {
         Command::Serve { config } => {
@@ -76,6 +76,10 @@ fn main() -> ExitCode {
             }
         }
         Command::CheckConfig { config } => check_config(&config),
+        Command::Flows(args) => inspect::run(args.options(inspect::Page::Flows)),
+        Command::Levels(args) => inspect::run(args.options(inspect::Page::Levels)),
+        Command::Fleet(args) => inspect::run(args.options(inspect::Page::Fleet)),
+        Command::Upstream(args) => inspect::run(args.options(inspect::Page::Upstream)),
         Command::Certs {
             command: CertsCommand::Init(args),
         } => match bulwark::certs::init(&args.into()) {

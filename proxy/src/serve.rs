@@ -184,8 +184,7 @@ impl Running {
                 };
                 let (fleet, tasks) = fleet::start(
                     cfg,
-                    config.upstream.bulwark_replicas,
-                    config.listen.address,
+                    &config,
                     own.clone(),
                     Arc::new(local),
                     shares,

@@ -31,6 +31,12 @@ pub struct Demand {
     /// the rest of the Lease; not a demand, but what the member publishes along with it.
     #[serde(default, rename = "e", skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
+    /// The URL of this member's admin listener (`https://10.0.0.5:9443`), for `bulwark
+    /// flows --fleet` and its siblings to read each member's `/debug/*`. Signed with the
+    /// rest; members that predate it ignore it, and a Lease without it is a member whose
+    /// admin listener the command line cannot find.
+    #[serde(default, rename = "a", skip_serializing_if = "Option::is_none")]
+    pub admin: Option<String>,
 }
 
 /// LIST bytes one member wants of one apiserver replica.
@@ -181,6 +187,7 @@ pub fn clamped(
         seats,
         rates: rates.into_iter().map(|(f, r)| (f.clone(), r)).collect(),
         endpoint: demand.endpoint.clone(),
+        admin: demand.admin.clone(),
     }
 }
 

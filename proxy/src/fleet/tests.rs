@@ -200,6 +200,7 @@ impl Replica {
             bulwark_replicas: 3,
             clock: Arc::new(move || clock.now()),
             endpoint: None,
+            admin: None,
         };
         let reach = Arc::new(Reach {
             memory: memory.clone(),
@@ -1105,4 +1106,44 @@ async fn the_key_is_turned_on_replica_by_replica_without_a_share_past_the_whole(
         );
         assert_eq!(bytes_sum > 1.0, past_the_whole, "{bytes_sum:.2}x");
     }
+}
+
+#[test]
+fn the_admin_url_a_lease_publishes_names_an_address_others_can_dial() {
+    let at = |a: &str| a.parse::<std::net::SocketAddr>().unwrap();
+    assert_eq!(
+        admin_url(at("10.0.0.5:9443"), true, None).as_deref(),
+        Some("https://10.0.0.5:9443")
+    );
+    assert_eq!(
+        admin_url(at("0.0.0.0:9443"), true, Some("10.1.2.3".into())).as_deref(),
+        Some("https://10.1.2.3:9443"),
+        "every address: the pod's"
+    );
+    assert_eq!(
+        admin_url(at("[::]:9090"), false, Some("fd00::7".into())).as_deref(),
+        Some("http://[fd00::7]:9090")
+    );
+    assert_eq!(admin_url(at("0.0.0.0:9443"), true, None), None, "no POD_IP");
+    assert_eq!(
+        admin_url(at("0.0.0.0:9443"), true, Some("pod".into())),
+        None
+    );
+    assert_eq!(
+        admin_url(at("127.0.0.1:0"), false, None),
+        None,
+        "port picked at bind"
+    );
+}
+
+#[test]
+fn a_lease_s_admin_url_travels_in_its_demand_and_older_demands_still_read() {
+    let demand = Demand {
+        admin: Some("https://10.0.0.5:9443".into()),
+        ..Demand::default()
+    };
+    let text = serde_json::to_string(&demand).unwrap();
+    assert_eq!(text, r#"{"a":"https://10.0.0.5:9443"}"#);
+    let old: Demand = serde_json::from_str(r#"{"s":{"lists":3}}"#).unwrap();
+    assert_eq!(old.admin, None);
 }

@@ -11,6 +11,7 @@ mod front_door;
 mod identity;
 mod kube_client;
 mod oncall;
+mod operator;
 mod slow_clients;
 mod streaming;
 mod suggest;

@@ -205,7 +205,13 @@ pub struct Options {
     /// `bulwark guard` publishes the apiservers when no Bulwark is live (DESIGN.md
     /// "In-cluster clients"). Default: on.
     pub kubernetes_service: bool,
+    /// Whether each Bulwark writes every request to `access.jsonl` in its folder (the
+    /// recording `bulwark rules suggest` and `replay` read). Default: off.
+    pub access_log: bool,
 }
+
+/// The file name of each Bulwark's access log in its folder ([`Options::access_log`]).
+pub const ACCESS_LOG: &str = "access.jsonl";
 
 /// How several Bulwark replicas share the apiservers' budgets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -277,6 +283,7 @@ impl Options {
             fleet: FleetMode::Leases,
             bulwark_settings: Vec::new(),
             kubernetes_service: true,
+            access_log: false,
         }
     }
 }
@@ -617,6 +624,15 @@ impl ControlPlane {
             texts.push(text.await);
         }
         texts
+    }
+
+    /// Each Bulwark's access log, where [`Options::access_log`] turned it on.
+    pub fn access_logs(&self) -> Vec<PathBuf> {
+        self.bulwarks
+            .iter()
+            .map(|b| b.dir.join(ACCESS_LOG))
+            .filter(|p| p.exists())
+            .collect()
     }
 
     /// The path of a kubeconfig: `admin`, `operator`, `node-1`, `nobody` (through Bulwark) or
@@ -987,7 +1003,20 @@ impl ControlPlane {
         let n = opts.bulwarks;
         self.heap_headroom = self.heap_headroom();
         for i in 0..n {
+            let dir = match n {
+                1 => self.dir.join("bulwark"),
+                _ => self.dir.join(format!("bulwark-{i}")),
+            };
             let mut settings = opts.bulwark_settings.clone();
+            if opts.access_log {
+                settings.push((
+                    "accessLog".to_string(),
+                    format!(
+                        "{{path: {}, sample: 1.0, maxSize: 1Gi}}",
+                        dir.join(ACCESS_LOG).display()
+                    ),
+                ));
+            }
             if n > 1 {
                 settings.push(("upstream.bulwarkReplicas".to_string(), n.to_string()));
             }
@@ -1009,10 +1038,6 @@ impl ControlPlane {
                 serving_ca: Some(serving_ca),
                 settings,
                 advertise: self.node_ip.filter(|_| publishing),
-            };
-            let dir = match n {
-                1 => self.dir.join("bulwark"),
-                _ => self.dir.join(format!("bulwark-{i}")),
             };
             let process = ProxyProcess::start_exe(&exe, &dir, &upstream)
                 .await

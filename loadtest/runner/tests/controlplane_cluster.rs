@@ -272,6 +272,42 @@ async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_th
         "{:?}",
         bulwark.refused
     );
+    // From the recording to rules: suggested from what the run served, replayed against
+    // the same recording, the cluster's own clients are refused nothing and the storm is
+    // refused again.
+    let logs = cluster::access_logs(&options);
+    assert_eq!(
+        logs.len(),
+        1,
+        "the run through Bulwark recorded its requests"
+    );
+    let recording = bulwark::traffic::Recording::read(&logs).unwrap();
+    let suggestion = bulwark::traffic::suggest::suggest(
+        &recording,
+        &bulwark::traffic::suggest::Options::default(),
+    );
+    let rules = bulwark::rules::RuleSet::from_sources(&suggestion.sources())
+        .unwrap_or_else(|p| panic!("{p:?}\n{:#?}", suggestion.files));
+    let names: Vec<&str> = suggestion.files.iter().map(|(n, _)| n.as_str()).collect();
+    for class in [
+        "logging-fluent-bit.yaml",
+        "kube-system-kube-proxy.yaml",
+        "kube-controller-manager.yaml",
+        "kube-scheduler.yaml",
+        "cluster-wide-secret-lists.yaml",
+    ] {
+        assert!(names.contains(&class), "{class} in {names:?}");
+    }
+    let replay = bulwark::traffic::replay::replay(
+        &recording,
+        &rules,
+        bulwark::traffic::replay::DEFAULT_LIST_BUDGET,
+    );
+    eprintln!("{names:?}\n{}", replay.table());
+    let storm = replay.refused_where(|r| r.rule == "cluster-wide-secret-lists");
+    let others = replay.refused_where(|r| r.rule != "cluster-wide-secret-lists");
+    assert_eq!(others, 0, "only the storm is refused:\n{}", replay.table());
+    assert!(storm > 0, "the storm is refused again:\n{}", replay.table());
     // The pods were Bulwark's clients, each under its rule: they came through the
     // kubernetes Service.
     for (rule, at_least) in [("logging-agents", 60.0), ("kube-proxy", 40.0)] {

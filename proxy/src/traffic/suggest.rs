@@ -529,6 +529,13 @@ fn rule_file(
             .max_by(|a, b| a.per_second_10s.total_cmp(&b.per_second_10s))
             .cloned()
             .unwrap_or_default();
+        // The reads that OOM apiservers get what they were served, no more: headroom there
+        // is room for the next storm.
+        let headroom = if shape.level == "list-heavy" {
+            1.0
+        } else {
+            headroom
+        };
         let qps = tenths_up(busiest.per_second_10s * headroom);
         let (burst_flow, burst_seen) = observed
             .flows

@@ -291,6 +291,45 @@ pub struct Sample {
     /// [`ClusterRun::refused`]).
     #[serde(default)]
     pub refused_per_s: BTreeMap<String, f64>,
+    /// What the Bulwarks held at the sample, summed over them (runs through Bulwark).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bulwark: Option<BulwarkGauges>,
+}
+
+/// What Bulwarks hold at a moment, by their own gauges: the figures of a replica's size.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct BulwarkGauges {
+    /// Client connections open (`bulwark_connections_open`).
+    pub connections: f64,
+    /// Watches the cache serves (`bulwark_cache_watchers`).
+    pub watchers: f64,
+    /// Watches held open to the apiservers (`bulwark_upstream_watches`).
+    pub upstream_watches: f64,
+    /// Bytes the cache holds (`bulwark_cache_bytes`).
+    pub cached_bytes: f64,
+    /// Objects it holds (`bulwark_cache_objects`).
+    pub cached_objects: f64,
+    /// Resident memory (`process_resident_memory_bytes`).
+    pub resident_bytes: f64,
+}
+
+impl BulwarkGauges {
+    /// Each gauge's largest value over `samples`.
+    pub fn peaks<'a>(
+        samples: impl IntoIterator<Item = &'a BulwarkGauges>,
+    ) -> Option<BulwarkGauges> {
+        samples.into_iter().fold(None, |most, g| {
+            let m = most.unwrap_or_default();
+            Some(BulwarkGauges {
+                connections: m.connections.max(g.connections),
+                watchers: m.watchers.max(g.watchers),
+                upstream_watches: m.upstream_watches.max(g.upstream_watches),
+                cached_bytes: m.cached_bytes.max(g.cached_bytes),
+                cached_objects: m.cached_objects.max(g.cached_objects),
+                resident_bytes: m.resident_bytes.max(g.resident_bytes),
+            })
+        })
+    }
 }
 
 /// `GET path`'s JSON.
@@ -385,12 +424,36 @@ pub async fn run(o: &ClusterOptions) -> anyhow::Result<ClusterReport> {
         eprintln!("== cluster ({}): {}", front.name(), run_line(&run));
         report.runs.push(run);
     }
+    for log in access_logs(o) {
+        eprintln!(
+            "cluster: Bulwark's access log, every request (bulwark rules suggest --access-log): {}",
+            log.display()
+        );
+    }
     Ok(report)
+}
+
+/// The access logs the run through Bulwark wrote (every request, for `bulwark rules
+/// suggest` and `replay`), left in its folder.
+pub fn access_logs(o: &ClusterOptions) -> Vec<std::path::PathBuf> {
+    let dir = o.dir.join(Front::Bulwark.name());
+    let mut logs: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("bulwark"))
+        .map(|e| e.path().join(crate::controlplane::ACCESS_LOG))
+        .filter(|p| p.exists())
+        .collect();
+    logs.sort();
+    logs
 }
 
 async fn run_front(o: &ClusterOptions, front: Front) -> anyhow::Result<ClusterRun> {
     let mut opts = Options::new(o.dir.join(front.name()));
     opts.replicas = o.replicas;
+    // Every request through Bulwark, recorded: what `bulwark rules suggest` reads.
+    opts.access_log = front == Front::Bulwark;
     opts.apiserver_memory_limit = o.memory_limit;
     opts.bulwarks = match front {
         Front::Direct => 0,

@@ -3,12 +3,25 @@
 
 use std::collections::BTreeMap;
 
-use super::Sample;
+use super::{BulwarkGauges, Sample};
 use crate::controlplane::ControlPlane;
 use crate::proxy_process::admin_text;
 
 /// The samples of counter `metric` in a Prometheus text exposition, summed by the values
 /// of `labels` (joined by a space; a missing label is empty).
+/// The sum of every series of `metric` (labelled or not).
+pub fn gauge(text: &str, metric: &str) -> f64 {
+    text.lines()
+        .filter_map(|line| {
+            let rest = line.strip_prefix(metric)?;
+            if !(rest.starts_with(' ') || rest.starts_with('{')) {
+                return None;
+            }
+            rest.rsplit_once(' ')?.1.parse::<f64>().ok()
+        })
+        .sum()
+}
+
 pub fn counters(text: &str, metric: &str, labels: &[&str]) -> BTreeMap<String, f64> {
     let mut sums = BTreeMap::new();
     for line in text.lines() {
@@ -109,6 +122,13 @@ pub(super) async fn scrape(cp: &ControlPlane, rates: &mut Rates, t: f64) -> Samp
         let Ok(text) = admin_text(addr, "/metrics").await else {
             continue;
         };
+        let held = sample.bulwark.get_or_insert_with(BulwarkGauges::default);
+        held.connections += gauge(&text, "bulwark_connections_open");
+        held.watchers += gauge(&text, "bulwark_cache_watchers");
+        held.upstream_watches += gauge(&text, "bulwark_upstream_watches");
+        held.cached_bytes += gauge(&text, "bulwark_cache_bytes");
+        held.cached_objects += gauge(&text, "bulwark_cache_objects");
+        held.resident_bytes += gauge(&text, "process_resident_memory_bytes");
         let rejected = rates.step(
             &format!("bulwark-{i}"),
             counters(

@@ -1,7 +1,7 @@
 //! The `cluster` scenario's report: each chart once per front door, side by side on the
 //! same axes, and the figures in a column per front door.
 
-use super::{ClusterReport, ClusterRun, JobFigures};
+use super::{BulwarkGauges, ClusterReport, ClusterRun, JobFigures};
 use crate::controlplane::NODE_LEASE_SECONDS;
 use crate::report::Class;
 use crate::report::charts::{Bars, Lines, bars, colour, latency_chart, lines};
@@ -542,6 +542,24 @@ fn figures(r: &ClusterReport) -> Table {
             format!("{}, {:.1}", c.peak_rss_bytes >> 20, c.cpu_seconds)
         })
     }));
+    rows.push(row(
+        "Bulwark at most: connections, cached watchers, watches upstream, cached MiB (objects)",
+        &|run| {
+            BulwarkGauges::peaks(run.samples.iter().filter_map(|s| s.bulwark.as_ref())).map_or(
+                "-".into(),
+                |g| {
+                    format!(
+                        "{:.0}, {:.0}, {:.0}, {:.1} ({:.0})",
+                        g.connections,
+                        g.watchers,
+                        g.upstream_watches,
+                        g.cached_bytes / MIB,
+                        g.cached_objects
+                    )
+                },
+            )
+        },
+    ));
     Table { header, rows }
 }
 

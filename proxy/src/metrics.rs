@@ -120,12 +120,11 @@ pub struct ResourceLabels {
 }
 
 impl ResourceLabels {
-    /// The built-in resources plus `extra`, each `resource` or `resource.group` (the group
-    /// is dropped: the label is the resource name).
+    /// The built-in resources plus `extra`, each a resource's name without its group (the
+    /// label is the resource name, whatever its group).
     pub fn new<'a>(extra: impl IntoIterator<Item = &'a str>) -> Self {
         let mut known: Vec<Arc<str>> = BUILT_IN_RESOURCES.iter().map(|r| Arc::from(*r)).collect();
-        for name in extra {
-            let resource = name.split('.').next().unwrap_or(name);
+        for resource in extra {
             if !known.iter().any(|k| &**k == resource) {
                 known.push(Arc::from(resource));
             }
@@ -703,7 +702,7 @@ mod tests {
         assert_eq!(code_label(&StatusCode::TOO_MANY_REQUESTS), "429");
         assert_eq!(code_label(&StatusCode::from_u16(599).unwrap()), "other");
 
-        let labels = ResourceLabels::new(["widgets.example.com", "secrets"]);
+        let labels = ResourceLabels::new(["widgets", "secrets"]);
         let info =
             |path: &str| crate::classify::classify(&Method::GET, &path.parse().unwrap()).unwrap();
         assert_eq!(&*labels.label(&info("/api/v1/namespaces/a/pods")), "pods");

@@ -209,7 +209,7 @@ impl Running {
         let rescue = RescueLayer::new(metrics.clone(), config.metrics.identities, access);
         let board = rescue.board();
         let classify = Classify::new(ResourceLabels::new(
-            config.cache.resources.iter().map(String::as_str),
+            config.cache.resources.iter().map(|gr| gr.resource.as_str()),
         ));
         let identify = Identify::new(tokens, config.identity.anonymous.clone());
         let admit = Admit::new(

@@ -553,6 +553,9 @@ impl Upstream {
 impl Inner {
     /// The request is taken apart before the future is made: an `async fn` would keep it
     /// (240 bytes) twice in its future, which is in every forwarded request's.
+    // Over 120 lines: one retry loop whose attempts share the request's parts, its deadline,
+    // its body timer and the last failure; each branch says why a replica is left or kept,
+    // and apart they would pass all of that between them.
     fn send(
         &self,
         mut req: Request<Body>,

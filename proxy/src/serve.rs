@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::{self, Config};
 use crate::fleet as fleet_leases;
-use crate::identity::forward::{ForwardError, Forwarding};
+use crate::identity::forward::Forwarding;
 use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError};
 use crate::logs::rotate::LineFile;
 use crate::metrics::Metrics;
@@ -39,9 +39,6 @@ pub enum StartError {
     /// The upstream pool.
     #[error("upstream: {0}")]
     Upstream(#[from] UpstreamError),
-    /// Identity forwarding.
-    #[error("identity: {0}")]
-    Forward(#[from] ForwardError),
     /// The admin listener.
     #[error("admin: {0}")]
     Admin(#[from] std::io::Error),
@@ -94,7 +91,7 @@ impl Running {
         let (tokens, review_memory, review_task) =
             tokens::start(&config.identity.token_review, &own, &metrics);
         let forwarding =
-            Forwarding::new(config.identity.mode, config.upstream.front_proxy.as_ref())?;
+            Forwarding::new(config.identity.mode, config.upstream.front_proxy.as_ref());
         let forward = Forward::new(
             upstream.clone(),
             Arc::new(forwarding),

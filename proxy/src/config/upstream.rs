@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use http::HeaderName;
 use rustls_pki_types::ServerName;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -106,25 +107,85 @@ pub struct FrontProxy {
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct HeaderNames {
     /// Header carrying the user name.
-    pub user: String,
+    #[serde(deserialize_with = "user_header", serialize_with = "header_text")]
+    pub user: HeaderName,
     /// Header carrying the user's UID (apiserver `--requestheader-uid-headers`, v1.32+);
     /// empty to send none. Clients' own `X-Remote-*` headers are stripped whatever the names.
-    pub uid: String,
+    #[serde(
+        deserialize_with = "uid_header",
+        serialize_with = "optional_header_text"
+    )]
+    pub uid: Option<HeaderName>,
     /// Header carrying each group, repeated.
-    pub group: String,
+    #[serde(deserialize_with = "group_header", serialize_with = "header_text")]
+    pub group: HeaderName,
     /// Prefix of the headers carrying extra values; the key is percent-encoded after it.
-    pub extra_prefix: String,
+    /// Read as a header name (lowercase, as HTTP/2 sends it).
+    #[serde(deserialize_with = "extra_prefix", serialize_with = "header_text")]
+    pub extra_prefix: HeaderName,
 }
 
 impl Default for HeaderNames {
     fn default() -> Self {
         Self {
-            user: "X-Remote-User".into(),
-            uid: "X-Remote-Uid".into(),
-            group: "X-Remote-Group".into(),
-            extra_prefix: "X-Remote-Extra-".into(),
+            user: HeaderName::from_static("x-remote-user"),
+            uid: Some(HeaderName::from_static("x-remote-uid")),
+            group: HeaderName::from_static("x-remote-group"),
+            extra_prefix: HeaderName::from_static("x-remote-extra-"),
         }
     }
+}
+
+/// Reads `upstream.frontProxy.headers.FIELD` as a header name; empty only where
+/// `may_be_empty` (then `None`). A problem is set aside for validation, and the default
+/// name stands in.
+fn header_name<'de, D: Deserializer<'de>>(
+    d: D,
+    field: &str,
+    may_be_empty: bool,
+) -> Result<Option<HeaderName>, D::Error> {
+    let text = String::deserialize(d)?;
+    let field = format!("upstream.frontProxy.headers.{field}");
+    if text.is_empty() {
+        if !may_be_empty {
+            defer(field, "must not be empty".into())?;
+        }
+        return Ok(None);
+    }
+    match HeaderName::from_bytes(text.as_bytes()) {
+        Ok(name) => Ok(Some(name)),
+        Err(_) => {
+            defer(field, format!("{text:?} is not a valid HTTP header name"))?;
+            Ok(None)
+        }
+    }
+}
+
+fn user_header<'de, D: Deserializer<'de>>(d: D) -> Result<HeaderName, D::Error> {
+    Ok(header_name(d, "user", false)?.unwrap_or_else(|| HeaderNames::default().user))
+}
+
+fn uid_header<'de, D: Deserializer<'de>>(d: D) -> Result<Option<HeaderName>, D::Error> {
+    header_name(d, "uid", true)
+}
+
+fn group_header<'de, D: Deserializer<'de>>(d: D) -> Result<HeaderName, D::Error> {
+    Ok(header_name(d, "group", false)?.unwrap_or_else(|| HeaderNames::default().group))
+}
+
+fn extra_prefix<'de, D: Deserializer<'de>>(d: D) -> Result<HeaderName, D::Error> {
+    Ok(
+        header_name(d, "extraPrefix", false)?
+            .unwrap_or_else(|| HeaderNames::default().extra_prefix),
+    )
+}
+
+fn header_text<S: Serializer>(name: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(name.as_str())
+}
+
+fn optional_header_text<S: Serializer>(name: &Option<HeaderName>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(name.as_ref().map_or("", HeaderName::as_str))
 }
 
 /// Bulwark's own identity upstream: a client certificate or a bearer token file.
@@ -193,22 +254,7 @@ impl Upstream {
         if let Some(front_proxy) = &up.front_proxy {
             p.path("upstream.frontProxy.cert", &front_proxy.cert);
             p.path("upstream.frontProxy.key", &front_proxy.key);
-            let h = &front_proxy.headers;
-            for (field, value, may_be_empty) in [
-                ("user", &h.user, false),
-                ("uid", &h.uid, true),
-                ("group", &h.group, false),
-                ("extraPrefix", &h.extra_prefix, false),
-            ] {
-                let field = format!("upstream.frontProxy.headers.{field}");
-                if value.is_empty() {
-                    if !may_be_empty {
-                        p.add(field, "must not be empty");
-                    }
-                } else if http::HeaderName::from_bytes(value.as_bytes()).is_err() {
-                    p.add(field, format!("{value:?} is not a valid HTTP header name"));
-                }
-            }
+            p.parsed("upstream.frontProxy.headers");
         }
         let own = &up.own;
         match (&own.cert, &own.key, &own.token_file) {

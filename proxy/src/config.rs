@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use admin::{Admin, AdminLimits, AdminTls, MetricsAccess};
-pub use cache::{Cache, GroupResource};
+pub use cache::{Cache, ExcludedName, GroupResource};
 pub use fleet::{Fleet, KubernetesService};
 pub use identity::{Identity, IdentityMode, ReviewRate, TokenReview};
 pub use listen::{Listen, ListenLimits, MAX_WORKERS, ProxyProtocol, Shutdown};

@@ -494,7 +494,7 @@ async fn nothing_is_answered_before_the_first_list() {
 #[tokio::test]
 async fn excluded_namespaces_and_names_go_upstream() {
     let mut cfg = config();
-    cfg.exclude_names = vec!["ns-a/two".into()];
+    cfg.exclude_names = vec!["ns-a/two".parse().unwrap()];
     let mut s = setup_with(cfg, None);
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     assert!(

@@ -21,7 +21,8 @@ pub struct Cache {
     pub exclude_namespaces: Vec<String>,
     /// Objects never served from the cache, as `namespace/name` (or `name` for
     /// cluster-scoped objects); a list or watch that could include one goes upstream.
-    pub exclude_names: Vec<String>,
+    #[serde(deserialize_with = "exclude_names")]
+    pub exclude_names: Vec<ExcludedName>,
     /// Events kept per resource for watches that resume.
     pub ring_size: usize,
     /// How long `/readyz` waits for the caches' first full lists before it reports ready
@@ -91,18 +92,7 @@ impl Cache {
                 );
             }
         }
-        for (i, entry) in cache.exclude_names.iter().enumerate() {
-            let valid = match entry.split_once('/') {
-                Some((namespace, name)) => is_dns_label(namespace) && is_object_name(name),
-                None => is_object_name(entry),
-            };
-            if !valid {
-                p.add(
-                    format!("cache.excludeNames[{i}]"),
-                    format!("{entry:?} is not namespace/name or name"),
-                );
-            }
-        }
+        p.parsed("cache.excludeNames");
         p.nonzero("cache.ringSize", cache.ring_size as u64);
         p.positive("cache.syncCap", cache.sync_cap);
         p.nonzero("cache.listCacheBytes", cache.list_cache_bytes.0);
@@ -170,6 +160,63 @@ fn resources<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<GroupResource>, D::E
                     "{text:?} is not a resource name such as \"secrets\" or \"endpointslices.discovery.k8s.io\""
                 ),
             )?;
+        }
+    }
+    Ok(kept)
+}
+
+/// An object never served from the cache: `namespace/name`, or `name`, which matches
+/// that name in every namespace and cluster-scoped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExcludedName {
+    /// The namespace; `None` for any.
+    pub namespace: Option<String>,
+    /// The object's name.
+    pub name: String,
+}
+
+impl std::str::FromStr for ExcludedName {
+    type Err = String;
+
+    fn from_str(entry: &str) -> Result<Self, Self::Err> {
+        let (namespace, name) = match entry.split_once('/') {
+            Some((namespace, name)) if is_dns_label(namespace) => (Some(namespace), name),
+            Some(_) => return Err(format!("{entry:?} is not namespace/name or name")),
+            None => (None, entry),
+        };
+        if !is_object_name(name) {
+            return Err(format!("{entry:?} is not namespace/name or name"));
+        }
+        Ok(ExcludedName {
+            namespace: namespace.map(str::to_owned),
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for ExcludedName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.namespace {
+            Some(namespace) => write!(f, "{namespace}/{}", self.name),
+            None => f.write_str(&self.name),
+        }
+    }
+}
+
+impl Serialize for ExcludedName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// Reads `cache.excludeNames`, each an [`ExcludedName`]; a problem is set aside for
+/// validation and the entry left out.
+fn exclude_names<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ExcludedName>, D::Error> {
+    let mut kept = Vec::new();
+    for (i, entry) in Vec::<String>::deserialize(d)?.iter().enumerate() {
+        match entry.parse() {
+            Ok(name) => kept.push(name),
+            Err(why) => defer(format!("cache.excludeNames[{i}]"), why)?,
         }
     }
     Ok(kept)

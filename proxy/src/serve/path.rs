@@ -77,7 +77,7 @@ impl Stages {
     }
 
     /// The whole request path in front of `forward`.
-    pub(super) fn path(&self, forward: Forward) -> impl RequestPath + Clone + Sync {
+    pub(super) fn path(&self, forward: Forward) -> impl RequestPath + Sync {
         stack(
             self.rescue.clone(),
             self.classify.clone(),

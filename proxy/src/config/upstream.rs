@@ -436,8 +436,6 @@ impl std::fmt::Display for ReplicaAddr {
     }
 }
 
-/// A DNS-1123 label: 1 to 63 lowercase letters, digits or `-`, starting and ending with a
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,6 +65,8 @@ impl std::str::FromStr for Quantity {
     }
 }
 
+/// A DNS-1123 label: 1 to 63 lowercase letters, digits or `-`, starting and ending with a
+/// letter or digit (namespace names, resource names, group name labels).
 pub(super) fn is_dns_label(text: &str) -> bool {
     let bytes = text.as_bytes();
     (1..=63).contains(&bytes.len())

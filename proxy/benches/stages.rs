@@ -49,7 +49,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| rules.matches(std::hint::black_box(&user), &info))
     });
 
-    let forwarding = Forwarding::new(IdentityMode::FrontProxy, None).expect("a forwarding policy");
+    let forwarding = Forwarding::new(IdentityMode::FrontProxy, None);
     let identity = Identity::User {
         user: Arc::new(user.clone()),
         credential: Credential::Certificate,

@@ -22,8 +22,8 @@ use crate::status::Reason;
 pub const MAX_FLOWS: usize = 4096;
 /// Flows `/debug/flows` lists in each of its two lists.
 pub const LISTED: usize = 20;
-/// The most identities `metrics.identities` may name.
-pub const MAX_IDENTITY_LABELS: u32 = 100;
+/// The most identities `metrics.identities` may name (the configuration's bound).
+pub use crate::config::MAX_IDENTITY_LABELS;
 /// Identities refused in one window that the metric remembers to pick the top from.
 const MAX_COUNTED_IDENTITIES: usize = 1024;
 

@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use http::{Method, StatusCode};
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, GaugeVec, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Registry, TextEncoder,
 };
 use rustls_pki_types::CertificateDer;
 
@@ -19,6 +18,7 @@ use crate::classify::{RequestInfo, Verb};
 use crate::status::Reason;
 
 mod expiry;
+mod families;
 mod process;
 
 pub use expiry::earliest_not_after;
@@ -120,12 +120,11 @@ pub struct ResourceLabels {
 }
 
 impl ResourceLabels {
-    /// The built-in resources plus `extra`, each `resource` or `resource.group` (the group
-    /// is dropped: the label is the resource name).
+    /// The built-in resources plus `extra`, each a resource's name without its group (the
+    /// label is the resource name, whatever its group).
     pub fn new<'a>(extra: impl IntoIterator<Item = &'a str>) -> Self {
         let mut known: Vec<Arc<str>> = BUILT_IN_RESOURCES.iter().map(|r| Arc::from(*r)).collect();
-        for name in extra {
-            let resource = name.split('.').next().unwrap_or(name);
+        for resource in extra {
             if !known.iter().any(|k| &**k == resource) {
                 known.push(Arc::from(resource));
             }
@@ -308,347 +307,65 @@ pub struct MetricFamilies {
 impl Metrics {
     /// Creates and registers every metric in a fresh registry.
     pub fn new() -> Self {
+        use families::*;
         let registry = Registry::new();
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
-                .expect("valid metric definition");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("metric registered once");
-            c
-        };
-        let requests_total = counter(
-            "requests_total",
-            "Requests answered, by verb, resource, status code and who served them.",
-            &["verb", "resource", "code", "served_by"],
-        );
-        let rejected_requests_total = counter(
-            "rejected_requests_total",
-            "Requests Bulwark refused, by rule, priority level and reason.",
-            &["rule", "level", "reason"],
-        );
-        let identity_rejections_total = counter(
-            "identity_rejections_total",
-            "Requests Bulwark refused, by identity and reason: the metrics.identities identities refused most in the last minute are named, every other is `other` (nothing is counted when metrics.identities is 0).",
-            &["identity", "reason"],
-        );
-        let rule_requests_total = counter(
-            "rule_requests_total",
-            "Requests each rule matched (answered, queued or refused), by rule and priority level.",
-            &["rule", "level"],
-        );
-        let upstream_responses_total = counter(
-            "upstream_responses_total",
-            "Responses from each apiserver replica, by status class (2xx..5xx, or error).",
-            &["replica", "code_class"],
-        );
-        let upstream_retries_total = counter(
-            "upstream_retries_total",
-            "Requests sent again after a replica failed them, by that replica and why: not_sent (it never reached the apiserver), reset (the exchange broke), attempt_timeout (no response head within upstream.timeouts.attempt), unresponsive (the replica was ejected for not answering its probe).",
-            &["replica", "reason"],
-        );
-        let authz_reviews_total = counter(
-            "authz_reviews_total",
-            "TokenReviews and SubjectAccessReviews, by kind and result (cached and limited made no review).",
-            &["kind", "result"],
-        );
-        let shadow_rejections_total = counter(
-            "shadow_rejections_total",
-            "Requests a shadow-mode rule would have refused, by rule, level and reason.",
-            &["rule", "level", "reason"],
-        );
-        let rules_reload_total = counter(
-            "rules_reload_total",
-            "Reloads of the rule files, by result (success, error); a failed one keeps the running rules.",
-            &["result"],
-        );
-        let cache_relists_total = counter(
-            "cache_relists_total",
-            "Full lists of a cached resource after the first (410 or a lost watch).",
-            &["resource"],
-        );
-        let cache_requests_total = counter(
-            "cache_requests_total",
-            "Requests for cached resources, by result: hit (the cache answered), miss (not synced or not provably fresh), bypass (not cacheable).",
-            &["resource", "verb", "result"],
-        );
-        let cache_slow_watchers_total = counter(
-            "cache_slow_watchers_total",
-            "Watchers disconnected because they fell further behind than their buffer.",
-            &["resource"],
-        );
-        let connections_refused_total = counter(
-            "connections_refused_total",
-            "Client connections closed before their TLS handshake, by reason: max_connections, max_connections_per_source, max_connections_per_prefix, proxy_header_untrusted, proxy_header_missing, proxy_header_malformed, proxy_header_silent.",
-            &["reason"],
-        );
-        let connections_closed_total = counter(
-            "connections_closed_total",
-            "Client connections Bulwark closed, by reason: unauthenticated_timeout (no request authenticated in time), unauthenticated_requests (too many refused credentials in a row), first_byte_timeout, proxy_header_timeout, handshake_timeout, header_read_timeout (no first request in time), evicted (the oldest unauthenticated connection, for a new one at maxConnections), client_not_reading (a response waited for its client past listen.limits.sendProgressTimeout).",
-            &["reason"],
-        );
-        let admin_connections_refused_total = counter(
-            "admin_connections_refused_total",
-            "Admin listener connections reset as soon as accepted, by reason: max_connections, max_connections_per_source, max_connections_per_prefix.",
-            &["reason"],
-        );
-        let admin_connections_closed_total = counter(
-            "admin_connections_closed_total",
-            "Admin listener connections Bulwark closed, by reason: first_byte_timeout, handshake_timeout, header_read_timeout, evicted (the oldest that sent no whole request, for a new one at the cap).",
-            &["reason"],
-        );
-        let fleet_renewals_total = counter(
-            "fleet_renewals_total",
-            "Rounds of the fleet's Lease renewal and read, by result (success, error); an error falls back to the static split.",
-            &["result"],
-        );
-        let fleet_service_writes_total = counter(
-            "fleet_service_writes_total",
-            "Writes of the kubernetes Service's EndpointSlices and Endpoints (success), and rounds that could not publish them (error), with fleet.kubernetesService.",
-            &["result"],
-        );
-        let fleet_leases_rejected_total = counter(
-            "fleet_leases_rejected_total",
-            "Unexpired Leases with the fleet's prefix that did not count, each round that read one, by reason: name (not the prefix plus its holder), duration (longer than fleet.leaseDuration), future (renewed ahead of this replica's clock), signature (fleet.keyFile set and the MAC missing or wrong).",
-            &["reason"],
-        );
-        let log_lines_dropped_total = counter(
-            "log_lines_dropped_total",
-            "Lines of a file log never written, by log (audit) and reason: queue_full (the writer thread fell behind), write_failed (the file could not be written).",
-            &["log", "reason"],
-        );
-        let flows_evicted_total = counter(
-            "flows_evicted_total",
-            "Flows whose admission state (token bucket, backoff) was forgotten, by reason: idle (no request, open watch or recent refusal for a while), capacity (the flow table was full: a new flow took the place of the least recently seen without an open watch).",
-            &["reason"],
-        );
-        let plain_gauge = |name: &str, help: &str| {
-            let g =
-                IntGauge::new(format!("bulwark_{name}"), help).expect("valid metric definition");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("metric registered once");
-            g
-        };
-        let fleet_members = plain_gauge(
-            "fleet_members",
-            "Live members of the fleet of Bulwark replicas this one sees (0: fleet off or static split).",
-        );
-        let fleet_service_endpoints = plain_gauge(
-            "fleet_service_endpoints",
-            "Bulwark replicas behind the kubernetes Service as last published (0: the apiservers serve in-cluster clients directly), with fleet.kubernetesService.",
-        );
-        let fleet_static = plain_gauge(
-            "fleet_static",
-            "1 while this replica holds the static split because it cannot renew or read the fleet's Leases.",
-        );
-        let fleet_uncounted_members = plain_gauge(
-            "fleet_uncounted_members",
-            "Live fleet members beyond upstream.bulwarkReplicas (the newest Leases), whose demand does not count: a rollout, or Leases someone else wrote.",
-        );
-        let flows = plain_gauge(
-            "flows",
-            "Flows whose admission state (token bucket, backoff, open watches) is remembered.",
-        );
-        let fleet_rate_flows = plain_gauge(
-            "fleet_rate_flows",
-            "Flows whose rate this replica shares with other members of its fleet (see /debug/fleet).",
-        );
-        let connections_open = plain_gauge(
-            "connections_open",
-            "Client connections open, TLS handshakes included.",
-        );
-        let admin_connections_open = plain_gauge(
-            "admin_connections_open",
-            "Admin listener connections open, TLS handshakes included.",
-        );
-        let rules_stale = plain_gauge(
-            "rules_stale",
-            "1 while the last reload of the rule files failed (the files on disk are not the rules in force), 0 after a successful one.",
-        );
-        let connections_max = plain_gauge(
-            "connections_max",
-            "The cap on open client connections in force (listen.limits.maxConnections, lowered to the open-file limit less the reserve).",
-        );
-        let gauge = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(format!("bulwark_{name}"), help), labels)
-                .expect("valid metric definition");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("metric registered once");
-            g
-        };
-        let upstream_healthy = gauge(
-            "upstream_healthy",
-            "1 when the apiserver replica takes traffic, 0 while it is ejected.",
-            &["replica"],
-        );
-        let upstream_in_flight = gauge(
-            "upstream_in_flight",
-            "Requests sent to the replica that wait for their response head.",
-            &["replica"],
-        );
-        let upstream_watches = gauge(
-            "upstream_watches",
-            "Watch streams open to the replica.",
-            &["replica"],
-        );
-        let level_waiting_requests = gauge(
-            "level_waiting_requests",
-            "Requests waiting in the priority level's fair queues.",
-            &["level"],
-        );
-        let level_executing_seats = gauge(
-            "level_executing_seats",
-            "Seats held by the priority level's executing requests.",
-            &["level"],
-        );
-        let level_seats_limit = gauge(
-            "level_seats_limit",
-            "Seats the priority level may use now, shrunk by the share of healthy replicas.",
-            &["level"],
-        );
-        let list_bytes_in_flight = gauge(
-            "list_bytes_in_flight",
-            "LIST bytes admitted to the apiserver replica and not yet answered in full.",
-            &["replica"],
-        );
-        let fleet_share = gauge(
-            "fleet_share",
-            "What this replica holds of the fleet's budget: kind list_bytes per apiserver replica (bytes), kind seats per level.",
-            &["kind", "name"],
-        );
-        let list_bytes_budget = gauge(
-            "list_bytes_budget",
-            "The apiserver replica's in-flight LIST byte budget.",
-            &["replica"],
-        );
-        let rules_loaded_info = gauge(
-            "rules_loaded_info",
-            "1 for the content hash of the rules in force.",
-            &["hash"],
-        );
-        let certificate_expiry_timestamp_seconds = gauge(
-            "certificate_expiry_timestamp_seconds",
-            "When each certificate Bulwark loaded expires (notAfter, Unix seconds; the earliest of a bundle): serving, client_ca, front_proxy, own, upstream_ca.",
-            &["certificate"],
-        );
-        let responses_cut_total = counter(
-            "responses_cut_total",
-            "Responses Bulwark ended early, by reason: client_not_reading (the client took nothing for listen.limits.sendProgressTimeout while the response held seats or LIST bytes, given back at once).",
-            &["reason"],
-        );
-        let access_log_suppressed_total = counter(
-            "access_log_suppressed_total",
-            "Access-log lines of refusals that identified no one left out past their bound (a line a second per client prefix, 100 in all), by reason: unauthenticated, review_limited.",
-            &["reason"],
-        );
         process::register(&registry);
-        let queue_wait_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "bulwark_queue_wait_seconds",
-                "Time admitted requests waited in their priority level's fair queue.",
-            )
-            .buckets(vec![
-                0.0001, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                60.0,
-            ]),
-            &["level"],
-        )
-        .expect("valid metric definition");
-        registry
-            .register(Box::new(queue_wait_seconds.clone()))
-            .expect("metric registered once");
-        let cache_objects = gauge("cache_objects", "Objects in the cache.", &["resource"]);
-        let cache_bytes = gauge(
-            "cache_bytes",
-            "Bytes of the cached objects' JSON.",
-            &["resource"],
-        );
-        let cache_watchers = gauge(
-            "cache_watchers",
-            "Watches served from the cache.",
-            &["resource"],
-        );
-        let cache_lag_seconds = GaugeVec::new(
-            Opts::new(
-                "bulwark_cache_lag_seconds",
-                "0 while the cache's upstream watch runs, else the seconds since it stopped.",
-            ),
-            &["resource"],
-        )
-        .expect("valid metric definition");
-        registry
-            .register(Box::new(cache_lag_seconds.clone()))
-            .expect("metric registered once");
-        let request_duration_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "bulwark_request_duration_seconds",
-                "Time from request head to response head, by verb and who served it.",
-            )
-            .buckets(vec![
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                60.0,
-            ]),
-            &["verb", "served_by"],
-        )
-        .expect("valid metric definition");
-        registry
-            .register(Box::new(request_duration_seconds.clone()))
-            .expect("metric registered once");
-        Self(Arc::new(MetricFamilies {
+        let r = Register(&registry);
+        let families = MetricFamilies {
+            requests_total: r.counter(&REQUESTS_TOTAL),
+            request_duration_seconds: r
+                .histogram(&REQUEST_DURATION_SECONDS, &REQUEST_DURATION_BUCKETS),
+            rejected_requests_total: r.counter(&REJECTED_REQUESTS_TOTAL),
+            identity_rejections_total: r.counter(&IDENTITY_REJECTIONS_TOTAL),
+            rule_requests_total: r.counter(&RULE_REQUESTS_TOTAL),
+            upstream_responses_total: r.counter(&UPSTREAM_RESPONSES_TOTAL),
+            upstream_retries_total: r.counter(&UPSTREAM_RETRIES_TOTAL),
+            upstream_healthy: r.gauge(&UPSTREAM_HEALTHY),
+            upstream_in_flight: r.gauge(&UPSTREAM_IN_FLIGHT),
+            upstream_watches: r.gauge(&UPSTREAM_WATCHES),
+            authz_reviews_total: r.counter(&AUTHZ_REVIEWS_TOTAL),
+            shadow_rejections_total: r.counter(&SHADOW_REJECTIONS_TOTAL),
+            queue_wait_seconds: r.histogram(&QUEUE_WAIT_SECONDS, &QUEUE_WAIT_BUCKETS),
+            level_waiting_requests: r.gauge(&LEVEL_WAITING_REQUESTS),
+            level_executing_seats: r.gauge(&LEVEL_EXECUTING_SEATS),
+            level_seats_limit: r.gauge(&LEVEL_SEATS_LIMIT),
+            list_bytes_in_flight: r.gauge(&LIST_BYTES_IN_FLIGHT),
+            list_bytes_budget: r.gauge(&LIST_BYTES_BUDGET),
+            rules_reload_total: r.counter(&RULES_RELOAD_TOTAL),
+            rules_loaded_info: r.gauge(&RULES_LOADED_INFO),
+            rules_stale: r.plain_gauge(&RULES_STALE),
+            certificate_expiry_timestamp_seconds: r.gauge(&CERTIFICATE_EXPIRY_TIMESTAMP_SECONDS),
+            cache_objects: r.gauge(&CACHE_OBJECTS),
+            cache_bytes: r.gauge(&CACHE_BYTES),
+            cache_watchers: r.gauge(&CACHE_WATCHERS),
+            cache_lag_seconds: r.float_gauge(&CACHE_LAG_SECONDS),
+            cache_relists_total: r.counter(&CACHE_RELISTS_TOTAL),
+            cache_requests_total: r.counter(&CACHE_REQUESTS_TOTAL),
+            cache_slow_watchers_total: r.counter(&CACHE_SLOW_WATCHERS_TOTAL),
+            connections_open: r.plain_gauge(&CONNECTIONS_OPEN),
+            connections_max: r.plain_gauge(&CONNECTIONS_MAX),
+            connections_refused_total: r.counter(&CONNECTIONS_REFUSED_TOTAL),
+            connections_closed_total: r.counter(&CONNECTIONS_CLOSED_TOTAL),
+            admin_connections_open: r.plain_gauge(&ADMIN_CONNECTIONS_OPEN),
+            admin_connections_refused_total: r.counter(&ADMIN_CONNECTIONS_REFUSED_TOTAL),
+            admin_connections_closed_total: r.counter(&ADMIN_CONNECTIONS_CLOSED_TOTAL),
+            fleet_members: r.plain_gauge(&FLEET_MEMBERS),
+            fleet_static: r.plain_gauge(&FLEET_STATIC),
+            flows: r.plain_gauge(&FLOWS),
+            flows_evicted_total: r.counter(&FLOWS_EVICTED_TOTAL),
+            fleet_rate_flows: r.plain_gauge(&FLEET_RATE_FLOWS),
+            fleet_share: r.gauge(&FLEET_SHARE),
+            fleet_renewals_total: r.counter(&FLEET_RENEWALS_TOTAL),
+            fleet_service_endpoints: r.plain_gauge(&FLEET_SERVICE_ENDPOINTS),
+            fleet_service_writes_total: r.counter(&FLEET_SERVICE_WRITES_TOTAL),
+            fleet_leases_rejected_total: r.counter(&FLEET_LEASES_REJECTED_TOTAL),
+            fleet_uncounted_members: r.plain_gauge(&FLEET_UNCOUNTED_MEMBERS),
+            log_lines_dropped_total: r.counter(&LOG_LINES_DROPPED_TOTAL),
+            responses_cut_total: r.counter(&RESPONSES_CUT_TOTAL),
+            access_log_suppressed_total: r.counter(&ACCESS_LOG_SUPPRESSED_TOTAL),
             registry,
-            requests_total,
-            request_duration_seconds,
-            rejected_requests_total,
-            identity_rejections_total,
-            rule_requests_total,
-            upstream_responses_total,
-            upstream_retries_total,
-            upstream_healthy,
-            upstream_in_flight,
-            upstream_watches,
-            authz_reviews_total,
-            shadow_rejections_total,
-            queue_wait_seconds,
-            level_waiting_requests,
-            level_executing_seats,
-            level_seats_limit,
-            list_bytes_in_flight,
-            list_bytes_budget,
-            rules_reload_total,
-            rules_loaded_info,
-            rules_stale,
-            certificate_expiry_timestamp_seconds,
-            cache_objects,
-            cache_bytes,
-            cache_watchers,
-            cache_lag_seconds,
-            cache_relists_total,
-            cache_requests_total,
-            cache_slow_watchers_total,
-            connections_open,
-            connections_max,
-            connections_refused_total,
-            connections_closed_total,
-            admin_connections_open,
-            admin_connections_refused_total,
-            admin_connections_closed_total,
-            fleet_members,
-            fleet_static,
-            flows,
-            flows_evicted_total,
-            fleet_rate_flows,
-            fleet_share,
-            fleet_renewals_total,
-            fleet_service_endpoints,
-            fleet_service_writes_total,
-            fleet_leases_rejected_total,
-            fleet_uncounted_members,
-            log_lines_dropped_total,
-            responses_cut_total,
-            access_log_suppressed_total,
-        }))
+        };
+        Self(Arc::new(families))
     }
 
     /// Counts a request Bulwark refused.
@@ -703,7 +420,7 @@ mod tests {
         assert_eq!(code_label(&StatusCode::TOO_MANY_REQUESTS), "429");
         assert_eq!(code_label(&StatusCode::from_u16(599).unwrap()), "other");
 
-        let labels = ResourceLabels::new(["widgets.example.com", "secrets"]);
+        let labels = ResourceLabels::new(["widgets", "secrets"]);
         let info =
             |path: &str| crate::classify::classify(&Method::GET, &path.parse().unwrap()).unwrap();
         assert_eq!(&*labels.label(&info("/api/v1/namespaces/a/pods")), "pods");

@@ -1,34 +1,34 @@
 //! Builds every part from the configuration, wires the request path ([`crate::stages`])
 //! between the listener and the upstream pool, and starts and drains Bulwark.
 
+mod admin;
+mod cache;
+mod fleet;
+mod logs;
+mod path;
+mod rules;
+mod tokens;
+mod upstream;
+mod workers;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::admin;
-use crate::admit::{Admission, ProxyLocal};
-use crate::cache::{AuditLog, Cache};
 use crate::config::{self, Config};
-use crate::fleet::{self, FleetShares};
-use crate::identity::forward::{ForwardError, Forwarding};
-use crate::identity::{TokenCache, UpstreamReviewer};
-use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError, Listener, Worker};
-use crate::logs::access::AccessLog;
-use crate::logs::rotate::{Limits, LineFile};
-use crate::metrics::{Metrics, ResourceLabels};
+use crate::fleet as fleet_leases;
+use crate::identity::forward::Forwarding;
+use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError};
+use crate::logs::rotate::LineFile;
+use crate::metrics::Metrics;
 use crate::own;
-use crate::rules::{RuleProblem, RuleSet, Rules};
-use crate::stages::admit::Admit;
-use crate::stages::classify::Classify;
+use crate::rules::RuleProblem;
 use crate::stages::forward::Forward;
-use crate::stages::identity::Identify;
-use crate::stages::rescue::RescueLayer;
-use crate::stages::stack;
-use crate::upstream::{BodyBudget, BodyDeadlines, Upstream, UpstreamError, UpstreamTls};
+use crate::upstream::UpstreamError;
 
 /// Why Bulwark could not start.
 #[derive(Debug, thiserror::Error)]
@@ -39,9 +39,6 @@ pub enum StartError {
     /// The upstream pool.
     #[error("upstream: {0}")]
     Upstream(#[from] UpstreamError),
-    /// Identity forwarding.
-    #[error("identity: {0}")]
-    Forward(#[from] ForwardError),
     /// The admin listener.
     #[error("admin: {0}")]
     Admin(#[from] std::io::Error),
@@ -56,7 +53,7 @@ pub enum StartError {
     Workers(#[source] std::io::Error),
     /// The fleet's key file cannot be used.
     #[error("fleet.keyFile: {0}")]
-    FleetKey(#[source] crate::fleet::lease::KeyError),
+    FleetKey(#[source] fleet_leases::lease::KeyError),
     /// `bulwark guard` was given a configuration without `fleet.kubernetesService`.
     #[error("bulwark guard needs fleet.kubernetesService in the configuration")]
     Guard,
@@ -72,7 +69,7 @@ pub struct Running {
     /// The admin address.
     pub admin_addr: SocketAddr,
     /// Shared state of the admin endpoints.
-    pub admin: Arc<admin::State>,
+    pub admin: Arc<crate::admin::State>,
     drain: watch::Sender<DrainPhase>,
     handoff: Handoff,
     shutdown: config::Shutdown,
@@ -80,235 +77,73 @@ pub struct Running {
     /// The file logs (audit), reopened on SIGHUP and flushed at the end of the drain.
     files: Vec<LineFile>,
     /// Where the prefixes trusted for token reviews are kept, written last at the drain.
-    review_memory: Option<ReviewMemory>,
+    review_memory: Option<tokens::ReviewMemory>,
 }
 
 impl Running {
-    /// Starts every part from a validated configuration.
+    /// Starts every part from a validated configuration: the upstream pool and Bulwark's
+    /// own client on it, token reviews, logs, cache, rules, admission and the fleet, then
+    /// the request path on the client listener and the admin listener over all of them.
     pub async fn start(config: Config) -> Result<Running, StartError> {
         let metrics = Metrics::new();
-        let tls = UpstreamTls::from_config(&config.upstream)?;
-        tls.record_expiry(&metrics);
-        let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
-        upstream.spawn_probes();
+        let upstream = upstream::start(&config.upstream, &metrics)?;
         let own = own::Client::new(upstream.clone());
-        let reviewer = UpstreamReviewer::new(own.clone());
-        let tokens = Arc::new(TokenCache::new(
-            Arc::new(reviewer),
-            config.identity.token_review.clone(),
-            metrics.clone(),
-        ));
-        let review_memory = config
-            .identity
-            .token_review
-            .memory_file
-            .clone()
-            .map(|path| ReviewMemory {
-                limits: tokens.review_limits().clone(),
-                path,
-                writing: Arc::default(),
-            });
-        let review_memory_task = review_memory.clone().map(remember_reviews);
-        let tokens_for_admin = tokens.clone();
+        let (tokens, review_memory, review_task) =
+            tokens::start(&config.identity.token_review, &own, &metrics);
         let forwarding =
-            Forwarding::new(config.identity.mode, config.upstream.front_proxy.as_ref())?;
+            Forwarding::new(config.identity.mode, config.upstream.front_proxy.as_ref());
         let forward = Forward::new(
             upstream.clone(),
             Arc::new(forwarding),
             config.upstream.timeouts.clone(),
         );
-        let audit_limits = Limits::new(config.audit.max_size.0, config.audit.max_files);
-        let audit = match &config.audit.path {
-            Some(path) => Some(AuditLog::open(path, audit_limits, &metrics).map_err(|e| {
-                StartError::Admin(std::io::Error::new(
-                    e.kind(),
-                    format!("audit log {}: {e}", path.display()),
-                ))
-            })?),
-            None => None,
-        };
-        let access = match &config.access_log {
-            Some(access) => Some(
-                AccessLog::open(
-                    &access.path,
-                    access.sample,
-                    Limits::new(access.max_size.0, access.max_files),
-                    &metrics,
-                )
-                .map_err(|e| {
-                    StartError::Admin(std::io::Error::new(
-                        e.kind(),
-                        format!("access log {}: {e}", access.path.display()),
-                    ))
-                })?,
-            ),
-            None => None,
-        };
-        let files: Vec<LineFile> = audit
-            .iter()
-            .map(|a| a.file().clone())
-            .chain(access.iter().map(|a| a.file().clone()))
-            .collect();
-        let cache = config
-            .cache
-            .enabled
-            .then(|| Cache::start(&config.cache, own.clone(), metrics.clone(), audit));
-        let rule_set = match &config.rules.folder {
-            Some(folder) => RuleSet::load_dir(folder).map_err(StartError::Rules)?,
-            None => RuleSet::builtin(),
-        }
-        .with_mode(config.rules.mode.into());
-        if config.rules.mode == config::RulesMode::Shadow {
-            tracing::warn!(
-                "rules.mode is shadow: no rule refuses; would-be refusals are counted in \
-                 bulwark_shadow_rejections_total"
-            );
-        }
-        let rules = Rules::new(rule_set, config.rules.folder.clone(), metrics.clone());
-        rules.spawn_watch();
-        let fleet_shares = config.fleet.as_ref().map(|_| FleetShares::new());
-        let admission = match &fleet_shares {
-            Some(shares) => Admission::in_fleet(
-                rules.current().levels(),
-                upstream.clone(),
-                shares.clone(),
-                metrics.clone(),
-            ),
-            None => Admission::new(rules.current().levels(), upstream.clone(), metrics.clone()),
-        };
-        let (fleet, fleet_tasks) = match config.fleet.as_ref().zip(fleet_shares) {
-            Some((cfg, shares)) => {
-                let local = ProxyLocal {
-                    upstream: upstream.clone(),
-                    admission: admission.clone(),
-                };
-                let (fleet, tasks) = fleet::start(
-                    cfg,
-                    &config,
-                    own.clone(),
-                    Arc::new(local),
-                    shares,
-                    metrics.clone(),
-                )
-                .map_err(StartError::FleetKey)?;
-                (Some(fleet), tasks)
-            }
-            None => (None, Vec::new()),
-        };
-        let mut reloaded = rules.subscribe();
-        let levels_follow = {
-            let admission = admission.clone();
-            tokio::spawn(async move {
-                while reloaded.changed().await.is_ok() {
-                    let set = reloaded.borrow_and_update().clone();
-                    admission.update_levels(set.levels());
-                }
-            })
-        };
-        let rescue = RescueLayer::new(metrics.clone(), config.metrics.identities, access);
-        let board = rescue.board();
-        let classify = Classify::new(ResourceLabels::new(
-            config.cache.resources.iter().map(String::as_str),
-        ));
-        let identify = Identify::new(tokens, config.identity.anonymous.clone());
-        let admit = Admit::new(
-            rules.clone(),
-            admission.clone(),
-            cache.clone(),
-            BodyBudget::new(&config.listen.limits),
-            BodyDeadlines {
-                progress: config.listen.limits.body_progress_timeout,
-                whole: config.listen.limits.body_timeout,
+        let logs = logs::open(&config, &metrics)?;
+        let cache = cache::start(&config.cache, &own, &metrics, logs.audit);
+        let rules = rules::start(&config.rules, &metrics)?;
+        let admitting = fleet::start(&config, &rules, &upstream, &own, &metrics)?;
+        let stages = path::Stages::new(
+            &config,
+            path::Parts {
+                tokens: tokens.clone(),
+                rules: rules.clone(),
+                admission: admitting.admission.clone(),
+                cache: cache.clone(),
+                access: logs.access,
             },
-            crate::admit::SendProgress {
-                timeout: config.listen.limits.send_progress_timeout,
-                cut: metrics
-                    .responses_cut_total
-                    .with_label_values(&["client_not_reading"]),
-            },
+            &metrics,
         );
-        // Every worker's request path shares every stage's state; only the connections
-        // to the apiservers are each worker's own.
-        let path = move |forward: Forward| {
-            stack(
-                rescue.clone(),
-                classify.clone(),
-                identify.clone(),
-                admit.clone(),
-                forward,
-            )
-        };
-        let workers = (0..config.listen.workers)
-            .map(|_| Worker::new(path(forward.with_own_connections())))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(StartError::Workers)?;
-        let service = path(forward);
-
-        let listener = Listener::bind(&config.listen, &metrics).await?;
-        let addr = listener.local_addr();
-        listener.spawn_reload();
-        let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
-        let handoff = listener.handoff(service.clone(), drain_rx.clone());
-        let serving = tokio::spawn(async move {
-            let served = if workers.is_empty() {
-                listener.serve(service, drain_rx).await
-            } else {
-                listener.serve_on(workers, drain_rx).await
-            };
-            if let Err(e) = served {
-                tracing::error!(error = %e, "listener stopped");
-            }
-        });
-
-        let admin = Arc::new(admin::State {
-            metrics,
-            upstream,
-            rules,
-            admission,
-            cache,
-            fleet,
-            board,
-            metrics_auth: (config.admin.metrics_access == config::MetricsAccess::Authorized).then(
-                || admin::MetricsAuth {
-                    tokens: tokens_for_admin,
-                    own: own.clone(),
-                    scrapers: admin::Scrapers::new(config.cache.access_review_ttl),
-                },
-            ),
-            debug_token: admin::debug_token(&config.admin)?,
-            draining: AtomicBool::new(false),
-        });
-        let admin_tls = match &config.admin.tls {
-            Some(tls) => Some(
-                crate::listen::ServingTls::load(&tls.cert, &tls.key, &admin.metrics)
-                    .map_err(StartError::AdminTls)?,
-            ),
-            None => None,
-        };
-        let (admin_addr, admin_task) = admin::serve(
-            config.admin.address,
-            &config.admin.limits,
-            admin.clone(),
-            admin_tls,
+        let serving = workers::serve(&config.listen, &stages, forward, &metrics).await?;
+        let admin = admin::serve(
+            &config,
+            admin::Parts {
+                metrics,
+                upstream,
+                rules,
+                admission: admitting.admission,
+                cache,
+                fleet: admitting.fleet,
+                board: stages.board(),
+                tokens,
+                own,
+            },
         )
-        .await
-        .map_err(StartError::AdminListen)?;
-        let reopen = reopen_on_hangup(files.clone());
-        tracing::info!(%addr, %admin_addr, "bulwark serving");
+        .await?;
+        let reopen = logs::reopen_on_hangup(logs.files.clone());
+        tracing::info!(addr = %serving.addr, admin_addr = %admin.addr, "bulwark serving");
         Ok(Running {
-            addr,
-            admin_addr,
-            admin,
-            drain,
-            handoff,
+            addr: serving.addr,
+            admin_addr: admin.addr,
+            admin: admin.state,
+            drain: serving.drain,
+            handoff: serving.handoff,
             shutdown: config.listen.shutdown.clone(),
-            tasks: [serving, admin_task, levels_follow]
+            tasks: [serving.task, admin.task]
                 .into_iter()
-                .chain(fleet_tasks)
+                .chain(admitting.tasks)
                 .chain(reopen)
-                .chain(review_memory_task)
+                .chain(review_task)
                 .collect(),
-            files,
+            files: logs.files,
             review_memory,
         })
     }
@@ -356,88 +191,6 @@ impl Running {
     }
 }
 
-/// How often the prefixes trusted for token reviews are written to their file.
-const REVIEW_MEMORY_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// The file that keeps the prefixes trusted for token reviews across restarts.
-#[derive(Clone)]
-struct ReviewMemory {
-    limits: Arc<crate::identity::limits::ReviewLimits>,
-    path: std::path::PathBuf,
-    /// One write at a time: the drain's may meet the last periodic one, which an abort does
-    /// not stop, and both write the same file beside `path`.
-    writing: Arc<std::sync::Mutex<()>>,
-}
-
-impl ReviewMemory {
-    /// Writes the trusted prefixes; a failure is a warning (the next write may succeed).
-    fn save(&self) {
-        let _one = self.writing.lock().unwrap_or_else(|p| p.into_inner());
-        match self.limits.save(&self.path) {
-            Ok(n) => {
-                tracing::debug!(prefixes = n, path = %self.path.display(), "token review memory written")
-            }
-            Err(error) => {
-                tracing::warn!(%error, path = %self.path.display(), "token review memory not written")
-            }
-        }
-    }
-}
-
-/// Reads the prefixes trusted for token reviews from their file now (a file that does not
-/// read, or is too large to be one Bulwark wrote, is a warning and ignored: nobody is
-/// trusted yet), then writes them there every [`REVIEW_MEMORY_EVERY`] (and
-/// [`Running::drain`] once more at the end).
-fn remember_reviews(memory: ReviewMemory) -> JoinHandle<()> {
-    let path = memory.path.display();
-    match memory.limits.load(&memory.path) {
-        Ok(loaded) => {
-            tracing::info!(prefixes = loaded.taken, %path, "token review memory read");
-            if loaded.skipped > 0 {
-                tracing::warn!(lines = loaded.skipped, %path, "token review memory: lines that do not read were skipped");
-            }
-        }
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-        Err(error) => {
-            tracing::warn!(%error, %path, "token review memory not read; nobody is trusted yet")
-        }
-    }
-    tokio::spawn(async move {
-        let mut every = tokio::time::interval(REVIEW_MEMORY_EVERY);
-        every.tick().await;
-        loop {
-            every.tick().await;
-            let memory = memory.clone();
-            let _ = tokio::task::spawn_blocking(move || memory.save()).await;
-        }
-    })
-}
-
-/// Reopens the file logs on every SIGHUP (logrotate moves a file, then sends it); the rules
-/// reload on the same signal. `None` without logs, or where signals cannot be had.
-fn reopen_on_hangup(files: Vec<LineFile>) -> Option<JoinHandle<()>> {
-    if files.is_empty() {
-        return None;
-    }
-    #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-            Ok(mut hangup) => Some(tokio::spawn(async move {
-                while hangup.recv().await.is_some() {
-                    tracing::info!("SIGHUP: reopening the log files");
-                    files.iter().for_each(LineFile::reopen);
-                }
-            })),
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGHUP, log files are not reopened: {e}");
-                None
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    None
-}
-
 /// The runtime Bulwark serves on: tokio's multi-threaded one, or with
 /// `TOKIO_WORKER_THREADS=1` its single-threaded one, which serves the same work on one core
 /// without the work-stealing machinery (about 35k small GETs a second instead of 27k).
@@ -482,12 +235,11 @@ pub async fn guard(config: Config) -> Result<(), StartError> {
         return Err(StartError::Guard);
     };
     let metrics = Metrics::new();
-    let tls = UpstreamTls::from_config(&config.upstream)?;
-    let upstream = Upstream::new(&config.upstream, tls, metrics.clone())?;
-    upstream.spawn_probes();
-    let settings = fleet::Settings::from_config(fleet_cfg, config.upstream.bulwark_replicas)
+    let upstream = upstream::start(&config.upstream, &metrics)?;
+    let settings = fleet_leases::Settings::from_config(fleet_cfg, config.upstream.bulwark_replicas)
         .map_err(StartError::FleetKey)?;
-    let task = fleet::publish_service(&settings, service, own::Client::new(upstream), metrics);
+    let task =
+        fleet_leases::publish_service(&settings, service, own::Client::new(upstream), metrics);
     tracing::info!(apiservers = ?service.apiservers, "bulwark guard publishing the kubernetes Service");
     shutdown_signal().await;
     task.abort();

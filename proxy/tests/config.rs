@@ -479,7 +479,7 @@ fn replica_addresses_parse_into_host_and_port() {
         "[\"API-1.Example:6443\", \"10.0.0.1:443\", \"[fd00::1]:6443\"]",
     );
     let config: Config = text.parse().unwrap_or_else(|e| panic!("{e}"));
-    let addrs = config.upstream.replica_addrs();
+    let addrs = &config.upstream.replicas;
     let shown: Vec<String> = addrs.iter().map(ToString::to_string).collect();
     assert_eq!(
         shown,
@@ -499,7 +499,7 @@ fn cache_resources_split_into_group_and_resource() {
     let config: Config = MINIMAL.parse().unwrap_or_else(|e| panic!("{e}"));
     let resources: Vec<(String, String)> = config
         .cache
-        .group_resources()
+        .resources
         .into_iter()
         .map(|gr| (gr.group, gr.resource))
         .collect();

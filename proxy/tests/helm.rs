@@ -297,10 +297,13 @@ config:
     let config: Config = rendered_config(&objects)
         .parse()
         .unwrap_or_else(|e| panic!("the rendered bulwark.yaml is not a valid configuration: {e}"));
-    assert_eq!(
-        config.upstream.replicas,
-        ["192.0.2.1:6443", "cp-2.example:6443"]
-    );
+    let replicas: Vec<String> = config
+        .upstream
+        .replicas
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(replicas, ["192.0.2.1:6443", "cp-2.example:6443"]);
     assert_eq!(config.listen.address.to_string(), "0.0.0.0:8443");
     assert_eq!(config.admin.address.to_string(), "127.0.0.1:9444");
     assert!(

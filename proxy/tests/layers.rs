@@ -212,6 +212,16 @@ fn the_top_level_modules_import_each_other_without_a_cycle() {
         "status imports {:?}",
         edges["status"]
     );
+    // The configuration is parsed into the runtime's types without the runtime: it
+    // imports no other module, so every module may read it.
+    assert!(
+        edges["config"].is_empty(),
+        "config imports {:?}",
+        edges["config"]
+            .iter()
+            .map(|t| (t, &by[&("config".to_owned(), t.clone())]))
+            .collect::<Vec<_>>()
+    );
     // Bulwark's own calls go through `own`: the cache and the fleet reach the apiservers
     // through it, not through identity's reviews or the pool directly.
     for module in ["cache", "fleet"] {

@@ -204,9 +204,8 @@ impl Cache {
             _ => {}
         }
         let hit = cfg.exclude_names.iter().any(|entry| {
-            let (ens, ename) = entry.split_once('/').unwrap_or(("", entry.as_str()));
-            namespace.is_none_or(|ns| ens.is_empty() || ns == ens)
-                && name.is_none_or(|n| n == ename)
+            namespace.is_none_or(|ns| entry.namespace.as_deref().is_none_or(|ens| ns == ens))
+                && name.is_none_or(|n| n == entry.name)
         });
         hit.then_some("an excluded name")
     }

@@ -60,11 +60,11 @@ impl Cache {
         audit: Option<AuditLog>,
     ) -> Arc<Cache> {
         let resources = if cfg.enabled {
-            cfg.group_resources()
-                .into_iter()
+            cfg.resources
+                .iter()
                 .map(|gr| CachedResource {
                     label: gr.to_string(),
-                    gr,
+                    gr: gr.clone(),
                     store: Arc::new(OnceLock::new()),
                 })
                 .collect()

@@ -62,7 +62,7 @@ struct Setup {
 fn config() -> config::Cache {
     config::Cache {
         enabled: true,
-        resources: vec!["secrets".into()],
+        resources: vec![config::GroupResource::core("secrets")],
         ring_size: 100,
         watcher_buffer: 100,
         reauthorize_interval: Duration::from_secs(60),
@@ -494,7 +494,7 @@ async fn nothing_is_answered_before_the_first_list() {
 #[tokio::test]
 async fn excluded_namespaces_and_names_go_upstream() {
     let mut cfg = config();
-    cfg.exclude_names = vec!["ns-a/two".into()];
+    cfg.exclude_names = vec!["ns-a/two".parse().unwrap()];
     let mut s = setup_with(cfg, None);
     s.store.replace(vec![secret("ns-a", "one", 3, "web")], 10);
     assert!(
@@ -1400,14 +1400,14 @@ async fn answers_have_the_shape_of_the_recorded_apiserver() {
     let list_text = recorded[0]["response_body"].as_str().unwrap();
     let list: Value = serde_json::from_str(list_text).unwrap();
     let cfg = config::Cache {
-        resources: vec!["pods".into()],
+        resources: vec![config::GroupResource::core("pods")],
         ..config()
     };
     let s = setup_with(cfg, None);
     let mut store = Writer::new(Kind::new("", "v1", "pods", "Pod", true), 100, 100);
     let cache = Cache::build(
         &config::Cache {
-            resources: vec!["pods".into()],
+            resources: vec![config::GroupResource::core("pods")],
             ..config()
         },
         Arc::new(s.policy.clone()),

@@ -64,54 +64,43 @@ struct Names {
 }
 
 impl Forwarding {
-    /// Builds the policy; header names were validated with the config.
-    pub fn new(
-        mode: IdentityMode,
-        front_proxy: Option<&config::FrontProxy>,
-    ) -> Result<Self, ForwardError> {
+    /// Builds the policy from the header names the configuration read.
+    pub fn new(mode: IdentityMode, front_proxy: Option<&config::FrontProxy>) -> Self {
         let defaults = config::HeaderNames::default();
         let names = front_proxy.map_or(&defaults, |f| &f.headers);
-        let parse = |n: &str| {
-            HeaderName::try_from(n.to_ascii_lowercase())
-                .map_err(|_| ForwardError::Unrepresentable(format!("bad header name {n:?}")))
-        };
-        let mut strip = Vec::new();
+        let mut strip: Vec<HeaderName> = Vec::new();
         for name in [
-            &names.user,
-            &names.uid,
-            &names.group,
-            &defaults.user,
-            &defaults.uid,
-            &defaults.group,
-        ] {
-            if !name.is_empty() {
-                let name = parse(name)?;
-                if !strip.contains(&name) {
-                    strip.push(name);
-                }
+            Some(&names.user),
+            names.uid.as_ref(),
+            Some(&names.group),
+            Some(&defaults.user),
+            defaults.uid.as_ref(),
+            Some(&defaults.group),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !strip.contains(name) {
+                strip.push(name.clone());
             }
         }
-        let mut strip_prefixes = vec![names.extra_prefix.to_ascii_lowercase()];
-        let default_prefix = defaults.extra_prefix.to_ascii_lowercase();
+        let mut strip_prefixes = vec![names.extra_prefix.as_str().to_owned()];
+        let default_prefix = defaults.extra_prefix.as_str().to_owned();
         if !strip_prefixes.contains(&default_prefix) {
             strip_prefixes.push(default_prefix);
         }
-        Ok(Self {
+        Self {
             mode,
             names: Names {
-                user: parse(&names.user)?,
-                uid: if names.uid.is_empty() {
-                    None
-                } else {
-                    Some(parse(&names.uid)?)
-                },
-                group: parse(&names.group)?,
-                extra_prefix: names.extra_prefix.to_ascii_lowercase(),
+                user: names.user.clone(),
+                uid: names.uid.clone(),
+                group: names.group.clone(),
+                extra_prefix: names.extra_prefix.as_str().to_owned(),
                 strip,
                 strip_prefixes,
             },
             front_proxy: front_proxy.is_some(),
-        })
+        }
     }
 
     /// Rewrites `headers` for `identity` and says which upstream credential carries it.
@@ -316,7 +305,7 @@ mod tests {
             key: "fp.key".into(),
             headers: config::HeaderNames::default(),
         };
-        Forwarding::new(mode, Some(&front)).unwrap()
+        Forwarding::new(mode, Some(&front))
     }
 
     #[test]
@@ -344,10 +333,10 @@ mod tests {
             cert: "fp.crt".into(),
             key: "fp.key".into(),
             headers: config::HeaderNames {
-                user: "X-Proxy-User".into(),
-                uid: String::new(),
-                group: "X-Proxy-Group".into(),
-                extra_prefix: "X-Proxy-Extra-".into(),
+                user: HeaderName::from_static("x-proxy-user"),
+                uid: None,
+                group: HeaderName::from_static("x-proxy-group"),
+                extra_prefix: HeaderName::from_static("x-proxy-extra-"),
             },
         };
         for mode in [
@@ -355,7 +344,7 @@ mod tests {
             IdentityMode::Impersonate,
             IdentityMode::Passthrough,
         ] {
-            let forwarding = Forwarding::new(mode, Some(&front)).unwrap();
+            let forwarding = Forwarding::new(mode, Some(&front));
             let mut headers = spoofing_headers();
             headers.insert("x-proxy-user", "system:admin".parse().unwrap());
             headers.insert("x-proxy-group", "system:masters".parse().unwrap());

@@ -147,6 +147,8 @@ impl Settings {
 /// the drain closes it: the first byte, the PROXY header and the client's source cap, TLS
 /// where the listener has it, then HTTP. `source` holds the peer's place in the source
 /// caps where it was counted at accept; `slot` is evicted by the caller.
+// Over 120 lines: a connection's life from accept to close in order (first byte, PROXY
+// header, source caps, TLS, HTTP), each step's deadline and refusal counted where it happens.
 #[allow(clippy::too_many_arguments)]
 pub(super) async fn serve<S>(
     tcp: TcpStream,

@@ -18,7 +18,7 @@ use std::fmt;
 use http::Method;
 use serde_json::{Value, json};
 
-use super::schema::MatchDoc;
+use super::schema::{MatchDoc, ResourceDoc};
 use crate::classify::{RequestInfo, Verb};
 use crate::identity::User;
 
@@ -683,6 +683,8 @@ pub(crate) struct PatternProblem {
 }
 
 /// Compiles a `match`, collecting every invalid entry.
+// Over 120 lines: every list of a `match` checked in the order written and every problem
+// collected before any is compiled; the entries' own checks are the functions below.
 pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
     let mut problems = Vec::new();
     let mut problem = |path: Vec<String>, message: String| {
@@ -742,24 +744,7 @@ pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
     }
     let mut compiled_sas = Vec::new();
     for (i, sa) in &service_accounts {
-        let parsed = sa.split_once('/').and_then(|(ns, name)| {
-            if !is_dns_label(ns) {
-                None
-            } else if name == "*" {
-                Some(ServiceAccount::Namespace {
-                    written: sa.clone(),
-                    prefix: format!("{SA_PREFIX}{ns}:"),
-                })
-            } else if is_dns_subdomain(name) {
-                Some(ServiceAccount::Exact {
-                    written: sa.clone(),
-                    user: format!("{SA_PREFIX}{ns}:{name}"),
-                })
-            } else {
-                None
-            }
-        });
-        match parsed {
+        match service_account(sa) {
             Some(p) => compiled_sas.push(p),
             None => problem(
                 at("serviceAccounts", *i),
@@ -790,66 +775,13 @@ pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
 
     let mut compiled_resources = Vec::new();
     for (i, r) in doc.resources.iter().flatten().enumerate() {
-        let group = if r.group == "*" {
-            Some(Name::Any)
-        } else if r.group.is_empty() || is_dns_subdomain(&r.group) {
-            Some(Name::Exact(r.group.clone()))
-        } else {
-            problem(
-                vec!["resources".into(), i.to_string(), "group".into()],
-                format!(
-                    "resources[{i}].group: invalid API group {:?}: \"\" for the core group, a group name, or \"*\"",
-                    r.group
-                ),
-            );
-            None
-        };
-        let part = |s: &str| {
-            if s == "*" {
-                Some(Name::Any)
-            } else if is_dns_label(s) {
-                Some(Name::Exact(s.to_owned()))
-            } else {
-                None
-            }
-        };
-        let resource = match r.resource.split_once('/') {
-            None if r.resource == "*" => Some((Name::Any, Sub::Either)),
-            None => part(&r.resource).map(|n| (n, Sub::None)),
-            Some((res, sub)) => part(res).zip(part(sub)).map(|(res, sub)| {
-                let sub = match sub {
-                    Name::Any => Sub::Any,
-                    Name::Exact(s) => Sub::Exact(s),
-                };
-                (res, sub)
-            }),
-        };
-        if resource.is_none() {
-            problem(
-                vec!["resources".into(), i.to_string(), "resource".into()],
-                format!(
-                    "resources[{i}].resource: invalid resource {:?}: write RESOURCE, RESOURCE/SUBRESOURCE, RESOURCE/*, */SUBRESOURCE or *",
-                    r.resource
-                ),
-            );
-        }
-        if let (Some(group), Some((resource, sub))) = (group, resource) {
-            compiled_resources.push(ResourcePattern {
-                group,
-                resource,
-                sub,
-            });
-        }
+        compiled_resources.extend(resource_pattern(i, r, &mut problem));
     }
 
     let mut compiled_namespaces = Vec::new();
     for (i, ns) in &namespaces {
-        if ns == "*" {
-            compiled_namespaces.push(NamespacePattern::Any);
-        } else if ns.is_empty() {
-            compiled_namespaces.push(NamespacePattern::Cluster);
-        } else if is_dns_label(ns) {
-            compiled_namespaces.push(NamespacePattern::Exact(ns.clone()));
+        if let Some(pattern) = namespace_pattern(ns) {
+            compiled_namespaces.push(pattern);
         } else {
             problem(
                 at("namespaces", *i),
@@ -862,20 +794,15 @@ pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
 
     let mut compiled_urls = Vec::new();
     for (i, url) in &urls {
-        let star = url.find('*');
-        if url == "*" {
-            compiled_urls.push(UrlPattern::Any);
-        } else if !url.starts_with('/') || star.is_some_and(|s| s != url.len() - 1) {
+        if let Some(pattern) = url_pattern(url) {
+            compiled_urls.push(pattern);
+        } else {
             problem(
                 at("nonResourceURLs", *i),
                 format!(
                     "nonResourceURLs[{i}]: invalid URL {url:?}: a path starting with /, exact or ending in *"
                 ),
             );
-        } else if star.is_some() {
-            compiled_urls.push(UrlPattern::Prefix(url[..url.len() - 1].to_owned()));
-        } else {
-            compiled_urls.push(UrlPattern::Exact(url.clone()));
         }
     }
 
@@ -895,6 +822,111 @@ pub(crate) fn compile(doc: &MatchDoc) -> Result<Matcher, Vec<PatternProblem>> {
         namespaces: doc.namespaces.is_some().then_some(compiled_namespaces),
         urls: doc.non_resource_urls.is_some().then_some(compiled_urls),
     })
+}
+
+/// A `NAMESPACE/NAME` or `NAMESPACE/*` entry of `serviceAccounts`; `None` when it is neither.
+fn service_account(sa: &str) -> Option<ServiceAccount> {
+    sa.split_once('/').and_then(|(ns, name)| {
+        if !is_dns_label(ns) {
+            None
+        } else if name == "*" {
+            Some(ServiceAccount::Namespace {
+                written: sa.to_owned(),
+                prefix: format!("{SA_PREFIX}{ns}:"),
+            })
+        } else if is_dns_subdomain(name) {
+            Some(ServiceAccount::Exact {
+                written: sa.to_owned(),
+                user: format!("{SA_PREFIX}{ns}:{name}"),
+            })
+        } else {
+            None
+        }
+    })
+}
+
+/// Entry `i` of `resources`: its group and its resource, each problem told to `problem`.
+fn resource_pattern(
+    i: usize,
+    r: &ResourceDoc,
+    problem: &mut dyn FnMut(Vec<String>, String),
+) -> Option<ResourcePattern> {
+    let group = if r.group == "*" {
+        Some(Name::Any)
+    } else if r.group.is_empty() || is_dns_subdomain(&r.group) {
+        Some(Name::Exact(r.group.clone()))
+    } else {
+        problem(
+            vec!["resources".into(), i.to_string(), "group".into()],
+            format!(
+                "resources[{i}].group: invalid API group {:?}: \"\" for the core group, a group name, or \"*\"",
+                r.group
+            ),
+        );
+        None
+    };
+    let part = |s: &str| {
+        if s == "*" {
+            Some(Name::Any)
+        } else if is_dns_label(s) {
+            Some(Name::Exact(s.to_owned()))
+        } else {
+            None
+        }
+    };
+    let resource = match r.resource.split_once('/') {
+        None if r.resource == "*" => Some((Name::Any, Sub::Either)),
+        None => part(&r.resource).map(|n| (n, Sub::None)),
+        Some((res, sub)) => part(res).zip(part(sub)).map(|(res, sub)| {
+            let sub = match sub {
+                Name::Any => Sub::Any,
+                Name::Exact(s) => Sub::Exact(s),
+            };
+            (res, sub)
+        }),
+    };
+    if resource.is_none() {
+        problem(
+            vec!["resources".into(), i.to_string(), "resource".into()],
+            format!(
+                "resources[{i}].resource: invalid resource {:?}: write RESOURCE, RESOURCE/SUBRESOURCE, RESOURCE/*, */SUBRESOURCE or *",
+                r.resource
+            ),
+        );
+    }
+    let (resource, sub) = resource?;
+    Some(ResourcePattern {
+        group: group?,
+        resource,
+        sub,
+    })
+}
+
+/// An entry of `namespaces`: a name, `*` for all, or `""` for cluster-scoped requests.
+fn namespace_pattern(ns: &str) -> Option<NamespacePattern> {
+    if ns == "*" {
+        Some(NamespacePattern::Any)
+    } else if ns.is_empty() {
+        Some(NamespacePattern::Cluster)
+    } else if is_dns_label(ns) {
+        Some(NamespacePattern::Exact(ns.to_owned()))
+    } else {
+        None
+    }
+}
+
+/// An entry of `nonResourceURLs`: `*`, or a path starting with `/`, exact or ending in `*`.
+fn url_pattern(url: &str) -> Option<UrlPattern> {
+    let star = url.find('*');
+    if url == "*" {
+        Some(UrlPattern::Any)
+    } else if !url.starts_with('/') || star.is_some_and(|s| s != url.len() - 1) {
+        None
+    } else if star.is_some() {
+        Some(UrlPattern::Prefix(url[..url.len() - 1].to_owned()))
+    } else {
+        Some(UrlPattern::Exact(url.to_owned()))
+    }
 }
 
 #[cfg(test)]

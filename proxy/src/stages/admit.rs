@@ -63,6 +63,8 @@ where
     type In = Identified;
     type Out = Admitted;
 
+    // Over 120 lines: admission's steps in the order a request takes them (flow, cache,
+    // body, seats, response pacing), each on what the one before decided.
     async fn run<N: Next<B, Self::Out>>(&self, call: Call<B, Self::In>, next: &N) -> Answered {
         let Admit {
             rules,

@@ -103,6 +103,9 @@ where
         Poll::Ready(Ok(()))
     }
 
+    // Over 120 lines: one request's whole account (metrics, board, access log, the error's
+    // status) around the inner call, which reads the clock once and needs both the request
+    // and its answer in scope.
     fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let method = method_label(request.method());
         let audit_id = audit_id(request.headers_mut());

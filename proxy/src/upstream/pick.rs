@@ -18,6 +18,7 @@ use super::{ReplicaView, UpstreamError};
 
 /// Indexes of replicas: as many as a control plane has kept in place, not on the heap.
 pub(crate) type Replicas = smallvec::SmallVec<[usize; 8]>;
+use crate::config::ReplicaAddr;
 use crate::metrics::Metrics;
 
 /// How much a replica that answered 429 counts against itself while throttled: its load is
@@ -120,36 +121,19 @@ pub(crate) struct Replica {
 const RESPONSE_CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
 
 impl Replica {
-    /// Parses `host:port` (or `[v6]:port`); without a port, 443.
-    fn parse(name: &str, metrics: &Metrics) -> Result<Self, UpstreamError> {
+    /// The replica at `addr`, its metrics resolved; its name is the address as written
+    /// back (`host:port`, the host lowercase).
+    fn new(addr: &ReplicaAddr, metrics: &Metrics) -> Result<Self, UpstreamError> {
+        let name = addr.to_string();
+        let name = name.as_str();
         let bad = |why: &str| UpstreamError::Config(format!("upstream replica {name:?}: {why}"));
-        let (host, port) = if let Some(rest) = name.strip_prefix('[') {
-            let (host, after) = rest.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
-            match after.strip_prefix(':') {
-                Some(port) => (host, Some(port)),
-                None if after.is_empty() => (host, None),
-                None => return Err(bad("unexpected text after ']'")),
-            }
-        } else {
-            match name.rsplit_once(':') {
-                Some((host, port)) => (host, Some(port)),
-                None => (name, None),
-            }
-        };
-        if host.is_empty() {
-            return Err(bad("empty host"));
-        }
-        let port = match port {
-            Some(port) => port.parse().map_err(|_| bad("port is not a number"))?,
-            None => 443,
-        };
         let authority = Authority::from_maybe_shared(bytes::Bytes::from(name.to_owned()))
             .map_err(|_| bad("not a host and port"))?;
         let label = [name];
         Ok(Self {
             name: name.into(),
-            host: host.to_owned(),
-            port,
+            host: addr.host.clone(),
+            port: addr.port,
             authority,
             pending: AtomicU64::new(0),
             watches: AtomicU64::new(0),
@@ -330,20 +314,20 @@ impl Balancer {
     /// A balancer over the named replicas. `byte_budget` is one replica's in-flight LIST
     /// byte budget; one hundredth of it weighs like one pending request in the pick.
     pub(crate) fn new(
-        names: &[String],
+        addrs: &[ReplicaAddr],
         eject_base: Duration,
         eject_max: Duration,
         byte_budget: u64,
         metrics: &Metrics,
     ) -> Result<Self, UpstreamError> {
-        if names.is_empty() {
+        if addrs.is_empty() {
             return Err(UpstreamError::Config(
                 "at least one upstream replica is required".into(),
             ));
         }
-        let replicas = names
+        let replicas = addrs
             .iter()
-            .map(|name| Replica::parse(name, metrics).map(Arc::new))
+            .map(|addr| Replica::new(addr, metrics).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
         for replica in &replicas {
             replica.healthy_gauge.set(1);
@@ -634,8 +618,10 @@ mod tests {
 
     fn balancer(n: usize) -> (Balancer, Metrics) {
         let metrics = Metrics::new();
-        let names: Vec<String> = (0..n).map(|i| format!("10.0.0.{i}:6443")).collect();
-        let b = Balancer::new(&names, BASE, MAX, 100 * 1024 * 1024, &metrics).unwrap();
+        let addrs: Vec<ReplicaAddr> = (0..n)
+            .map(|i| format!("10.0.0.{i}:6443").parse().unwrap())
+            .collect();
+        let b = Balancer::new(&addrs, BASE, MAX, 100 * 1024 * 1024, &metrics).unwrap();
         (b, metrics)
     }
 
@@ -649,15 +635,19 @@ mod tests {
     }
 
     #[test]
-    fn addresses_parse_with_ports_brackets_and_defaults() {
+    fn a_replica_is_named_and_addressed_by_its_configured_address() {
         let m = Metrics::new();
-        let r = Replica::parse("[::1]:6443", &m).unwrap();
+        let r = Replica::new(&"[::1]:6443".parse().unwrap(), &m).unwrap();
         assert_eq!((r.host.as_str(), r.port), ("::1", 6443));
-        let r = Replica::parse("api.example", &m).unwrap();
-        assert_eq!((r.host.as_str(), r.port), ("api.example", 443));
-        assert!(Replica::parse("host:http", &m).is_err());
-        assert!(Replica::parse(":6443", &m).is_err());
-        assert!(Replica::parse("[::1", &m).is_err());
+        assert_eq!(
+            (&*r.name, r.authority.as_str()),
+            ("[::1]:6443", "[::1]:6443")
+        );
+        let r = Replica::new(&"API.example:443".parse().unwrap(), &m).unwrap();
+        assert_eq!(
+            (&*r.name, r.authority.as_str()),
+            ("api.example:443", "api.example:443")
+        );
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

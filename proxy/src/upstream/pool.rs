@@ -115,18 +115,18 @@ impl Pool {
     /// replica's certificate (default: the replica's host).
     pub(crate) fn new(
         replicas: &[Arc<Replica>],
-        server_name: Option<&str>,
+        server_name: Option<&ServerName<'static>>,
         tls: UpstreamTls,
         connect_timeout: Duration,
         streams_per_connection: u32,
     ) -> Result<Self, UpstreamError> {
         let server_names = replicas
             .iter()
-            .map(|r| {
-                let name = server_name.unwrap_or(&r.host).to_owned();
-                ServerName::try_from(name.clone()).map_err(|_| {
-                    UpstreamError::Config(format!("{name:?} is not a valid TLS server name"))
-                })
+            .map(|r| match server_name {
+                Some(name) => Ok(name.clone()),
+                None => ServerName::try_from(r.host.clone()).map_err(|_| {
+                    UpstreamError::Config(format!("{:?} is not a valid TLS server name", r.host))
+                }),
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {

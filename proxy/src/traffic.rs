@@ -51,6 +51,8 @@ pub struct Record {
     pub expected_bytes: Option<u64>,
     /// Seconds until the answer's head.
     pub seconds: f64,
+    /// Of those, seconds it waited in its level's queue.
+    pub waited: f64,
     /// For a watch: how long it stayed open, when its end was recorded.
     pub open_for: Option<f64>,
 }
@@ -128,6 +130,8 @@ struct Line {
     expected_bytes: Option<u64>,
     #[serde(default)]
     seconds: f64,
+    #[serde(default)]
+    waited_seconds: f64,
     #[serde(default)]
     ended: bool,
     #[serde(default)]
@@ -261,6 +265,7 @@ impl Recording {
                     reason: line.reason,
                     expected_bytes: line.expected_bytes,
                     seconds: line.seconds,
+                    waited: line.waited_seconds,
                     open_for,
                 }
             })

@@ -126,6 +126,8 @@ pub struct Entry<'a> {
     pub reason: Option<Reason>,
     /// From the request to the answer's head.
     pub took: Duration,
+    /// Of that, how long it waited in its level's queue, when it waited.
+    pub waited: Option<Duration>,
 }
 
 #[derive(Serialize)]
@@ -171,6 +173,8 @@ struct Line<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     expected_bytes: Option<u64>,
     seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    waited_seconds: Option<f64>,
     /// The share of such answers written, when not all are: rates read back from a sample
     /// are that much too low.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -299,6 +303,7 @@ fn line(entry: &Entry<'_>, now: SystemTime, sample: Option<f64>) -> Vec<u8> {
         reason: entry.reason.map(Reason::as_str),
         expected_bytes: entry.expected_bytes,
         seconds: entry.took.as_secs_f64(),
+        waited_seconds: entry.waited.map(|w| w.as_secs_f64()),
         sample,
     };
     serde_json::to_vec(&line).unwrap_or_default()
@@ -337,6 +342,7 @@ mod tests {
             level: "heartbeat",
             reason,
             took: Duration::from_micros(1500),
+            waited: None,
         }
     }
 

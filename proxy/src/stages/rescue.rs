@@ -207,6 +207,7 @@ where
                     level: header_text(&response, X_BULWARK_LEVEL),
                     reason,
                     took,
+                    waited: report.waited.get().copied(),
                 });
                 let watching = reason.is_none()
                     && response.status().is_success()

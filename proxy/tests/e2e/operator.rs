@@ -216,6 +216,7 @@ async fn the_on_call_reads_a_three_replica_fleet_and_sees_a_stopped_member_unrea
     let flows = on_call.fleet(&["flows"]).await;
     assert!(flows.status.success(), "{}", stderr(&flows));
     let table = stdout(&flows);
+    eprintln!("$ bulwark fleet\n{fleet_table}\n$ bulwark flows\n{table}");
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(
         header,
@@ -304,6 +305,7 @@ async fn the_on_call_reads_a_three_replica_fleet_and_sees_a_stopped_member_unrea
     // c stops; its Lease still counts, and its row says it cannot be reached.
     members[2].process.kill().await.unwrap();
     let after = on_call.fleet(&["fleet"]).await;
+    eprintln!("$ bulwark fleet (c killed)\n{}", stdout(&after));
     assert!(
         !after.status.success(),
         "a member could not be read: exit 1"

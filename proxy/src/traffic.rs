@@ -53,6 +53,8 @@ pub struct Record {
     pub seconds: f64,
     /// Of those, seconds it waited in its level's queue.
     pub waited: f64,
+    /// Of those, seconds it held its seats (admission to head), when recorded.
+    pub held: Option<f64>,
     /// For a watch: how long it stayed open, when its end was recorded.
     pub open_for: Option<f64>,
 }
@@ -67,6 +69,12 @@ impl Record {
     /// apiservers (429).
     pub fn served(&self) -> bool {
         self.reason.is_none() && self.code != 429
+    }
+
+    /// How long it held its seats: admission to head where recorded, else its time to
+    /// head less its wait in a queue (older lines, which include the token review).
+    pub fn seat_seconds(&self) -> f64 {
+        self.held.unwrap_or(self.seconds - self.waited).max(0.001)
     }
 
     /// Whether it is a watch.
@@ -132,6 +140,8 @@ struct Line {
     seconds: f64,
     #[serde(default)]
     waited_seconds: f64,
+    #[serde(default)]
+    held_seconds: Option<f64>,
     #[serde(default)]
     ended: bool,
     #[serde(default)]
@@ -266,6 +276,7 @@ impl Recording {
                     expected_bytes: line.expected_bytes,
                     seconds: line.seconds,
                     waited: line.waited_seconds,
+                    held: line.held_seconds,
                     open_for,
                 }
             })

@@ -128,6 +128,8 @@ pub struct Entry<'a> {
     pub took: Duration,
     /// Of that, how long it waited in its level's queue, when it waited.
     pub waited: Option<Duration>,
+    /// Of that, how long it held its seats: from admission to the answer's head.
+    pub held: Option<Duration>,
 }
 
 #[derive(Serialize)]
@@ -175,6 +177,8 @@ struct Line<'a> {
     seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     waited_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_seconds: Option<f64>,
     /// The share of such answers written, when not all are: rates read back from a sample
     /// are that much too low.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -304,6 +308,7 @@ fn line(entry: &Entry<'_>, now: SystemTime, sample: Option<f64>) -> Vec<u8> {
         expected_bytes: entry.expected_bytes,
         seconds: entry.took.as_secs_f64(),
         waited_seconds: entry.waited.map(|w| w.as_secs_f64()),
+        held_seconds: entry.held.map(|h| h.as_secs_f64()),
         sample,
     };
     serde_json::to_vec(&line).unwrap_or_default()
@@ -343,6 +348,7 @@ mod tests {
             reason,
             took: Duration::from_micros(1500),
             waited: None,
+            held: None,
         }
     }
 

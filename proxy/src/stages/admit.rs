@@ -141,6 +141,7 @@ where
         };
         let mut permit = admitted.map_err(ProxyError::Refused)?;
         let _ = call.report.expected_bytes.set(permit.expected_bytes());
+        let _ = call.report.admitted_at.set(tokio::time::Instant::now());
         let source = match (plan, cached) {
             (Some(plan), Some((cache, reader))) => Source::Cache(Box::new(Cached {
                 cache: cache.clone(),

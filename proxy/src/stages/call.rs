@@ -115,6 +115,9 @@ pub struct Report {
     /// The bytes admission expected the answer to cost (admission; a LIST's, by what it
     /// reads).
     pub expected_bytes: OnceLock<u64>,
+    /// When admission let it in (admission): from there to the answer's head it held its
+    /// seats.
+    pub admitted_at: OnceLock<tokio::time::Instant>,
 }
 
 impl Report {

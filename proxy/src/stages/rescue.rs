@@ -208,6 +208,10 @@ where
                     reason,
                     took,
                     waited: report.waited.get().copied(),
+                    held: report
+                        .admitted_at
+                        .get()
+                        .map(|at| ended.saturating_duration_since(*at)),
                 });
                 let watching = reason.is_none()
                     && response.status().is_success()

@@ -5,9 +5,9 @@
 //! run: every rule as if enforced (a shadow rule's would-be refusals are what it reports),
 //! in the order Bulwark checks — the flow's token bucket (`rate_limited`), its open watches
 //! (`watch_limit`), then its level's seats: a request takes one seat, a LIST seats by the
-//! bytes admission expected of it, for as long as its answer's head took; a LIST the
-//! apiservers answered also holds those bytes of the in-flight LIST budget (less what it
-//! waited in a queue when recorded). One that cannot
+//! bytes admission expected of it, from its admission to its answer's head as recorded; a
+//! LIST the apiservers answered also holds those bytes of the in-flight LIST budget. One
+//! that cannot
 //! start waits, first come first served (Bulwark's fair queues serve flows in turn: the
 //! model is harsher on a flow that floods), and is refused `queue_full` when its flow's hand
 //! of queues or the level's queues are full, `queue_timeout` after the level's `maxWait`. A
@@ -360,9 +360,9 @@ pub fn replay(recording: &Recording, rules: &RuleSet, list_budget: u64) -> Repla
         } else {
             0
         };
-        // It held its seats from its start to its head: the time it waited for them when
-        // recorded is the model's to decide again.
-        let duration = (record.seconds - record.waited).max(0.001);
+        // It holds its seats from admission to its head; its wait for them is the model's
+        // to decide again.
+        let duration = record.seat_seconds();
         let Some(level) = model.levels.get(&level_name) else {
             continue;
         };

@@ -164,10 +164,10 @@ pub fn suggest(recording: &Recording, options: &Options) -> Suggestion {
             .or_default()
             .push((record.at, open_until));
         if !record.is_watch() && shape.level != "exempt" {
-            in_flight
-                .entry(shape.level)
-                .or_default()
-                .push((record.at, record.at + record.seconds));
+            in_flight.entry(shape.level).or_default().push((
+                record.at + record.waited,
+                record.at + record.waited + record.seat_seconds(),
+            ));
         }
     }
     let (first, last) = recording.window();

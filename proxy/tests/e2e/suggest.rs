@@ -192,6 +192,20 @@ async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    // Each admitted request's line says how long it held its seats, within its time to
+    // head; a refusal's, which held none, does not.
+    for line in cluster.json_lines(&log) {
+        if line["ended"] == true {
+            continue;
+        }
+        match line["heldSeconds"].as_f64() {
+            Some(held) => assert!(
+                line["code"] == 200 && held <= line["seconds"].as_f64().unwrap(),
+                "{line}"
+            ),
+            None => assert_eq!(line["code"], 429, "{line}"),
+        }
+    }
     let out = dir.path().join("suggested");
     let (ok, stdout, stderr) = bulwark(&[
         "rules",

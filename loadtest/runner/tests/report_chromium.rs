@@ -216,10 +216,11 @@ fn every_recorded_result_reads_back_and_draws() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "json") {
             let name = path.file_name().unwrap().to_str().unwrap();
-            if name.starts_with("cluster-") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+            if value["scenario"] == "cluster" {
                 // The cluster scenario's own figures and page.
                 use bulwark_loadtest::scenario::cluster;
-                let text = std::fs::read_to_string(&path).unwrap();
                 let report: cluster::ClusterReport = serde_json::from_str(&text).unwrap();
                 assert!(!report.runs.is_empty(), "{name}");
                 let page = cluster::page(&report).unwrap();

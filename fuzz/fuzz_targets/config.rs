@@ -26,11 +26,14 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     assert!(config.validate().is_empty());
-    for addr in config.upstream.replica_addrs() {
-        assert_eq!(addr.to_string().parse::<ReplicaAddr>(), Ok(addr));
+    for addr in &config.upstream.replicas {
+        assert_eq!(addr.to_string().parse::<ReplicaAddr>().as_ref(), Ok(addr));
     }
-    for resource in config.cache.group_resources() {
-        assert_eq!(GroupResource::parse(&resource.to_string()), Some(resource));
+    for resource in &config.cache.resources {
+        assert_eq!(
+            GroupResource::parse(&resource.to_string()).as_ref(),
+            Some(resource)
+        );
     }
     let written = serde_norway::to_string(&config).expect("a configuration serializes");
     match written.parse::<Config>() {

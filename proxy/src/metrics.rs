@@ -297,7 +297,9 @@ pub struct MetricFamilies {
     pub log_lines_dropped_total: IntCounterVec,
     /// `bulwark_responses_cut_total{reason}`: responses Bulwark ended before their end:
     /// `client_not_reading` (the client took nothing for `sendProgressTimeout` while the
-    /// response held seats or LIST bytes, which went back to its level).
+    /// response held seats or LIST bytes, which went back to its level) or
+    /// `upstream_unresponsive` (its replica was ejected for not answering its probe and the
+    /// body then stood still for a probe interval).
     pub responses_cut_total: IntCounterVec,
     /// `bulwark_access_log_suppressed_total{reason}`: access-log lines of refusals that
     /// identified no one (`unauthenticated`, `review_limited`) left out past their bound.

@@ -24,6 +24,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -635,9 +636,9 @@ impl Inner {
                 tried.push(index);
                 let replica = self.balancer.replica(index).clone();
                 let attempt = self.attempt(index, route.credential, &resendable);
+                // Subscribed before the request leaves: an ejection during it is seen.
+                let mut unresponsive = replica.unresponsive();
                 let attempt = if read {
-                    // Subscribed before the request leaves, so an ejection during it is seen.
-                    let mut unresponsive = replica.unresponsive();
                     // The first attempt starts when the exchange does.
                     let at = if tried.len() == 1 {
                         started
@@ -700,6 +701,7 @@ impl Inner {
                             lease,
                             route,
                             &mut downstream_upgrade,
+                            unresponsive,
                         ));
                     }
                     Err(failure) => {
@@ -826,6 +828,7 @@ impl Inner {
         lease: Option<Lease>,
         route: Route,
         downstream_upgrade: &mut Option<OnUpgrade>,
+        unresponsive: watch::Receiver<()>,
     ) -> Response<Body> {
         let replica = self.balancer.replica(index).clone();
         let status = response.status();
@@ -867,11 +870,17 @@ impl Inner {
             OnFailure::Error
         };
         let (parts, incoming) = response.into_parts();
+        let ejection = body::Ejection {
+            ejected: unresponsive,
+            grace: self.probe_limit(),
+            cut: replica.cut_unresponsive(),
+        };
         let body = body::stream(
             incoming,
             on_failure,
             self.stall_timeout,
             replica.name.clone(),
+            Some(ejection),
             (lease, watch),
         );
         let mut response = Response::from_parts(parts, body);
@@ -879,6 +888,11 @@ impl Inner {
             .extensions_mut()
             .insert(UpstreamReplica(replica.name.clone()));
         response
+    }
+
+    /// How long a probe may wait for its answer: the probe interval, at least a second.
+    fn probe_limit(&self) -> Duration {
+        self.probe_interval.max(Duration::from_secs(1))
     }
 
     /// One `/readyz` probe with the Own credential.
@@ -890,7 +904,7 @@ impl Inner {
             body: Bytes::new(),
             upgrade: false,
         };
-        let limit = self.probe_interval.max(Duration::from_secs(1));
+        let limit = self.probe_limit();
         let now = || Instant::now();
         let name = &self.balancer.replica(index).name;
         // Err: why, and the cause: a replica that answered something is not ready; one

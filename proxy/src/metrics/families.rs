@@ -258,7 +258,7 @@ pub(super) const CERTIFICATE_EXPIRY_TIMESTAMP_SECONDS: Family = Family {
 
 pub(super) const RESPONSES_CUT_TOTAL: Family = Family {
     name: "responses_cut_total",
-    help: "Responses Bulwark ended early, by reason: client_not_reading (the client took nothing for listen.limits.sendProgressTimeout while the response held seats or LIST bytes, given back at once).",
+    help: "Responses Bulwark ended early, by reason: client_not_reading (the client took nothing for listen.limits.sendProgressTimeout while the response held seats or LIST bytes, given back at once), upstream_unresponsive (its apiserver replica was ejected for not answering its probe and the body then made no progress for a probe interval: a read ends with a reset, a watch cleanly after its last whole event).",
     labels: &["reason"],
 };
 

@@ -1,7 +1,7 @@
 //! Response bodies from the apiservers: streamed to the client through a small bounded
 //! channel, reset upstream when the client stalls, and ended the right way when the
-//! upstream stream fails (cleanly after the last whole event for a watch, with an error for
-//! anything else).
+//! upstream stream fails or its replica stops answering (cleanly after the last whole event
+//! for a watch, with an error for anything else).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -10,8 +10,9 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt;
-use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::SendTimeoutError;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
 use crate::{Body, BoxError};
 
@@ -128,15 +129,34 @@ impl Framer {
     }
 }
 
+/// How a body notices that its replica stopped answering: the replica's ejection as
+/// unresponsive, and how long the body may then stand still before it is ended. A frozen
+/// apiserver (a stopped process, a host gone quiet) leaves its streams open, and its HTTP/2
+/// keepalive finds it only after up to 50 s: until then a LIST half sent would hang its
+/// client, and a watch would deliver nothing.
+pub(crate) struct Ejection {
+    /// Changes when the replica is ejected as unresponsive (subscribed before the request
+    /// was sent, so an ejection while it waited for its head counts).
+    pub(crate) ejected: watch::Receiver<()>,
+    /// How long a body may go without a frame once its replica was ejected (the probe's own
+    /// limit): a replica only slow to answer its probe keeps the streams it still feeds,
+    /// and a quiet watch on it is ended once, cleanly, to be watched again elsewhere.
+    pub(crate) grace: Duration,
+    /// Counts a body ended this way.
+    pub(crate) cut: prometheus::IntCounter,
+}
+
 /// Streams `upstream` to the returned body through a task that gives up (dropping, and so
 /// resetting, the upstream stream) when the client has not taken a frame for
-/// `stall_timeout`. `keep` (connection lease, watch count, …) is held until the upstream
-/// stream is done.
+/// `stall_timeout`, or when the replica was ejected as unresponsive and the stream then
+/// stood still ([`Ejection`]). `keep` (connection lease, watch count, …) is held until the
+/// upstream stream is done.
 pub(crate) fn stream<B, K>(
     upstream: B,
     on_failure: OnFailure,
     stall_timeout: Duration,
     replica: std::sync::Arc<str>,
+    ejection: Option<Ejection>,
     keep: K,
 ) -> Body
 where
@@ -157,7 +177,15 @@ where
         .boxed_unsync();
     }
     let (tx, rx) = mpsc::channel(CHANNEL_FRAMES);
-    tokio::spawn(pump(upstream, tx, on_failure, stall_timeout, replica, keep));
+    tokio::spawn(pump(
+        upstream,
+        tx,
+        on_failure,
+        stall_timeout,
+        replica,
+        ejection,
+        keep,
+    ));
     Pumped {
         rx,
         size_hint,
@@ -172,6 +200,7 @@ async fn pump<B, K>(
     on_failure: OnFailure,
     stall_timeout: Duration,
     replica: std::sync::Arc<str>,
+    mut ejection: Option<Ejection>,
     keep: K,
 ) where
     B: HttpBody<Data = Bytes> + Unpin,
@@ -181,13 +210,38 @@ async fn pump<B, K>(
         OnFailure::End(framing) => framing,
         OnFailure::Error => Framing::Unframed,
     });
+    // Set once the replica is ejected as unresponsive: from then on the stream may never
+    // stand still for the grace (what a frozen process had in flight still trickles in).
+    let mut move_by: Option<Instant> = None;
     'pump: loop {
         // While waiting for upstream data, also notice a client that went away, so the
         // upstream stream (a quiet watch, say) is reset at once rather than at its next
-        // event.
+        // event, and a replica that stopped answering.
         let frame = tokio::select! {
-            frame = upstream.frame() => frame,
+            frame = upstream.frame() => {
+                if let (Some(_), Some(e)) = (move_by, &ejection) {
+                    move_by = Some(Instant::now() + e.grace);
+                }
+                frame.map(|f| f.map_err(Into::into))
+            }
             () = tx.closed() => break,
+            ejected = async { ejection.as_mut()?.ejected.changed().await.ok() }, if ejection.is_some() && move_by.is_none() => {
+                match (ejected, ejection.as_ref()) {
+                    (Some(()), Some(e)) => move_by = Some(Instant::now() + e.grace),
+                    // The replica is gone from the set: nothing more to hear from it.
+                    _ => ejection = None,
+                }
+                continue;
+            }
+            () = super::until(move_by) => {
+                if let Some(e) = &ejection {
+                    e.cut.inc();
+                }
+                tracing::info!(%replica, "replica ejected as unresponsive and the response stood still; ending it");
+                Some(Err(BoxError::from(format!(
+                    "apiserver {replica} stopped answering mid-response"
+                ))))
+            }
         };
         let items = match frame {
             Some(Ok(frame)) => match frame.into_data() {
@@ -209,7 +263,6 @@ async fn pump<B, K>(
                 }
             }
             Some(Err(e)) => {
-                let e: BoxError = e.into();
                 tracing::debug!(%replica, error = %e, "upstream response body failed");
                 match on_failure {
                     // The incomplete event held back is dropped with the stream.
@@ -357,7 +410,7 @@ mod tests {
                 rx.recv().await.map(|frame| (frame, rx))
             });
             let body = StreamBody::new(Box::pin(frames));
-            stream(body, on_failure, stall, "r0".into(), Flag(dropped))
+            stream(body, on_failure, stall, "r0".into(), None, Flag(dropped))
         };
         (tx, Box::new(make))
     }
@@ -553,5 +606,100 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(dropped.load(Ordering::SeqCst));
         assert!(tx.is_closed());
+    }
+
+    /// What feeds a test's upstream body.
+    type Frames = mpsc::Sender<Result<Frame<Bytes>, BoxError>>;
+
+    /// A body fed by the test from a replica that the test ejects as unresponsive: the
+    /// frames' sender, the ejection's, the body, and what counts the cut.
+    fn from_ejectable(
+        on_failure: OnFailure,
+    ) -> (Frames, watch::Sender<()>, Body, prometheus::IntCounter) {
+        let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let frames = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|frame| (frame, rx))
+        });
+        let eject = watch::Sender::new(());
+        let cut = prometheus::IntCounter::new("cut", "cut").unwrap();
+        let ejection = Ejection {
+            ejected: eject.subscribe(),
+            grace: Duration::from_secs(1),
+            cut: cut.clone(),
+        };
+        let body = stream(
+            StreamBody::new(Box::pin(frames)),
+            on_failure,
+            Duration::from_secs(60),
+            "r0".into(),
+            Some(ejection),
+            (),
+        );
+        (tx, eject, body, cut)
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_list_half_sent_by_a_replica_that_stops_answering_ends_with_an_error() {
+        let (tx, eject, body, cut) = from_ejectable(OnFailure::Error);
+        tx.send(data("{\"items\":[")).await.unwrap();
+        let started = Instant::now();
+        eject.send_replace(());
+        // The upstream stream stays open (a stopped process keeps its sockets).
+        let outcome = body.collect().await;
+        assert!(outcome.is_err(), "a half-sent LIST must not end cleanly");
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_secs(1),
+            "ended at the grace"
+        );
+        assert_eq!(cut.get(), 1);
+        assert!(tx.is_closed(), "the upstream stream is let go");
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_watch_on_a_replica_that_stops_answering_ends_cleanly_after_its_last_event() {
+        let (tx, eject, body, cut) = from_ejectable(OnFailure::End(Framing::Lines));
+        tx.send(data("{\"type\":\"ADDED\"}\n{\"type\":\"MOD"))
+            .await
+            .unwrap();
+        eject.send_replace(());
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, "{\"type\":\"ADDED\"}\n");
+        assert_eq!(cut.get(), 1);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_stream_its_replica_still_feeds_after_an_ejection_is_kept() {
+        let (tx, eject, body, cut) = from_ejectable(OnFailure::Error);
+        let feeder = tokio::spawn(async move {
+            tx.send(data("a")).await.unwrap();
+            eject.send_replace(());
+            // Slower than usual, but each frame within the grace: the replica answers.
+            for _ in 0..5 {
+                tokio::time::sleep(Duration::from_millis(900)).await;
+                tx.send(data("b")).await.unwrap();
+            }
+            // A second ejection later, and the rest comes in time too.
+            eject.send_replace(());
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            tx.send(data("c")).await.unwrap();
+        });
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert_eq!(bytes, "abbbbbc");
+        assert_eq!(cut.get(), 0);
+        feeder.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn what_a_frozen_replica_had_in_flight_does_not_keep_its_stream_open() {
+        // Ejected after the request was sent and before its body was read (the
+        // subscription taken before sending still holds the change), then the bytes the
+        // stopped process had already written arrive, and nothing more.
+        let (tx, eject, body, cut) = from_ejectable(OnFailure::Error);
+        eject.send_replace(());
+        tokio::task::yield_now().await;
+        tx.send(data("{")).await.unwrap();
+        assert!(body.collect().await.is_err());
+        assert_eq!(cut.get(), 1);
     }
 }

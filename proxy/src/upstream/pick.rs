@@ -112,8 +112,11 @@ pub(crate) struct Replica {
     /// `bulwark_upstream_retries_total` of this replica for each [`RetryReason`].
     retries: [IntCounter; RetryReason::ALL.len()],
     /// Bumped when the replica is ejected as [`EjectCause::Unresponsive`]; a read waiting
-    /// for its response head subscribes before it is sent and leaves when this changes.
+    /// for its response head subscribes before it is sent and leaves when this changes,
+    /// and a response body that then stops is ended ([`super::body::Ejection`]).
     unresponsive: watch::Sender<()>,
+    /// `bulwark_responses_cut_total{reason="upstream_unresponsive"}`.
+    cut_unresponsive: IntCounter,
 }
 
 /// The `code_class` labels of `bulwark_upstream_responses_total`: a status class, or
@@ -152,6 +155,9 @@ impl Replica {
                     .with_label_values(&[name, reason.label()])
             }),
             unresponsive: watch::Sender::new(()),
+            cut_unresponsive: metrics
+                .responses_cut_total
+                .with_label_values(&["upstream_unresponsive"]),
         })
     }
 
@@ -164,6 +170,11 @@ impl Replica {
     /// sending, and wait on [`watch::Receiver::changed`].
     pub(crate) fn unresponsive(&self) -> watch::Receiver<()> {
         self.unresponsive.subscribe()
+    }
+
+    /// Counts the response bodies ended because this replica stopped answering.
+    pub(crate) fn cut_unresponsive(&self) -> IntCounter {
+        self.cut_unresponsive.clone()
     }
 
     /// Counts one answer of this replica with `status`, or with `None` one exchange that got

@@ -17,6 +17,7 @@
 pub mod client;
 pub mod cluster;
 pub mod config;
+pub mod layers;
 pub mod ports;
 pub mod tools;
 

@@ -41,8 +41,8 @@ pub use seed::{BULWARK_GROUP, BULWARK_USER, NAMESPACES, SECRETS_PER_NAMESPACE};
 
 use crate::balancer::{Balancer, Pick};
 use crate::child;
+use crate::identities::{Servers, kubeconfigs};
 use crate::proxy_process::{ProxyProcess, Upstream, write_loadtest_rules};
-use crate::sandbox::{Servers, kubeconfigs};
 
 /// How long a stopped process gets between SIGTERM and SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(15);
@@ -222,14 +222,7 @@ pub enum FleetMode {
     Static,
 }
 
-/// The namespace of the fleet's Leases.
-pub const FLEET_NAMESPACE: &str = "bulwark";
-
-/// The `fleet:` setting of Bulwark `i` of several: Leases in [`FLEET_NAMESPACE`], named by
-/// its index.
-pub fn fleet_setting(i: usize) -> String {
-    format!("{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}}}")
-}
+pub use crate::proxy_process::{FLEET_NAMESPACE, fleet_setting};
 
 /// The `fleet:` setting of Bulwark `i` when the fleet publishes the `kubernetes` Service:
 /// signed Leases (`key_file`), and the apiservers behind the replicas. Each replica's
@@ -702,7 +695,7 @@ impl ControlPlane {
     /// Samples each replica's memory now and its peak (from its cgroup; 0 without a
     /// memory limit) and its OOM kills so far, for progress lines and the report's
     /// timeline; it holds the replicas' own handles, not the control plane.
-    pub fn replica_sampler(&self) -> crate::scenario::progress::Sampler {
+    pub fn replica_sampler(&self) -> crate::sample::Sampler {
         let replicas: Vec<(Arc<Spec>, Arc<Shared>)> = self
             .replicas
             .iter()
@@ -711,7 +704,7 @@ impl ControlPlane {
         Arc::new(move || {
             replicas
                 .iter()
-                .map(|(spec, shared)| crate::scenario::progress::ReplicaNow {
+                .map(|(spec, shared)| crate::sample::ReplicaNow {
                     memory_bytes: spec
                         .cgroup
                         .as_ref()
@@ -1215,7 +1208,7 @@ impl ControlPlane {
             .pki
             .client_ca
             .client_cert("admin", &["system:masters"]);
-        let yaml = crate::sandbox::kubeconfig(
+        let yaml = crate::identities::kubeconfig(
             replica.spec.addr,
             &self.pki.pki.server_ca.cert_pem(),
             "admin",

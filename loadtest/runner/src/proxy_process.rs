@@ -16,6 +16,15 @@ use tokio::process::{Child, Command};
 use crate::client::Target;
 use crate::report::ProxyCost;
 
+/// The namespace of the fleet's Leases.
+pub const FLEET_NAMESPACE: &str = "bulwark";
+
+/// The `fleet:` setting of Bulwark `i` of several: Leases in [`FLEET_NAMESPACE`], named by
+/// its index.
+pub fn fleet_setting(i: usize) -> String {
+    format!("{{namespace: {FLEET_NAMESPACE}, identity: bulwark-{i}}}")
+}
+
 /// The name of the hidden subcommand that runs Bulwark in this binary.
 pub const SUBCOMMAND: &str = "__bulwark";
 

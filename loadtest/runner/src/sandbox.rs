@@ -3,28 +3,18 @@
 //! kubectl at Bulwark at once. With `--bulwark-replicas N`, N Bulwarks sharing one budget
 //! through Leases behind an L4 balancer. Runs until interrupted.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use base64::Engine as _;
 use bulwark::serve::Running;
-use bulwark_sim::pki::Ca;
 use bulwark_sim::policy::{Policy, PolicyRule};
 use bulwark_testkit::{Cluster, Setup};
 
 use crate::balancer::{Balancer, Pick};
-use crate::proxy_process::write_shipped_rules;
-
-/// The node whose kubeconfig the sandbox writes.
-pub const NODE: &str = "node-1";
-/// The Secrets the node may read.
-pub const NODE_SECRETS: [&str; 2] = ["node-1-kubelet-config", "node-1-registry-pull"];
-/// Their namespace.
-pub const NODE_NAMESPACE: &str = "ns-0";
-/// The operator's group, which reads secrets and configmaps everywhere.
-pub const OPERATORS: &str = "sandbox:operators";
+use crate::identities::{NODE, NODE_NAMESPACE, NODE_SECRETS, OPERATORS, Servers, kubeconfigs};
+use crate::proxy_process::{fleet_setting, write_shipped_rules};
 
 fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
@@ -94,79 +84,6 @@ fn policy() -> Policy {
     }
 }
 
-/// A kubeconfig with everything embedded: the server's CA, the client certificate and key.
-pub fn kubeconfig(
-    server: SocketAddr,
-    ca_pem: &str,
-    user: &str,
-    cert_pem: &str,
-    key_pem: &str,
-) -> String {
-    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s.as_bytes());
-    format!(
-        "apiVersion: v1
-kind: Config
-clusters:
-- name: sandbox
-  cluster:
-    server: https://{server}
-    certificate-authority-data: {ca}
-users:
-- name: {user}
-  user:
-    client-certificate-data: {cert}
-    client-key-data: {key}
-contexts:
-- name: {user}
-  context:
-    cluster: sandbox
-    user: {user}
-current-context: {user}
-",
-        ca = b64(ca_pem),
-        cert = b64(cert_pem),
-        key = b64(key_pem),
-    )
-}
-
-/// Where the kubeconfigs point, and the CA each server's certificate comes from.
-pub struct Servers<'a> {
-    /// Bulwark.
-    pub bulwark: SocketAddr,
-    /// The CA of Bulwark's serving certificate, PEM.
-    pub bulwark_ca: &'a str,
-    /// The apiserver replica that `kubeconfig-direct-admin` goes straight to.
-    pub replica: SocketAddr,
-    /// The CA of the replicas' serving certificate, PEM.
-    pub replica_ca: &'a str,
-}
-
-/// The sandbox's kubeconfigs as (file name, contents), with fresh client certificates from
-/// `client_ca`: admin, operator, node-1 and nobody through Bulwark, and direct-admin
-/// straight to a replica.
-pub fn kubeconfigs(servers: &Servers<'_>, client_ca: &Ca) -> Vec<(&'static str, String)> {
-    let node = format!("system:node:{NODE}");
-    let via_bulwark = (servers.bulwark, servers.bulwark_ca);
-    let direct = (servers.replica, servers.replica_ca);
-    let masters: &[&str] = &["system:masters"];
-    [
-        ("kubeconfig-admin", via_bulwark, "admin", masters),
-        ("kubeconfig-operator", via_bulwark, "operator", &[OPERATORS]),
-        ("kubeconfig-node-1", via_bulwark, &node, &["system:nodes"]),
-        ("kubeconfig-nobody", via_bulwark, "nobody", &[]),
-        ("kubeconfig-direct-admin", direct, "admin", masters),
-    ]
-    .into_iter()
-    .map(|(file, (server, ca_pem), user, groups)| {
-        let ck = client_ca.client_cert(user, groups);
-        (
-            file,
-            kubeconfig(server, ca_pem, user, &ck.cert_pem, &ck.key_pem),
-        )
-    })
-    .collect()
-}
-
 /// Runs the sandbox until Ctrl-C or SIGTERM: the test kit's cluster (a simulated fleet with
 /// Bulwark in front, in this process) with the sandbox's policy and objects; with
 /// `bulwarks` > 1, that many Bulwarks sharing one budget through Leases behind a
@@ -174,6 +91,9 @@ pub fn kubeconfigs(servers: &Servers<'_>, client_ca: &Ca) -> Vec<(&'static str, 
 /// Bulwark loads the rules in `rules`, or the built-in copy of the shipped ones
 /// (`deploy/base/rules`) without it, and enforces them (`rules.mode: enforce`; the
 /// deployments install in shadow mode).
+// Over 120 lines: the sandbox's start in the order a person reads it (certificates, the
+// fleet, Bulwarks, kubeconfigs, the commands printed), each step naming the last one's
+// files.
 pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let ready = dir.join("ready");
@@ -197,7 +117,7 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow:
         // Leaked once: the settings live as long as the sandbox, which is the process.
         n => settings.extend([
             ("upstream.bulwarkReplicas", &*n.to_string().leak()),
-            ("fleet", crate::controlplane::fleet_setting(0).leak()),
+            ("fleet", fleet_setting(0).leak()),
         ]),
     }
     let cluster = Cluster::start(Setup {
@@ -237,7 +157,7 @@ pub async fn run(dir: &Path, rules: Option<PathBuf>, bulwarks: usize) -> anyhow:
         let name = format!("bulwark-{i}");
         others.push(
             cluster
-                .start_another(&name, &[("fleet", &crate::controlplane::fleet_setting(i))])
+                .start_another(&name, &[("fleet", &fleet_setting(i))])
                 .await,
         );
     }
@@ -343,29 +263,5 @@ pub async fn wait_for_signal() {
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kubeconfig_embeds_pem_data() {
-        let text = kubeconfig(
-            "127.0.0.1:6443".parse().unwrap(),
-            "CA",
-            "alice",
-            "CERT",
-            "KEY",
-        );
-        let v: serde_norway::Value = serde_norway::from_str(&text).unwrap();
-        let cluster = &v["clusters"][0]["cluster"];
-        assert_eq!(cluster["server"].as_str(), Some("https://127.0.0.1:6443"));
-        assert_eq!(cluster["certificate-authority-data"].as_str(), Some("Q0E="));
-        let user = &v["users"][0]["user"];
-        assert_eq!(user["client-certificate-data"].as_str(), Some("Q0VSVA=="));
-        assert_eq!(user["client-key-data"].as_str(), Some("S0VZ"));
-        assert_eq!(v["current-context"].as_str(), Some("alice"));
     }
 }

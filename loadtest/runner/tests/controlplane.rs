@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use base64::Engine as _;
 use bulwark_loadtest::controlplane::{ControlPlane, NAMESPACES, Options, SECRETS_PER_NAMESPACE};
-use bulwark_loadtest::sandbox;
+use bulwark_loadtest::identities;
 use bulwark_sim::pki::{Ca, CertKey};
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -67,7 +67,7 @@ async fn whoami(client: &Client, headers: &[(&str, &str)]) -> (String, Vec<Strin
 /// A client to Bulwark that presents `cert` (PEM certificate and key), or nothing.
 async fn client_with(cp: &ControlPlane, cert: Option<&CertKey>) -> Client {
     let yaml = match cert {
-        Some(cert) => sandbox::kubeconfig(
+        Some(cert) => identities::kubeconfig(
             cp.bulwark_addr(),
             cp.bulwark_ca_pem().expect("Bulwark's CA"),
             "someone",
@@ -98,6 +98,160 @@ async fn client_with(cp: &ControlPlane, cert: Option<&CertKey>) -> Client {
             .unwrap();
     config.default_retry = false;
     Client::try_from(config).unwrap()
+}
+
+/// The seeded readers through Bulwark, judged by the real authorizer: the admin lists
+/// every Secret with kubectl, `nobody` is refused, node-1 reads its own Secrets and no
+/// other.
+async fn each_reader_is_judged_by_real_rbac(cp: &ControlPlane) {
+    // The admin (system:masters) lists every seeded Secret through Bulwark with kubectl.
+    let (ok, text) = kubectl(cp, "admin", &["get", "secrets", "-A", "--no-headers"]).await;
+    assert!(ok, "{text}");
+    let listed = text.lines().count();
+    let seeded = (NAMESPACES.len() + 1) * SECRETS_PER_NAMESPACE + 2;
+    assert_eq!(listed, seeded, "{text}");
+    for ns in ["default", "ns-0", "ns-1"] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(ns) && l.contains("secret-0")),
+            "{ns}: {text}"
+        );
+    }
+    assert!(text.contains("node-1-kubelet-config"), "{text}");
+
+    // `nobody` is authenticated but bound to nothing: real RBAC says 403.
+    let (ok, text) = kubectl(cp, "nobody", &["get", "secrets"]).await;
+    assert!(!ok && text.contains("Forbidden"), "{text}");
+    assert!(
+        text.contains(r#"User "nobody" cannot list resource "secrets""#),
+        "{text}"
+    );
+    let nobody = cp.client("nobody").await.unwrap();
+    assert_eq!(
+        call(&nobody, get("/api/v1/namespaces/ns-0/secrets/secret-0")).await,
+        Err(403)
+    );
+
+    // node-1 reads its own Secrets by name, and nothing else.
+    let node = cp.client("node-1").await.unwrap();
+    let own = call(
+        &node,
+        get("/api/v1/namespaces/ns-0/secrets/node-1-kubelet-config"),
+    )
+    .await
+    .expect("node-1 gets its own secret");
+    assert_eq!(own["metadata"]["name"], "node-1-kubelet-config");
+    let by_name = call(
+        &node,
+        get("/api/v1/namespaces/ns-0/secrets?fieldSelector=metadata.name%3Dnode-1-registry-pull"),
+    )
+    .await
+    .expect("node-1 lists its own secret by name");
+    assert_eq!(
+        by_name["items"].as_array().map(Vec::len),
+        Some(1),
+        "{by_name}"
+    );
+    assert_eq!(
+        call(&node, get("/api/v1/namespaces/ns-0/secrets/secret-0")).await,
+        Err(403)
+    );
+    assert_eq!(
+        call(&node, get("/api/v1/namespaces/ns-0/secrets")).await,
+        Err(403)
+    );
+}
+
+/// Every way the e2e suite tries to pass as someone else, judged here by the real
+/// authenticators and authorizer rather than the simulator's reading of them.
+async fn no_client_passes_as_someone_else(cp: &ControlPlane) {
+    let nobody = cp.client("nobody").await.unwrap();
+    // A client's own identity headers give it nothing: Bulwark strips them, and the
+    // apiserver believes identity headers only from the front-proxy certificate.
+    let spoof = [
+        ("X-Remote-User", "system:admin"),
+        ("X-Remote-Group", "system:masters"),
+        ("X-Remote-Uid", "0"),
+        ("X-Remote-Extra-Scopes", "everything"),
+    ];
+    let info = review_self(&nobody, &spoof).await.unwrap();
+    assert_eq!(info["username"], "nobody");
+    assert_eq!(info["groups"], json!(["system:authenticated"]));
+    assert!(info.get("uid").is_none(), "{info}");
+    assert!(info.get("extra").is_none(), "{info}");
+    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets");
+    for (name, value) in spoof {
+        request = request.header(name, value);
+    }
+    assert_eq!(
+        call(&nobody, request.body(Vec::new()).unwrap()).await,
+        Err(403)
+    );
+
+    // Every other way the e2e suite tries to pass as someone else, judged here by the
+    // real authenticators and authorizer rather than the simulator's reading of them.
+    // - No credentials, with identity headers: Bulwark answers 401 as the apiserver would.
+    let anonymous = client_with(cp, None).await;
+    assert_eq!(review_self(&anonymous, &spoof).await, Err(401));
+    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets");
+    for (name, value) in spoof {
+        request = request.header(name, value);
+    }
+    assert_eq!(
+        call(&anonymous, request.body(Vec::new()).unwrap()).await,
+        Err(401)
+    );
+    // - A made-up bearer token: the real TokenReview rejects it, so does Bulwark.
+    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets")
+        .header("Authorization", "Bearer forged-0123456789abcdef0123456789");
+    for (name, value) in spoof {
+        request = request.header(name, value);
+    }
+    assert_eq!(
+        call(&anonymous, request.body(Vec::new()).unwrap()).await,
+        Err(401)
+    );
+    // - Client impersonation passes for the apiserver to judge, and real RBAC refuses it
+    //   to a user with no `impersonate` verb.
+    assert_eq!(
+        review_self(&nobody, &[("Impersonate-User", "system:admin")]).await,
+        Err(403)
+    );
+    assert_eq!(
+        review_self(
+            &nobody,
+            &[
+                ("Impersonate-Group", "system:masters"),
+                ("Impersonate-User", "nobody")
+            ]
+        )
+        .await,
+        Err(403)
+    );
+    // - A certificate from a CA Bulwark does not trust, or one expired, is cut off in the
+    //   handshake: no answer at all, let alone the apiserver's.
+    let foreign = Ca::new("foreign-ca").client_cert("admin", &["system:masters"]);
+    let expired = cp
+        .pki()
+        .client_ca
+        .expired_client_cert("admin", &["system:masters"]);
+    for (what, cert) in [("foreign", &foreign), ("expired", &expired)] {
+        let client = client_with(cp, Some(cert)).await;
+        let request = http::Request::get("/api/v1/namespaces/ns-0/secrets")
+            .body(Vec::new())
+            .unwrap();
+        match client.request::<Value>(request).await {
+            Err(kube::Error::Api(status)) => {
+                panic!("a {what} certificate got an answer: {status:?}")
+            }
+            Ok(v) => panic!("a {what} certificate was served: {v}"),
+            Err(_) => {}
+        }
+    }
+    // - The same user with a certificate from the trusted CA is who it says.
+    let trusted = cp.pki().client_ca.client_cert("nobody", &[]);
+    let (user, _) = whoami(&client_with(cp, Some(&trusted)).await, &spoof).await;
+    assert_eq!(user, "nobody");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,62 +298,7 @@ async fn bulwark_in_front_of_a_real_control_plane() {
         "kubeconfig-admin points at Bulwark"
     );
 
-    // The admin (system:masters) lists every seeded Secret through Bulwark with kubectl.
-    let (ok, text) = kubectl(&cp, "admin", &["get", "secrets", "-A", "--no-headers"]).await;
-    assert!(ok, "{text}");
-    let listed = text.lines().count();
-    let seeded = (NAMESPACES.len() + 1) * SECRETS_PER_NAMESPACE + 2;
-    assert_eq!(listed, seeded, "{text}");
-    for ns in ["default", "ns-0", "ns-1"] {
-        assert!(
-            text.lines()
-                .any(|l| l.starts_with(ns) && l.contains("secret-0")),
-            "{ns}: {text}"
-        );
-    }
-    assert!(text.contains("node-1-kubelet-config"), "{text}");
-
-    // `nobody` is authenticated but bound to nothing: real RBAC says 403.
-    let (ok, text) = kubectl(&cp, "nobody", &["get", "secrets"]).await;
-    assert!(!ok && text.contains("Forbidden"), "{text}");
-    assert!(
-        text.contains(r#"User "nobody" cannot list resource "secrets""#),
-        "{text}"
-    );
-    let nobody = cp.client("nobody").await.unwrap();
-    assert_eq!(
-        call(&nobody, get("/api/v1/namespaces/ns-0/secrets/secret-0")).await,
-        Err(403)
-    );
-
-    // node-1 reads its own Secrets by name, and nothing else.
-    let node = cp.client("node-1").await.unwrap();
-    let own = call(
-        &node,
-        get("/api/v1/namespaces/ns-0/secrets/node-1-kubelet-config"),
-    )
-    .await
-    .expect("node-1 gets its own secret");
-    assert_eq!(own["metadata"]["name"], "node-1-kubelet-config");
-    let by_name = call(
-        &node,
-        get("/api/v1/namespaces/ns-0/secrets?fieldSelector=metadata.name%3Dnode-1-registry-pull"),
-    )
-    .await
-    .expect("node-1 lists its own secret by name");
-    assert_eq!(
-        by_name["items"].as_array().map(Vec::len),
-        Some(1),
-        "{by_name}"
-    );
-    assert_eq!(
-        call(&node, get("/api/v1/namespaces/ns-0/secrets/secret-0")).await,
-        Err(403)
-    );
-    assert_eq!(
-        call(&node, get("/api/v1/namespaces/ns-0/secrets")).await,
-        Err(403)
-    );
+    each_reader_is_judged_by_real_rbac(&cp).await;
 
     // Bulwark's front-proxy certificate reaches the request-header authenticator: the
     // apiserver sees the operator, with the groups of the operator's certificate.
@@ -217,92 +316,7 @@ async fn bulwark_in_front_of_a_real_control_plane() {
     let (ok, text) = kubectl(&cp, "operator", &["get", "configmaps", "-A"]).await;
     assert!(ok && text.contains("configmap-0"), "{text}");
 
-    // A client's own identity headers give it nothing: Bulwark strips them, and the
-    // apiserver believes identity headers only from the front-proxy certificate.
-    let spoof = [
-        ("X-Remote-User", "system:admin"),
-        ("X-Remote-Group", "system:masters"),
-        ("X-Remote-Uid", "0"),
-        ("X-Remote-Extra-Scopes", "everything"),
-    ];
-    let info = review_self(&nobody, &spoof).await.unwrap();
-    assert_eq!(info["username"], "nobody");
-    assert_eq!(info["groups"], json!(["system:authenticated"]));
-    assert!(info.get("uid").is_none(), "{info}");
-    assert!(info.get("extra").is_none(), "{info}");
-    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets");
-    for (name, value) in spoof {
-        request = request.header(name, value);
-    }
-    assert_eq!(
-        call(&nobody, request.body(Vec::new()).unwrap()).await,
-        Err(403)
-    );
-
-    // Every other way the e2e suite tries to pass as someone else, judged here by the
-    // real authenticators and authorizer rather than the simulator's reading of them.
-    // - No credentials, with identity headers: Bulwark answers 401 as the apiserver would.
-    let anonymous = client_with(&cp, None).await;
-    assert_eq!(review_self(&anonymous, &spoof).await, Err(401));
-    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets");
-    for (name, value) in spoof {
-        request = request.header(name, value);
-    }
-    assert_eq!(
-        call(&anonymous, request.body(Vec::new()).unwrap()).await,
-        Err(401)
-    );
-    // - A made-up bearer token: the real TokenReview rejects it, so does Bulwark.
-    let mut request = http::Request::get("/api/v1/namespaces/ns-0/secrets")
-        .header("Authorization", "Bearer forged-0123456789abcdef0123456789");
-    for (name, value) in spoof {
-        request = request.header(name, value);
-    }
-    assert_eq!(
-        call(&anonymous, request.body(Vec::new()).unwrap()).await,
-        Err(401)
-    );
-    // - Client impersonation passes for the apiserver to judge, and real RBAC refuses it
-    //   to a user with no `impersonate` verb.
-    assert_eq!(
-        review_self(&nobody, &[("Impersonate-User", "system:admin")]).await,
-        Err(403)
-    );
-    assert_eq!(
-        review_self(
-            &nobody,
-            &[
-                ("Impersonate-Group", "system:masters"),
-                ("Impersonate-User", "nobody")
-            ]
-        )
-        .await,
-        Err(403)
-    );
-    // - A certificate from a CA Bulwark does not trust, or one expired, is cut off in the
-    //   handshake: no answer at all, let alone the apiserver's.
-    let foreign = Ca::new("foreign-ca").client_cert("admin", &["system:masters"]);
-    let expired = cp
-        .pki()
-        .client_ca
-        .expired_client_cert("admin", &["system:masters"]);
-    for (what, cert) in [("foreign", &foreign), ("expired", &expired)] {
-        let client = client_with(&cp, Some(cert)).await;
-        let request = http::Request::get("/api/v1/namespaces/ns-0/secrets")
-            .body(Vec::new())
-            .unwrap();
-        match client.request::<Value>(request).await {
-            Err(kube::Error::Api(status)) => {
-                panic!("a {what} certificate got an answer: {status:?}")
-            }
-            Ok(v) => panic!("a {what} certificate was served: {v}"),
-            Err(_) => {}
-        }
-    }
-    // - The same user with a certificate from the trusted CA is who it says.
-    let trusted = cp.pki().client_ca.client_cert("nobody", &[]);
-    let (user, _) = whoami(&client_with(&cp, Some(&trusted)).await, &spoof).await;
-    assert_eq!(user, "nobody");
+    no_client_passes_as_someone_else(&cp).await;
 
     // direct-admin goes straight to replica 0 with its own client certificate.
     let direct = std::fs::read_to_string(cp.kubeconfig("direct-admin")).unwrap();

@@ -444,6 +444,8 @@ async fn slow_bodies_hold_bounded_memory_and_leave_other_levels_served() {
 /// `bulwark_cache_relists_total` rises by at most one per cached resource, and the
 /// apiserver counts at most two LIST or WATCH requests per cached resource (a relist and a
 /// resumed watch).
+// Over 120 lines: the freeze, the outage and the recovery in order, each phase asserting on
+// what the one before left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_frozen_for_15_s() {
     let dir = tempfile::tempdir().unwrap();
@@ -825,7 +827,7 @@ async fn burst(client: &Client, path: &str, n: usize) -> Vec<String> {
 /// A kube client without retries for `user` (no groups), with a fresh certificate.
 async fn raw_client(cp: &ControlPlane, user: &str) -> Client {
     let cert = cp.pki().client_ca.client_cert(user, &[]);
-    let yaml = bulwark_loadtest::sandbox::kubeconfig(
+    let yaml = bulwark_loadtest::identities::kubeconfig(
         cp.bulwark_addr(),
         cp.bulwark_ca_pem().unwrap(),
         user,

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use bulwark_loadtest::controlplane::{ControlPlane, FLEET_NAMESPACE, Options};
+use bulwark_loadtest::identities;
 use bulwark_loadtest::proxy_process::admin_text;
-use bulwark_loadtest::sandbox;
 use bulwark_testkit::metric_sum;
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -57,7 +57,7 @@ async fn until_members(admins: &[SocketAddr], members: &[&str], within: Duration
 /// A client of `user` to the Bulwark at `addr`, without retries.
 async fn client(cp: &ControlPlane, addr: SocketAddr, user: &str, groups: &[&str]) -> Client {
     let cert = cp.pki().client_ca.client_cert(user, groups);
-    let yaml = sandbox::kubeconfig(
+    let yaml = identities::kubeconfig(
         addr,
         cp.bulwark_ca_pem().expect("Bulwark's CA"),
         user,

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use tokio::process::Child;
 
 use super::{ControlPlane, Error, log_tail, spawn, terminate};
-use crate::sandbox::kubeconfig;
+use crate::identities::kubeconfig;
 
 /// The user KWOK's controller is (a client certificate with this CN and no group).
 pub const KWOK_USER: &str = "kwok-controller";

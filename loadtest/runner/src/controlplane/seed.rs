@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::Error;
-use crate::sandbox::{NODE, NODE_NAMESPACE, NODE_SECRETS, OPERATORS};
+use crate::identities::{NODE, NODE_NAMESPACE, NODE_SECRETS, OPERATORS};
 
 /// Bulwark's own identity upstream (its `upstream.self` client certificate's CN).
 pub const BULWARK_USER: &str = "bulwark";

@@ -17,20 +17,7 @@ use tokio::time::Instant;
 use super::Classes;
 use crate::report::Timeline;
 
-/// One replica as sampled now.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ReplicaNow {
-    /// Its memory now, bytes.
-    pub memory_bytes: u64,
-    /// The highest memory it has reached since it started, bytes (catches spikes between
-    /// samples).
-    pub peak_bytes: u64,
-    /// Its OOM kills so far.
-    pub ooms: u64,
-}
-
-/// Samples every replica.
-pub type Sampler = Arc<dyn Fn() -> Vec<ReplicaNow> + Send + Sync>;
+pub use crate::sample::{ReplicaNow, Sampler};
 
 /// How often the replicas are sampled.
 const SAMPLE: Duration = Duration::from_millis(100);

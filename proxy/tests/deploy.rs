@@ -400,9 +400,49 @@ fn selects(selector: &Value, labels: &Value) -> bool {
 fn manifests_agree_with_each_other_and_with_the_configuration() {
     let mut all = Kustomized::default();
     kustomize(&repo("deploy/overlays/dev"), &mut all);
-    let objects = &all.objects;
     let config = deploy_config();
-    assert_eq!(all.namespaces, BTreeSet::from(["bulwark".to_string()]));
+    let daemonset = object(&all.objects, "DaemonSet", "bulwark");
+    let pod = &daemonset["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let d = Deployed {
+        all: &all,
+        objects: &all.objects,
+        config: &config,
+        daemonset,
+        pod,
+        pod_labels: &daemonset["spec"]["template"]["metadata"]["labels"],
+        container,
+        mounts: &Mounts::new(pod, container, &all),
+    };
+    the_pod_runs_beside_each_apiserver(&d);
+    every_file_is_where_a_volume_puts_it(&d);
+    the_service_account_s_rights_and_flow_schema(&d);
+    monitoring_selects_the_pods(&d);
+}
+
+/// The dev overlay's objects, kustomized, and the parts of them the checks read.
+struct Deployed<'a> {
+    all: &'a Kustomized,
+    objects: &'a [Value],
+    config: &'a Config,
+    daemonset: &'a Value,
+    pod: &'a Value,
+    pod_labels: &'a Value,
+    container: &'a Value,
+    mounts: &'a Mounts<'a>,
+}
+
+/// One namespace, the pod beside each apiserver (host network, no cluster DNS), its drain, ports, resources, security and probes.
+fn the_pod_runs_beside_each_apiserver(d: &Deployed<'_>) {
+    let Deployed {
+        objects,
+        config,
+        pod,
+        pod_labels,
+        container,
+        ..
+    } = *d;
+    assert_eq!(d.all.namespaces, BTreeSet::from(["bulwark".to_string()]));
     let namespace = object(objects, "Namespace", "bulwark");
     assert_eq!(
         namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"], "privileged",
@@ -415,10 +455,7 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
     }
 
     // Topology: beside each apiserver, independent of kube-proxy and cluster DNS.
-    let ds = object(objects, "DaemonSet", "bulwark");
-    let pod = &ds["spec"]["template"]["spec"];
-    let pod_labels = &ds["spec"]["template"]["metadata"]["labels"];
-    assert!(selects(&ds["spec"]["selector"], pod_labels));
+    assert!(selects(&d.daemonset["spec"]["selector"], pod_labels));
     assert_eq!(pod["hostNetwork"], true);
     assert_eq!(pod["dnsPolicy"], "Default", "never cluster DNS");
     assert!(
@@ -448,7 +485,6 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
     );
 
     // Ports: the container declares the configured listen and admin ports.
-    let container = &pod["containers"][0];
     let ports: BTreeMap<String, &Value> = container["ports"]
         .as_array()
         .unwrap()
@@ -491,7 +527,16 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         );
     }
     assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+}
 
+/// The configuration and every file it names are where a volume puts them; the logs and the review memory fit their volumes.
+fn every_file_is_where_a_volume_puts_it(d: &Deployed<'_>) {
+    let Deployed {
+        config,
+        container,
+        mounts,
+        ..
+    } = *d;
     // The config file the container is started with is the one the ConfigMap mounts.
     let args = strings(&container["args"]);
     let config_path = args
@@ -499,7 +544,6 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
         .position(|a| a == "--config")
         .map(|i| PathBuf::from(&args[i + 1]))
         .expect("--config argument");
-    let mounts = Mounts::new(pod, container, &all);
     mounts.assert_file(&config_path);
     assert_eq!(config_path.file_name().unwrap(), "bulwark.yaml");
 
@@ -593,7 +637,16 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
             limit.0
         );
     }
+}
 
+/// The ServiceAccount's RBAC (reviews, the cache's reads, the fleet's Leases) and its FlowSchema.
+fn the_service_account_s_rights_and_flow_schema(d: &Deployed<'_>) {
+    let Deployed {
+        objects,
+        config,
+        pod,
+        ..
+    } = *d;
     // The ServiceAccount, its RBAC and its FlowSchema.
     let sa_name = pod["serviceAccountName"].as_str().unwrap();
     let sa = object(objects, "ServiceAccount", sa_name);
@@ -684,7 +737,17 @@ fn manifests_agree_with_each_other_and_with_the_configuration() {
     let subject = &schema["spec"]["rules"][0]["subjects"][0];
     assert_eq!(subject["serviceAccount"]["name"], sa_name);
     assert_eq!(subject["serviceAccount"]["namespace"], "bulwark");
+}
 
+/// The disruption budget, the metrics Service and the ServiceMonitor select the pods; the PrometheusRule and the dashboard are the repository's.
+fn monitoring_selects_the_pods(d: &Deployed<'_>) {
+    let Deployed {
+        objects,
+        config,
+        pod_labels,
+        all,
+        ..
+    } = *d;
     // Disruption budget, metrics Service and ServiceMonitor select the pods.
     let pdb = only(objects, "PodDisruptionBudget");
     assert!(selects(&pdb["spec"]["selector"], pod_labels));
@@ -1550,6 +1613,8 @@ async fn minted_kubeconfigs_work_through_bulwark() {
 /// Secret data written and read through Bulwark, in plain text.
 const SECRET_VALUE: &str = "correct-horse-battery-staple-4711";
 
+// Over 120 lines: one Bulwark taken through every request that could leak, then every log
+// it wrote searched for each secret.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_and_audit_log_hold_no_token_key_or_secret_data() {
     use base64::Engine as _;
@@ -1808,6 +1873,8 @@ async fn haproxy_servers(socket: &Path) -> BTreeMap<String, BTreeMap<String, Str
 /// port, the PROXY protocol required from the balancer): every server's health check
 /// passes and a client reaches Bulwark through the frontend. The same lines with a
 /// plain-HTTP check, as the README had them, fail theirs.
+// Over 120 lines: the README's haproxy lines run as written, every server seen UP, then the
+// old plain-HTTP check seen DOWN against the same Bulwark.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_s_haproxy_lines_health_check_bulwark_s_https_admin_port() {
     let Some(haproxy) = haproxy() else { return };

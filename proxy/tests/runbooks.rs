@@ -222,40 +222,9 @@ fn yaml_file(path: &Path) -> Value {
     Value::deserialize(serde_norway::Deserializer::from_str(&text)).unwrap()
 }
 
-/// Starts the simulated apiservers with what the runbooks read from the cluster, and the
-/// `bulwark` binary as the DaemonSet starts it, files where the pod has them (under
-/// `root`); waits until it is ready.
-async fn deploy(root: &Path) -> Deployed {
-    let pki = Arc::new(Pki::new());
-    let mut policy = bulwark_testkit::policy();
-    policy.rules.push(grant(
-        &[OWN_USER],
-        &[],
-        &["get", "list", "watch", "create", "update"],
-        &["leases.coordination.k8s.io"],
-    ));
-    policy.rules.push(grant(
-        &["system:serviceaccount:bulwark:bulwark"],
-        &[],
-        &["get", "list", "watch"],
-        &["*"],
-    ));
-    policy
-        .rules
-        .push(grant(&["dave"], &[], &["get", "list"], &["configmaps"]));
-    let mut config = bulwark_testkit::fleet_config(pki.clone(), 2, policy);
-    config.tokens.push(StaticToken {
-        token: SERVICE_ACCOUNT_TOKEN.into(),
-        user: OWN_USER.into(),
-        uid: "bulwark-uid".into(),
-        groups: vec![OWN_GROUP.into()],
-        ..StaticToken::default()
-    });
-    config.seed = vec!["secrets=20x1KiB@team,other".parse().unwrap()];
-    let fleet = Fleet::start(config).await.expect("simulator starts");
-
-    // The files the DaemonSet mounts, from the Secrets and ConfigMaps it names.
-    let serving = pki.server_ca.server_cert(&bulwark_testkit::serving_names());
+/// The files the DaemonSet mounts, from the Secrets and ConfigMaps it names, under `root`;
+/// the rules ConfigMap's files (the shipped rules and one on trial in shadow mode).
+fn write_mounted_files(root: &Path, pki: &Pki, serving: &CertKey) -> BTreeMap<String, String> {
     let front_proxy = pki.front_proxy_ca.client_cert(FRONT_PROXY_CN, &[]);
     let files: [(&str, &str); 9] = [
         ("etc/bulwark/pki/serving/tls.crt", &serving.cert_pem),
@@ -298,37 +267,21 @@ async fn deploy(root: &Path) -> Deployed {
     for (name, text) in &rules {
         write(&root.join("etc/bulwark/rules").join(name), text);
     }
+    rules
+}
 
-    // deploy/base/bulwark.yaml with this test's addresses, enforcing (as after the first
-    // days) with one rule still on trial.
-    let listen = bulwark_testkit::free_addr();
-    let admin_port = bulwark_testkit::free_port();
-    let mut shipped = yaml_file(&repo("deploy/base/bulwark.yaml"));
-    under_root(&mut shipped, root);
-    let replicas: Vec<String> = fleet.addrs().iter().map(ToString::to_string).collect();
-    let text = bulwark_testkit::config::with_values(
-        &serde_norway::to_string(&shipped).unwrap(),
-        &[
-            ("listen.address", &listen.to_string()),
-            ("listen.workers", "1"),
-            ("listen.proxyProtocol.trustedSources", "[127.0.0.1/32]"),
-            ("admin.address", &format!("0.0.0.0:{admin_port}")),
-            (
-                "upstream.replicas",
-                &serde_json::to_string(&replicas).unwrap(),
-            ),
-            ("rules.mode", "enforce"),
-        ],
-    );
-    let config_path = root.join("etc/bulwark/config/bulwark.yaml");
-    write(&config_path, &text);
-
-    // What kubectl reads from the cluster.
+/// What kubectl reads from the cluster: the Secrets and ConfigMap the DaemonSet names,
+/// and its pod.
+fn seed_what_kubectl_reads(
+    store: &bulwark_sim::Store,
+    pki: &Pki,
+    serving: &CertKey,
+    rules: &BTreeMap<String, String>,
+) {
     let b64 = |s: &str| {
         use base64::Engine as _;
         base64::engine::general_purpose::STANDARD.encode(s)
     };
-    let store = fleet.store();
     for (name, data) in [
         (
             "bulwark-serving-ca",
@@ -367,7 +320,11 @@ async fn deploy(root: &Path) -> Deployed {
             }),
         )
         .unwrap();
+}
 
+/// The `bulwark` binary as the DaemonSet's container starts it (its arguments and
+/// environment), with the configuration at `config_path` and its log in `log`.
+fn spawn_as_the_daemonset(config_path: &Path, log: &Path) -> tokio::process::Child {
     // The DaemonSet's container: its arguments and environment.
     let daemonset = yaml_file(&repo("deploy/base/daemonset.yaml"));
     let container = &daemonset["spec"]["template"]["spec"]["containers"][0];
@@ -392,17 +349,81 @@ async fn deploy(root: &Path) -> Deployed {
         .and_then(|e| e["value"].as_str())
         .unwrap()
         .to_string();
-    let log = root.join("bulwark.log");
-    let bulwark = tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_bulwark"))
         .args(&args)
         .env("RUST_LOG", rust_log)
         .env("POD_NAME", POD)
         .env("POD_IP", "127.0.0.1")
         .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(log).unwrap())
         .kill_on_drop(true)
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// Starts the simulated apiservers with what the runbooks read from the cluster, and the
+/// `bulwark` binary as the DaemonSet starts it, files where the pod has them (under
+/// `root`); waits until it is ready.
+async fn deploy(root: &Path) -> Deployed {
+    let pki = Arc::new(Pki::new());
+    let mut policy = bulwark_testkit::policy();
+    policy.rules.push(grant(
+        &[OWN_USER],
+        &[],
+        &["get", "list", "watch", "create", "update"],
+        &["leases.coordination.k8s.io"],
+    ));
+    policy.rules.push(grant(
+        &["system:serviceaccount:bulwark:bulwark"],
+        &[],
+        &["get", "list", "watch"],
+        &["*"],
+    ));
+    policy
+        .rules
+        .push(grant(&["dave"], &[], &["get", "list"], &["configmaps"]));
+    let mut config = bulwark_testkit::fleet_config(pki.clone(), 2, policy);
+    config.tokens.push(StaticToken {
+        token: SERVICE_ACCOUNT_TOKEN.into(),
+        user: OWN_USER.into(),
+        uid: "bulwark-uid".into(),
+        groups: vec![OWN_GROUP.into()],
+        ..StaticToken::default()
+    });
+    config.seed = vec!["secrets=20x1KiB@team,other".parse().unwrap()];
+    let fleet = Fleet::start(config).await.expect("simulator starts");
+
+    let serving = pki.server_ca.server_cert(&bulwark_testkit::serving_names());
+    let rules = write_mounted_files(root, &pki, &serving);
+
+    // deploy/base/bulwark.yaml with this test's addresses, enforcing (as after the first
+    // days) with one rule still on trial.
+    let listen = bulwark_testkit::free_addr();
+    let admin_port = bulwark_testkit::free_port();
+    let mut shipped = yaml_file(&repo("deploy/base/bulwark.yaml"));
+    under_root(&mut shipped, root);
+    let replicas: Vec<String> = fleet.addrs().iter().map(ToString::to_string).collect();
+    let text = bulwark_testkit::config::with_values(
+        &serde_norway::to_string(&shipped).unwrap(),
+        &[
+            ("listen.address", &listen.to_string()),
+            ("listen.workers", "1"),
+            ("listen.proxyProtocol.trustedSources", "[127.0.0.1/32]"),
+            ("admin.address", &format!("0.0.0.0:{admin_port}")),
+            (
+                "upstream.replicas",
+                &serde_json::to_string(&replicas).unwrap(),
+            ),
+            ("rules.mode", "enforce"),
+        ],
+    );
+    let config_path = root.join("etc/bulwark/config/bulwark.yaml");
+    write(&config_path, &text);
+
+    seed_what_kubectl_reads(fleet.store(), &pki, &serving, &rules);
+
+    let log = root.join("bulwark.log");
+    let bulwark = spawn_as_the_daemonset(&config_path, &log);
     let deployed = Deployed {
         fleet,
         pki,
@@ -615,6 +636,8 @@ fn runbook_blocks_are_split_into_commands_with_what_they_show() {
     );
 }
 
+// Over 120 lines: every runbook's blocks run in the document's order against one deployed
+// Bulwark, each failure reported with its block.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_runbook_command_works_against_bulwark_as_deployed() {
     let Some(kubectl) = kubectl() else { return };

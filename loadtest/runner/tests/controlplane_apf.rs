@@ -123,37 +123,10 @@ fn samples(metrics: &str, name: &str, label: &str) -> Vec<f64> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    // The shipped rules, and the hammered user exempt in Bulwark: its own fair queues would
-    // otherwise hold the storm back before the apiserver's APF saw it.
-    let rules = write_shipped_rules(&dir.path().join("rules")).unwrap();
-    std::fs::write(
-        rules.join("apf-hammer.yaml"),
-        format!(
-            "rules:\n  - name: apf-hammer\n    precedence: 2\n    match:\n      users: [{HAMMERED_USER}]\n    level: exempt\n    flow: user\n"
-        ),
-    )
-    .unwrap();
-    let mut opts = Options::new(dir.path().join("cp"));
-    opts.replicas = 2;
-    opts.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));
-    opts.rules = Some(rules);
-    let began = Instant::now();
-    let cp = ControlPlane::start(opts)
-        .await
-        .unwrap_or_else(|e| panic!("the control plane did not start: {e}"));
-    eprintln!(
-        "control plane ready in {:.1} s",
-        began.elapsed().as_secs_f64()
-    );
-    let bulwark_admin = cp.bulwark_admin_addr().unwrap();
-    let admin_client = cp.client("admin").await.unwrap();
-
-    // Something slow to list, and the operator allowed to list it.
+/// Something slow to list: `CONFIGMAPS` ConfigMaps of `CONFIGMAP_BYTES` in `NAMESPACE`.
+async fn fill_namespace(admin_client: &Client) {
     let created = send(
-        &admin_client,
+        admin_client,
         http::Method::POST,
         "/api/v1/namespaces",
         Some(&json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})),
@@ -169,7 +142,7 @@ async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
     let path = format!("/api/v1/namespaces/{NAMESPACE}/configmaps");
     futures::stream::iter(0..CONFIGMAPS)
         .map(|i| {
-            let (client, path, filler) = (&admin_client, &path, &filler);
+            let (client, path, filler) = (admin_client, &path, &filler);
             async move {
                 let body = json!({
                     "apiVersion": "v1", "kind": "ConfigMap",
@@ -188,11 +161,14 @@ async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
         .buffer_unordered(8)
         .collect::<Vec<()>>()
         .await;
+}
 
-    // A priority level of one share (a few seats per apiserver) that neither borrows nor
-    // queues, and a flow schema that puts the operator there ahead of every built-in one.
+/// A priority level of one share (a few seats per apiserver) that neither borrows nor
+/// queues, and a flow schema that puts the operator there ahead of every built-in one:
+/// their UIDs, (flow schema, priority level).
+async fn tiny_priority_level(admin_client: &Client) -> (String, String) {
     let level = send(
-        &admin_client,
+        admin_client,
         http::Method::POST,
         "/apis/flowcontrol.apiserver.k8s.io/v1/prioritylevelconfigurations",
         Some(&json!({
@@ -216,7 +192,7 @@ async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
     );
     let level: Value = serde_json::from_slice(&level.body).unwrap();
     let schema = send(
-        &admin_client,
+        admin_client,
         http::Method::POST,
         "/apis/flowcontrol.apiserver.k8s.io/v1/flowschemas",
         Some(&json!({
@@ -247,10 +223,11 @@ async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
     let schema: Value = serde_json::from_slice(&schema.body).unwrap();
     let schema_uid = schema["metadata"]["uid"].as_str().unwrap().to_string();
     let level_uid = level["metadata"]["uid"].as_str().unwrap().to_string();
+    (schema_uid, level_uid)
+}
 
-    // Every apiserver applies the new configuration on its own: wait until several answers
-    // in a row (Bulwark spreads them over both replicas) name the new flow schema.
-    let operator = cp.client_without_retries(HAMMERED_USER).await.unwrap();
+/// Waits until eight answers in a row to the operator name the flow schema `schema_uid`.
+async fn until_applied(operator: &Client, schema_uid: &str) {
     let probe = format!("/api/v1/namespaces/{NAMESPACE}/configmaps?limit=1");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut in_a_row = 0;
@@ -259,14 +236,54 @@ async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
             Instant::now() < deadline,
             "the flow schema was never applied"
         );
-        let answer = send(&operator, http::Method::GET, &probe, None).await;
-        if header(&answer, PF_FLOW_SCHEMA_UID) == Some(&schema_uid) {
+        let answer = send(operator, http::Method::GET, &probe, None).await;
+        if header(&answer, PF_FLOW_SCHEMA_UID) == Some(schema_uid) {
             in_a_row += 1;
         } else {
             in_a_row = 0;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+}
+
+// Over 120 lines: the storm and its bystanders run at once and are judged together at the
+// end; the setup is in functions of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apf_rejection_passes_through_and_costs_the_replica_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    // The shipped rules, and the hammered user exempt in Bulwark: its own fair queues would
+    // otherwise hold the storm back before the apiserver's APF saw it.
+    let rules = write_shipped_rules(&dir.path().join("rules")).unwrap();
+    std::fs::write(
+        rules.join("apf-hammer.yaml"),
+        format!(
+            "rules:\n  - name: apf-hammer\n    precedence: 2\n    match:\n      users: [{HAMMERED_USER}]\n    level: exempt\n    flow: user\n"
+        ),
+    )
+    .unwrap();
+    let mut opts = Options::new(dir.path().join("cp"));
+    opts.replicas = 2;
+    opts.bulwark_exe = Some(PathBuf::from(env!("CARGO_BIN_EXE_bulwark-loadtest")));
+    opts.rules = Some(rules);
+    let began = Instant::now();
+    let cp = ControlPlane::start(opts)
+        .await
+        .unwrap_or_else(|e| panic!("the control plane did not start: {e}"));
+    eprintln!(
+        "control plane ready in {:.1} s",
+        began.elapsed().as_secs_f64()
+    );
+    let bulwark_admin = cp.bulwark_admin_addr().unwrap();
+    let admin_client = cp.client("admin").await.unwrap();
+
+    fill_namespace(&admin_client).await;
+
+    let (schema_uid, level_uid) = tiny_priority_level(&admin_client).await;
+
+    // Every apiserver applies the new configuration on its own: wait until several answers
+    // in a row (Bulwark spreads them over both replicas) name the new flow schema.
+    let operator = cp.client_without_retries(HAMMERED_USER).await.unwrap();
+    until_applied(&operator, &schema_uid).await;
     let before = replicas(bulwark_admin).await;
     assert!(
         before

@@ -130,6 +130,8 @@ async fn seed_team_secrets(admin: &Client) {
 }
 
 /// Section 1: `nobody` may get one named Secret, `team/x`.
+// Over 120 lines: one reader per kind of grant against the same cache, each answer beside
+// the apiserver's own.
 async fn cache_authorization(cp: &ControlPlane, admin: &Client, direct: &Client) {
     let role: Role = serde_json::from_value(json!({
         "metadata": {"name": "get-x"},

@@ -54,6 +54,8 @@ where
     }
 }
 
+// Over 120 lines: one Job through the real components from creation to success, each step
+// waiting on the last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
     let dir = tempfile::tempdir().unwrap();
@@ -197,6 +199,8 @@ async fn controller_manager_scheduler_and_kwok_run_a_job_through_bulwark() {
 /// all answered beside KWOK and the controllers; no node goes NotReady, the
 /// Job finishes, the apiservers' own metrics show what they served, and the report draws
 /// each chart once per front door.
+// Over 120 lines: one scenario run, direct and through Bulwark, then suggest and replay of
+// its recording, all judged on that one run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_scenario_runs_nodes_agents_probes_and_a_storm_direct_and_through_bulwark() {
     let dir = tempfile::tempdir().unwrap();

@@ -41,6 +41,8 @@ async fn kubectl(cp: &ControlPlane, args: &[&str]) -> String {
     text
 }
 
+// Over 120 lines: helm's steps as deploy/README.md gives them (install, read back server-
+// side, a misspelt value, upgrade, uninstall), each on the release the last one left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chart_installs_into_a_real_control_plane_as_the_readme_says() {
     let dir = tempfile::tempdir().unwrap();

@@ -411,6 +411,8 @@ fn content_type(h: &HeaderMap) -> String {
         .unwrap_or_default()
 }
 
+// Over 120 lines: one arm per verb and subresource, as the apiserver's handler chain
+// dispatches them.
 async fn serve(
     rep: &Arc<ReplicaInner>,
     user: &UserInfo,
@@ -640,15 +642,18 @@ fn parse_rv(s: &str) -> Result<u64, ApiError> {
     })
 }
 
-async fn list(
-    rep: &Arc<ReplicaInner>,
-    def: &'static ResourceDef,
-    ri: &RequestInfo,
-    q: &Query,
-    gzip: bool,
-    repr: As,
-) -> Result<Response<SimBody>, ApiError> {
-    let sh = &rep.shared;
+/// A LIST's query, read and checked in the order the apiserver checks it.
+struct ListQuery<'q> {
+    labels: LabelSelector,
+    fields: FieldSelector,
+    rv: Option<u64>,
+    rv_match: Option<&'q str>,
+    /// 0: no limit.
+    limit: usize,
+    cont: Option<&'q str>,
+}
+
+fn list_query(q: &Query) -> Result<ListQuery<'_>, ApiError> {
     let labels = LabelSelector::parse(param(q, "labelSelector").unwrap_or_default())
         .map_err(|e| status::bad_request(e.to_string()))?;
     let fields = FieldSelector::parse(param(q, "fieldSelector").unwrap_or_default())
@@ -695,6 +700,35 @@ async fn list(
             &format!("Unsupported value: \"{m}\": supported values: \"Exact\", \"NotOlderThan\""),
         ));
     }
+    Ok(ListQuery {
+        labels,
+        fields,
+        rv,
+        rv_match,
+        limit,
+        cont,
+    })
+}
+
+// Over 120 lines: a LIST's read path as the apiserver takes it (token, version, cache or
+// etcd, page, encoding, the memory model), each step on the last one's result.
+async fn list(
+    rep: &Arc<ReplicaInner>,
+    def: &'static ResourceDef,
+    ri: &RequestInfo,
+    q: &Query,
+    gzip: bool,
+    repr: As,
+) -> Result<Response<SimBody>, ApiError> {
+    let sh = &rep.shared;
+    let ListQuery {
+        labels,
+        fields,
+        rv,
+        rv_match,
+        limit,
+        cont,
+    } = list_query(q)?;
     let ns = (!ri.namespace.is_empty()).then_some(ri.namespace.as_str());
     let scope = Scope::of(ns);
     let key = def.key();
@@ -820,7 +854,15 @@ async fn list(
             ));
         }
     };
-    let mut resp = if gzip && response_len > GZIP_THRESHOLD {
+    let mut resp = json_chunks(chunks, gzip)?;
+    let (parts, body) = std::mem::replace(&mut resp, Response::new(SimBody::empty())).into_parts();
+    Ok(Response::from_parts(parts, body.hold(guard)))
+}
+
+/// A 200 of `chunks`, gzipped when the client accepts it and the body is large enough.
+fn json_chunks(chunks: Vec<Bytes>, gzip: bool) -> Result<Response<SimBody>, ApiError> {
+    let response_len: usize = chunks.iter().map(Bytes::len).sum();
+    Ok(if gzip && response_len > GZIP_THRESHOLD {
         let mut enc = flate2::write::GzEncoder::new(
             Vec::with_capacity(response_len / 4),
             flate2::Compression::fast(),
@@ -838,9 +880,7 @@ async fn list(
         r
     } else {
         json_response(200, SimBody::chunks(chunks))
-    };
-    let (parts, body) = std::mem::replace(&mut resp, Response::new(SimBody::empty())).into_parts();
-    Ok(Response::from_parts(parts, body.hold(guard)))
+    })
 }
 
 /// Every value of a query parameter, in order.

@@ -662,6 +662,8 @@ async fn logs_follow_streams_lines() {
     assert!(got.contains("p log line 2"));
 }
 
+// Over 120 lines: each dry-run write beside the state it must leave unchanged, in one
+// store.
 #[tokio::test]
 async fn dry_run_writes_answer_as_the_write_would_and_change_nothing() {
     let fleet = fleet("secrets=2x64B@d").await;

@@ -182,6 +182,8 @@ pub fn load(files: &[PathBuf], context: Option<&str>) -> Result<Apiserver, Kubec
     resolve(&read, context)
 }
 
+// Over 120 lines: kubectl's merge rules for one context in the order kubectl applies them
+// (context, cluster, user, then each credential source), each with its own error.
 fn resolve(read: &[(PathBuf, File)], context: Option<&str>) -> Result<Apiserver, KubeconfigError> {
     let invalid = |m: String| KubeconfigError::Invalid(m);
     let name = match context {

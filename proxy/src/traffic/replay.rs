@@ -256,6 +256,9 @@ impl Model {
 }
 
 /// Replays `recording` against `rules` with an in-flight LIST budget of `list_budget`.
+// Over 120 lines: the recording's requests in time order through one model of admission
+// (buckets, watches, seats, the byte budget), each step reading the state the last one
+// left.
 pub fn replay(recording: &Recording, rules: &RuleSet, list_budget: u64) -> Replay {
     let seat_unit = (list_budget / 100).max(MIN_SEAT_UNIT);
     let mut model = Model {

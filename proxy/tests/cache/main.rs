@@ -111,6 +111,7 @@ fn truth(cluster: &Cluster) -> BTreeMap<String, String> {
         .collect()
 }
 
+// Over 120 lines: one cache and every kind of reader, each answer beside who may read it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_are_answered_from_the_cache_and_authorized_per_reader() {
     let cluster = seeded("secrets=20x1KiB@team,other").await;
@@ -474,6 +475,8 @@ async fn a_kube_reflector_stays_equal_to_the_store_when_the_cache_syncs_by_list(
 /// A kube reflector through Bulwark against the simulator's store, under churn, across an
 /// upstream watch break, a 410 relist and a replica restart; the cache's informers sync by
 /// WatchList when `watch_list` is `true`, and their sync requests contain `sync_marker`.
+// Over 120 lines: one reflector through breaks, relists and restarts in order, each
+// asserting on the cache the last one left.
 async fn reflector_across_breaks_relists_and_restarts(watch_list: &'static str, sync_marker: &str) {
     let cluster = cached(Setup {
         replicas: 2,

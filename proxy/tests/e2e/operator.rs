@@ -157,6 +157,8 @@ fn row<'a>(table: &'a str, first: &str) -> Vec<&'a str> {
         .unwrap_or_else(|| panic!("no row {first}:\n{table}"))
 }
 
+// Over 120 lines: the on-call's commands in a runbook's order against one fleet, then again
+// with a member stopped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_on_call_reads_a_three_replica_fleet_and_sees_a_stopped_member_unreachable() {
     let mut rules = policy();

@@ -5,6 +5,7 @@
 //! recording against it: the cluster's own clients refused never, the storm refused.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,10 +65,9 @@ fn bulwark(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("access.jsonl");
+/// A fleet with the agents' and the storm's bound tokens, and Bulwark in front under
+/// `RULES`, writing every request to the access log at `log`.
+async fn recording_cluster(log: &Path) -> Cluster {
     let pki = Arc::new(Pki::new());
     let mut policy = bulwark_testkit::policy();
     policy.rules.push(grant(
@@ -101,7 +101,7 @@ async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else(
     .expect("simulator starts");
     let setting: &'static str =
         Box::leak(format!("{{path: {}, sample: 1.0}}", log.display()).into_boxed_str());
-    let cluster = Cluster::in_front_of(
+    Cluster::in_front_of(
         fleet,
         pki,
         Setup {
@@ -112,10 +112,14 @@ async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else(
     )
     .await
     .ready()
-    .await;
+    .await
+}
 
-    // Each node's agent holds a watch of its namespace's Secrets and reads them five times
-    // a second; each kubelet reads one Secret as often; a person lists now and then.
+/// The traffic recorded: each node's agent holds a watch of its namespace's Secrets and
+/// reads them five times a second; each kubelet reads one Secret as often; a person lists
+/// now and then; the storm lists every namespace's Secrets six times a tick, and is
+/// refused under `RULES`. Returns once every watch's end is in the log.
+async fn record_traffic(cluster: &Cluster, log: &Path) {
     let mut watches = Vec::new();
     let mut agents = Vec::new();
     for n in 1..=5 {
@@ -178,7 +182,7 @@ async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else(
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let ended = cluster
-            .json_lines(&log)
+            .json_lines(log)
             .iter()
             .filter(|l| l["ended"] == true)
             .count();
@@ -191,6 +195,15 @@ async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_suggested_from_recorded_traffic_refuse_the_storm_and_no_one_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("access.jsonl");
+    let cluster = recording_cluster(&log).await;
+
+    record_traffic(&cluster, &log).await;
 
     // Each admitted request's line says how long it held its seats, within its time to
     // head; a refusal's, which held none, does not.

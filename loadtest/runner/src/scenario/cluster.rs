@@ -29,7 +29,7 @@ use serde_json::{Value, json};
 use super::list_storm::STORM;
 use super::{Load, Req, spawn_loads_at};
 use crate::client::{ClassStats, Target};
-use crate::controlplane::{ControlPlane, NODE_LEASE_SECONDS, Options, kwok_node};
+use crate::controlplane::{Components, ControlPlane, NODE_LEASE_SECONDS, Options, kwok_node};
 use crate::proxy_process::admin_text;
 use crate::report::{Class, ProxyCost};
 
@@ -501,37 +501,15 @@ async fn post_all(admin: &Client, path: &str, objects: Vec<Value>) -> anyhow::Re
     Ok(())
 }
 
+// Over 120 lines: a cluster run in the order it happens (nodes, pods, probes, components,
+// the burst, the watch, the ending), each step holding the handles the next one stops.
 async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::Result<ClusterRun> {
     let admin = cp.client("admin").await?;
     // The run's own look at the cluster goes straight to replica 0, so that it neither
     // loads nor waits on the front door under test.
     let observer = cp.client("direct-admin").await?;
     let target = cp.front_door();
-    eprintln!(
-        "cluster: creating {} KWOK nodes and {} probe nodes",
-        o.nodes, o.probes
-    );
-    let nodes = (0..o.nodes)
-        .map(|i| kwok_node(&format!("kwok-node-{i}")))
-        .chain((0..o.probes).map(|i| probe_node(&probe_name(i))))
-        .collect();
-    post_all(&admin, "/api/v1/nodes", nodes).await?;
-    let leases = (0..o.probes)
-        .map(|i| {
-            json!({
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {"name": probe_name(i)},
-                "spec": {"holderIdentity": probe_name(i), "leaseDurationSeconds": NODE_LEASE_SECONDS},
-            })
-        })
-        .collect();
-    post_all(
-        &admin,
-        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
-        leases,
-    )
-    .await?;
+    create_nodes(&admin, o).await?;
     if o.storm > 0 {
         grant(cp, "storm-rbac.yaml", &storm_rbac(o.storm)).await?;
     }
@@ -543,25 +521,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
     let slowest = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut probes = start_probes(cp, &target, o.probes, &probe_stats, &slowest, stopped);
     let mut components = cp.start_components().await?;
-    let started = Instant::now();
-    let all = o.nodes + o.probes;
-    loop {
-        if let Some(exited) = components.exited() {
-            anyhow::bail!("{exited}");
-        }
-        let (seen, not_ready, _) = look(&observer).await?;
-        eprint!("\rcluster: {} of {all} nodes Ready", seen - not_ready);
-        if seen == all && not_ready == 0 {
-            break;
-        }
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(300),
-            "the nodes were not all Ready in 5 minutes"
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    let all_ready_s = started.elapsed().as_secs_f64();
-    eprintln!(" in {all_ready_s:.1} s");
+    let all_ready_s = until_all_ready(&mut components, &observer, o.nodes + o.probes).await?;
 
     // The agents and the storm run as long as the burst is watched (`settle`).
     let until = tokio::time::Instant::now() + o.settle;
@@ -604,6 +564,171 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
             ..JobFigures::default()
         })
         .collect();
+    let Watched {
+        samples,
+        mut ages,
+        not_ready_max,
+        last_bound,
+        refused,
+    } = watch_burst(
+        cp,
+        &observer,
+        &mut components,
+        front,
+        o.settle,
+        (burst, rates),
+        &mut jobs,
+        &slowest,
+    )
+    .await;
+    let _ = stop_probes.send(true);
+    let ending = futures::future::join_all(agent_tasks.iter_mut().chain(probes.iter_mut()));
+    if tokio::time::timeout(Duration::from_secs(60), ending)
+        .await
+        .is_err()
+    {
+        eprintln!("cluster: some agents did not end a minute after their deadline");
+        agent_tasks.iter().chain(&probes).for_each(|t| t.abort());
+    }
+    let storm = match storm {
+        Some((classes, all)) => {
+            let _ = tokio::time::timeout(Duration::from_secs(90), all).await;
+            classes
+                .first()
+                .map(|(_, stats)| stats.summary(burst.elapsed()))
+        }
+        None => None,
+    };
+    let agents = o.agents.then(|| agent_stats.summary(burst.elapsed()));
+    let kube_proxies = o.agents.then(|| proxy_stats.summary(burst.elapsed()));
+    let component_restarts = components
+        .restarts()
+        .into_iter()
+        .map(|(name, n)| (name.to_owned(), n))
+        .collect();
+    components.stop().await;
+
+    ages.sort_by(f64::total_cmp);
+    let pods_total = o.pods_per_job * o.jobs as u64;
+    let rule_requests = rule_requests(cp).await;
+    Ok(ClusterRun {
+        front: front.name().into(),
+        all_ready_s,
+        not_ready_max,
+        lease_age_p50_s: percentile(&ages, 0.5),
+        lease_age_p99_s: percentile(&ages, 0.99),
+        lease_age_max_s: ages.last().copied().unwrap_or(0.0),
+        lease_renewals: probe_stats.summary(burst.elapsed()),
+        scheduling_pods_per_s: if jobs.iter().all(|j| j.scheduled_s > 0.0) && last_bound > 0.0 {
+            pods_total as f64 / last_bound
+        } else {
+            0.0
+        },
+        jobs,
+        apiservers: cp
+            .report()
+            .into_iter()
+            .map(|r| ApiserverFigures {
+                peak_bytes: r.peak_memory_bytes,
+                limit_bytes: r.memory_limit_bytes,
+                oom_kills: r.oom_kills,
+            })
+            .collect(),
+        samples,
+        rule_requests,
+        refused: refused.into_iter().filter(|(_, n)| *n >= 0.5).collect(),
+        bulwark: cp.bulwark_cost(),
+        agents,
+        kube_proxies,
+        storm,
+        component_restarts,
+    })
+}
+
+/// Creates the KWOK nodes and the probe nodes, and each probe node's Lease.
+async fn create_nodes(admin: &Client, o: &ClusterOptions) -> anyhow::Result<()> {
+    eprintln!(
+        "cluster: creating {} KWOK nodes and {} probe nodes",
+        o.nodes, o.probes
+    );
+    let nodes = (0..o.nodes)
+        .map(|i| kwok_node(&format!("kwok-node-{i}")))
+        .chain((0..o.probes).map(|i| probe_node(&probe_name(i))))
+        .collect();
+    post_all(admin, "/api/v1/nodes", nodes).await?;
+    let leases = (0..o.probes)
+        .map(|i| {
+            json!({
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {"name": probe_name(i)},
+                "spec": {"holderIdentity": probe_name(i), "leaseDurationSeconds": NODE_LEASE_SECONDS},
+            })
+        })
+        .collect();
+    post_all(
+        admin,
+        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+        leases,
+    )
+    .await?;
+    Ok(())
+}
+
+/// Waits until all `all` nodes are Ready (at most five minutes); how long that took, s.
+async fn until_all_ready(
+    components: &mut Components,
+    observer: &Client,
+    all: usize,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    loop {
+        if let Some(exited) = components.exited() {
+            anyhow::bail!("{exited}");
+        }
+        let (seen, not_ready, _) = look(observer).await?;
+        eprint!("\rcluster: {} of {all} nodes Ready", seen - not_ready);
+        if seen == all && not_ready == 0 {
+            break;
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(300),
+            "the nodes were not all Ready in 5 minutes"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let all_ready_s = started.elapsed().as_secs_f64();
+    eprintln!(" in {all_ready_s:.1} s");
+    Ok(all_ready_s)
+}
+
+/// What watching the burst saw.
+struct Watched {
+    samples: Vec<Sample>,
+    /// Every probe Lease's age at every look, seconds.
+    ages: Vec<f64>,
+    not_ready_max: usize,
+    /// When the last Job had all its pods bound, seconds after the burst.
+    last_bound: f64,
+    /// 429s by who refused whom, over the run.
+    refused: BTreeMap<String, f64>,
+}
+
+/// Watches the burst (begun at `burst`, the apiservers' counters read then into `rates`)
+/// every 3 s until every Job is done and `settle` has passed (or 3 minutes past `settle`):
+/// the nodes, the Jobs, the apiservers' calls and memory, and the slowest Lease renewal, a
+/// sample each time; components that exit are started again.
+#[allow(clippy::too_many_arguments)]
+async fn watch_burst(
+    cp: &ControlPlane,
+    observer: &Client,
+    components: &mut Components,
+    front: Front,
+    settle: Duration,
+    (burst, mut rates): (Instant, Rates),
+    jobs: &mut [JobFigures],
+    slowest: &std::sync::atomic::AtomicU64,
+) -> Watched {
     let mut samples: Vec<Sample> = Vec::new();
     let mut ages = Vec::new();
     let mut not_ready_max = 0;
@@ -621,7 +746,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         let previous = samples.last();
         // A replica that does not answer (OOM-killed) leaves the sample's
         // cluster figures as they were last seen; the run goes on.
-        let (not_ready, oldest) = match look(&observer).await {
+        let (not_ready, oldest) = match look(observer).await {
             Ok((_, not_ready, lease_ages)) => {
                 let oldest = lease_ages.iter().copied().fold(0.0, f64::max);
                 ages.extend(lease_ages);
@@ -634,7 +759,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
         };
         not_ready_max = not_ready_max.max(not_ready);
         for figures in jobs.iter_mut().filter(|j| j.done_s == 0.0) {
-            let Ok((bound, running, succeeded)) = job_progress(&observer, &figures.name).await
+            let Ok((bound, running, succeeded)) = job_progress(observer, &figures.name).await
             else {
                 continue;
             };
@@ -677,7 +802,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
             ..scraped
         });
         let done = jobs.iter().all(|j| j.done_s > 0.0);
-        if (done && burst.elapsed() >= o.settle) || burst.elapsed() >= o.settle + grace {
+        if (done && burst.elapsed() >= settle) || burst.elapsed() >= settle + grace {
             break;
         }
         tokio::time::sleep(Duration::from_secs(3)).await;
@@ -686,35 +811,17 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
     if unseen > 0 {
         eprintln!("cluster: the front door did not answer {unseen} of the samples");
     }
-    let _ = stop_probes.send(true);
-    let ending = futures::future::join_all(agent_tasks.iter_mut().chain(probes.iter_mut()));
-    if tokio::time::timeout(Duration::from_secs(60), ending)
-        .await
-        .is_err()
-    {
-        eprintln!("cluster: some agents did not end a minute after their deadline");
-        agent_tasks.iter().chain(&probes).for_each(|t| t.abort());
+    Watched {
+        samples,
+        ages,
+        not_ready_max,
+        last_bound,
+        refused,
     }
-    let storm = match storm {
-        Some((classes, all)) => {
-            let _ = tokio::time::timeout(Duration::from_secs(90), all).await;
-            classes
-                .first()
-                .map(|(_, stats)| stats.summary(burst.elapsed()))
-        }
-        None => None,
-    };
-    let agents = o.agents.then(|| agent_stats.summary(burst.elapsed()));
-    let kube_proxies = o.agents.then(|| proxy_stats.summary(burst.elapsed()));
-    let component_restarts = components
-        .restarts()
-        .into_iter()
-        .map(|(name, n)| (name.to_owned(), n))
-        .collect();
-    components.stop().await;
+}
 
-    ages.sort_by(f64::total_cmp);
-    let pods_total = o.pods_per_job * o.jobs as u64;
+/// Requests by rule, summed over every Bulwark's metrics.
+async fn rule_requests(cp: &ControlPlane) -> BTreeMap<String, f64> {
     let mut rule_requests = BTreeMap::new();
     for admin_addr in cp.bulwark_admin_addrs() {
         let metrics = admin_text(admin_addr, "/metrics").await.unwrap_or_default();
@@ -722,38 +829,7 @@ async fn drive(cp: &ControlPlane, o: &ClusterOptions, front: Front) -> anyhow::R
             *rule_requests.entry(rule).or_insert(0.0) += n;
         }
     }
-    Ok(ClusterRun {
-        front: front.name().into(),
-        all_ready_s,
-        not_ready_max,
-        lease_age_p50_s: percentile(&ages, 0.5),
-        lease_age_p99_s: percentile(&ages, 0.99),
-        lease_age_max_s: ages.last().copied().unwrap_or(0.0),
-        lease_renewals: probe_stats.summary(burst.elapsed()),
-        scheduling_pods_per_s: if jobs.iter().all(|j| j.scheduled_s > 0.0) && last_bound > 0.0 {
-            pods_total as f64 / last_bound
-        } else {
-            0.0
-        },
-        jobs,
-        apiservers: cp
-            .report()
-            .into_iter()
-            .map(|r| ApiserverFigures {
-                peak_bytes: r.peak_memory_bytes,
-                limit_bytes: r.memory_limit_bytes,
-                oom_kills: r.oom_kills,
-            })
-            .collect(),
-        samples,
-        rule_requests,
-        refused: refused.into_iter().filter(|(_, n)| *n >= 0.5).collect(),
-        bulwark: cp.bulwark_cost(),
-        agents,
-        kube_proxies,
-        storm,
-        component_restarts,
-    })
+    rule_requests
 }
 
 /// How many of a Job's pods are bound to nodes, how many are Running or past it, and how

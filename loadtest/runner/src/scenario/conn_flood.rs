@@ -237,6 +237,8 @@ async fn start_bulwark(
 }
 
 /// Before, during and after the flood: every figure of one run.
+// Over 120 lines: before, during and after the flood in order, every figure read from the
+// same process at the same moments.
 async fn measure(
     name: &str,
     proxy: &ProxyProcess,

@@ -218,10 +218,90 @@ async fn one_run(
     let budget = headroom / 5;
     let list_bytes = sizes.secrets as u64 * on_controlplane::SECRET_BYTES_N;
 
-    // The front doors: one balancer straight to the apiservers, or one per Bulwark that
-    // prefers it and moves its clients to the next while it is down.
+    let (doors, targets) = front_doors(&cp, split).await?;
+
+    let mut loads = list_storm::loads(cp.pki(), sizes);
+    let storm = loads
+        .iter_mut()
+        .find(|l| l.class == "storm")
+        .context("the list storm has a storm class")?;
+    storm.identities = storm
+        .identities
+        .iter()
+        .flat_map(|id| std::iter::repeat_n(id.clone(), STORM_CONNECTIONS))
+        .collect();
+    let duration = opts.duration_or(Duration::from_secs(90));
+    let seconds = duration.as_secs() as usize + 2;
+    let counts: Arc<Vec<StormCount>> =
+        Arc::new((0..sizes.storm).map(|_| StormCount::new(seconds)).collect());
+    let started = Instant::now();
+    let observer = storm_observer(counts.clone(), started);
+
+    let target_of = |_: &str, i: usize| targets[pinned(i).min(targets.len() - 1)].clone();
+    let (classes, all) = spawn_loads_at(loads, started + duration, target_of, Some(observer))?;
+    let progress = on_controlplane::progress(split.name(), &classes);
+    let samples = Arc::new(Mutex::new(Samples {
+        series: vec![Vec::new(); cp_opts.replicas],
+        taken: 0,
+    }));
+    let sampler = sample_storm_lists(cp.admin_clients().await?, samples.clone(), started);
+
+    let mut figures = FleetFigures {
+        list_bytes_budget: budget,
+        storm_rule_qps: STORM_RULE_QPS,
+        ..FleetFigures::default()
+    };
+    if split != Split::Direct {
+        kill_and_restart(
+            &mut cp,
+            split,
+            started,
+            duration,
+            cp_opts.replicas,
+            &mut figures,
+        )
+        .await?;
+    }
+    all.await.context("a client loop panicked")?;
+    let elapsed = started.elapsed();
+    progress.abort();
+    sampler.abort();
+    drop(doors);
+
+    let proxy = cp.bulwark_cost();
+    let replicas = cp.report();
+    cp.stop().await.context("stopping the control plane")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    for (name, stats) in &classes {
+        if let Some(e) = stats.sample_error() {
+            eprintln!("  {} {name}: errors such as: {e}", split.name());
+        }
+    }
+    settle(&mut figures, &samples, &counts, elapsed, list_bytes, budget);
+    let apiserver = cp_opts.apiserver(&replicas);
+    Ok(Run {
+        apiserver,
+        proxy,
+        classes: classes
+            .iter()
+            .map(|(name, stats)| (name.clone(), stats.summary(elapsed)))
+            .collect(),
+        event_delivery_p99_ms: None,
+        watch_bytes_per_event: None,
+        flood: None,
+        fleet: Some(figures),
+        timeline: None,
+    })
+}
+
+/// The front doors: one balancer straight to the apiservers, or one per Bulwark that
+/// prefers it and moves its clients to the next while it is down; and where each sends.
+async fn front_doors(
+    cp: &ControlPlane,
+    split: Split,
+) -> anyhow::Result<(Vec<Balancer>, Vec<Target>)> {
     let mut doors = Vec::new();
-    let targets: Vec<Target> = match split {
+    let targets = match split {
         Split::Direct => {
             let door = Balancer::start(cp.replica_addrs(), Pick::RoundRobin).await?;
             let target = Target {
@@ -248,144 +328,128 @@ async fn one_run(
             targets
         }
     };
+    Ok((doors, targets))
+}
 
-    let mut loads = list_storm::loads(cp.pki(), sizes);
-    let storm = loads
-        .iter_mut()
-        .find(|l| l.class == "storm")
-        .context("the list storm has a storm class")?;
-    storm.identities = storm
-        .identities
-        .iter()
-        .flat_map(|id| std::iter::repeat_n(id.clone(), STORM_CONNECTIONS))
-        .collect();
-    let duration = opts.duration_or(Duration::from_secs(90));
-    let seconds = duration.as_secs() as usize + 2;
-    let counts: Arc<Vec<StormCount>> =
-        Arc::new((0..sizes.storm).map(|_| StormCount::new(seconds)).collect());
-    let started = Instant::now();
-    let observer: Observer = {
-        let counts = counts.clone();
-        Arc::new(move |class: &str, i: usize, outcome: &Outcome| {
-            if class != "storm" {
-                return;
-            }
-            let Some(c) = counts.get(i / STORM_CONNECTIONS) else {
-                return;
-            };
-            match outcome {
-                Outcome::Rejected { reason, .. } => {
-                    c.rejected.fetch_add(1, Ordering::Relaxed);
-                    if reason.as_deref() == Some("rate_limited") {
-                        c.rate_limited.fetch_add(1, Ordering::Relaxed);
-                        return;
-                    }
+/// Counts each storm identity's LISTs that passed, a second at a time, and its 429s.
+fn storm_observer(counts: Arc<Vec<StormCount>>, started: Instant) -> Observer {
+    Arc::new(move |class: &str, i: usize, outcome: &Outcome| {
+        if class != "storm" {
+            return;
+        }
+        let Some(c) = counts.get(i / STORM_CONNECTIONS) else {
+            return;
+        };
+        match outcome {
+            Outcome::Rejected { reason, .. } => {
+                c.rejected.fetch_add(1, Ordering::Relaxed);
+                if reason.as_deref() == Some("rate_limited") {
+                    c.rate_limited.fetch_add(1, Ordering::Relaxed);
+                    return;
                 }
-                Outcome::Error(_) => return,
-                Outcome::Ok { .. } => {}
             }
+            Outcome::Error(_) => return,
+            Outcome::Ok { .. } => {}
+        }
+        let second = started.elapsed().as_secs() as usize;
+        if let Some(slot) = c.passed.get(second) {
+            slot.fetch_add(1, Ordering::Relaxed);
+        }
+    })
+}
+
+/// Every `SAMPLE_EVERY`, the storm LISTs each replica is executing, into `samples`.
+fn sample_storm_lists(
+    admins: Vec<kube::Client>,
+    samples: Arc<Mutex<Samples>>,
+    started: Instant,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(SAMPLE_EVERY).await;
+            // Every replica at once: one that does not answer in time is left out of
+            // this sample.
+            let reads = admins.iter().map(|admin| async move {
+                let request = http::Request::get("/metrics").body(Vec::new()).ok()?;
+                let text = tokio::time::timeout(SCRAPE_TIMEOUT, admin.request_text(request))
+                    .await
+                    .ok()?
+                    .ok()?;
+                Some(storm_lists_executing(&text))
+            });
+            let executing = futures::future::join_all(reads).await;
             let second = started.elapsed().as_secs() as usize;
-            if let Some(slot) = c.passed.get(second) {
-                slot.fetch_add(1, Ordering::Relaxed);
-            }
-        })
-    };
-
-    let target_of = |_: &str, i: usize| targets[pinned(i).min(targets.len() - 1)].clone();
-    let (classes, all) = spawn_loads_at(loads, started + duration, target_of, Some(observer))?;
-    let progress = on_controlplane::progress(split.name(), &classes);
-    let samples = Arc::new(Mutex::new(Samples {
-        series: vec![Vec::new(); cp_opts.replicas],
-        taken: 0,
-    }));
-    let sampler = {
-        let admins = cp.admin_clients().await?;
-        let samples = samples.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(SAMPLE_EVERY).await;
-                // Every replica at once: one that does not answer in time is left out of
-                // this sample.
-                let reads = admins.iter().map(|admin| async move {
-                    let request = http::Request::get("/metrics").body(Vec::new()).ok()?;
-                    let text = tokio::time::timeout(SCRAPE_TIMEOUT, admin.request_text(request))
-                        .await
-                        .ok()?
-                        .ok()?;
-                    Some(storm_lists_executing(&text))
-                });
-                let executing = futures::future::join_all(reads).await;
-                let second = started.elapsed().as_secs() as usize;
-                let mut s = samples.lock().unwrap_or_else(|p| p.into_inner());
-                s.taken += 1;
-                for (i, n) in executing.into_iter().enumerate() {
-                    if let Some(n) = n {
-                        s.series[i].push((second, n));
-                    }
+            let mut s = samples.lock().unwrap_or_else(|p| p.into_inner());
+            s.taken += 1;
+            for (i, n) in executing.into_iter().enumerate() {
+                if let Some(n) = n {
+                    s.series[i].push((second, n));
                 }
             }
-        })
-    };
+        }
+    })
+}
 
-    let mut figures = FleetFigures {
-        list_bytes_budget: budget,
-        storm_rule_qps: STORM_RULE_QPS,
-        ..FleetFigures::default()
-    };
-    if split != Split::Direct {
-        tokio::time::sleep_until(started + duration / 3).await;
-        cp.kill_bulwark(VICTIM).await?;
-        let killed = Instant::now();
-        figures.killed_at_s = Some((killed - started).as_secs_f64());
-        let admins = cp.bulwark_admin_addrs();
-        let survivors: Vec<_> = (0..admins.len())
-            .filter(|&i| i != VICTIM)
-            .map(|i| admins[i])
-            .collect();
-        let restart_at = started + duration * 2 / 3;
-        // Taken over: every survivor sees two members, the dead one's share no longer
-        // kept for it. (What they then hold follows their demand, and a share grows only
-        // once the others can have seen the demand behind it.)
-        let (took, held) = wait_for(&survivors, restart_at, |members, _| {
-            members.iter().all(|&m| m == BULWARKS as u64 - 1)
+/// Kills Bulwark `VICTIM` a third into the run and starts it again at two thirds, timing
+/// how long the survivors take to take over and (with Leases) the victim to rejoin.
+async fn kill_and_restart(
+    cp: &mut ControlPlane,
+    split: Split,
+    started: Instant,
+    duration: Duration,
+    replicas: usize,
+    figures: &mut FleetFigures,
+) -> anyhow::Result<()> {
+    tokio::time::sleep_until(started + duration / 3).await;
+    cp.kill_bulwark(VICTIM).await?;
+    let killed = Instant::now();
+    figures.killed_at_s = Some((killed - started).as_secs_f64());
+    let admins = cp.bulwark_admin_addrs();
+    let survivors: Vec<_> = (0..admins.len())
+        .filter(|&i| i != VICTIM)
+        .map(|i| admins[i])
+        .collect();
+    let restart_at = started + duration * 2 / 3;
+    // Taken over: every survivor sees two members, the dead one's share no longer
+    // kept for it. (What they then hold follows their demand, and a share grows only
+    // once the others can have seen the demand behind it.)
+    let (took, held) = wait_for(&survivors, restart_at, |members, _| {
+        members.iter().all(|&m| m == BULWARKS as u64 - 1)
+    })
+    .await;
+    figures.takeover_s = took.map(|t| (t - killed).as_secs_f64());
+    figures.survivors_share = Some(held / replicas as u64);
+    eprintln!(
+        "  killed bulwark-{VICTIM} at {:.0} s; survivors took over: {}",
+        figures.killed_at_s.unwrap_or(0.0),
+        figures
+            .takeover_s
+            .map_or_else(|| "never".to_string(), |s| format!("in {s:.1} s"))
+    );
+    tokio::time::sleep_until(restart_at).await;
+    cp.start_bulwark(VICTIM).await?;
+    let restarted = Instant::now();
+    figures.restarted_at_s = Some((restarted - started).as_secs_f64());
+    if split == Split::Leases {
+        let (back, _) = wait_for(&admins, started + duration, |members, _| {
+            members.iter().all(|&m| m == BULWARKS as u64)
         })
         .await;
-        figures.takeover_s = took.map(|t| (t - killed).as_secs_f64());
-        figures.survivors_share = Some(held / cp_opts.replicas as u64);
-        eprintln!(
-            "  killed bulwark-{VICTIM} at {:.0} s; survivors took over: {}",
-            figures.killed_at_s.unwrap_or(0.0),
-            figures
-                .takeover_s
-                .map_or_else(|| "never".to_string(), |s| format!("in {s:.1} s"))
-        );
-        tokio::time::sleep_until(restart_at).await;
-        cp.start_bulwark(VICTIM).await?;
-        let restarted = Instant::now();
-        figures.restarted_at_s = Some((restarted - started).as_secs_f64());
-        if split == Split::Leases {
-            let (back, _) = wait_for(&admins, started + duration, |members, _| {
-                members.iter().all(|&m| m == BULWARKS as u64)
-            })
-            .await;
-            figures.rejoin_s = back.map(|t| (t - restarted).as_secs_f64());
-        }
+        figures.rejoin_s = back.map(|t| (t - restarted).as_secs_f64());
     }
-    all.await.context("a client loop panicked")?;
-    let elapsed = started.elapsed();
-    progress.abort();
-    sampler.abort();
-    drop(doors);
+    Ok(())
+}
 
-    let proxy = cp.bulwark_cost();
-    let replicas = cp.report();
-    cp.stop().await.context("stopping the control plane")?;
-    let _ = std::fs::remove_dir_all(&dir);
-    for (name, stats) in &classes {
-        if let Some(e) = stats.sample_error() {
-            eprintln!("  {} {name}: errors such as: {e}", split.name());
-        }
-    }
+/// The run's figures from the samples and the storm's counts: over the whole run, the
+/// steady parts (after `SETTLE_S`, outside the outage) and the outage.
+fn settle(
+    figures: &mut FleetFigures,
+    samples: &Mutex<Samples>,
+    counts: &[StormCount],
+    elapsed: Duration,
+    list_bytes: u64,
+    budget: u64,
+) {
     let end = elapsed.as_secs() as usize;
     let whole = [(0, end)];
     let (steady, outage) = match (figures.killed_at_s, figures.restarted_at_s) {
@@ -420,20 +484,6 @@ async fn one_run(
             )
         })
         .collect();
-    let apiserver = cp_opts.apiserver(&replicas);
-    Ok(Run {
-        apiserver,
-        proxy,
-        classes: classes
-            .iter()
-            .map(|(name, stats)| (name.clone(), stats.summary(elapsed)))
-            .collect(),
-        event_delivery_p99_ms: None,
-        watch_bytes_per_event: None,
-        flood: None,
-        fleet: Some(figures),
-        timeline: None,
-    })
 }
 
 /// Polls the Bulwarks at `admins` every 50 ms until `done(members each sees, LIST bytes

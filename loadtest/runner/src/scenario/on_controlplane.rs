@@ -149,6 +149,8 @@ enum Work<'a> {
     Informers(&'a informers::Sizes),
 }
 
+// Over 120 lines: one run's life in order (control plane, front doors, loads, sampling,
+// stop), its handles shared by every step.
 async fn one_run(
     mode: Mode,
     opts: &Options,

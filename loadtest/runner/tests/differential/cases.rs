@@ -88,13 +88,24 @@ fn secret(name: &str, mut labels: Value) -> Value {
 pub fn all() -> Vec<Case> {
     let ns = format!("/api/v1/namespaces/{NS}");
     let secrets = format!("{ns}/secrets");
+    let mut cases = writes_that_set_up(&secrets);
+    cases.extend(reads(&secrets));
+    cases.extend(pages_and_versions(&ns, &secrets));
+    cases.extend(updates_and_deletes(&secrets));
+    cases.extend(dry_run(&secrets));
+    cases.extend(watches(&secrets));
+    cases.extend(openapi());
+    cases
+}
+
+/// Writes that set up the state, compared like every other answer.
+fn writes_that_set_up(secrets: &str) -> Vec<Case> {
     let mut cases = vec![
-        // Writes that set up the state, compared like every other answer.
         with_body(
             case("create-namespace", Method::POST, "/api/v1/namespaces"),
             json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
         ),
-        get("list-empty", &secrets),
+        get("list-empty", secrets),
     ];
     let labelled = [
         ("a-0", json!({"app": "a"})),
@@ -116,17 +127,17 @@ pub fn all() -> Vec<Case> {
             "create-c",
         ];
         cases.push(with_body(
-            case(IDS[i], Method::POST, &secrets),
+            case(IDS[i], Method::POST, secrets),
             secret(name, labels),
         ));
     }
     cases.extend([
         with_body(
-            case("create-duplicate", Method::POST, &secrets),
+            case("create-duplicate", Method::POST, secrets),
             secret("a-0", json!({})),
         ),
         with_body(
-            case("create-invalid-name", Method::POST, &secrets),
+            case("create-invalid-name", Method::POST, secrets),
             secret("Not_A_Name", json!({})),
         ),
         with_body(
@@ -138,79 +149,247 @@ pub fn all() -> Vec<Case> {
             json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x"}}),
         ),
         with_body(
-            case("create-namespace-mismatch", Method::POST, &secrets),
+            case("create-namespace-mismatch", Method::POST, secrets),
             json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x", "namespace": "other"}}),
         ),
-        // GET.
+    ]);
+    cases
+}
+
+/// GETs, and LISTs with their selectors.
+// Over 120 lines: a table of cases in the order the suite sends them, each a few lines.
+fn reads(secrets: &str) -> Vec<Case> {
+    vec![
         get("get", format!("{secrets}/a-1")),
         get("get-rv0", format!("{secrets}/a-1?resourceVersion=0")),
         get("get-missing", format!("{secrets}/nope")),
-        get("get-missing-namespace", "/api/v1/namespaces/nowhere/secrets/x"),
-        get("get-watch-param-ignored", format!("{secrets}/a-1?watch=true")),
+        get(
+            "get-missing-namespace",
+            "/api/v1/namespaces/nowhere/secrets/x",
+        ),
+        get(
+            "get-watch-param-ignored",
+            format!("{secrets}/a-1?watch=true"),
+        ),
         // LIST and its query parameters.
-        get("list", &secrets),
+        get("list", secrets),
         get("list-rv0", format!("{secrets}?resourceVersion=0")),
         get("list-label-eq", format!("{secrets}?labelSelector=app%3Da")),
-        get("list-label-neq", format!("{secrets}?labelSelector=app!%3Da")),
-        get("list-label-in", format!("{secrets}?labelSelector=app+in+(a,b)")),
-        get("list-label-notin", format!("{secrets}?labelSelector=app+notin+(a)")),
+        get(
+            "list-label-neq",
+            format!("{secrets}?labelSelector=app!%3Da"),
+        ),
+        get(
+            "list-label-in",
+            format!("{secrets}?labelSelector=app+in+(a,b)"),
+        ),
+        get(
+            "list-label-notin",
+            format!("{secrets}?labelSelector=app+notin+(a)"),
+        ),
         get("list-label-exists", format!("{secrets}?labelSelector=tier")),
-        get("list-label-not-exists", format!("{secrets}?labelSelector=!tier")),
-        get("list-label-and", format!("{secrets}?labelSelector=app%3Da,tier%3Dx")),
-        get("list-label-double-eq", format!("{secrets}?labelSelector=app%3D%3Db")),
-        get("list-label-bad", format!("{secrets}?labelSelector=app+in+(")),
-        get("list-label-bad-value", format!("{secrets}?labelSelector=app%3D-bad-")),
+        get(
+            "list-label-not-exists",
+            format!("{secrets}?labelSelector=!tier"),
+        ),
+        get(
+            "list-label-and",
+            format!("{secrets}?labelSelector=app%3Da,tier%3Dx"),
+        ),
+        get(
+            "list-label-double-eq",
+            format!("{secrets}?labelSelector=app%3D%3Db"),
+        ),
+        get(
+            "list-label-bad",
+            format!("{secrets}?labelSelector=app+in+("),
+        ),
+        get(
+            "list-label-bad-value",
+            format!("{secrets}?labelSelector=app%3D-bad-"),
+        ),
         // Label keys: a name of at most 63 bytes, a DNS-1123 subdomain prefix of at most
         // 253; values of at most 63.
-        get("list-label-key-longest", format!("{secrets}?labelSelector={}%2F{}%3Da", "a".repeat(253), "x".repeat(63))),
-        get("list-label-key-long-name", format!("{secrets}?labelSelector={}%3Da", "x".repeat(64))),
-        get("list-label-key-long-prefix", format!("{secrets}?labelSelector={}%2Fx%3Da", "a".repeat(254))),
-        get("list-label-key-upper-prefix", format!("{secrets}?labelSelector=Example.com%2Fx")),
-        get("list-label-key-two-slashes", format!("{secrets}?labelSelector=a%2Fb%2Fc")),
-        get("list-label-key-empty-name", format!("{secrets}?labelSelector=!a%2F")),
-        get("list-label-value-long", format!("{secrets}?labelSelector=app%3D{}", "x".repeat(64))),
-        get("list-label-key-and-value-bad", format!("{secrets}?labelSelector={}%3D-v", "x".repeat(64))),
+        get(
+            "list-label-key-longest",
+            format!(
+                "{secrets}?labelSelector={}%2F{}%3Da",
+                "a".repeat(253),
+                "x".repeat(63)
+            ),
+        ),
+        get(
+            "list-label-key-long-name",
+            format!("{secrets}?labelSelector={}%3Da", "x".repeat(64)),
+        ),
+        get(
+            "list-label-key-long-prefix",
+            format!("{secrets}?labelSelector={}%2Fx%3Da", "a".repeat(254)),
+        ),
+        get(
+            "list-label-key-upper-prefix",
+            format!("{secrets}?labelSelector=Example.com%2Fx"),
+        ),
+        get(
+            "list-label-key-two-slashes",
+            format!("{secrets}?labelSelector=a%2Fb%2Fc"),
+        ),
+        get(
+            "list-label-key-empty-name",
+            format!("{secrets}?labelSelector=!a%2F"),
+        ),
+        get(
+            "list-label-value-long",
+            format!("{secrets}?labelSelector=app%3D{}", "x".repeat(64)),
+        ),
+        get(
+            "list-label-key-and-value-bad",
+            format!("{secrets}?labelSelector={}%3D-v", "x".repeat(64)),
+        ),
         // An Accept of empty ranges accepts nothing.
-        with_accept(get("list-accept-empty-ranges", &secrets), ","),
-        with_accept(get("list-accept-empty-ranges-2", &secrets), ", ,"),
-        with_accept(get("get-accept-empty-ranges", format!("{secrets}/a-1")), ","),
-        get("list-field-name", format!("{secrets}?fieldSelector=metadata.name%3Da-1")),
-        get("list-field-name-neq", format!("{secrets}?fieldSelector=metadata.name!%3Da-1")),
-        get("list-field-namespace", format!("{secrets}?fieldSelector=metadata.namespace%3D{NS}")),
-        get("list-field-type", format!("{secrets}?fieldSelector=type%3DOpaque")),
-        get("list-field-unknown", format!("{secrets}?fieldSelector=spec.nodeName%3Dx")),
-        get("list-field-and-label", format!("{secrets}?fieldSelector=metadata.name!%3Da-0&labelSelector=app%3Da")),
+        with_accept(get("list-accept-empty-ranges", secrets), ","),
+        with_accept(get("list-accept-empty-ranges-2", secrets), ", ,"),
+        with_accept(
+            get("get-accept-empty-ranges", format!("{secrets}/a-1")),
+            ",",
+        ),
+        get(
+            "list-field-name",
+            format!("{secrets}?fieldSelector=metadata.name%3Da-1"),
+        ),
+        get(
+            "list-field-name-neq",
+            format!("{secrets}?fieldSelector=metadata.name!%3Da-1"),
+        ),
+        get(
+            "list-field-namespace",
+            format!("{secrets}?fieldSelector=metadata.namespace%3D{NS}"),
+        ),
+        get(
+            "list-field-type",
+            format!("{secrets}?fieldSelector=type%3DOpaque"),
+        ),
+        get(
+            "list-field-unknown",
+            format!("{secrets}?fieldSelector=spec.nodeName%3Dx"),
+        ),
+        get(
+            "list-field-and-label",
+            format!("{secrets}?fieldSelector=metadata.name!%3Da-0&labelSelector=app%3Da"),
+        ),
+    ]
+}
+
+/// LISTs by page, across namespaces, at resource versions, and malformed.
+fn pages_and_versions(ns: &str, secrets: &str) -> Vec<Case> {
+    vec![
         get("list-limit-3", format!("{secrets}?limit=3")),
-        get("list-limit-3-page-2", format!("{secrets}?limit=3&continue={{list-limit-3:/metadata/continue}}")),
-        get("list-limit-3-page-3", format!("{secrets}?limit=3&continue={{list-limit-3-page-2:/metadata/continue}}")),
-        get("list-limit-selector", format!("{secrets}?limit=1&labelSelector=tier")),
-        get("list-limit-selector-page-2", format!("{secrets}?limit=1&labelSelector=tier&continue={{list-limit-selector:/metadata/continue}}")),
-        get("list-limit-rv0", format!("{secrets}?limit=2&resourceVersion=0")),
-        get("list-all-namespaces-selected", "/api/v1/secrets?labelSelector=suite"),
-        get("list-all-namespaces-limit", "/api/v1/secrets?labelSelector=suite&limit=2"),
-        get("list-all-namespaces-page-2", "/api/v1/secrets?labelSelector=suite&limit=2&continue={list-all-namespaces-limit:/metadata/continue}"),
+        get(
+            "list-limit-3-page-2",
+            format!("{secrets}?limit=3&continue={{list-limit-3:/metadata/continue}}"),
+        ),
+        get(
+            "list-limit-3-page-3",
+            format!("{secrets}?limit=3&continue={{list-limit-3-page-2:/metadata/continue}}"),
+        ),
+        get(
+            "list-limit-selector",
+            format!("{secrets}?limit=1&labelSelector=tier"),
+        ),
+        get(
+            "list-limit-selector-page-2",
+            format!(
+                "{secrets}?limit=1&labelSelector=tier&continue={{list-limit-selector:/metadata/continue}}"
+            ),
+        ),
+        get(
+            "list-limit-rv0",
+            format!("{secrets}?limit=2&resourceVersion=0"),
+        ),
+        get(
+            "list-all-namespaces-selected",
+            "/api/v1/secrets?labelSelector=suite",
+        ),
+        get(
+            "list-all-namespaces-limit",
+            "/api/v1/secrets?labelSelector=suite&limit=2",
+        ),
+        get(
+            "list-all-namespaces-page-2",
+            "/api/v1/secrets?labelSelector=suite&limit=2&continue={list-all-namespaces-limit:/metadata/continue}",
+        ),
         get("list-limit-0", format!("{secrets}?limit=0")),
         get("list-limit-negative", format!("{secrets}?limit=-1")),
         get("list-limit-not-a-number", format!("{secrets}?limit=abc")),
-        get("list-continue-garbage", format!("{secrets}?limit=2&continue=garbage")),
-        get("list-continue-with-rv", format!("{secrets}?limit=2&resourceVersion=0&continue={{list-limit-3:/metadata/continue}}")),
-        get("list-rv-not-older", format!("{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=NotOlderThan")),
-        get("list-rv-exact", format!("{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=Exact")),
-        get("list-rv-exact-limit", format!("{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=Exact&limit=2")),
-        get("list-rv-match-without-rv", format!("{secrets}?resourceVersionMatch=NotOlderThan")),
-        get("list-rv-match-unknown", format!("{secrets}?resourceVersion=0&resourceVersionMatch=Newest")),
-        get("list-rv-exact-zero", format!("{secrets}?resourceVersion=0&resourceVersionMatch=Exact")),
-        get("list-rv-not-a-number", format!("{secrets}?resourceVersion=abc")),
-        get("list-semicolon-query", format!("{secrets}?limit=1;labelSelector=app%3Da")),
+        get(
+            "list-continue-garbage",
+            format!("{secrets}?limit=2&continue=garbage"),
+        ),
+        get(
+            "list-continue-with-rv",
+            format!(
+                "{secrets}?limit=2&resourceVersion=0&continue={{list-limit-3:/metadata/continue}}"
+            ),
+        ),
+        get(
+            "list-rv-not-older",
+            format!(
+                "{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=NotOlderThan"
+            ),
+        ),
+        get(
+            "list-rv-exact",
+            format!(
+                "{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=Exact"
+            ),
+        ),
+        get(
+            "list-rv-exact-limit",
+            format!(
+                "{secrets}?resourceVersion={{list:/metadata/resourceVersion}}&resourceVersionMatch=Exact&limit=2"
+            ),
+        ),
+        get(
+            "list-rv-match-without-rv",
+            format!("{secrets}?resourceVersionMatch=NotOlderThan"),
+        ),
+        get(
+            "list-rv-match-unknown",
+            format!("{secrets}?resourceVersion=0&resourceVersionMatch=Newest"),
+        ),
+        get(
+            "list-rv-exact-zero",
+            format!("{secrets}?resourceVersion=0&resourceVersionMatch=Exact"),
+        ),
+        get(
+            "list-rv-not-a-number",
+            format!("{secrets}?resourceVersion=abc"),
+        ),
+        get(
+            "list-semicolon-query",
+            format!("{secrets}?limit=1;labelSelector=app%3Da"),
+        ),
         get("list-unknown-resource", format!("{ns}/notaresource")),
-        get("list-missing-namespace", "/api/v1/namespaces/nowhere/secrets"),
-        // Updates and deletes, then watches that replay them.
+        get(
+            "list-missing-namespace",
+            "/api/v1/namespaces/nowhere/secrets",
+        ),
+    ]
+}
+
+/// Updates and deletes, which the watches then replay.
+fn updates_and_deletes(secrets: &str) -> Vec<Case> {
+    vec![
         with_body(
             case("update", Method::PUT, format!("{secrets}/a-2")),
             secret("a-2", json!({"app": "b"})),
         ),
         with_body(
-            case("update-name-mismatch", Method::PUT, format!("{secrets}/a-2")),
+            case(
+                "update-name-mismatch",
+                Method::PUT,
+                format!("{secrets}/a-2"),
+            ),
             secret("a-0", json!({})),
         ),
         Case {
@@ -223,29 +402,48 @@ pub fn all() -> Vec<Case> {
         Case {
             content_type: Some("text/plain"),
             ..with_body(
-                case("patch-bad-content-type", Method::PATCH, format!("{secrets}/b-1")),
+                case(
+                    "patch-bad-content-type",
+                    Method::PATCH,
+                    format!("{secrets}/b-1"),
+                ),
                 json!({}),
             )
         },
         case("delete", Method::DELETE, format!("{secrets}/c")),
         case("delete-missing", Method::DELETE, format!("{secrets}/c")),
-    ]);
-    cases.extend(dry_run(&secrets));
-    cases.extend([
+    ]
+}
+
+/// Watches that replay the writes, watch-lists, and the reads after the writes.
+fn watches(secrets: &str) -> Vec<Case> {
+    vec![
         watch(
             "watch-replay",
-            format!("{secrets}?watch=1&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"
+            ),
         ),
         watch(
             "watch-replay-selector",
-            format!("{secrets}?watch=1&labelSelector=app%3Da&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&labelSelector=app%3Da&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"
+            ),
         ),
         watch(
             "watch-replay-field",
-            format!("{secrets}?watch=1&fieldSelector=metadata.name%3Da-2&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&fieldSelector=metadata.name%3Da-2&resourceVersion={{list-empty:/metadata/resourceVersion}}&timeoutSeconds=1"
+            ),
         ),
-        watch("watch-rv0", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1")),
-        watch("watch-empty-value", format!("{secrets}?watch=&resourceVersion=0&timeoutSeconds=1")),
+        watch(
+            "watch-rv0",
+            format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-empty-value",
+            format!("{secrets}?watch=&resourceVersion=0&timeoutSeconds=1"),
+        ),
         watch(
             "watch-legacy-path",
             format!("/api/v1/watch/namespaces/{NS}/secrets?resourceVersion=0&timeoutSeconds=1"),
@@ -256,40 +454,79 @@ pub fn all() -> Vec<Case> {
         ),
         watch(
             "watchlist",
-            format!("{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds=1"
+            ),
         ),
         watch(
             "watchlist-rv0",
-            format!("{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=1"
+            ),
         ),
         watch(
             "watchlist-without-bookmarks",
-            format!("{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&timeoutSeconds=1"
+            ),
         ),
         watch(
             "watchlist-without-match",
-            format!("{secrets}?watch=1&sendInitialEvents=true&allowWatchBookmarks=true&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&sendInitialEvents=true&allowWatchBookmarks=true&timeoutSeconds=1"
+            ),
         ),
         watch(
             "watch-send-initial-false",
-            format!("{secrets}?watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan&resourceVersion={{list:/metadata/resourceVersion}}&allowWatchBookmarks=true&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan&resourceVersion={{list:/metadata/resourceVersion}}&allowWatchBookmarks=true&timeoutSeconds=1"
+            ),
         ),
-        watch("watch-rv-not-a-number", format!("{secrets}?watch=1&resourceVersion=abc&timeoutSeconds=1")),
-        watch("watch-timeout-not-a-number", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=soon")),
-        watch("watch-label-bad", format!("{secrets}?watch=1&labelSelector=app+in+(&timeoutSeconds=1")),
-        watch("watch-label-key-long-name", format!("{secrets}?watch=1&labelSelector={}&timeoutSeconds=1", "x".repeat(64))),
-        with_accept(watch("watch-accept-empty-ranges", format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1")), ","),
-        watch("watch-rv-match-exact", format!("{secrets}?watch=1&resourceVersion=0&resourceVersionMatch=Exact&timeoutSeconds=1")),
-        get("list-after-writes", &secrets),
+        watch(
+            "watch-rv-not-a-number",
+            format!("{secrets}?watch=1&resourceVersion=abc&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-timeout-not-a-number",
+            format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=soon"),
+        ),
+        watch(
+            "watch-label-bad",
+            format!("{secrets}?watch=1&labelSelector=app+in+(&timeoutSeconds=1"),
+        ),
+        watch(
+            "watch-label-key-long-name",
+            format!(
+                "{secrets}?watch=1&labelSelector={}&timeoutSeconds=1",
+                "x".repeat(64)
+            ),
+        ),
+        with_accept(
+            watch(
+                "watch-accept-empty-ranges",
+                format!("{secrets}?watch=1&resourceVersion=0&timeoutSeconds=1"),
+            ),
+            ",",
+        ),
+        watch(
+            "watch-rv-match-exact",
+            format!(
+                "{secrets}?watch=1&resourceVersion=0&resourceVersionMatch=Exact&timeoutSeconds=1"
+            ),
+        ),
+        get("list-after-writes", secrets),
         watch(
             "watch-after-dry-runs",
-            format!("{secrets}?watch=1&resourceVersion={{dry-run-list-before:/metadata/resourceVersion}}&timeoutSeconds=1"),
+            format!(
+                "{secrets}?watch=1&resourceVersion={{dry-run-list-before:/metadata/resourceVersion}}&timeoutSeconds=1"
+            ),
         ),
         get("list-after-writes-limit", format!("{secrets}?limit=4")),
-        get("list-after-writes-page-2", format!("{secrets}?limit=4&continue={{list-after-writes-limit:/metadata/continue}}")),
-    ]);
-    cases.extend(openapi());
-    cases
+        get(
+            "list-after-writes-page-2",
+            format!("{secrets}?limit=4&continue={{list-after-writes-limit:/metadata/continue}}"),
+        ),
+    ]
 }
 
 /// Server-side dry runs (`dryRun=All`): each answers as the write would, and nothing is

@@ -58,218 +58,20 @@ const MIB: f64 = (1 << 20) as f64;
 /// The report as a self-contained HTML page: each chart once per front door, side by side
 /// on the same axes.
 pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
-    let x_max = r
-        .runs
-        .iter()
-        .filter_map(|run| run.samples.last())
-        .map(|s| s.t)
-        .fold(1.0, f64::max);
-    let limit = r
-        .runs
-        .iter()
-        .flat_map(|run| &run.apiservers)
-        .filter_map(|a| a.limit_bytes)
-        .max()
-        .map(|b| b as f64 / MIB);
-    let memory_max = r
-        .runs
-        .iter()
-        .flat_map(|run| &run.samples)
-        .flat_map(|s| s.memory.iter().flatten())
-        .map(|b| *b as f64 / MIB)
-        .fold(limit.unwrap_or(1.0), f64::max);
-    let calls_max = r
-        .runs
-        .iter()
-        .flat_map(|run| &run.samples)
-        .map(|s| s.lists_per_s.max(s.watch_events_per_s).max(s.open_watches))
-        .fold(1.0, f64::max);
-    let refused_max = r
-        .runs
-        .iter()
-        .flat_map(|run| &run.samples)
-        .flat_map(|s| s.refused_per_s.values())
-        .copied()
-        .fold(1.0, f64::max);
-    let lease_max = r
-        .runs
-        .iter()
-        .flat_map(|run| &run.samples)
-        .map(|s| {
-            s.oldest_lease_s
-                .max(s.not_ready as f64)
-                .max(s.slowest_renewal_s)
-        })
-        .fold(f64::from(NODE_LEASE_SECONDS), f64::max);
+    let axes = Axes::of(r);
     let mut memory = Vec::new();
     let mut nodes = Vec::new();
     let mut calls = Vec::new();
     let mut refusals = Vec::new();
     for run in &r.runs {
-        let replicas = run.samples.first().map_or(0, |s| s.memory.len());
-        let series = (0..replicas)
-            .map(|i| {
-                let points = run
-                    .samples
-                    .iter()
-                    .filter_map(|s| Some((s.t, *s.memory.get(i)?.as_ref()? as f64 / MIB)))
-                    .collect();
-                (format!("apiserver {i}"), colour(i), points)
-            })
-            .collect();
-        let title = format!("{}: apiserver memory (MiB), OOM kills marked", run.front);
-        memory.push(chart(
-            &title,
-            lines(&Lines {
-                title: &title,
-                y_desc: "MiB",
-                series,
-                limit,
-                limit_label: "memory limit",
-                marks: oom_marks(run, limit.unwrap_or(memory_max)),
-                x_max,
-                y_max: memory_max * 1.05,
-            })?,
-        ));
-        let title = format!(
-            "{}: the oldest Lease, the slowest renewal (s), nodes not Ready",
-            run.front
-        );
-        nodes.push(chart(
-            &title,
-            lines(&Lines {
-                title: &title,
-                y_desc: "seconds / nodes",
-                series: vec![
-                    (
-                        "oldest Lease (s)".into(),
-                        colour(0),
-                        run.samples
-                            .iter()
-                            .map(|s| (s.t, s.oldest_lease_s))
-                            .collect(),
-                    ),
-                    (
-                        "slowest Lease renewal (s)".into(),
-                        colour(2),
-                        run.samples
-                            .iter()
-                            .map(|s| (s.t, s.slowest_renewal_s))
-                            .collect(),
-                    ),
-                    (
-                        "nodes not Ready".into(),
-                        colour(1),
-                        run.samples
-                            .iter()
-                            .map(|s| (s.t, s.not_ready as f64))
-                            .collect(),
-                    ),
-                ],
-                limit: Some(f64::from(NODE_LEASE_SECONDS)),
-                limit_label: "Lease duration",
-                marks: Vec::new(),
-                x_max,
-                y_max: lease_max * 1.05,
-            })?,
-        ));
-        let title = format!(
-            "{}: LISTs/s, watch events/s and watches open at the apiservers",
-            run.front
-        );
-        calls.push(chart(
-            &title,
-            lines(&Lines {
-                title: &title,
-                y_desc: "per second",
-                series: vec![
-                    (
-                        "LIST/s".into(),
-                        colour(0),
-                        run.samples.iter().map(|s| (s.t, s.lists_per_s)).collect(),
-                    ),
-                    (
-                        "watch events/s".into(),
-                        colour(1),
-                        run.samples
-                            .iter()
-                            .map(|s| (s.t, s.watch_events_per_s))
-                            .collect(),
-                    ),
-                    (
-                        "watches open".into(),
-                        colour(2),
-                        run.samples.iter().map(|s| (s.t, s.open_watches)).collect(),
-                    ),
-                ],
-                limit: None,
-                limit_label: "",
-                marks: Vec::new(),
-                x_max,
-                y_max: calls_max * 1.05,
-            })?,
-        ));
-        let keys: std::collections::BTreeSet<&String> = run
-            .samples
-            .iter()
-            .flat_map(|s| s.refused_per_s.keys())
-            .collect();
-        let series = keys
-            .into_iter()
-            .enumerate()
-            .map(|(i, key)| {
-                let points = run
-                    .samples
-                    .iter()
-                    .map(|s| (s.t, s.refused_per_s.get(key).copied().unwrap_or(0.0)))
-                    .collect();
-                (key.clone(), colour(i), points)
-            })
-            .collect();
-        let title = format!("{}: 429s per second by who refused whom", run.front);
-        refusals.push(chart(
-            &title,
-            lines(&Lines {
-                title: &title,
-                y_desc: "429/s",
-                series,
-                limit: None,
-                limit_label: "",
-                marks: Vec::new(),
-                x_max,
-                y_max: refused_max * 1.05,
-            })?,
-        ));
+        memory.push(memory_chart(run, &axes)?);
+        nodes.push(nodes_chart(run, &axes)?);
+        calls.push(calls_chart(run, &axes)?);
+        refusals.push(refusals_chart(run, &axes)?);
     }
-    let jobs = bars(&Bars {
-        title: "each Job: seconds to all pods bound, and to all succeeded (none: never)",
-        y_desc: "seconds",
-        categories: r
-            .runs
-            .first()
-            .map(|run| run.jobs.iter().map(|j| j.name.clone()).collect())
-            .unwrap_or_default(),
-        series: r
-            .runs
-            .iter()
-            .flat_map(|run| {
-                [
-                    (
-                        format!("{} scheduled", run.front),
-                        run.jobs.iter().map(|j| j.scheduled_s).collect(),
-                    ),
-                    (
-                        format!("{} done", run.front),
-                        run.jobs.iter().map(|j| j.done_s).collect(),
-                    ),
-                ]
-            })
-            .collect(),
-        limit: None,
-        log_y: false,
-    })?;
+    let jobs = jobs_chart(r)?;
     let latency = latency_bars(r)?;
-    let per_replica = replica_requests(r, x_max)?;
+    let per_replica = replica_requests(r, axes.x_max)?;
     let mut sections = vec![
         Section {
             title: "The apiservers' memory".into(),
@@ -314,6 +116,254 @@ pub fn page(r: &ClusterReport) -> anyhow::Result<Page> {
         .chain((!r.command.is_empty()).then(|| format!("Command: {}", r.command)))
         .collect(),
         sections,
+    })
+}
+
+/// The axes every run's charts share, so that the front doors compare at a glance.
+struct Axes {
+    x_max: f64,
+    /// The apiservers' memory limit, MiB.
+    limit: Option<f64>,
+    memory_max: f64,
+    calls_max: f64,
+    refused_max: f64,
+    lease_max: f64,
+}
+
+impl Axes {
+    fn of(r: &ClusterReport) -> Axes {
+        let x_max = r
+            .runs
+            .iter()
+            .filter_map(|run| run.samples.last())
+            .map(|s| s.t)
+            .fold(1.0, f64::max);
+        let limit = r
+            .runs
+            .iter()
+            .flat_map(|run| &run.apiservers)
+            .filter_map(|a| a.limit_bytes)
+            .max()
+            .map(|b| b as f64 / MIB);
+        let memory_max = r
+            .runs
+            .iter()
+            .flat_map(|run| &run.samples)
+            .flat_map(|s| s.memory.iter().flatten())
+            .map(|b| *b as f64 / MIB)
+            .fold(limit.unwrap_or(1.0), f64::max);
+        let calls_max = r
+            .runs
+            .iter()
+            .flat_map(|run| &run.samples)
+            .map(|s| s.lists_per_s.max(s.watch_events_per_s).max(s.open_watches))
+            .fold(1.0, f64::max);
+        let refused_max = r
+            .runs
+            .iter()
+            .flat_map(|run| &run.samples)
+            .flat_map(|s| s.refused_per_s.values())
+            .copied()
+            .fold(1.0, f64::max);
+        let lease_max = r
+            .runs
+            .iter()
+            .flat_map(|run| &run.samples)
+            .map(|s| {
+                s.oldest_lease_s
+                    .max(s.not_ready as f64)
+                    .max(s.slowest_renewal_s)
+            })
+            .fold(f64::from(NODE_LEASE_SECONDS), f64::max);
+        Axes {
+            x_max,
+            limit,
+            memory_max,
+            calls_max,
+            refused_max,
+            lease_max,
+        }
+    }
+}
+
+/// A run's apiserver memory, each replica a line, OOM kills marked.
+fn memory_chart(run: &ClusterRun, axes: &Axes) -> anyhow::Result<Item> {
+    let replicas = run.samples.first().map_or(0, |s| s.memory.len());
+    let series = (0..replicas)
+        .map(|i| {
+            let points = run
+                .samples
+                .iter()
+                .filter_map(|s| Some((s.t, *s.memory.get(i)?.as_ref()? as f64 / MIB)))
+                .collect();
+            (format!("apiserver {i}"), colour(i), points)
+        })
+        .collect();
+    let title = format!("{}: apiserver memory (MiB), OOM kills marked", run.front);
+    Ok(chart(
+        &title,
+        lines(&Lines {
+            title: &title,
+            y_desc: "MiB",
+            series,
+            limit: axes.limit,
+            limit_label: "memory limit",
+            marks: oom_marks(run, axes.limit.unwrap_or(axes.memory_max)),
+            x_max: axes.x_max,
+            y_max: axes.memory_max * 1.05,
+        })?,
+    ))
+}
+
+/// A run's oldest Lease, slowest renewal and nodes not Ready.
+fn nodes_chart(run: &ClusterRun, axes: &Axes) -> anyhow::Result<Item> {
+    let title = format!(
+        "{}: the oldest Lease, the slowest renewal (s), nodes not Ready",
+        run.front
+    );
+    Ok(chart(
+        &title,
+        lines(&Lines {
+            title: &title,
+            y_desc: "seconds / nodes",
+            series: vec![
+                (
+                    "oldest Lease (s)".into(),
+                    colour(0),
+                    run.samples
+                        .iter()
+                        .map(|s| (s.t, s.oldest_lease_s))
+                        .collect(),
+                ),
+                (
+                    "slowest Lease renewal (s)".into(),
+                    colour(2),
+                    run.samples
+                        .iter()
+                        .map(|s| (s.t, s.slowest_renewal_s))
+                        .collect(),
+                ),
+                (
+                    "nodes not Ready".into(),
+                    colour(1),
+                    run.samples
+                        .iter()
+                        .map(|s| (s.t, s.not_ready as f64))
+                        .collect(),
+                ),
+            ],
+            limit: Some(f64::from(NODE_LEASE_SECONDS)),
+            limit_label: "Lease duration",
+            marks: Vec::new(),
+            x_max: axes.x_max,
+            y_max: axes.lease_max * 1.05,
+        })?,
+    ))
+}
+
+/// A run's LISTs and watch events a second and the watches open at the apiservers.
+fn calls_chart(run: &ClusterRun, axes: &Axes) -> anyhow::Result<Item> {
+    let title = format!(
+        "{}: LISTs/s, watch events/s and watches open at the apiservers",
+        run.front
+    );
+    Ok(chart(
+        &title,
+        lines(&Lines {
+            title: &title,
+            y_desc: "per second",
+            series: vec![
+                (
+                    "LIST/s".into(),
+                    colour(0),
+                    run.samples.iter().map(|s| (s.t, s.lists_per_s)).collect(),
+                ),
+                (
+                    "watch events/s".into(),
+                    colour(1),
+                    run.samples
+                        .iter()
+                        .map(|s| (s.t, s.watch_events_per_s))
+                        .collect(),
+                ),
+                (
+                    "watches open".into(),
+                    colour(2),
+                    run.samples.iter().map(|s| (s.t, s.open_watches)).collect(),
+                ),
+            ],
+            limit: None,
+            limit_label: "",
+            marks: Vec::new(),
+            x_max: axes.x_max,
+            y_max: axes.calls_max * 1.05,
+        })?,
+    ))
+}
+
+/// A run's 429s a second by who refused whom.
+fn refusals_chart(run: &ClusterRun, axes: &Axes) -> anyhow::Result<Item> {
+    let keys: std::collections::BTreeSet<&String> = run
+        .samples
+        .iter()
+        .flat_map(|s| s.refused_per_s.keys())
+        .collect();
+    let series = keys
+        .into_iter()
+        .enumerate()
+        .map(|(i, key)| {
+            let points = run
+                .samples
+                .iter()
+                .map(|s| (s.t, s.refused_per_s.get(key).copied().unwrap_or(0.0)))
+                .collect();
+            (key.clone(), colour(i), points)
+        })
+        .collect();
+    let title = format!("{}: 429s per second by who refused whom", run.front);
+    Ok(chart(
+        &title,
+        lines(&Lines {
+            title: &title,
+            y_desc: "429/s",
+            series,
+            limit: None,
+            limit_label: "",
+            marks: Vec::new(),
+            x_max: axes.x_max,
+            y_max: axes.refused_max * 1.05,
+        })?,
+    ))
+}
+
+/// Each Job's seconds to all pods bound and to all succeeded, the front doors side by side.
+fn jobs_chart(r: &ClusterReport) -> anyhow::Result<String> {
+    bars(&Bars {
+        title: "each Job: seconds to all pods bound, and to all succeeded (none: never)",
+        y_desc: "seconds",
+        categories: r
+            .runs
+            .first()
+            .map(|run| run.jobs.iter().map(|j| j.name.clone()).collect())
+            .unwrap_or_default(),
+        series: r
+            .runs
+            .iter()
+            .flat_map(|run| {
+                [
+                    (
+                        format!("{} scheduled", run.front),
+                        run.jobs.iter().map(|j| j.scheduled_s).collect(),
+                    ),
+                    (
+                        format!("{} done", run.front),
+                        run.jobs.iter().map(|j| j.done_s).collect(),
+                    ),
+                ]
+            })
+            .collect(),
+        limit: None,
+        log_y: false,
     })
 }
 
@@ -413,6 +463,7 @@ fn oom_marks(run: &ClusterRun, at: f64) -> Vec<(f64, f64)> {
 }
 
 /// Figure by figure, a column per front door.
+// Over 120 lines: the report's table, a row per figure in the order the page shows them.
 fn figures(r: &ClusterReport) -> Table {
     let mut header = vec!["figure".to_string()];
     header.extend(r.runs.iter().map(|run| run.front.clone()));

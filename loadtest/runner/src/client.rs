@@ -43,14 +43,7 @@ pub enum ClientError {
     },
 }
 
-/// Where the clients send their requests: the address and the CA of its serving certificate.
-#[derive(Clone, Debug)]
-pub struct Target {
-    /// Address of the L4 balancer, Bulwark or another proxy.
-    pub addr: SocketAddr,
-    /// PEM of the CA that signed the target's serving certificate.
-    pub ca_pem: String,
-}
+pub use bulwark_controlplane::Target;
 
 /// One client identity: a client certificate with CN = user and O = its class, or, for a
 /// client inside the cluster, a ServiceAccount token.

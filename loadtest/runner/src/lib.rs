@@ -1,16 +1,15 @@
-//! bulwark-loadtest as a library: the scenarios, the sandbox and the real control plane,
-//! so that the binary and the integration tests in `tests/` share one copy.
+//! bulwark-loadtest as a library: the scenarios and the sandbox, on the real control plane
+//! (`bulwark-controlplane`) and the one report pipeline (`bulwark-report`), so that the
+//! binary and the integration tests in `tests/` share one copy. The two crates it stands on
+//! are re-exported under the names the scenarios use.
 
-pub mod balancer;
 pub mod calibrate;
-pub mod child;
 pub mod client;
-pub mod controlplane;
 pub mod floor;
-pub mod identities;
-pub mod proxy_process;
 pub mod reference;
-pub mod report;
-pub mod sample;
 pub mod sandbox;
 pub mod scenario;
+
+pub use bulwark_controlplane as controlplane;
+pub use bulwark_controlplane::{balancer, child, identities, proxy_process, sample};
+pub use bulwark_report as report;

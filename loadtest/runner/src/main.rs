@@ -471,17 +471,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 || std::env::temp_dir().join("bulwark-loadtest-cluster.html"),
                 |j| j.with_extension("html"),
             );
-            if let Some(path) = &json {
-                std::fs::write(path, serde_json::to_string_pretty(&report)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
-                eprintln!("wrote {}", path.display());
-            }
-            let page = scenario::cluster::page(&report)?;
-            std::fs::write(&html, report::html::render(&page))
-                .with_context(|| format!("writing {}", html.display()))?;
+            report::outcome::write(&report, json.as_deref(), &html)?;
             println!(
                 "{}\nThe report, with charts: {}",
-                scenario::cluster::verdict(&report),
+                report::Outcome::verdict(&report),
                 html.display()
             );
             return Ok(());
@@ -564,16 +557,11 @@ async fn run(command: Command) -> anyhow::Result<()> {
     };
     println!();
     print!("{}", report::table(&report));
-    if let Some(path) = &common.json {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote {}", path.display());
-    }
     let html = common.html.clone().unwrap_or_else(|| match &common.json {
         Some(json) => json.with_extension("html"),
         None => std::env::temp_dir().join(format!("bulwark-loadtest-{}.html", report.scenario)),
     });
-    write_html(&report, &html)?;
+    report::outcome::write(&report, common.json.as_deref(), &html)?;
     println!(
         "\n{}\nThe report, with charts: {}",
         report::charts::verdict(&report),
@@ -588,51 +576,20 @@ fn command_line() -> String {
     format!("bulwark-loadtest {}", args.join(" "))
 }
 
-/// Writes `report`'s HTML report to `path`.
-fn write_html(report: &report::Report, path: &std::path::Path) -> anyhow::Result<()> {
-    let text = report::charts::html(report).context("drawing the report's charts")?;
-    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
-}
-
 /// `report`: the HTML report of a recorded result, and each chart as SVG if asked.
 fn redraw(
     json: &std::path::Path,
     html: Option<PathBuf>,
     charts: Option<PathBuf>,
 ) -> anyhow::Result<()> {
-    let text =
-        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
-    if value["scenario"] == "cluster" {
-        let run: scenario::cluster::ClusterReport =
-            serde_json::from_value(value).with_context(|| format!("parsing {}", json.display()))?;
-        let html = html.unwrap_or_else(|| json.with_extension("html"));
-        let page = scenario::cluster::page(&run)?;
-        std::fs::write(&html, report::html::render(&page))
-            .with_context(|| format!("writing {}", html.display()))?;
-        println!("{}", page.verdict);
-        println!("wrote {}", html.display());
-        return Ok(());
-    }
-    let report: report::Report =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
+    let outcome = scenario::recorded(json)?;
     let html = html.unwrap_or_else(|| json.with_extension("html"));
-    write_html(&report, &html)?;
-    println!("{}", report::charts::verdict(&report));
+    report::outcome::write(outcome.as_ref(), None, &html)?;
+    println!("{}", outcome.verdict());
     println!("wrote {}", html.display());
     if let Some(dir) = charts {
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let page = report::charts::page(&report)?;
-        let mut n = 0;
-        for item in page.sections.iter().flat_map(|s| &s.items) {
-            if let report::html::Item::Chart(chart) = item {
-                n += 1;
-                let path = dir.join(format!("{}-{n}.svg", report.scenario));
-                std::fs::write(&path, &chart.svg)
-                    .with_context(|| format!("writing {}", path.display()))?;
-                println!("wrote {} ({})", path.display(), chart.title);
-            }
+        for (path, title) in report::outcome::write_charts(outcome.as_ref(), &dir)? {
+            println!("wrote {} ({title})", path.display());
         }
     }
     Ok(())

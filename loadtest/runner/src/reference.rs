@@ -19,9 +19,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 
-use crate::report::{self, html::Item, html::Table};
-use crate::scenario::cluster;
-
 const BEGIN: &str = "<!-- figures: ";
 const BEGIN_CLOSE: &str = " -->";
 const END: &str = "<!-- end figures -->";
@@ -39,46 +36,8 @@ pub fn results_dir(pages: &Path) -> PathBuf {
 /// The Markdown a recorded result's block holds: its verdict, then its figures (the text
 /// table a run prints, or the cluster scenario's tables).
 pub fn figures(json: &Path) -> anyhow::Result<String> {
-    let text =
-        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
-    let value: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
-    if value["scenario"] == "cluster" {
-        let run: cluster::ClusterReport =
-            serde_json::from_value(value).with_context(|| format!("parsing {}", json.display()))?;
-        let page = cluster::page(&run)?;
-        let tables: Vec<String> = page
-            .sections
-            .iter()
-            .flat_map(|s| &s.items)
-            .filter_map(|item| match item {
-                Item::Table(table) => Some(markdown(table)),
-                Item::Chart(_) => None,
-            })
-            .collect();
-        return Ok(format!("{}\n\n{}", page.verdict, tables.join("\n")));
-    }
-    let run: report::Report =
-        serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
-    Ok(format!(
-        "{}\n\n```text\n{}```\n",
-        report::charts::verdict(&run),
-        report::table(&run)
-    ))
-}
-
-/// A table as Markdown, `|` in cells escaped.
-fn markdown(table: &Table) -> String {
-    let row = |cells: &[String]| {
-        let cells: Vec<String> = cells.iter().map(|c| c.replace('|', "\\|")).collect();
-        format!("| {} |\n", cells.join(" | "))
-    };
-    let mut out = row(&table.header);
-    out.push_str(&format!("|{}\n", "---|".repeat(table.header.len())));
-    for r in &table.rows {
-        out.push_str(&row(r));
-    }
-    out
+    let outcome = crate::scenario::recorded(json)?;
+    Ok(format!("{}\n\n{}", outcome.verdict(), outcome.figures()?))
 }
 
 /// The files a page's blocks name, in order.

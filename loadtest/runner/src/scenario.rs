@@ -36,6 +36,27 @@ use crate::client::{ClassStats, Client, Identity, Outcome, Read, Target};
 use crate::proxy_process::{ProxyProcess, Upstream};
 use crate::report::{self, Report, Run, Timeline};
 
+/// A recorded result (`--json`) read back as the scenario that wrote it: the one place
+/// that knows each scenario's result type. The `cluster` scenario records a
+/// [`cluster::ClusterReport`]; every other scenario a [`Report`].
+pub fn recorded(json: &std::path::Path) -> anyhow::Result<Box<dyn report::Outcome>> {
+    let text =
+        std::fs::read_to_string(json).with_context(|| format!("reading {}", json.display()))?;
+    // Read as text each time: a JSON value's map would sort the runs, which a result keeps
+    // in the order they ran.
+    #[derive(serde::Deserialize)]
+    struct Scenario {
+        scenario: String,
+    }
+    let parsing = || format!("parsing {}", json.display());
+    let scenario: Scenario = serde_json::from_str(&text).with_context(parsing)?;
+    Ok(if scenario.scenario == "cluster" {
+        Box::new(serde_json::from_str::<cluster::ClusterReport>(&text).with_context(parsing)?)
+    } else {
+        Box::new(serde_json::from_str::<Report>(&text).with_context(parsing)?)
+    })
+}
+
 /// The command-line options every scenario takes.
 #[derive(Clone, Debug)]
 pub struct Options {

@@ -1,40 +1,66 @@
-//! The load tester's modules import each other without a cycle: the real control plane and
-//! the sandbox stand on the parts they share (the identities and kubeconfigs they hand
-//! out, Bulwark as a process, the replicas' samples) and neither on the other nor on the
-//! scenarios, which stand on them. Read from the source text
-//! ([`bulwark_testkit::layers`]), so that a new `use crate::...` that closes a loop fails
-//! here with the loop it closes.
+//! The load tester is three crates that stand on each other in one direction: the report
+//! pipeline (`loadtest/report`) on nothing of the load tester, the real control plane
+//! (`loadtest/controlplane`: processes, PKI, kubeconfigs, Bulwark as a process) on the
+//! report, and the scenarios and the sandbox (`loadtest/runner`) on both. Cargo refuses a
+//! cycle between crates; within each, the modules import each other without one. Read
+//! from the source text ([`bulwark_testkit::layers`]), so that a new `use crate::...` that
+//! closes a loop fails here with the loop it closes.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use bulwark_testkit::layers::Graph;
 
+fn loadtest() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The names of the crates `crate_dir`'s manifest depends on (normal dependencies only).
+fn dependencies(crate_dir: &str) -> Vec<String> {
+    let manifest = std::fs::read_to_string(loadtest().join(crate_dir).join("Cargo.toml")).unwrap();
+    manifest
+        .split("\n[dependencies]\n")
+        .nth(1)
+        .expect("a [dependencies] table")
+        .lines()
+        .take_while(|l| !l.starts_with('['))
+        .filter_map(|l| l.split(['.', ' ', '=']).next())
+        .filter(|name| !name.is_empty() && !name.starts_with('#'))
+        .map(str::to_owned)
+        .collect()
+}
+
 #[test]
-fn the_load_tester_s_modules_import_each_other_without_a_cycle() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let graph = Graph::read(&src, &[]);
-    let report = graph.loops_report();
-    assert!(report.is_empty(), "{report}");
-    for module in ["controlplane", "sandbox", "scenario", "report"] {
-        assert!(graph.edges.contains_key(module), "no module {module}");
-    }
-    // The control plane and the sandbox are places to run scenarios in, not scenarios.
-    for (module, banned) in [
-        ("controlplane", "scenario"),
-        ("controlplane", "sandbox"),
-        ("sandbox", "controlplane"),
-        ("sandbox", "scenario"),
-    ] {
-        assert!(
-            !graph.imports_of(module).contains(banned),
-            "{module} imports {banned} ({:?})",
-            graph.files(module, banned)
-        );
-    }
-    // The report pipeline is a leaf every scenario may draw with.
+fn the_load_tester_s_crates_stand_on_each_other_in_one_direction() {
+    let report = dependencies("report");
     assert!(
-        graph.imports_of("report").is_empty(),
-        "report imports {:?}",
-        graph.imports_of("report")
+        report.iter().all(|d| !d.starts_with("bulwark")),
+        "the report pipeline depends on {report:?}"
+    );
+    let controlplane = dependencies("controlplane");
+    assert!(controlplane.contains(&"bulwark-report".to_owned()));
+    assert!(
+        !controlplane.contains(&"bulwark-loadtest".to_owned()),
+        "{controlplane:?}"
+    );
+    let runner = dependencies("runner");
+    for needed in ["bulwark-controlplane", "bulwark-report"] {
+        assert!(runner.contains(&needed.to_owned()), "{runner:?}");
+    }
+}
+
+#[test]
+fn within_each_crate_the_modules_import_each_other_without_a_cycle() {
+    for crate_dir in ["report", "controlplane", "runner"] {
+        let graph = Graph::read(&loadtest().join(crate_dir).join("src"), &[]);
+        assert!(!graph.edges.is_empty(), "{crate_dir}: its modules are read");
+        let report = graph.loops_report();
+        assert!(report.is_empty(), "{crate_dir}: {report}");
+    }
+    // The sandbox is a place to run scenarios in, not a scenario.
+    let runner = Graph::read(&loadtest().join("runner/src"), &[]);
+    assert!(
+        !runner.imports_of("sandbox").contains("scenario"),
+        "sandbox imports scenario ({:?})",
+        runner.files("sandbox", "scenario")
     );
 }

@@ -211,27 +211,22 @@ fn a_recorded_result_renders_its_charts_in_chromium() {
 
 #[test]
 fn every_recorded_result_reads_back_and_draws() {
+    // Through the one pipeline every scenario's result takes: read back as the scenario
+    // that wrote it, drawn, written, cut into charts.
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("results");
+    let out = tempfile::tempdir().unwrap();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "json") {
             let name = path.file_name().unwrap().to_str().unwrap();
-            let text = std::fs::read_to_string(&path).unwrap();
-            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
-            if value["scenario"] == "cluster" {
-                // The cluster scenario's own figures and page.
-                use bulwark_loadtest::scenario::cluster;
-                let report: cluster::ClusterReport = serde_json::from_str(&text).unwrap();
-                assert!(!report.runs.is_empty(), "{name}");
-                let page = cluster::page(&report).unwrap();
-                assert!(!page.verdict.is_empty(), "{name}");
-                continue;
-            }
-            let report = recorded(name);
-            assert!(!report.runs.is_empty(), "{name}");
-            let page = charts::page(&report).unwrap();
-            assert!(!page.verdict.is_empty(), "{name}");
-            let _ = report::html::render(&page);
+            let outcome = bulwark_loadtest::scenario::recorded(&path).unwrap();
+            assert!(!outcome.verdict().is_empty(), "{name}");
+            assert!(!outcome.figures().unwrap().is_empty(), "{name}");
+            let html = out.path().join(name).with_extension("html");
+            report::outcome::write(outcome.as_ref(), None, &html).unwrap();
+            assert!(std::fs::metadata(&html).unwrap().len() > 1000, "{name}");
+            let charts = report::outcome::write_charts(outcome.as_ref(), out.path()).unwrap();
+            assert!(!charts.is_empty(), "{name} draws no chart");
         }
     }
 }

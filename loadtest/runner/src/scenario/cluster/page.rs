@@ -649,6 +649,28 @@ fn rules(r: &ClusterReport) -> Table {
     }
 }
 
+impl crate::report::Outcome for ClusterReport {
+    fn scenario(&self) -> &str {
+        &self.scenario
+    }
+
+    fn json(&self) -> serde_json::Result<String> {
+        serde_json::to_string_pretty(self)
+    }
+
+    fn page(&self) -> anyhow::Result<Page> {
+        page(self)
+    }
+
+    fn verdict(&self) -> String {
+        verdict(self)
+    }
+
+    fn figures(&self) -> anyhow::Result<String> {
+        Ok(crate::report::outcome::tables(&page(self)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

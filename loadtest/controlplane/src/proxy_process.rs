@@ -13,7 +13,7 @@ use bulwark_testkit::{BulwarkConfig, Credentials, Names};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, Command};
 
-use crate::client::Target;
+use crate::Target;
 use crate::report::ProxyCost;
 
 /// The namespace of the fleet's Leases.

@@ -8,6 +8,9 @@
 
 pub mod charts;
 pub mod html;
+pub mod outcome;
+
+pub use outcome::Outcome;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

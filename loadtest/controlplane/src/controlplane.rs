@@ -311,7 +311,7 @@ pub struct ControlPlane {
 /// its process while it runs.
 struct BulwarkSlot {
     dir: PathBuf,
-    target: crate::client::Target,
+    target: crate::Target,
     admin: SocketAddr,
     process: Option<ProxyProcess>,
 }
@@ -595,8 +595,8 @@ impl ControlPlane {
     /// Where the cluster's clients connect, and the CA they trust there: Bulwark (the
     /// balancer in front of several), or without Bulwark the balancer in front of the
     /// kube-apiservers.
-    pub fn front_door(&self) -> crate::client::Target {
-        crate::client::Target {
+    pub fn front_door(&self) -> crate::Target {
+        crate::Target {
             addr: self.bulwark_addr(),
             ca_pem: match self.bulwark_ca_pem() {
                 Some(pem) => pem.to_owned(),

@@ -426,7 +426,7 @@ fn latency(report: &Report) -> anyhow::Result<Section> {
         title: "Latency of successful requests per class".into(),
         items: Vec::new(),
     };
-    let none = crate::report::Class::default();
+    let none = crate::Class::default();
     for class in classes(report) {
         let runs = report
             .runs
@@ -443,7 +443,7 @@ fn latency(report: &Report) -> anyhow::Result<Section> {
 /// run in each group, on a log scale; `None` when no run has any.
 pub fn latency_chart<'a>(
     class: &str,
-    runs: impl IntoIterator<Item = (&'a str, &'a crate::report::Class)>,
+    runs: impl IntoIterator<Item = (&'a str, &'a crate::Class)>,
 ) -> anyhow::Result<Option<Chart>> {
     let series: Vec<(String, Vec<f64>)> = runs
         .into_iter()

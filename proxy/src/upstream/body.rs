@@ -218,6 +218,9 @@ async fn pump<B, K>(
         // upstream stream (a quiet watch, say) is reset at once rather than at its next
         // event, and a replica that stopped answering.
         let frame = tokio::select! {
+            // A frame ready is taken before anything else: a stream the replica still
+            // feeds is never cut.
+            biased;
             frame = upstream.frame() => {
                 if let (Some(_), Some(e)) = (move_by, &ejection) {
                     move_by = Some(Instant::now() + e.grace);
@@ -286,6 +289,10 @@ async fn pump<B, K>(
                 }
                 Err(SendTimeoutError::Closed(_)) => break 'pump,
             }
+        }
+        // The grace counts from when the pump waits again, not while a slow client read.
+        if let (Some(_), Some(e)) = (move_by, &ejection) {
+            move_by = Some(Instant::now() + e.grace);
         }
     }
     // Dropping the upstream body before it ended resets its stream (CANCEL), which frees
@@ -686,6 +693,28 @@ mod tests {
         });
         let bytes = body.collect().await.unwrap().to_bytes();
         assert_eq!(bytes, "abbbbbc");
+        assert_eq!(cut.get(), 0);
+        feeder.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_slow_client_does_not_make_a_fed_stream_look_frozen() {
+        let (tx, eject, mut body, cut) = from_ejectable(OnFailure::Error);
+        eject.send_replace(());
+        // The replica answers at once; the client takes a frame every 2 s, twice the grace,
+        // so the pump waits on the client far longer than the grace between frames.
+        let feeder = tokio::spawn(async move {
+            for _ in 0..20 {
+                tx.send(data("x")).await.unwrap();
+            }
+        });
+        let mut frames = 0;
+        while let Some(frame) = body.frame().await {
+            assert!(frame.is_ok(), "cut after {frames} frames");
+            frames += 1;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        assert_eq!(frames, 20);
         assert_eq!(cut.get(), 0);
         feeder.await.unwrap();
     }

@@ -7,7 +7,10 @@
 //! - `stack/bulwark`: Bulwark's whole request path as `Running::start` builds it (Rescue,
 //!   Classify, Identify with the token review cached, Admit under an exempt rule, the cache
 //!   off, Forward through the upstream pool in front-proxy mode), served on the client's
-//!   connection by the listener's HTTP layer (`Running::serve_connection`).
+//!   connection by the listener's HTTP layer (`Running::serve_connection`);
+//! - `stack/refused`: the same Bulwark path under a rule whose bucket is empty, so every
+//!   request is refused with 429 `rate_limited` (after the first, which its burst serves):
+//!   what a refusal costs while a storm is shed, beside what an answer costs, in one run.
 //!
 //! `stack/bulwark` − `stack/floor` is what Bulwark's request path costs above hyper's: the
 //! stages' own work (`--bench stages`) and the plumbing between them. Both subjects answer
@@ -70,6 +73,19 @@ rules:
       groups: ["system:authenticated"]
     level: exempt
 "#;
+/// The client's bucket holds one request and refills once in a thousand seconds: the
+/// smoke check is served, every measured request refused.
+const REFUSING_RULE: &str = r#"
+levels:
+  - {name: refusing, seats: 4, queues: 8, handSize: 2, queueLength: 10, maxWait: 1s}
+rules:
+  - name: stack-refusal
+    precedence: 100
+    match:
+      groups: ["system:authenticated"]
+    level: refusing
+    rate: {qps: 0.001, burst: 1}
+"#;
 
 fn bench(c: &mut Criterion) {
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -81,26 +97,44 @@ fn bench(c: &mut Criterion) {
     let here = runtime.handle().clone();
     let upstream = runtime.block_on(upstream(&pki, dir.path()));
     let mut floor = runtime.block_on(floor(&here, &pki, upstream));
-    let (running, mut bulwark) = runtime.block_on(bulwark(&here, &pki, upstream, dir.path()));
+    let (refusing, mut refused) = runtime.block_on(bulwark(
+        &here,
+        &pki,
+        upstream,
+        &dir.path().join("refusing"),
+        REFUSING_RULE,
+    ));
+    let (running, mut bulwark) = runtime.block_on(bulwark(
+        &here,
+        &pki,
+        upstream,
+        &dir.path().join("answering"),
+        MEASURED_RULE,
+    ));
 
     let mut group = c.benchmark_group("stack");
     group.bench_function("floor", |b| {
-        b.iter_custom(|n| requests(&runtime, &mut floor, n))
+        b.iter_custom(|n| requests(&runtime, &mut floor, n, StatusCode::OK))
     });
     group.bench_function("bulwark", |b| {
-        b.iter_custom(|n| requests(&runtime, &mut bulwark, n))
+        b.iter_custom(|n| requests(&runtime, &mut bulwark, n, StatusCode::OK))
+    });
+    group.bench_function("refused", |b| {
+        b.iter_custom(|n| requests(&runtime, &mut refused, n, StatusCode::TOO_MANY_REQUESTS))
     });
     group.finish();
     runtime.block_on(running.drain());
+    runtime.block_on(refusing.drain());
 }
 
-/// The time `n` requests take one after another on `client`, each answer read whole.
-fn requests(runtime: &Runtime, client: &mut Client, n: u64) -> Duration {
+/// The time `n` requests take one after another on `client`, each answered `status` and
+/// read whole.
+fn requests(runtime: &Runtime, client: &mut Client, n: u64, status: StatusCode) -> Duration {
     runtime.block_on(async {
         let start = Instant::now();
         for _ in 0..n {
             let answer = client.send(with_token(get(PATH), TOKEN)).await;
-            assert_eq!(answer.status, StatusCode::OK);
+            assert_eq!(answer.status, status, "{}", answer.text());
         }
         start.elapsed()
     })
@@ -222,14 +256,22 @@ async fn floor(proxy: &Handle, pki: &Pki, upstream: SocketAddr) -> Client {
 }
 
 /// Bulwark started as production starts it, in front of `upstream` as `passthrough`
-/// configures it (its exempt rule, the cache off), and a client of its request path.
-async fn bulwark(proxy: &Handle, pki: &Pki, upstream: SocketAddr, dir: &Path) -> (Running, Client) {
+/// configures it (the cache off) under `rule`, its files in `dir`, and a client of its
+/// request path.
+async fn bulwark(
+    proxy: &Handle,
+    pki: &Pki,
+    upstream: SocketAddr,
+    dir: &Path,
+    rule: &str,
+) -> (Running, Client) {
+    std::fs::create_dir_all(dir).expect("the subject's folder");
     let serving_ca = Ca::new("stack-bench-serving-ca");
     let credentials =
         Credentials::mint(dir, pki, &serving_ca, Names::default()).expect("the certificates");
     let rules = dir.join("rules");
     std::fs::create_dir_all(&rules).expect("the rules folder");
-    std::fs::write(rules.join("stack.yaml"), MEASURED_RULE).expect("the rule file");
+    std::fs::write(rules.join("stack.yaml"), rule).expect("the rule file");
     let mut config = BulwarkConfig::new(credentials, vec![upstream]);
     config.cache = false;
     config.rules = Some(rules);
@@ -257,8 +299,8 @@ async fn bulwark(proxy: &Handle, pki: &Pki, upstream: SocketAddr, dir: &Path) ->
 
 criterion_group!(benches, bench);
 
-/// Criterion's timings, or, with `STACK_COUNT=N` and `STACK_SUBJECT=direct|floor|bulwark` set, `N`
-/// requests through one subject after as many to warm it, for an instruction count:
+/// Criterion's timings, or, with `STACK_COUNT=N` and
+/// `STACK_SUBJECT=direct|floor|bulwark|refused` set, `N` requests through one subject after as many to warm it, for an instruction count:
 /// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='stack::counted'`
 /// counts only the `N` (README "Benchmarks"). Instructions do not swing with the machine
 /// as times do, so a change worth a fraction of a microsecond shows.
@@ -298,14 +340,25 @@ fn main() {
             (None, runtime.block_on(direct(&side)))
         }
         "floor" => (None, runtime.block_on(floor(&proxy, &pki, upstream))),
-        "bulwark" => {
-            let (running, client) = runtime.block_on(bulwark(&proxy, &pki, upstream, dir.path()));
+        "bulwark" | "refused" => {
+            let rule = if subject == "refused" {
+                REFUSING_RULE
+            } else {
+                MEASURED_RULE
+            };
+            let (running, client) =
+                runtime.block_on(bulwark(&proxy, &pki, upstream, dir.path(), rule));
             (Some(running), client)
         }
-        other => panic!("STACK_SUBJECT must be direct, floor or bulwark, not {other:?}"),
+        other => panic!("STACK_SUBJECT must be direct, floor, bulwark or refused, not {other:?}"),
     };
-    requests(&runtime, &mut client, count);
-    let took = counted(&runtime, &mut client, count);
+    let status = if subject == "refused" {
+        StatusCode::TOO_MANY_REQUESTS
+    } else {
+        StatusCode::OK
+    };
+    requests(&runtime, &mut client, count, status);
+    let took = counted(&runtime, &mut client, count, status);
     println!(
         "{subject}: {count} requests, {:.1} µs each",
         took.as_secs_f64() * 1e6 / count as f64
@@ -331,6 +384,6 @@ fn runtime_thread(name: &str) -> Handle {
 
 /// The requests an instruction count counts (see `main`).
 #[inline(never)]
-fn counted(runtime: &Runtime, client: &mut Client, n: u64) -> Duration {
-    requests(runtime, client, n)
+fn counted(runtime: &Runtime, client: &mut Client, n: u64, status: StatusCode) -> Duration {
+    requests(runtime, client, n, status)
 }

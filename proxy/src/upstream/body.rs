@@ -173,6 +173,8 @@ where
         return Direct {
             upstream,
             keep: Some(keep),
+            ejection,
+            frozen: None,
         }
         .boxed_unsync();
     }
@@ -303,11 +305,17 @@ async fn pump<B, K>(
 
 pin_project_lite::pin_project! {
     /// A small response body of known length, polled straight from the upstream stream;
-    /// `keep` is released when it ends, fails or is dropped.
+    /// `keep` is released when it ends, fails or is dropped. When the rest of it is not
+    /// there at once, it waits on its replica's ejection too: a process stopped between
+    /// the head and the body would otherwise hold it until the upstream keepalive.
     struct Direct<B, K> {
         #[pin]
         upstream: B,
         keep: Option<K>,
+        ejection: Option<Ejection>,
+        // Made at the first wait only (most bodies are there with their head): ready once
+        // the replica was ejected as unresponsive and the grace has passed since.
+        frozen: Option<Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
     }
 }
 
@@ -325,7 +333,38 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.project();
         let polled = match this.upstream.poll_frame(cx) {
-            Poll::Pending => return Poll::Pending,
+            Poll::Pending => {
+                if this.frozen.is_none()
+                    && let Some(Ejection {
+                        mut ejected, grace, ..
+                    }) = this.ejection.as_ref().map(|e| Ejection {
+                        ejected: e.ejected.clone(),
+                        grace: e.grace,
+                        cut: e.cut.clone(),
+                    })
+                {
+                    *this.frozen = Some(Box::pin(async move {
+                        if ejected.changed().await.is_ok() {
+                            tokio::time::sleep(grace).await;
+                        } else {
+                            std::future::pending::<()>().await;
+                        }
+                    }));
+                }
+                if let Some(frozen) = this.frozen.as_mut()
+                    && frozen.as_mut().poll(cx).is_ready()
+                {
+                    *this.frozen = None;
+                    *this.keep = None;
+                    if let Some(e) = this.ejection.take() {
+                        e.cut.inc();
+                    }
+                    return Poll::Ready(Some(Err(
+                        "the apiserver stopped answering mid-response".into()
+                    )));
+                }
+                return Poll::Pending;
+            }
             Poll::Ready(polled) => polled,
         };
         match polled {
@@ -695,6 +734,89 @@ mod tests {
         assert_eq!(bytes, "abbbbbc");
         assert_eq!(cut.get(), 0);
         feeder.await.unwrap();
+    }
+
+    /// A body fed by the test that declares its length, as an answer with
+    /// `Content-Length` does: small ones are polled directly, without the pump.
+    struct Declared {
+        frames: mpsc::Receiver<Result<Frame<Bytes>, BoxError>>,
+        len: u64,
+    }
+
+    impl HttpBody for Declared {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.frames.poll_recv(cx)
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.len)
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_small_answer_whose_replica_froze_after_its_head_ends_with_an_error() {
+        let (tx, frames) = mpsc::channel(1);
+        let eject = watch::Sender::new(());
+        let cut = prometheus::IntCounter::new("cut", "cut").unwrap();
+        let ejection = Ejection {
+            ejected: eject.subscribe(),
+            grace: Duration::from_secs(1),
+            cut: cut.clone(),
+        };
+        let body = stream(
+            Declared { frames, len: 10 },
+            OnFailure::Error,
+            Duration::from_secs(60),
+            "r0".into(),
+            Some(ejection),
+            (),
+        );
+        // The head came; the body never will. The replica is ejected a moment later.
+        let ejector = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            eject.send_replace(());
+            eject
+        });
+        let started = Instant::now();
+        assert!(body.collect().await.is_err(), "never a clean end");
+        assert_eq!(started.elapsed(), Duration::from_millis(1300));
+        assert_eq!(cut.get(), 1);
+        drop((tx, ejector.await.unwrap()));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_small_answer_that_arrives_is_not_cut_by_an_earlier_ejection_of_nothing() {
+        let (tx, frames) = mpsc::channel(1);
+        let eject = watch::Sender::new(());
+        let cut = prometheus::IntCounter::new("cut", "cut").unwrap();
+        let ejection = Ejection {
+            ejected: eject.subscribe(),
+            grace: Duration::from_secs(1),
+            cut: cut.clone(),
+        };
+        let body = stream(
+            Declared { frames, len: 5 },
+            OnFailure::Error,
+            Duration::from_secs(60),
+            "r0".into(),
+            Some(ejection),
+            (),
+        );
+        let feeder = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            tx.send(data("hello")).await.unwrap();
+            drop(tx);
+            eject
+        });
+        assert_eq!(body.collect().await.unwrap().to_bytes(), "hello");
+        assert_eq!(cut.get(), 0);
+        drop(feeder.await.unwrap());
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

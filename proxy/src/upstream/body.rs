@@ -335,14 +335,9 @@ where
         let polled = match this.upstream.poll_frame(cx) {
             Poll::Pending => {
                 if this.frozen.is_none()
-                    && let Some(Ejection {
-                        mut ejected, grace, ..
-                    }) = this.ejection.as_ref().map(|e| Ejection {
-                        ejected: e.ejected.clone(),
-                        grace: e.grace,
-                        cut: e.cut.clone(),
-                    })
+                    && let Some(e) = this.ejection.as_ref()
                 {
+                    let (mut ejected, grace) = (e.ejected.clone(), e.grace);
                     *this.frozen = Some(Box::pin(async move {
                         if ejected.changed().await.is_ok() {
                             tokio::time::sleep(grace).await;
@@ -666,6 +661,20 @@ mod tests {
         let frames = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|frame| (frame, rx))
         });
+        let (eject, body, cut) = ejectable(StreamBody::new(Box::pin(frames)), on_failure);
+        (tx, eject, body, cut)
+    }
+
+    /// `upstream` streamed as from a replica the test ejects with the returned sender
+    /// (grace 1 s), and what counts the cut.
+    fn ejectable<B>(
+        upstream: B,
+        on_failure: OnFailure,
+    ) -> (watch::Sender<()>, Body, prometheus::IntCounter)
+    where
+        B: HttpBody<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<BoxError> + Send,
+    {
         let eject = watch::Sender::new(());
         let cut = prometheus::IntCounter::new("cut", "cut").unwrap();
         let ejection = Ejection {
@@ -674,14 +683,14 @@ mod tests {
             cut: cut.clone(),
         };
         let body = stream(
-            StreamBody::new(Box::pin(frames)),
+            upstream,
             on_failure,
             Duration::from_secs(60),
             "r0".into(),
             Some(ejection),
             (),
         );
-        (tx, eject, body, cut)
+        (eject, body, cut)
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -762,21 +771,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_small_answer_whose_replica_froze_after_its_head_ends_with_an_error() {
         let (tx, frames) = mpsc::channel(1);
-        let eject = watch::Sender::new(());
-        let cut = prometheus::IntCounter::new("cut", "cut").unwrap();
-        let ejection = Ejection {
-            ejected: eject.subscribe(),
-            grace: Duration::from_secs(1),
-            cut: cut.clone(),
-        };
-        let body = stream(
-            Declared { frames, len: 10 },
-            OnFailure::Error,
-            Duration::from_secs(60),
-            "r0".into(),
-            Some(ejection),
-            (),
-        );
+        let (eject, body, cut) = ejectable(Declared { frames, len: 10 }, OnFailure::Error);
         // The head came; the body never will. The replica is ejected a moment later.
         let ejector = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -791,25 +786,13 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
-    async fn a_small_answer_that_arrives_is_not_cut_by_an_earlier_ejection_of_nothing() {
+    async fn a_small_answer_that_arrives_within_the_grace_after_an_ejection_is_kept() {
         let (tx, frames) = mpsc::channel(1);
-        let eject = watch::Sender::new(());
-        let cut = prometheus::IntCounter::new("cut", "cut").unwrap();
-        let ejection = Ejection {
-            ejected: eject.subscribe(),
-            grace: Duration::from_secs(1),
-            cut: cut.clone(),
-        };
-        let body = stream(
-            Declared { frames, len: 5 },
-            OnFailure::Error,
-            Duration::from_secs(60),
-            "r0".into(),
-            Some(ejection),
-            (),
-        );
+        let (eject, body, cut) = ejectable(Declared { frames, len: 5 }, OnFailure::Error);
         let feeder = tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            eject.send_replace(());
+            tokio::time::sleep(Duration::from_millis(800)).await;
             tx.send(data("hello")).await.unwrap();
             drop(tx);
             eject

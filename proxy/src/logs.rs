@@ -51,7 +51,7 @@ struct Key {
 }
 
 /// One refusal to log.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct Rejection<'a> {
     /// The user name (`Identity::name`), never a credential.
     pub identity: &'a str,
@@ -62,8 +62,9 @@ pub struct Rejection<'a> {
     /// Why.
     pub reason: Reason,
     /// What went wrong, for operators: the error behind the refusal, which may name a
-    /// replica or a file the client's answer leaves out.
-    pub detail: &'a str,
+    /// replica or a file the client's answer leaves out. Written out only for a line that
+    /// is written: most refusals of a storm are counted, not logged.
+    pub detail: &'a dyn std::fmt::Display,
     /// What the request asked for, once classified.
     pub request: Option<&'a RequestInfo>,
     /// The client's address (the PROXY header's, behind a trusted balancer).
@@ -109,7 +110,7 @@ impl RejectionLog {
                 rule = rejection.rule,
                 level = rejection.level,
                 reason = rejection.reason.as_str(),
-                detail = rejection.detail,
+                detail = %rejection.detail,
                 verb = info.map(|i| verb_label(&i.verb)),
                 resource,
                 group = info.map(|i| i.api_group.as_str()).filter(|g| !g.is_empty()),
@@ -274,7 +275,7 @@ mod tests {
             rule: "secret-lists",
             level: "list-heavy",
             reason,
-            detail: "waited 15s",
+            detail: &"waited 15s",
             request: None,
             source: None,
             user_agent: "",

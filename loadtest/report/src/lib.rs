@@ -371,10 +371,13 @@ pub struct Class {
 }
 
 impl Class {
-    /// The proxy's CPU time per successful request, microseconds, where it was measured.
+    /// The proxy's CPU time per answered request (successful or refused with 429: a
+    /// subject that refuses is measured by what its refusals cost), microseconds, where it
+    /// was measured.
     pub fn cpu_us_per_request(&self) -> Option<f64> {
         let cpu = self.proxy_cpu_seconds?;
-        (self.ok > 0).then(|| cpu * 1e6 / self.ok as f64)
+        let answered = self.ok + self.rejected;
+        (answered > 0).then(|| cpu * 1e6 / answered as f64)
     }
 }
 

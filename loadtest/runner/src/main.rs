@@ -126,6 +126,10 @@ struct ConnFloodArgs {
     /// Bulwark's open-file limit, soft and hard (set with util-linux `prlimit`).
     #[arg(long, hide = true)]
     bulwark_fd_limit: Option<u64>,
+    /// Each flood connection authenticates with a bearer token and is answered, then
+    /// idles: what an idle client's connection costs.
+    #[arg(long)]
+    authenticated: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -548,6 +552,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 bulwark_bin: a.bulwark_bin,
                 legacy_config: a.legacy_config,
                 bulwark_fd_limit: a.bulwark_fd_limit,
+                authenticated: a.authenticated,
             };
             (
                 scenario::conn_flood::run(&opts(&a.common), &flood).await?,

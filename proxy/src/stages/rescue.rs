@@ -150,7 +150,7 @@ where
                     let who = report.who();
                     let info = report.info.get().map(|i| &**i);
                     let refusal = error.refusal();
-                    let detail = crate::report::chain(&error);
+                    let detail = crate::report::Chain(&error);
                     let rule = refusal.rule.as_deref().unwrap_or("");
                     let level = refusal.level.as_deref().unwrap_or("");
                     let user_agent = user_agent_text(user_agent.as_ref());

@@ -61,6 +61,10 @@ pub struct FloodOptions {
     /// Bulwark's open-file limit (soft and hard), set with util-linux `prlimit`; the
     /// runner's own limit when absent.
     pub bulwark_fd_limit: Option<u64>,
+    /// Each flood connection sends a bearer token the apiserver knows, and its one GET is
+    /// answered, so that it stays open as an idle client's would: what an idle
+    /// authenticated connection costs.
+    pub authenticated: bool,
 }
 
 /// The authenticated client's pace.
@@ -275,6 +279,18 @@ async fn measure(
         flood.connections
     );
     let opened = open_flood(proxy.target.clone(), flood).await?;
+    let opened_rss = sample(pid).await?.1;
+    if let Some(per) = opened_rss
+        .checked_sub(idle.1)
+        .and_then(|grown| grown.checked_div(opened.accepted.len() as u64))
+    {
+        eprintln!(
+            "  [{name}] {} a connection ({} of resident memory for {} connections)",
+            report::human_bytes(per),
+            report::human_bytes(opened_rss - idle.1),
+            opened.accepted.len()
+        );
+    }
     let opened_at = Instant::now();
     let at_open = sample(pid).await?;
     eprintln!(
@@ -502,6 +518,7 @@ async fn open_flood(target: Target, flood: &FloodOptions) -> anyhow::Result<Open
     let letting_go = Arc::new(AtomicBool::new(false));
     let give_up = Instant::now() + OPEN_WITHIN;
     let sources = flood.sources;
+    let token = flood.authenticated.then_some(bulwark_testkit::GOOD_TOKEN);
     let (closed, going) = (closed_by_bulwark.clone(), letting_go.clone());
     let attempts = futures::stream::iter(0..flood.connections)
         .map(move |i| {
@@ -514,7 +531,7 @@ async fn open_flood(target: Target, flood: &FloodOptions) -> anyhow::Result<Open
                 if Instant::now() > give_up {
                     return Attempt::NotAttempted;
                 }
-                let attempt = flood_connection(source, target, tls, closed, letting_go);
+                let attempt = flood_connection(source, target, tls, token, closed, letting_go);
                 match tokio::time::timeout(ATTEMPT_TIMEOUT, attempt).await {
                     Ok(done) => done,
                     Err(_) => Attempt::TimedOut,
@@ -557,11 +574,13 @@ async fn open_flood(target: Target, flood: &FloodOptions) -> anyhow::Result<Open
 }
 
 /// One flood connection from `source`: TCP, TLS without a certificate, HTTP/2, one GET
-/// answered 401; then the connection's task keeps it (and answers pings) until it ends.
+/// answered 401 (or, with a `token`, answered); then the connection's task keeps it (and
+/// answers pings) until it ends.
 async fn flood_connection(
     source: Ipv4Addr,
     to: SocketAddr,
     tls: TlsConnector,
+    token: Option<&str>,
     closed_by_bulwark: Arc<AtomicU64>,
     letting_go: Arc<AtomicBool>,
 ) -> Attempt {
@@ -588,9 +607,14 @@ async fn flood_connection(
             closed_by_bulwark.fetch_add(1, Ordering::Relaxed);
         }
     });
-    let request = Request::builder()
-        .method(Method::GET)
-        .uri(format!("https://{to}{FLOOD_PATH}"))
+    let mut request = Request::builder().method(Method::GET);
+    request = match token {
+        Some(token) => request
+            .uri(format!("https://{to}{GET_PATH}"))
+            .header(http::header::AUTHORIZATION, format!("Bearer {token}")),
+        None => request.uri(format!("https://{to}{FLOOD_PATH}")),
+    };
+    let request = request
         .body(Full::new(Bytes::new()))
         .expect("a valid request");
     let answer = async {
@@ -601,7 +625,12 @@ async fn flood_connection(
         Ok::<_, hyper::Error>(status)
     };
     match answer.await {
-        Ok(StatusCode::UNAUTHORIZED) => Attempt::Accepted(sender),
+        Ok(StatusCode::UNAUTHORIZED) if token.is_none() => Attempt::Accepted(sender),
+        Ok(status)
+            if token.is_some() && (status.is_success() || status == StatusCode::FORBIDDEN) =>
+        {
+            Attempt::Accepted(sender)
+        }
         Ok(status) => Attempt::Other(format!("status {status}")),
         Err(e) => Attempt::Refused(format!("request: {e}")),
     }

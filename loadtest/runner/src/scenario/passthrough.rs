@@ -24,6 +24,10 @@
 //! connections each (`listen.workers`), and like the floor and haproxy it puts as many
 //! streams on an upstream connection as the upstream takes (`upstream.streamsPerConnection`
 //! 1,000 here; 100, the kube-apiserver's limit, by default).
+//!
+//! `bulwark-refused` is the same Bulwark under a rule whose bucket is empty: every request
+//! refused with 429 `rate_limited`, so that what shedding a storm costs a request stands
+//! beside what forwarding one costs, in one run.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -77,6 +81,20 @@ rules:
     level: exempt
 "#;
 
+/// Bulwark refuses the scenario's client: its bucket holds one request and refills once in
+/// a thousand seconds, so that every request after the warm-up's first is a 429.
+const REFUSING_RULE: &str = r#"
+levels:
+  - {name: refusing, seats: 4, queues: 8, handSize: 2, queueLength: 10, maxWait: 1s}
+rules:
+  - name: passthrough-refusal
+    precedence: 100
+    match:
+      groups: ["system:authenticated"]
+    level: refusing
+    rate: {qps: 0.001, burst: 1}
+"#;
+
 /// What is measured, in the order it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Subject {
@@ -90,11 +108,15 @@ enum Subject {
     Floor(usize),
     /// h2load → Bulwark with this many worker threads (`listen.workers`) → the upstream.
     Bulwark(usize),
+    /// h2load → Bulwark as [`Subject::Bulwark`] but under a rule whose bucket is empty:
+    /// every request after the first refused with 429 `rate_limited`, what shedding a
+    /// storm costs a request beside what forwarding one does.
+    Refused(usize),
 }
 
 impl Subject {
     /// What a run measures, in order: direct, haproxy, nginx, then the floor and Bulwark
-    /// with each of `workers`. haproxy runs with each of `workers` too when they were asked
+    /// with each of `workers`, and Bulwark refusing every request with the fewest. haproxy runs with each of `workers` too when they were asked
     /// for (`explicit`), else with one thread only.
     fn all(workers: &[usize], explicit: bool) -> Vec<Subject> {
         let haproxy = if explicit { workers } else { &[1][..] };
@@ -103,13 +125,17 @@ impl Subject {
         all.push(Subject::Nginx);
         all.extend(workers.iter().map(|&n| Subject::Floor(n)));
         all.extend(workers.iter().map(|&n| Subject::Bulwark(n)));
+        // A refusal's cost against an answer's: with the fewest workers only.
+        all.extend(workers.iter().min().map(|&n| Subject::Refused(n)));
         all
     }
 
     /// Workers (threads) of the proxy; one for those that have no such setting.
     fn workers(self) -> usize {
         match self {
-            Subject::Haproxy(n) | Subject::Floor(n) | Subject::Bulwark(n) => n.max(1),
+            Subject::Haproxy(n) | Subject::Floor(n) | Subject::Bulwark(n) | Subject::Refused(n) => {
+                n.max(1)
+            }
             Subject::Direct | Subject::Nginx => 1,
         }
     }
@@ -122,6 +148,7 @@ impl Subject {
             Subject::Nginx => "nginx",
             Subject::Floor(_) => report::FLOOR,
             Subject::Bulwark(_) => "bulwark",
+            Subject::Refused(_) => "bulwark-refused",
         };
         match self.workers() {
             1 => base.to_string(),
@@ -508,7 +535,7 @@ impl<'a> Bench<'a> {
         let (addr, front) = self.front(subject).await?;
         let url = format!("https://{addr}{PATH}");
         let warm = self.h2load(&url, Load::WarmUp).await?;
-        if warm.ok == 0 {
+        if warm.ok + warm.rejected == 0 {
             let _ = front.stop(&self.dir).await;
             bail!(
                 "{}: not one warm-up request succeeded ({} requests, {} refused, {} errors)",
@@ -590,7 +617,8 @@ impl<'a> Bench<'a> {
         let ca = self.upstream_ca.display();
         let (mut child, name) = match subject {
             Subject::Direct => return Ok((up, Front::Upstream)),
-            Subject::Bulwark(workers) => return self.bulwark(workers, cores).await,
+            Subject::Bulwark(workers) => return self.bulwark(workers, cores, MEASURED_RULE).await,
+            Subject::Refused(workers) => return self.bulwark(workers, cores, REFUSING_RULE).await,
             Subject::Floor(workers) => {
                 let exe = std::env::current_exe().context("locating this binary")?;
                 let mut command = pinned(self.tools, cores, &exe);
@@ -683,17 +711,19 @@ backend upstream
     }
 
     /// Starts Bulwark (this binary's hidden subcommand) with `workers` worker threads.
+    /// Starts Bulwark with `workers` under the rule file `rule`.
     async fn bulwark(
         &self,
         workers: usize,
         cores: Option<String>,
+        rule: &str,
     ) -> anyhow::Result<(SocketAddr, Front)> {
-        let dir = self.dir.join(format!("bulwark-{workers}"));
+        let dir = self.dir.join(format!("bulwark-{workers}-{}", rule.len()));
         let serving_ca = Ca::new("bulwark-serving-ca");
         let credentials = Credentials::mint(&dir, &self.pki, &serving_ca, Names::default())?;
         let rules = dir.join("rules");
         std::fs::create_dir_all(&rules)?;
-        std::fs::write(rules.join("passthrough.yaml"), MEASURED_RULE)?;
+        std::fs::write(rules.join("passthrough.yaml"), rule)?;
         let mut config = BulwarkConfig::new(credentials, vec![self.upstream_addr]);
         config.listen = free_port()?;
         config.admin = free_port()?;
@@ -936,7 +966,12 @@ impl Summary {
             p50_ms: ms(0.5),
             p99_ms: ms(0.99),
             p999_ms: ms(0.999),
-            rps: if secs > 0.0 { ok as f64 / secs } else { 0.0 },
+            // Answered: a refusing subject's throughput is its refusals'.
+            rps: if secs > 0.0 {
+                (ok + rejected) as f64 / secs
+            } else {
+                0.0
+            },
             // One bearer token: one identity.
             per_identity_ok: vec![ok],
             // The caller reads the proxy's CPU time around the run, and the core's speed
@@ -1001,7 +1036,8 @@ time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
         );
         assert!((class.mean_ms - 0.2).abs() < 0.001, "{class:?}");
         assert!((class.p99_ms - 0.3).abs() < 0.001, "{class:?}");
-        assert!((class.rps - 1.5).abs() < 1e-9);
+        // Answered: the 200s and the 429.
+        assert!((class.rps - 2.0).abs() < 1e-9);
         assert_eq!(class.per_identity_ok, vec![3]);
     }
 
@@ -1019,7 +1055,8 @@ time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
                 "floor",
                 "floor-2-workers",
                 "bulwark",
-                "bulwark-2-workers"
+                "bulwark-2-workers",
+                "bulwark-refused"
             ]
         );
         assert_eq!(
@@ -1032,7 +1069,8 @@ time for request:      208us     14.37ms       5.69ms      1.12ms    71.83%
                 "floor",
                 "floor-4-workers",
                 "bulwark",
-                "bulwark-4-workers"
+                "bulwark-4-workers",
+                "bulwark-refused"
             ]
         );
         // Two cores: the proxy shares the first with the upstream, h2load has the second,

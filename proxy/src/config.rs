@@ -31,7 +31,7 @@ pub use listen::{Listen, ListenLimits, MAX_WORKERS, ProxyProtocol, Shutdown};
 pub use logs::{AccessLog, Audit};
 pub use metrics::{MAX_IDENTITY_LABELS, MetricsSettings};
 pub use problems::{ConfigError, Problem};
-pub use rules::{Rules, RulesMode};
+pub use rules::{AnswerHeaders, Rules, RulesMode};
 pub use upstream::{FrontProxy, HeaderNames, OwnCredential, ReplicaAddr, Timeouts, Upstream};
 pub use values::Quantity;
 

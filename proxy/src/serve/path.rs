@@ -62,6 +62,7 @@ impl Stages {
                     .responses_cut_total
                     .with_label_values(&["client_not_reading"]),
             },
+            config.rules.answer_headers == crate::config::AnswerHeaders::Every,
         );
         Stages {
             rescue,

@@ -29,13 +29,16 @@ pub struct Admit {
     bodies: Arc<BodyBudget>,
     body_deadlines: BodyDeadlines,
     send_progress: SendProgress,
+    /// Whether every answer names its rule and level, not only refusals.
+    name_every_answer: bool,
 }
 
 impl Admit {
     /// Matches against `rules` and admits through `admission`; `cache`, when it runs,
     /// answers what it can; request bodies are read whole before admission within
     /// `body_deadlines`, and held for retries within `bodies`; a response whose client
-    /// stops reading gives its seats and bytes back after `send_progress`'s deadline.
+    /// stops reading gives its seats and bytes back after `send_progress`'s deadline. With
+    /// `name_every_answer`, every answer carries `X-Bulwark-Rule` and `X-Bulwark-Level`.
     pub fn new(
         rules: Arc<Rules>,
         admission: Arc<Admission>,
@@ -43,8 +46,10 @@ impl Admit {
         bodies: Arc<BodyBudget>,
         body_deadlines: BodyDeadlines,
         send_progress: SendProgress,
+        name_every_answer: bool,
     ) -> Admit {
         Admit {
+            name_every_answer,
             rules,
             admission,
             cache,
@@ -73,6 +78,7 @@ where
             bodies,
             body_deadlines,
             send_progress,
+            name_every_answer,
         } = self;
         let (facts, mut call) = call.take_facts();
         let info = facts.info.clone();
@@ -142,6 +148,7 @@ where
         let mut permit = admitted.map_err(ProxyError::Refused)?;
         let _ = call.report.expected_bytes.set(permit.expected_bytes());
         let _ = call.report.admitted_at.set(tokio::time::Instant::now());
+        let _ = call.report.named.set(matched.headers.clone());
         let source = match (plan, cached) {
             (Some(plan), Some((cache, reader))) => Source::Cache(Box::new(Cached {
                 cache: cache.clone(),
@@ -180,13 +187,16 @@ where
             matched,
             source,
         };
-        // An answer names the rule and level that admitted it, and so does a refusal after
-        // admission (the cache's, the body budget's, the apiservers' failures).
+        // A refusal after admission (the cache's, the body budget's, the apiservers'
+        // failures) names the rule and level that admitted it; an answer does where every
+        // answer is to.
         let mut response = match next.run(call.learn(admitted)).await {
             Ok(response) => response,
             Err(error) => return Err(error.admitted(rule, level.name.clone())),
         };
-        name_rule(&mut response, headers);
+        if *name_every_answer {
+            name_rule(&mut response, headers);
+        }
         if upstream && info.is_long_running() {
             permit.release_seats();
         }

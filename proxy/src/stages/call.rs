@@ -118,6 +118,9 @@ pub struct Report {
     /// When admission let it in (admission): from there to the answer's head it held its
     /// seats.
     pub admitted_at: OnceLock<tokio::time::Instant>,
+    /// The rule and level that admitted it (admission), whether or not its answer names
+    /// them (`rules.answerHeaders`).
+    pub named: OnceLock<crate::rules::RuleHeaders>,
 }
 
 impl Report {

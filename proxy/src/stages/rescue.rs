@@ -14,7 +14,7 @@ use http_body_util::BodyExt as _;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::call::{Call, Labels, Next};
+use super::call::{Call, Labels, Next, Report};
 use crate::board::{Board, IdentityRejections, Refused, Seen};
 use crate::listen::ConnInfo;
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
@@ -137,8 +137,8 @@ where
                     board.seen(
                         Seen {
                             identity: report.who(),
-                            rule: header_text(&response, X_BULWARK_RULE),
-                            level: header_text(&response, X_BULWARK_LEVEL),
+                            rule: named(&report, &response, X_BULWARK_RULE),
+                            level: named(&report, &response, X_BULWARK_LEVEL),
                             waited: report.waited.get().copied().unwrap_or_default(),
                             refused: None,
                         },
@@ -203,8 +203,8 @@ where
                     request: report.info.get().map(|i| &**i),
                     code: response.status().as_u16(),
                     served_by: served_by.as_str(),
-                    rule: header_text(&response, X_BULWARK_RULE),
-                    level: header_text(&response, X_BULWARK_LEVEL),
+                    rule: named(&report, &response, X_BULWARK_RULE),
+                    level: named(&report, &response, X_BULWARK_LEVEL),
                     reason,
                     took,
                     waited: report.waited.get().copied(),
@@ -317,6 +317,21 @@ fn cut(text: &str, max: usize) -> &str {
 }
 
 /// A response header's text, empty when absent or not text.
+/// The rule (`X_BULWARK_RULE`) or level that admitted the request, as admission reported
+/// it, else as the answer names it (a refusal's); "" for neither.
+fn named<'a>(report: &'a Report, response: &'a Response<Body>, name: HeaderName) -> &'a str {
+    let admitted = report.named.get().and_then(|named| {
+        if name == X_BULWARK_RULE {
+            named.rule.as_ref()
+        } else {
+            named.level.as_ref()
+        }
+    });
+    admitted
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_else(|| header_text(response, name))
+}
+
 fn header_text(response: &Response<Body>, name: HeaderName) -> &str {
     response
         .headers()

@@ -91,6 +91,16 @@ const FLOOD_PATH: &str = "/api/v1/namespaces/default/pods";
 /// simulator's listeners and Bulwark's upstream connections, the clients, `/proc` reads.
 const RUNNER_FDS: u64 = 512;
 
+/// The rule under which `--authenticated`'s connections (the token user `tina`) are served.
+const IDLE_CLIENTS_RULE: &str = r#"
+rules:
+  - name: idle-clients
+    precedence: 2
+    match:
+      users: ["tina"]
+    level: exempt
+"#;
+
 /// The authenticated users: `user-0` works through the flood, `user-1` arrives during it.
 const PEOPLE: Persona<'static> = Persona::Users {
     prefix: "user",
@@ -202,6 +212,14 @@ async fn start_bulwark(
         advertise: None,
     };
     let (config, target, admin) = proxy_process::write_config(dir, &upstream)?;
+    if flood.authenticated && !legacy {
+        // Thousands of connections of one identity, one GET each: exempt, so that every one
+        // is answered and stays, as thousands of kubelets' would under their own flows.
+        std::fs::write(
+            dir.join("rules").join("idle-clients.yaml"),
+            IDLE_CLIENTS_RULE,
+        )?;
+    }
     if legacy {
         // A binary from before the connection limits knows no `listen.limits` key the
         // test configuration sets.

@@ -89,7 +89,8 @@ pub struct ListenLimits {
     /// keeps its connection.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
-    /// Interval of HTTP/2 keepalive pings to clients; `0s` sends none.
+    /// Interval of HTTP/2 keepalive pings to clients; `0s` (the default) sends none: TCP
+    /// keepalive and `TCP_USER_TIMEOUT` find a peer that vanished, as the apiserver's do.
     #[serde(with = "humantime_serde")]
     pub keepalive_interval: Duration,
     /// A client that does not answer a keepalive ping within this time is dropped.
@@ -171,7 +172,7 @@ impl Default for ListenLimits {
             handshake_timeout: Duration::from_secs(10),
             max_concurrent_streams: 250,
             idle_timeout: Duration::from_secs(90),
-            keepalive_interval: Duration::from_secs(30),
+            keepalive_interval: Duration::ZERO,
             keepalive_timeout: Duration::from_secs(20),
             max_body_bytes: 3 * 1024 * 1024,
             buffered_body_bytes: Quantity(256 * 1024 * 1024),
@@ -237,7 +238,6 @@ impl Listen {
             l.max_concurrent_streams.into(),
         );
         p.positive("listen.limits.idleTimeout", l.idle_timeout);
-        p.positive("listen.limits.keepaliveInterval", l.keepalive_interval);
         p.positive("listen.limits.keepaliveTimeout", l.keepalive_timeout);
         p.nonzero("listen.limits.maxBodyBytes", l.max_body_bytes as u64);
         if l.buffered_body_bytes_per_flow.0 < l.max_body_bytes as u64 {

@@ -46,6 +46,14 @@ struct Common {
     /// (`application/vnd.kubernetes.protobuf,application/json`), as kubelet and kube-proxy do.
     #[arg(long)]
     protobuf: bool,
+    /// informers, node-join: `fieldSelector=metadata.name` watches of Secrets each node
+    /// holds (a kubelet holds one per Secret its pods mount, about 10 to 15).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    secrets_per_node: u16,
+    /// informers, node-join: each node's EndpointSlice watch on a connection of its own,
+    /// as kube-proxy's is beside the kubelet's: two connections a node.
+    #[arg(long)]
+    kube_proxy_apart: bool,
 }
 
 /// `list-storm`'s and `informers`' options: the common ones, and a real control plane
@@ -708,5 +716,7 @@ fn opts(c: &Common) -> Options {
         scale: c.scale,
         only: c.only.clone(),
         protobuf: c.protobuf,
+        secrets_per_node: usize::from(c.secrets_per_node),
+        kube_proxy_apart: c.kube_proxy_apart,
     }
 }

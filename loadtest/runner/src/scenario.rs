@@ -68,6 +68,10 @@ pub struct Options {
     pub only: Option<String>,
     /// `informers`, `node-join`: nodes ask for protobuf first, as kubelet and kube-proxy do.
     pub protobuf: bool,
+    /// `informers`, `node-join`: Secret watches each node holds.
+    pub secrets_per_node: usize,
+    /// `informers`, `node-join`: each node's EndpointSlice watch on a connection of its own.
+    pub kube_proxy_apart: bool,
 }
 
 impl Options {

@@ -17,6 +17,8 @@ async fn a_list_storm_on_the_real_control_plane_records_memory_over_time_per_rep
         scale: 0.01,
         only: None,
         protobuf: false,
+        secrets_per_node: 2,
+        kube_proxy_apart: false,
     };
     let cp = ControlPlaneOptions {
         replicas: 1,

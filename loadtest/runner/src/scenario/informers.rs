@@ -48,19 +48,25 @@ pub(super) type Delivery = (Arc<Acks>, Arc<Mutex<Histogram<u64>>>);
 pub(super) struct Sizes {
     nodes: usize,
     slices: usize,
+    /// Secret watches a node holds, each of a Secret of its own.
+    secrets_per_node: usize,
+    /// Whether a node's EndpointSlice watch has a connection of its own (kube-proxy's).
+    kube_proxy_apart: bool,
 }
 
 pub(super) fn sizes(opts: &Options, nodes: usize) -> Sizes {
     Sizes {
         nodes: opts.scaled(nodes, 2),
         slices: opts.scaled(500, 10),
+        secrets_per_node: opts.secrets_per_node.max(1),
+        kube_proxy_apart: opts.kube_proxy_apart,
     }
 }
 
 pub(super) fn seed(s: &Sizes) -> Vec<String> {
     vec![
         format!("endpointslices={}x1KiB", s.slices),
-        format!("secrets={}x2KiB", 2 * s.nodes),
+        format!("secrets={}x2KiB", s.secrets_per_node * s.nodes),
     ]
 }
 
@@ -277,44 +283,48 @@ fn settle(acks: &Acks, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histog
 }
 
 /// One node: an EndpointSlice informer and a watch per Secret of its own, on one connection.
+/// One node: its kubelet's watches of its `secrets` Secrets and its kube-proxy's of the
+/// EndpointSlices, on `kubelet`'s connection, or the latter on `kube_proxy`'s where it has
+/// one of its own.
 async fn node(
-    client: Client,
+    (kubelet, kube_proxy): (Client, Option<Client>),
     class: Arc<ClassStats>,
-    index: usize,
+    (index, secrets): (usize, usize),
     (start, deadline): (Instant, Instant),
     delivery: Delivery,
     received: Arc<Received>,
 ) {
     tokio::time::sleep_until(start).await;
     let secret = |k: usize| {
-        let n = 2 * index + k;
+        let n = secrets * index + k;
         format!(
             "/api/v1/namespaces/ns-{}/secrets?fieldSelector=metadata.name%3Dsecret-{n}",
             n % 10
         )
     };
-    let (mut a, b, c) = tokio::join!(
+    let slices = reflector(
+        kube_proxy.unwrap_or_else(|| kubelet.clone()),
+        class.tally(),
+        SLICES_PATH.into(),
+        deadline,
+        Some(delivery),
+        received.clone(),
+    );
+    let secrets = futures::future::join_all((0..secrets).map(|k| {
         reflector(
-            client.clone(),
+            kubelet.clone(),
             class.tally(),
-            SLICES_PATH.into(),
-            deadline,
-            Some(delivery),
-            received.clone(),
-        ),
-        reflector(
-            client.clone(),
-            class.tally(),
-            secret(0),
+            secret(k),
             deadline,
             None,
-            received.clone()
-        ),
-        reflector(client, class.tally(), secret(1), deadline, None, received),
-    );
-    a.merge(b);
-    a.merge(c);
-    class.done(a);
+            received.clone(),
+        )
+    }));
+    let (mut all, each) = tokio::join!(slices, secrets);
+    for tally in each {
+        all.merge(tally);
+    }
+    class.done(all);
 }
 
 /// Updates EndpointSlices round robin at [`CHURN_PER_SECOND`] and records when each write
@@ -394,14 +404,23 @@ pub(super) async fn drive_nodes(
     let mut tasks = Vec::new();
     for (i, id) in node_ids.iter().enumerate() {
         let start = started + join_window.mul_f64(i as f64 / s.nodes as f64);
-        let mut client = Client::new(target, id)?;
-        if protobuf {
-            client = client.with_accept(PROTOBUF_FIRST);
-        }
+        let connect = || -> anyhow::Result<Client> {
+            let client = Client::new(target, id)?;
+            Ok(if protobuf {
+                client.with_accept(PROTOBUF_FIRST)
+            } else {
+                client
+            })
+        };
+        let kube_proxy = if s.kube_proxy_apart {
+            Some(connect()?)
+        } else {
+            None
+        };
         tasks.push(tokio::spawn(node(
-            client,
+            (connect()?, kube_proxy),
             nodes.clone(),
-            i,
+            (i, s.secrets_per_node),
             (start, deadline),
             (acks.clone(), hist.clone()),
             received.clone(),

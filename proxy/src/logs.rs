@@ -37,17 +37,12 @@ struct State {
     window_start: Instant,
     /// Lines written in the current interval.
     lines: u32,
-    /// Keys already logged in the current interval, with refusals left unlogged since.
-    seen: HashMap<Key, u64>,
+    /// Identity, rule and reason already logged in the current interval (their hash: a
+    /// collision only folds two into one line's count), with refusals left unlogged since.
+    /// Hashed rather than copied: a storm's refusals are counted here one by one.
+    seen: HashMap<u64, u64>,
     /// Refusals left unlogged in earlier intervals, reported on the next line.
     carried: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-struct Key {
-    identity: String,
-    rule: String,
-    reason: Reason,
 }
 
 /// One refusal to log.
@@ -140,10 +135,11 @@ impl RejectionLog {
             state.lines = 0;
             state.window_start = now;
         }
-        let key = Key {
-            identity: rejection.identity.to_string(),
-            rule: rejection.rule.to_string(),
-            reason: rejection.reason,
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::hash::DefaultHasher::new();
+            (rejection.identity, rejection.rule, rejection.reason).hash(&mut hasher);
+            hasher.finish()
         };
         if let Some(unlogged) = state.seen.get_mut(&key) {
             *unlogged += 1;

@@ -1044,3 +1044,30 @@ async fn clients_without_a_node_claim_get_a_flow_per_address_and_user() {
     .await
     .unwrap();
 }
+
+/// A flow's rate-limit message read from the thread's memo says what one written afresh
+/// says: another share of the fleet, or another flow of the same hash, is not answered
+/// with a message kept for the first.
+#[test]
+fn a_remembered_over_rate_message_follows_its_flow_rate_and_share() {
+    let rate = Rate {
+        qps: 5.0,
+        burst: 10,
+    };
+    let half = Rate { qps: 2.5, burst: 5 };
+    let (a, b): (Arc<str>, Arc<str>) = (Arc::from("team-a"), Arc::from("team-b"));
+    let alone = over_rate(&a, 7, rate, rate);
+    assert_eq!(
+        alone,
+        "flow team-a is over its rate of 5 requests per second (burst 10)"
+    );
+    assert_eq!(over_rate(&a, 7, rate, rate), alone);
+    let shared = over_rate(&a, 7, rate, half);
+    assert!(
+        shared.contains("across the Bulwark fleet; this replica holds 2.500 of it (burst 5)"),
+        "{shared}"
+    );
+    // The same hash for another flow: its own name.
+    assert!(over_rate(&b, 7, rate, rate).starts_with("flow team-b is over"));
+    assert_eq!(over_rate(&a, 7, rate, rate), alone);
+}

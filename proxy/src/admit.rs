@@ -741,9 +741,12 @@ impl Admission {
 /// How many flows' rate-limit messages each thread keeps (see [`over_rate`]).
 const OVER_RATE_MEMO: usize = 256;
 
+/// A flow, its rate and the share held (as bits), and their message.
+type OverRate = (Arc<str>, [u64; 4], String);
+
 thread_local! {
-    /// Per flow (by its hash): the flow, its rate and the share held, and their message.
-    static OVER_RATE: std::cell::RefCell<lru::LruCache<u64, (Arc<str>, [u64; 4], String)>> =
+    /// Per flow (by its hash): see [`OverRate`].
+    static OVER_RATE: std::cell::RefCell<lru::LruCache<u64, OverRate>> =
         std::cell::RefCell::new(lru::LruCache::new(
             std::num::NonZeroUsize::new(OVER_RATE_MEMO).expect("not zero"),
         ));

@@ -1547,3 +1547,54 @@ async fn admin_tls_connections_that_send_no_request_are_closed_at_the_header_tim
     assert_eq!(status, StatusCode::OK);
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// The patched h2 (patches/README.md)
+// ---------------------------------------------------------------------------------------
+
+/// A sensitive header value (Bulwark marks the `Audit-Id` so, on every answer) goes over
+/// HTTP/2 as it is, not Huffman-coded: its bytes are on the wire verbatim. With h2 as
+/// published they are not.
+#[tokio::test]
+async fn an_audit_id_goes_to_the_client_as_it_is() -> Result<()> {
+    const ID: &str = "0f8e5a3c-9b1d-4c2e-8a7f-6d5e4c3b2a19";
+    let (client, relay_client) = tokio::io::duplex(64 * 1024);
+    let (relay_server, served) = tokio::io::duplex(64 * 1024);
+    let service = hyper::service::service_fn(|_: Request<Incoming>| async {
+        let mut response = Response::new(Empty::<Bytes>::new());
+        let mut id = http::HeaderValue::from_static(ID);
+        id.set_sensitive(true);
+        response.headers_mut().insert("audit-id", id);
+        Ok::<_, Infallible>(response)
+    });
+    tokio::spawn(
+        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(TokioIo::new(served), service),
+    );
+    // What the server sends, recorded on its way to the client.
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let (mut from_client, mut to_client) = tokio::io::split(relay_client);
+    let (mut from_server, mut to_server) = tokio::io::split(relay_server);
+    tokio::spawn(async move { tokio::io::copy(&mut from_client, &mut to_server).await });
+    let recorded = sent.clone();
+    tokio::spawn(async move {
+        let mut chunk = [0u8; 4096];
+        while let Ok(n @ 1..) = from_server.read(&mut chunk).await {
+            recorded.lock().unwrap().extend_from_slice(&chunk[..n]);
+            if to_client.write_all(&chunk[..n]).await.is_err() {
+                break;
+            }
+        }
+    });
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(client)).await?;
+    tokio::spawn(conn);
+    let response = sender.send_request(get("/")).await?;
+    assert_eq!(response.headers()["audit-id"], ID);
+    let sent = sent.lock().unwrap().clone();
+    assert!(
+        sent.windows(ID.len()).any(|w| w == ID.as_bytes()),
+        "the Audit-Id is not on the wire as it is: Huffman-coded?"
+    );
+    Ok(())
+}

@@ -421,10 +421,23 @@ where
         let _e = span.enter();
         loop {
             tracing::trace!("poll");
-            let bytes = match ready!(Pin::new(&mut self.inner).poll_next(cx)) {
-                Some(Ok(bytes)) => bytes,
-                Some(Err(e)) => return Poll::Ready(Some(Err(map_err(e)))),
-                None => return Poll::Ready(None),
+            if self.inner.read_buffer().capacity() == 0 {
+                // Given back while there was nothing to read (bulwark patch).
+                self.inner.read_buffer_mut().reserve(READ_BUFFER_CAPACITY);
+            }
+            let bytes = match Pin::new(&mut self.inner).poll_next(cx) {
+                Poll::Ready(Some(Ok(bytes))) => bytes,
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(map_err(e)))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => {
+                    // Nothing to read and nothing kept: give the buffer back until the
+                    // peer sends again (bulwark patch), so that an idle connection does
+                    // not keep READ_BUFFER_CAPACITY.
+                    if self.inner.read_buffer().is_empty() {
+                        *self.inner.read_buffer_mut() = BytesMut::new();
+                    }
+                    return Poll::Pending;
+                }
             };
 
             tracing::trace!(read.bytes = bytes.len());
@@ -446,6 +459,10 @@ fn map_err(err: io::Error) -> Error {
     }
     err.into()
 }
+
+/// The read buffer made when the connection reads (bulwark patch): tokio-util's own first
+/// capacity.
+const READ_BUFFER_CAPACITY: usize = 8 * 1024;
 
 // ===== impl Continuable =====
 
@@ -488,6 +505,41 @@ impl<T> From<Continuable> for Frame<T> {
                 push.set_end_headers();
                 push.into()
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod bulwark_patch_tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+    use tokio_util::codec::length_delimited;
+
+    /// The read buffer exists while the connection reads and is given back when there is
+    /// nothing left to read: an idle connection holds none (bulwark patch).
+    #[tokio::test]
+    async fn the_read_buffer_is_given_back_when_nothing_is_left_to_read() {
+        let (mut peer, ours) = tokio::io::duplex(1 << 16);
+        let delimited = length_delimited::Builder::new()
+            .big_endian()
+            .length_field_length(3)
+            .length_adjustment(9)
+            .num_skip(0)
+            .new_read(ours);
+        let mut read = FramedRead::new(delimited);
+        // A PING frame: length 8, type 6, no flags, stream 0, 8 bytes of payload.
+        let ping = [0, 0, 8, 6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+        for round in 0..3 {
+            peer.write_all(&ping).await.unwrap();
+            let frame = std::future::poll_fn(|cx| Pin::new(&mut read).poll_next(cx))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(matches!(frame, Frame::Ping(_)), "round {round}: {frame:?}");
+            let waiting =
+                std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut read).poll_next(cx))).await;
+            assert!(waiting.is_pending(), "round {round}: nothing more to read");
+            assert_eq!(read.inner.read_buffer().capacity(), 0, "round {round}: given back");
         }
     }
 }

@@ -387,6 +387,9 @@ where
 
         // Create the codec.
         let mut codec = Codec::new(io);
+        // A server's connections are many and mostly idle: none keeps its buffers while
+        // it has nothing to read or write (bulwark patch).
+        codec.release_idle_buffers();
 
         if let Some(max) = builder.settings.max_frame_size() {
             codec.set_max_recv_frame_size(max as usize);

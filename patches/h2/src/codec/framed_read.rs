@@ -26,6 +26,10 @@ pub struct FramedRead<T> {
     inner: InnerFramedRead<T, LengthDelimitedCodec>,
 
     decoder: FrameDecoder,
+
+    /// Whether the read buffer is given back when there is nothing left to read (bulwark
+    /// patch: a server's connections, most of them idle most of the time).
+    release_when_idle: bool,
 }
 
 #[derive(Debug)]
@@ -61,7 +65,11 @@ enum Continuable {
 impl<T> FramedRead<T> {
     pub fn new(inner: InnerFramedRead<T, LengthDelimitedCodec>) -> FramedRead<T> {
         let decoder = FrameDecoder::new(inner.decoder().max_frame_length());
-        FramedRead { inner, decoder }
+        FramedRead {
+            inner,
+            decoder,
+            release_when_idle: false,
+        }
     }
 
     pub fn get_ref(&self) -> &T {
@@ -433,7 +441,7 @@ where
                     // Nothing to read and nothing kept: give the buffer back until the
                     // peer sends again (bulwark patch), so that an idle connection does
                     // not keep READ_BUFFER_CAPACITY.
-                    if self.inner.read_buffer().is_empty() {
+                    if self.release_when_idle && self.inner.read_buffer().is_empty() {
                         *self.inner.read_buffer_mut() = BytesMut::new();
                     }
                     return Poll::Pending;
@@ -458,6 +466,13 @@ fn map_err(err: io::Error) -> Error {
         }
     }
     err.into()
+}
+
+impl<T> FramedRead<T> {
+    /// Gives the read buffer back when there is nothing left to read (bulwark patch).
+    pub(crate) fn release_when_idle(&mut self) {
+        self.release_when_idle = true;
+    }
 }
 
 /// The read buffer made when the connection reads (bulwark patch): tokio-util's own first
@@ -527,6 +542,7 @@ mod bulwark_patch_tests {
             .num_skip(0)
             .new_read(ours);
         let mut read = FramedRead::new(delimited);
+        read.release_when_idle();
         // A PING frame: length 8, type 6, no flags, stream 0, 8 bytes of payload.
         let ping = [0, 0, 8, 6, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
         for round in 0..3 {

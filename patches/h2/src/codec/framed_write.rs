@@ -25,6 +25,10 @@ pub struct FramedWrite<T, B> {
     inner: T,
     final_flush_done: bool,
 
+    /// Whether the write buffer is given back once a flush has written everything
+    /// (bulwark patch: a server's connections, most of them idle most of the time).
+    release_when_flushed: bool,
+
     encoder: Encoder<B>,
 }
 
@@ -91,6 +95,7 @@ where
         FramedWrite {
             inner,
             final_flush_done: false,
+            release_when_flushed: false,
             encoder: Encoder {
                 hpack: hpack::Encoder::default(),
                 // Made when a frame is buffered and given back when a flush has written
@@ -177,7 +182,10 @@ where
 
         // Everything is written: give the buffer back until the next frame (bulwark
         // patch), so that an idle connection does not keep DEFAULT_BUFFER_CAPACITY.
-        if self.encoder.next.is_none() && self.encoder.buf.get_ref().is_empty() {
+        if self.release_when_flushed
+            && self.encoder.next.is_none()
+            && self.encoder.buf.get_ref().is_empty()
+        {
             self.encoder.buf = Cursor::new(BytesMut::new());
         }
 
@@ -347,6 +355,11 @@ impl<B> Encoder<B> {
 }
 
 impl<T, B> FramedWrite<T, B> {
+    /// Gives the write buffer back once a flush has written everything (bulwark patch).
+    pub(crate) fn release_when_flushed(&mut self) {
+        self.release_when_flushed = true;
+    }
+
     /// Returns the max frame size that can be sent
     pub fn max_frame_size(&self) -> usize {
         self.encoder.max_frame_size()
@@ -409,6 +422,7 @@ mod bulwark_patch_tests {
     async fn the_write_buffer_is_given_back_once_flushed() {
         let (client, _server) = tokio::io::duplex(1 << 20);
         let mut write: FramedWrite<_, bytes::Bytes> = FramedWrite::new(client);
+        write.release_when_flushed();
         assert_eq!(write.buffer_capacity(), 0, "no buffer before the first frame");
         for round in 0..3 {
             poll_fn(|cx| write.poll_ready(cx)).await.unwrap();
@@ -417,6 +431,20 @@ mod bulwark_patch_tests {
             assert_eq!(write.buffer_capacity(), DEFAULT_BUFFER_CAPACITY);
             poll_fn(|cx| write.flush(cx)).await.unwrap();
             assert_eq!(write.buffer_capacity(), 0, "round {round}: given back");
+        }
+    }
+
+    /// Without `release_when_flushed` (a client's connections, few and busy) the buffer is
+    /// kept from one flush to the next.
+    #[tokio::test]
+    async fn a_clients_write_buffer_is_kept() {
+        let (client, _server) = tokio::io::duplex(1 << 20);
+        let mut write: FramedWrite<_, bytes::Bytes> = FramedWrite::new(client);
+        for round in 0..3 {
+            poll_fn(|cx| write.poll_ready(cx)).await.unwrap();
+            write.buffer(Frame::from(frame::Ping::new([round; 8]))).unwrap();
+            poll_fn(|cx| write.flush(cx)).await.unwrap();
+            assert_eq!(write.buffer_capacity(), DEFAULT_BUFFER_CAPACITY);
         }
     }
 }

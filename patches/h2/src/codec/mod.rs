@@ -116,6 +116,13 @@ impl<T, B> Codec<T, B> {
         self.inner.get_mut().get_mut()
     }
 
+    /// Gives the read and write buffers back while there is nothing to read or write
+    /// (bulwark patch): for a server's connections, most of them idle most of the time.
+    pub fn release_idle_buffers(&mut self) {
+        self.inner.release_when_idle();
+        self.framed_write().release_when_flushed();
+    }
+
     /// Takes the data payload value that was fully written to the socket
     pub(crate) fn take_last_data_frame(&mut self) -> Option<Data<B>> {
         self.framed_write().take_last_data_frame()

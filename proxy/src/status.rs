@@ -233,15 +233,31 @@ impl Refusal {
     }
 
     /// What the memo of [`Parts`] tells refusals apart by: everything its parts are made of.
+    fn words(
+        &self,
+    ) -> (
+        Reason,
+        StatusCode,
+        &str,
+        Option<&str>,
+        Option<&str>,
+        Option<u64>,
+    ) {
+        (
+            self.reason,
+            self.status(),
+            &self.message,
+            self.rule.as_deref(),
+            self.level.as_deref(),
+            self.retry_after.map(retry_after_secs),
+        )
+    }
+
+    /// [`Refusal::words`] hashed: the memo's key.
     fn memo_key(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::hash::DefaultHasher::new();
-        self.reason.hash(&mut hasher);
-        self.status().hash(&mut hasher);
-        self.message.hash(&mut hasher);
-        self.rule.hash(&mut hasher);
-        self.level.hash(&mut hasher);
-        self.retry_after.map(retry_after_secs).hash(&mut hasher);
+        self.words().hash(&mut hasher);
         hasher.finish()
     }
 }
@@ -282,7 +298,7 @@ impl Parts {
         let key = refusal.memo_key();
         let recalled = WRITTEN.with_borrow_mut(|memo| {
             memo.get(&key)
-                .filter(|written| written.of.same_words(refusal))
+                .filter(|written| written.of.words() == refusal.words())
                 .map(|written| written.parts.clone())
         });
         if let Some(parts) = recalled {
@@ -304,18 +320,6 @@ impl Parts {
         };
         WRITTEN.with_borrow_mut(|memo| memo.put(key, written));
         parts
-    }
-}
-
-impl Refusal {
-    /// Whether `other`'s answer says exactly what this one's does.
-    fn same_words(&self, other: &Refusal) -> bool {
-        self.reason == other.reason
-            && self.status() == other.status()
-            && self.message == other.message
-            && self.rule == other.rule
-            && self.level == other.level
-            && self.retry_after.map(retry_after_secs) == other.retry_after.map(retry_after_secs)
     }
 }
 

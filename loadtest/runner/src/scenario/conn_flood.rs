@@ -297,18 +297,6 @@ async fn measure(
         flood.connections
     );
     let opened = open_flood(proxy.target.clone(), flood).await?;
-    let opened_rss = sample(pid).await?.1;
-    if let Some(per) = opened_rss
-        .checked_sub(idle.1)
-        .and_then(|grown| grown.checked_div(opened.accepted.len() as u64))
-    {
-        eprintln!(
-            "  [{name}] {} a connection ({} of resident memory for {} connections)",
-            report::human_bytes(per),
-            report::human_bytes(opened_rss - idle.1),
-            opened.accepted.len()
-        );
-    }
     let opened_at = Instant::now();
     let at_open = sample(pid).await?;
     eprintln!(
@@ -320,6 +308,18 @@ async fn measure(
         at_open.0,
         report::human_bytes(at_open.1),
     );
+    if let Some(per) = at_open
+        .1
+        .checked_sub(idle.1)
+        .and_then(|grown| grown.checked_div(opened.accepted.len() as u64))
+    {
+        eprintln!(
+            "  [{name}] {} a connection ({} of resident memory for {} connections)",
+            report::human_bytes(per),
+            report::human_bytes(at_open.1 - idle.1),
+            opened.accepted.len()
+        );
+    }
     let new_client = new_client(&proxy.target, &people[1]).await;
 
     // Held until Bulwark has closed every accepted connection, or for `hold`.

@@ -282,7 +282,6 @@ fn settle(acks: &Acks, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histog
     });
 }
 
-/// One node: an EndpointSlice informer and a watch per Secret of its own, on one connection.
 /// One node: its kubelet's watches of its `secrets` Secrets and its kube-proxy's of the
 /// EndpointSlices, on `kubelet`'s connection, or the latter on `kube_proxy`'s where it has
 /// one of its own.

@@ -116,8 +116,9 @@ enum Subject {
 
 impl Subject {
     /// What a run measures, in order: direct, haproxy, nginx, then the floor and Bulwark
-    /// with each of `workers`, and Bulwark refusing every request with the fewest. haproxy runs with each of `workers` too when they were asked
-    /// for (`explicit`), else with one thread only.
+    /// with each of `workers`, and Bulwark refusing every request with the fewest. haproxy
+    /// runs with each of `workers` too when they were asked for (`explicit`), else with one
+    /// thread only.
     fn all(workers: &[usize], explicit: bool) -> Vec<Subject> {
         let haproxy = if explicit { workers } else { &[1][..] };
         let mut all = vec![Subject::Direct];
@@ -617,8 +618,7 @@ impl<'a> Bench<'a> {
         let ca = self.upstream_ca.display();
         let (mut child, name) = match subject {
             Subject::Direct => return Ok((up, Front::Upstream)),
-            Subject::Bulwark(workers) => return self.bulwark(workers, cores, MEASURED_RULE).await,
-            Subject::Refused(workers) => return self.bulwark(workers, cores, REFUSING_RULE).await,
+            Subject::Bulwark(_) | Subject::Refused(_) => return self.bulwark(subject, cores).await,
             Subject::Floor(workers) => {
                 let exe = std::env::current_exe().context("locating this binary")?;
                 let mut command = pinned(self.tools, cores, &exe);
@@ -710,15 +710,19 @@ backend upstream
         Ok((addr, Front::External { child, name }))
     }
 
-    /// Starts Bulwark (this binary's hidden subcommand) with `workers` worker threads.
-    /// Starts Bulwark with `workers` under the rule file `rule`.
+    /// Starts Bulwark (this binary's hidden subcommand) as `subject` (forwarding or
+    /// refusing) with its worker threads.
     async fn bulwark(
         &self,
-        workers: usize,
+        subject: Subject,
         cores: Option<String>,
-        rule: &str,
     ) -> anyhow::Result<(SocketAddr, Front)> {
-        let dir = self.dir.join(format!("bulwark-{workers}-{}", rule.len()));
+        let rule = match subject {
+            Subject::Refused(_) => REFUSING_RULE,
+            _ => MEASURED_RULE,
+        };
+        let workers = subject.workers();
+        let dir = self.dir.join(subject.name());
         let serving_ca = Ca::new("bulwark-serving-ca");
         let credentials = Credentials::mint(&dir, &self.pki, &serving_ca, Names::default())?;
         let rules = dir.join("rules");

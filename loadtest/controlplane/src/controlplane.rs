@@ -535,6 +535,15 @@ impl ControlPlane {
             .and_then(ProxyProcess::pid)
     }
 
+    /// The process ids of the kube-apiserver replicas running now.
+    pub fn replica_pids(&self) -> Vec<u32> {
+        self.replicas
+            .iter()
+            .map(|r| r.shared.pid.load(Ordering::Relaxed))
+            .filter(|&pid| pid != 0)
+            .collect()
+    }
+
     /// etcd's process id, while it runs (for faults such as SIGSTOP).
     pub fn etcd_pid(&self) -> Option<u32> {
         self.etcd.as_ref().and_then(|e| e.child.id())

@@ -353,6 +353,17 @@ pub fn cost_of(child: &Child) -> anyhow::Result<ProxyCost> {
     })
 }
 
+/// A process's resident memory (`VmRSS`) and CPU time so far, from `/proc`; `None` once
+/// it has exited.
+pub fn usage(pid: u32) -> Option<(u64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    let cpu = cpu_seconds(&stat, rustix::param::clock_ticks_per_second())?;
+    Some((kib * 1024, cpu))
+}
+
 /// Measures a proxy process, sends it SIGTERM, waits up to 15 s for it to exit (then kills
 /// it), and returns what it cost.
 pub async fn stop_child(

@@ -65,6 +65,7 @@ pub fn page(report: &Report) -> anyhow::Result<Page> {
     }
     sections.extend([memory(report)?, requests(report)?]);
     sections.push(latency(report)?);
+    sections.push(watch_cost(report)?);
     sections.push(rejected(report)?);
     sections.retain(|s| !s.items.is_empty());
     let mut header = vec![String::new()];
@@ -547,6 +548,78 @@ fn rejected(report: &Report) -> anyhow::Result<Section> {
     Ok(section)
 }
 
+/// What the nodes' connections and watches cost the process serving them (informers): the
+/// memory of one idle connection and of one watch, and how long an update took to reach
+/// its watchers, each run a series.
+fn watch_cost(report: &Report) -> anyhow::Result<Section> {
+    let mut section = Section {
+        title: "What a watcher costs".into(),
+        items: Vec::new(),
+    };
+    let runs: Vec<(String, &super::WatchCost)> = report
+        .runs
+        .iter()
+        .filter_map(|(n, r)| {
+            Some((
+                format!("{n} ({})", r.watch_cost.as_ref()?.measured),
+                r.watch_cost.as_ref()?,
+            ))
+        })
+        .collect();
+    if runs.is_empty() {
+        return Ok(section);
+    }
+    let kib = |b: Option<u64>| b.unwrap_or(0) as f64 / 1024.0;
+    let title = "Memory per idle connection and per watch".to_string();
+    let svg = bars(&Bars {
+        title: &title,
+        y_desc: "KiB",
+        categories: vec!["idle connection".into(), "watch".into()],
+        series: runs
+            .iter()
+            .map(|(n, w)| {
+                (
+                    n.clone(),
+                    vec![kib(w.per_connection_bytes()), kib(w.per_watch_bytes())],
+                )
+            })
+            .collect(),
+        limit: None,
+        log_y: false,
+    })?;
+    section.items.push(Item::Chart(Chart { title, svg }));
+    let ms = |t: &Option<[f64; 3]>, i: usize| t.map_or(0.0, |t| t[i]);
+    let title = "Update to its watchers (ms)".to_string();
+    let svg = bars(&Bars {
+        title: &title,
+        y_desc: "ms",
+        categories: [
+            "Secret p50",
+            "Secret p99",
+            "Secret max",
+            "EndpointSlice to all p50",
+            "to all p99",
+            "to all max",
+        ]
+        .map(String::from)
+        .to_vec(),
+        series: runs
+            .iter()
+            .map(|(n, w)| {
+                let v = (0..3)
+                    .map(|i| ms(&w.secret_delivery_ms, i))
+                    .chain((0..3).map(|i| ms(&w.slice_to_all_ms, i)))
+                    .collect();
+                (n.clone(), v)
+            })
+            .collect(),
+        limit: None,
+        log_y: false,
+    })?;
+    section.items.push(Item::Chart(Chart { title, svg }));
+    Ok(section)
+}
+
 /// One line of a chart: its legend, colour and points.
 pub type Line = (String, RGBColor, Vec<(f64, f64)>);
 
@@ -892,5 +965,48 @@ mod tests {
         );
         assert!(charts[0].svg.contains("memory limit"));
         assert!(charts[0].svg.contains("OOM kill"));
+    }
+
+    #[test]
+    fn a_watch_cost_is_drawn_as_memory_per_watcher_and_delivery_per_run() {
+        let cost = |measured: &str, per_watch: u64| super::super::WatchCost {
+            measured: measured.into(),
+            connections: 10,
+            watches: 100,
+            rss_before_bytes: 1 << 20,
+            rss_connected_bytes: (1 << 20) + 10 * 20 * 1024,
+            rss_watching_bytes: (1 << 20) + 10 * 20 * 1024 + 100 * per_watch,
+            secret_delivery_ms: Some([1.0, 5.0, 9.0]),
+            slice_to_all_ms: Some([2.0, 6.0, 700.0]),
+            ..Default::default()
+        };
+        let with = |w| Run {
+            watch_cost: Some(w),
+            ..Run::default()
+        };
+        let report = Report::new(
+            "informers",
+            0.25,
+            vec![
+                ("direct".into(), with(cost("kube-apiserver", 98 << 10))),
+                ("bulwark".into(), with(cost("Bulwark", 8 << 10))),
+            ],
+        );
+        let section = watch_cost(&report).unwrap();
+        let charts: Vec<&Chart> = section
+            .items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Chart(c) => Some(c),
+                Item::Table(_) => None,
+            })
+            .collect();
+        assert_eq!(charts.len(), 2);
+        assert!(charts[0].svg.contains("direct (kube-apiserver)"));
+        assert!(charts[0].svg.contains("bulwark (Bulwark)"));
+        assert!(charts[1].svg.contains("to all max"));
+        // A run without the figures draws nothing.
+        let bare = Report::new("list-storm", 1.0, vec![("direct".into(), run(0, 0))]);
+        assert!(watch_cost(&bare).unwrap().items.is_empty());
     }
 }

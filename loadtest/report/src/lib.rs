@@ -123,6 +123,10 @@ pub struct Run {
     /// node-join only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub watch_bytes_per_event: Option<f64>,
+    /// What the nodes' connections and watches cost the process serving them (informers
+    /// only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub watch_cost: Option<WatchCost>,
     /// What an idle-connection flood did (conn-flood only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub flood: Option<Flood>,
@@ -335,6 +339,59 @@ pub struct ProxyCost {
     pub cpu_seconds: f64,
 }
 
+/// What a process serving the nodes' watches spent on them, in three steps: before any
+/// node connects, once every node's connections are open (one GET each, then idle), and
+/// with every watch open while the churn runs.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WatchCost {
+    /// Whose memory and CPU these are: `Bulwark` or `kube-apiserver` (every replica's).
+    pub measured: String,
+    /// Client connections the nodes opened.
+    pub connections: u64,
+    /// Watches they held open.
+    pub watches: u64,
+    /// Resident memory (`VmRSS`) before the nodes connected.
+    pub rss_before_bytes: u64,
+    /// Resident memory with every connection open and idle.
+    pub rss_connected_bytes: u64,
+    /// Mean resident memory over the steady state, every watch open.
+    pub rss_watching_bytes: u64,
+    /// CPU seconds the process used over the steady state.
+    pub steady_cpu_seconds: f64,
+    /// Watch events (not bookmarks) the nodes received over the steady state.
+    pub steady_events: u64,
+    /// Secret update acknowledged → its watcher's event: p50, p99, max in ms.
+    pub secret_delivery_ms: Option<[f64; 3]>,
+    /// EndpointSlice update acknowledged → the last kube-proxy's event, over the updates
+    /// every kube-proxy received: p50, p99, max in ms.
+    pub slice_to_all_ms: Option<[f64; 3]>,
+    /// Updates every kube-proxy received (those counted above).
+    pub slice_updates_to_all: u64,
+}
+
+impl WatchCost {
+    /// Memory each open, idle connection added.
+    pub fn per_connection_bytes(&self) -> Option<u64> {
+        self.rss_connected_bytes
+            .saturating_sub(self.rss_before_bytes)
+            .checked_div(self.connections)
+    }
+
+    /// Memory each watch added on top of its connection.
+    pub fn per_watch_bytes(&self) -> Option<u64> {
+        self.rss_watching_bytes
+            .saturating_sub(self.rss_connected_bytes)
+            .checked_div(self.watches)
+    }
+
+    /// CPU microseconds per delivered event over the steady state (bookmarks, the churn's
+    /// writes and the process's own work included).
+    pub fn cpu_us_per_event(&self) -> Option<f64> {
+        (self.steady_events > 0).then(|| self.steady_cpu_seconds * 1e6 / self.steady_events as f64)
+    }
+}
+
 /// One class of clients' figures.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -506,6 +563,53 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
 
 /// The conn-flood rows: the flood, Bulwark's descriptors and memory, and what the other
 /// clients saw.
+fn watch_cost_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    let cells = |f: &dyn Fn(&WatchCost) -> String| -> Vec<String> {
+        runs.iter()
+            .map(|r| r.watch_cost.as_ref().map_or_else(|| "-".to_string(), f))
+            .collect()
+    };
+    rows.push(("watch cost".to_string(), vec![String::new(); runs.len()]));
+    let mut add = |label: &str, f: &dyn Fn(&WatchCost) -> String| {
+        rows.push((format!("  {label}"), cells(f)));
+    };
+    let bytes = |b: Option<u64>| b.map_or_else(|| "-".to_string(), human_bytes);
+    let ms = |t: &Option<[f64; 3]>| match t {
+        Some([p50, p99, max]) => format!("{p50:.1} / {p99:.1} / {max:.1}"),
+        None => "-".to_string(),
+    };
+    add("measured", &|w| w.measured.clone());
+    add("connections / watches", &|w| {
+        format!("{} / {}", w.connections, w.watches)
+    });
+    add("RSS before / connected / watching", &|w| {
+        format!(
+            "{} / {} / {}",
+            human_bytes(w.rss_before_bytes),
+            human_bytes(w.rss_connected_bytes),
+            human_bytes(w.rss_watching_bytes)
+        )
+    });
+    add("RSS per idle connection", &|w| {
+        bytes(w.per_connection_bytes())
+    });
+    add("RSS per watch", &|w| bytes(w.per_watch_bytes()));
+    add("CPU µs per delivered event", &|w| {
+        w.cpu_us_per_event()
+            .map_or_else(|| "-".to_string(), |us| format!("{us:.1}"))
+    });
+    add("Secret → watcher p50/p99/max ms", &|w| {
+        ms(&w.secret_delivery_ms)
+    });
+    add("EndpointSlice → every kube-proxy ms", &|w| {
+        format!(
+            "{} ({} updates)",
+            ms(&w.slice_to_all_ms),
+            w.slice_updates_to_all
+        )
+    });
+}
+
 fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
     let cells = |f: &dyn Fn(&Flood) -> String| -> Vec<String> {
         runs.iter()
@@ -660,6 +764,9 @@ pub fn figures(report: &Report) -> Rows {
         ));
     }
 
+    if runs.iter().any(|r| r.watch_cost.is_some()) {
+        watch_cost_rows(&mut rows, &runs);
+    }
     if runs.iter().any(|r| r.flood.is_some()) {
         flood_rows(&mut rows, &runs);
     }
@@ -1119,6 +1226,51 @@ mod tests {
         assert!((jain(&[0, 0]) - 1.0).abs() < 1e-12);
         // (1+3)^2 / (2 * (1+9)) = 16/20
         assert!((jain(&[1, 3]) - 0.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_watch_cost_splits_memory_into_connections_and_watches() {
+        let w = WatchCost {
+            measured: "Bulwark".into(),
+            connections: 1000,
+            watches: 6500,
+            rss_before_bytes: 64 << 20,
+            rss_connected_bytes: (64 << 20) + 1000 * 25 * 1024,
+            rss_watching_bytes: (64 << 20) + 1000 * 25 * 1024 + 6500 * 8 * 1024,
+            steady_cpu_seconds: 2.0,
+            steady_events: 100_000,
+            ..WatchCost::default()
+        };
+        assert_eq!(w.per_connection_bytes(), Some(25 * 1024));
+        assert_eq!(w.per_watch_bytes(), Some(8 * 1024));
+        assert_eq!(w.cpu_us_per_event(), Some(20.0));
+        // Memory that fell, or no connections, reads as nothing rather than a wrap.
+        let fell = WatchCost {
+            rss_connected_bytes: 1,
+            rss_before_bytes: 2,
+            ..w.clone()
+        };
+        assert_eq!(fell.per_connection_bytes(), Some(0));
+        assert_eq!(WatchCost::default().per_connection_bytes(), None);
+        assert_eq!(WatchCost::default().cpu_us_per_event(), None);
+        let rows = figures(&Report::new(
+            "informers",
+            0.25,
+            vec![(
+                "bulwark".into(),
+                Run {
+                    watch_cost: Some(w),
+                    ..Run::default()
+                },
+            )],
+        ));
+        let row = |label: &str| {
+            rows.iter()
+                .find(|(l, _)| l.trim() == label)
+                .map(|(_, c)| c[0].clone())
+        };
+        assert_eq!(row("RSS per watch").as_deref(), Some("8.0 KiB"));
+        assert_eq!(row("RSS per idle connection").as_deref(), Some("25.0 KiB"));
     }
 
     #[test]

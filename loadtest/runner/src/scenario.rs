@@ -391,6 +391,11 @@ impl Env {
         })
     }
 
+    /// Bulwark's process id, when this run has one.
+    pub fn proxy_pid(&self) -> Option<u32> {
+        self.proxy.as_ref().and_then(ProxyProcess::pid)
+    }
+
     /// Collects the fleet's and the proxy's figures, stops both, and builds the run.
     pub async fn finish(self, driven: Driven) -> anyhow::Result<Run> {
         self.sampler.abort();
@@ -430,6 +435,7 @@ impl Env {
             classes,
             event_delivery_p99_ms: driven.event_delivery_p99_ms,
             watch_bytes_per_event: driven.watch_bytes_per_event,
+            watch_cost: driven.watch_cost,
             flood: None,
             fleet: None,
             timeline: Some(timeline),
@@ -456,6 +462,7 @@ impl Env {
                 .collect(),
             event_delivery_p99_ms: None,
             watch_bytes_per_event: None,
+            watch_cost: None,
         })
     }
 
@@ -494,6 +501,8 @@ pub struct Driven {
     pub event_delivery_p99_ms: Option<f64>,
     /// Watch stream bytes received per event, for watch scenarios.
     pub watch_bytes_per_event: Option<f64>,
+    /// What the nodes' connections and watches cost, for `informers`.
+    pub watch_cost: Option<report::WatchCost>,
 }
 
 /// Classes by name.

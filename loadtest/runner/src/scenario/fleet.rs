@@ -288,6 +288,7 @@ async fn one_run(
             .collect(),
         event_delivery_p99_ms: None,
         watch_bytes_per_event: None,
+        watch_cost: None,
         flood: None,
         fleet: Some(figures),
         timeline: None,

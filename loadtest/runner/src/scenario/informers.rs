@@ -2,6 +2,13 @@
 //! EndpointSlices (LIST `resourceVersion=0`, then WATCH with bookmarks) and kubelet-like
 //! watches of its own two Secrets, while a churn client updates EndpointSlices; the figure
 //! that matters is event delivery latency (write acknowledged → event received).
+//!
+//! `informers` also measures what the nodes cost the process that serves their watches
+//! (Bulwark, or with `--controlplane --only direct` every kube-apiserver): its memory before
+//! the nodes connect, once every connection is open and idle (one GET each), and with every
+//! watch open, and its CPU per delivered event in the steady state; a second churn updates
+//! Secrets, so that a Secret's way to its one watcher is timed beside an EndpointSlice's to
+//! every kube-proxy.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +29,8 @@ use crate::client::{
     ClassStats, Client, Framing, Identity, Outcome, PROTOBUF_FIRST, Read, Tally, Target,
     new_histogram,
 };
+use crate::proxy_process;
+use crate::report::WatchCost;
 
 /// The steady-state scenario.
 pub struct Informers;
@@ -31,6 +40,12 @@ pub struct NodeJoin;
 
 /// EndpointSlices updated by the churn client, in total per second.
 const CHURN_PER_SECOND: u64 = 20;
+/// Secrets updated by the Secret churn client (when the run measures its watch cost), in
+/// total per second.
+const SECRET_CHURN_PER_SECOND: u64 = 10;
+/// How long after the last node's watches started the steady state begins: their lists
+/// are answered and the first bookmarks sent.
+const SETTLE: Duration = Duration::from_secs(10);
 /// How long a received event waits for its write's acknowledgement to be matched.
 const MATCH_WINDOW: Duration = Duration::from_secs(5);
 const SLICES_PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
@@ -41,8 +56,51 @@ pub(super) struct Acks {
     at: RwLock<HashMap<u64, Instant>>,
 }
 
-/// Where an EndpointSlice watcher matches events to writes and records their latency.
-pub(super) type Delivery = (Arc<Acks>, Arc<Mutex<Histogram<u64>>>);
+/// Where a watcher matches events to writes and records their latency.
+#[derive(Clone)]
+pub(super) struct Delivery {
+    acks: Arc<Acks>,
+    /// Every matched event's latency, in µs.
+    each: Arc<Mutex<Histogram<u64>>>,
+    /// Per update (by resourceVersion): how many watchers received it, and the latest of
+    /// their latencies in µs.
+    reach: Arc<Mutex<HashMap<u64, (usize, u64)>>>,
+}
+
+impl Delivery {
+    fn new() -> Delivery {
+        Delivery {
+            acks: Arc::default(),
+            each: Arc::new(Mutex::new(new_histogram())),
+            reach: Arc::default(),
+        }
+    }
+
+    /// p50, p99 and max of every matched event's latency, in ms.
+    fn each_ms(&self) -> Option<[f64; 3]> {
+        let h = self.each.lock().ok()?;
+        quantiles_ms(&h)
+    }
+
+    /// p50, p99 and max, in ms, of the time until the last of `watchers` received an
+    /// update, over the updates all of them received; and how many those were.
+    fn to_all_ms(&self, watchers: usize) -> (Option<[f64; 3]>, u64) {
+        let mut h = new_histogram();
+        if let Ok(reach) = self.reach.lock() {
+            for &(n, last) in reach.values() {
+                if n >= watchers {
+                    h.saturating_record(last);
+                }
+            }
+        }
+        (quantiles_ms(&h), h.len())
+    }
+}
+
+/// p50, p99 and max of a µs histogram, in ms; `None` when it is empty.
+fn quantiles_ms(h: &Histogram<u64>) -> Option<[f64; 3]> {
+    (!h.is_empty()).then(|| [0.5, 0.99, 1.0].map(|q| h.value_at_quantile(q) as f64 / 1000.0))
+}
 
 /// The counts of one run.
 pub(super) struct Sizes {
@@ -234,6 +292,9 @@ pub(super) async fn reflector(
                     continue;
                 };
                 received.events.fetch_add(1, Ordering::Relaxed);
+                if kind != "BOOKMARK" {
+                    received.changes.fetch_add(1, Ordering::Relaxed);
+                }
                 if kind == "ERROR" {
                     // 410 Gone or similar: start over with a fresh list.
                     continue 'relist;
@@ -246,15 +307,15 @@ pub(super) async fn reflector(
                     }
                     rv = v;
                 }
-                if let Some((acks, _)) = &delivery {
-                    settle(acks, &mut pending, &mut local);
+                if let Some(delivery) = &delivery {
+                    settle(delivery, &mut pending, &mut local);
                 }
             }
         }
     }
-    if let Some((acks, hist)) = &delivery {
-        settle(acks, &mut pending, &mut local);
-        if let Ok(mut h) = hist.lock() {
+    if let Some(delivery) = &delivery {
+        settle(delivery, &mut pending, &mut local);
+        if let Ok(mut h) = delivery.each.lock() {
             let _ = h.add(&local);
         }
     }
@@ -266,94 +327,150 @@ pub(super) async fn reflector(
 pub(super) struct Received {
     bytes: AtomicU64,
     events: AtomicU64,
+    /// Events other than bookmarks.
+    changes: AtomicU64,
 }
 
-/// Records the delivery latency of every received event whose write has been acknowledged;
-/// an event that arrived before its acknowledgement counts as zero.
-fn settle(acks: &Acks, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histogram<u64>) {
-    let Ok(at) = acks.at.read() else { return };
+/// Records the delivery latency of every received event whose write has been acknowledged,
+/// and counts the update as reaching one more watcher; an event that arrived before its
+/// acknowledgement counts as zero.
+fn settle(delivery: &Delivery, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histogram<u64>) {
+    let Ok(at) = delivery.acks.at.read() else {
+        return;
+    };
+    let mut matched = Vec::new();
     pending.retain(|(rv, received)| match at.get(rv) {
         Some(acked) => {
             let micros = received.saturating_duration_since(*acked).as_micros();
-            hist.saturating_record(u64::try_from(micros).unwrap_or(u64::MAX).max(1));
+            let micros = u64::try_from(micros).unwrap_or(u64::MAX).max(1);
+            hist.saturating_record(micros);
+            matched.push((*rv, micros));
             false
         }
         None => received.elapsed() < MATCH_WINDOW,
     });
+    drop(at);
+    if matched.is_empty() {
+        return;
+    }
+    if let Ok(mut reach) = delivery.reach.lock() {
+        for (rv, micros) in matched {
+            let (n, last) = reach.entry(rv).or_insert((0, 0));
+            *n += 1;
+            *last = (*last).max(micros);
+        }
+    }
+}
+
+/// When a node does what.
+#[derive(Clone, Copy)]
+struct Timing {
+    /// A GET on each of its connections, then idle until `start` (when the run measures
+    /// idle connections first).
+    connect: Option<Instant>,
+    /// Its watches start.
+    start: Instant,
+    /// Everything stops.
+    deadline: Instant,
 }
 
 /// One node: its kubelet's watches of its `secrets` Secrets and its kube-proxy's of the
 /// EndpointSlices, on `kubelet`'s connection, or the latter on `kube_proxy`'s where it has
 /// one of its own.
 async fn node(
-    (kubelet, kube_proxy): (Client, Option<Client>),
+    (mut kubelet, mut kube_proxy): (Client, Option<Client>),
     class: Arc<ClassStats>,
     (index, secrets): (usize, usize),
-    (start, deadline): (Instant, Instant),
-    delivery: Delivery,
+    timing: Timing,
+    (slices_delivery, secrets_delivery): (Delivery, Option<Delivery>),
     received: Arc<Received>,
 ) {
-    tokio::time::sleep_until(start).await;
-    let secret = |k: usize| {
-        let n = secrets * index + k;
-        format!(
-            "/api/v1/namespaces/ns-{}/secrets?fieldSelector=metadata.name%3Dsecret-{n}",
-            n % 10
-        )
-    };
+    let mut all = class.tally();
+    if let Some(at) = timing.connect {
+        tokio::time::sleep_until(at).await;
+        for client in std::iter::once(&mut kubelet).chain(kube_proxy.as_mut()) {
+            let outcome = client
+                .call(
+                    Method::GET,
+                    "/api",
+                    None,
+                    Read::Count,
+                    Duration::from_secs(30),
+                )
+                .await;
+            all.record(&outcome);
+        }
+    }
+    tokio::time::sleep_until(timing.start).await;
     let slices = reflector(
         kube_proxy.unwrap_or_else(|| kubelet.clone()),
         class.tally(),
         SLICES_PATH.into(),
-        deadline,
-        Some(delivery),
+        timing.deadline,
+        Some(slices_delivery),
         received.clone(),
     );
     let secrets = futures::future::join_all((0..secrets).map(|k| {
         reflector(
             kubelet.clone(),
             class.tally(),
-            secret(k),
-            deadline,
-            None,
+            secret_path(secrets * index + k, true),
+            timing.deadline,
+            secrets_delivery.clone(),
             received.clone(),
         )
     }));
-    let (mut all, each) = tokio::join!(slices, secrets);
+    let (slices, each) = tokio::join!(slices, secrets);
+    all.merge(slices);
     for tally in each {
         all.merge(tally);
     }
     class.done(all);
 }
 
-/// Updates EndpointSlices round robin at [`CHURN_PER_SECOND`] and records when each write
-/// was acknowledged.
+/// Secret `n`'s path: its kubelet's watch path (a `fieldSelector` on its name in its
+/// namespace) or the object's own.
+fn secret_path(n: usize, watch: bool) -> String {
+    let ns = n % 10;
+    if watch {
+        format!("/api/v1/namespaces/ns-{ns}/secrets?fieldSelector=metadata.name%3Dsecret-{n}")
+    } else {
+        format!("/api/v1/namespaces/ns-{ns}/secrets/secret-{n}")
+    }
+}
+
+/// EndpointSlice `k`'s path.
+fn slice_path(k: usize) -> String {
+    format!(
+        "/apis/discovery.k8s.io/v1/namespaces/ns-{}/endpointslices/endpointslice-{k}",
+        k % 10
+    )
+}
+
+/// Updates the objects at `paths` round robin, `per_second` in total, and records when
+/// each write was acknowledged.
 async fn churn(
     mut client: Client,
     class: Arc<ClassStats>,
-    slices: usize,
+    (paths, per_second): (Vec<String>, u64),
     acks: Arc<Acks>,
     deadline: Instant,
 ) {
     let mut tally = class.tally();
-    let mut tick = tokio::time::interval(Duration::from_millis(1000 / CHURN_PER_SECOND));
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / per_second.max(1)));
     let mut n = 0u64;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = tokio::time::sleep_until(deadline) => break,
         }
-        let k = (n as usize) % slices;
-        let path = format!(
-            "/apis/discovery.k8s.io/v1/namespaces/ns-{}/endpointslices/endpointslice-{k}",
-            k % 10
-        );
+        let path = &paths[(n as usize) % paths.len()];
         let body = Bytes::from(format!(
             r#"{{"metadata":{{"labels":{{"loadtest.bulwark.dev/generation":"{n}"}}}}}}"#
         ));
         n += 1;
         let outcome = tokio::select! {
-            o = client.call(Method::PATCH, &path, Some((body, "application/merge-patch+json")), Read::Keep, Duration::from_secs(10)) => o,
+            o = client.call(Method::PATCH, path, Some((body, "application/merge-patch+json")), Read::Keep, Duration::from_secs(10)) => o,
             _ = tokio::time::sleep_until(deadline) => break,
         };
         let acked = Instant::now();
@@ -370,17 +487,104 @@ async fn churn(
     class.done(tally);
 }
 
-/// Runs `nodes` nodes whose informers start spread over `join_window`, plus the churn;
-/// `progress` reports on the classes while they run.
+/// Whose memory and CPU a run's watch cost is read from: Bulwark's process, or every
+/// kube-apiserver replica's.
+pub(super) struct Meter {
+    /// What the figures are of, in the report.
+    pub(super) measured: &'static str,
+    /// The processes' ids now.
+    pub(super) pids: Box<dyn Fn() -> Vec<u32> + Send + Sync>,
+}
+
+impl Meter {
+    /// Resident memory and CPU seconds of its processes now, summed.
+    fn now(&self) -> (u64, f64) {
+        (self.pids)()
+            .into_iter()
+            .filter_map(proxy_process::usage)
+            .fold((0, 0.0), |(rss, cpu), (r, c)| (rss + r, cpu + c))
+    }
+}
+
+/// What the meter read at each step of a run.
+#[derive(Default)]
+struct Readings {
+    before: u64,
+    connected: u64,
+    /// Resident memory sampled every second over the steady state.
+    watching: Vec<u64>,
+    /// CPU seconds and events received (not bookmarks) at the start and the end of the
+    /// steady state.
+    steady: Option<((f64, u64), (f64, u64))>,
+}
+
+/// Reads `meter` before the nodes connect, just before their watches start
+/// (`watches_at`), then every second from `steady_from` until `deadline`.
+async fn read_meter(
+    meter: Arc<Meter>,
+    received: Arc<Received>,
+    (watches_at, steady_from, deadline): (Instant, Instant, Instant),
+    readings: Arc<Mutex<Readings>>,
+) {
+    let read = {
+        let meter = meter.clone();
+        move || {
+            let meter = meter.clone();
+            async move {
+                tokio::task::spawn_blocking(move || meter.now())
+                    .await
+                    .unwrap_or_default()
+            }
+        }
+    };
+    let store = |f: &dyn Fn(&mut Readings)| {
+        if let Ok(mut r) = readings.lock() {
+            f(&mut r);
+        }
+    };
+    let (before, _) = read().await;
+    store(&|r| r.before = before);
+    tokio::time::sleep_until(watches_at - Duration::from_millis(500)).await;
+    let (connected, _) = read().await;
+    store(&|r| r.connected = connected);
+    tokio::time::sleep_until(steady_from).await;
+    let (_, cpu) = read().await;
+    let first = (cpu, received.changes.load(Ordering::Relaxed));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    while Instant::now() + Duration::from_secs(1) < deadline {
+        tick.tick().await;
+        let (rss, cpu) = read().await;
+        let last = (cpu, received.changes.load(Ordering::Relaxed));
+        store(&|r| {
+            r.watching.push(rss);
+            r.steady = Some((first, last));
+        });
+    }
+}
+
+/// How many nodes, how they come up, and what they measure.
+pub(super) struct Plan<'a> {
+    pub(super) sizes: &'a Sizes,
+    pub(super) duration: Duration,
+    /// Nodes start over this long.
+    pub(super) join_window: Duration,
+    pub(super) protobuf: bool,
+    /// Connect every node first, churn Secrets too and read the watch cost off this meter.
+    pub(super) meter: Option<Meter>,
+}
+
+// Over 120 lines: the run's clients, its churns and its meter are set up in order and
+// share the same deliveries and counts.
+/// Runs the plan's nodes, whose informers start spread over its join window, plus the
+/// churn; `progress` reports on the classes while they run.
 pub(super) async fn drive_nodes(
     target: &Target,
     progress: impl FnOnce(&Classes) -> tokio::task::JoinHandle<()>,
     pki: &Pki,
-    s: &Sizes,
-    duration: Duration,
-    join_window: Duration,
-    protobuf: bool,
+    plan: Plan<'_>,
 ) -> anyhow::Result<Driven> {
+    let s = plan.sizes;
+    let join_window = plan.join_window;
     let node_ids: Vec<Identity> = Persona::Nodes.mint(pki, s.nodes);
     // The EndpointSlice controller of kube-controller-manager.
     let churn_id = Persona::ServiceAccountsIn {
@@ -390,22 +594,45 @@ pub(super) async fn drive_nodes(
     .mint(pki, 1);
     let nodes = ClassStats::new();
     let churner = ClassStats::new();
-    let acks = Arc::new(Acks::default());
-    let hist = Arc::new(Mutex::new(new_histogram()));
+    let slices = Delivery::new();
+    let secrets = plan.meter.is_some().then(Delivery::new);
     let received = Arc::new(Received::default());
     let started = Instant::now();
-    let deadline = started + duration;
-    let classes = vec![
+    let deadline = started + plan.duration;
+    // With a meter, every node connects over the first window, then all idle a moment
+    // before their watches start over the second.
+    let watches_at = match plan.meter {
+        Some(_) => started + join_window + Duration::from_secs(3),
+        None => started,
+    };
+    let mut classes = vec![
         ("nodes".to_string(), nodes.clone()),
         ("churn".to_string(), churner.clone()),
     ];
+    let secret_churner = secrets.as_ref().map(|_| {
+        let c = ClassStats::new();
+        classes.push(("secret-churn".to_string(), c.clone()));
+        c
+    });
     let progress = progress(&classes);
+    let readings = Arc::new(Mutex::new(Readings::default()));
+    let steady_from = watches_at + join_window + SETTLE;
+    let meter = plan.meter.map(|meter| {
+        let measured = meter.measured;
+        let task = tokio::spawn(read_meter(
+            Arc::new(meter),
+            received.clone(),
+            (watches_at, steady_from, deadline),
+            readings.clone(),
+        ));
+        (measured, task)
+    });
     let mut tasks = Vec::new();
+    let spread = |i: usize| join_window.mul_f64(i as f64 / s.nodes as f64);
     for (i, id) in node_ids.iter().enumerate() {
-        let start = started + join_window.mul_f64(i as f64 / s.nodes as f64);
         let connect = || -> anyhow::Result<Client> {
             let client = Client::new(target, id)?;
-            Ok(if protobuf {
+            Ok(if plan.protobuf {
                 client.with_accept(PROTOBUF_FIRST)
             } else {
                 client
@@ -416,12 +643,17 @@ pub(super) async fn drive_nodes(
         } else {
             None
         };
+        let timing = Timing {
+            connect: meter.as_ref().map(|_| started + spread(i)),
+            start: watches_at + spread(i),
+            deadline,
+        };
         tasks.push(tokio::spawn(node(
             (connect()?, kube_proxy),
             nodes.clone(),
             (i, s.secrets_per_node),
-            (start, deadline),
-            (acks.clone(), hist.clone()),
+            timing,
+            (slices.clone(), secrets.clone()),
             received.clone(),
         )));
     }
@@ -429,19 +661,59 @@ pub(super) async fn drive_nodes(
         tasks.push(tokio::spawn(churn(
             Client::new(target, id)?,
             churner.clone(),
-            s.slices,
-            acks.clone(),
+            ((0..s.slices).map(slice_path).collect(), CHURN_PER_SECOND),
+            slices.acks.clone(),
             deadline,
         )));
+        if let (Some(secrets), Some(class)) = (&secrets, &secret_churner) {
+            let paths = (0..s.nodes * s.secrets_per_node)
+                .map(|n| secret_path(n, false))
+                .collect();
+            // The churns start once every watch has, so that each update has its watcher.
+            let client = Client::new(target, id)?;
+            let (class, acks) = (class.clone(), secrets.acks.clone());
+            let at = watches_at + join_window;
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until(at).await;
+                churn(
+                    client,
+                    class,
+                    (paths, SECRET_CHURN_PER_SECOND),
+                    acks,
+                    deadline,
+                )
+                .await;
+            }));
+        }
     }
     for t in tasks {
         t.await?;
     }
     progress.abort();
     let elapsed = started.elapsed();
-    let p99 = match hist.lock() {
-        Ok(h) if !h.is_empty() => Some(h.value_at_quantile(0.99) as f64 / 1000.0),
-        _ => None,
+    let watch_cost = match meter {
+        Some((measured, task)) => {
+            task.abort();
+            let r = std::mem::take(&mut *readings.lock().unwrap_or_else(|e| e.into_inner()));
+            let ((cpu0, events0), (cpu1, events1)) = r.steady.unwrap_or_default();
+            let (slice_to_all_ms, slice_updates_to_all) = slices.to_all_ms(s.nodes);
+            Some(WatchCost {
+                measured: measured.to_string(),
+                connections: (s.nodes * if s.kube_proxy_apart { 2 } else { 1 }) as u64,
+                watches: (s.nodes * (s.secrets_per_node + 1)) as u64,
+                rss_before_bytes: r.before,
+                rss_connected_bytes: r.connected,
+                rss_watching_bytes: (r.watching.iter().sum::<u64>())
+                    .checked_div(r.watching.len() as u64)
+                    .unwrap_or(0),
+                steady_cpu_seconds: (cpu1 - cpu0).max(0.0),
+                steady_events: events1.saturating_sub(events0),
+                secret_delivery_ms: secrets.as_ref().and_then(Delivery::each_ms),
+                slice_to_all_ms,
+                slice_updates_to_all,
+            })
+        }
+        None => None,
     };
     Ok(Driven {
         classes: classes
@@ -449,11 +721,12 @@ pub(super) async fn drive_nodes(
             .map(|(name, stats)| (name, stats, elapsed))
             .collect(),
         // Always present for these scenarios; 0 when no event could be matched.
-        event_delivery_p99_ms: Some(p99.unwrap_or(0.0)),
+        event_delivery_p99_ms: Some(slices.each_ms().map_or(0.0, |[_, p99, _]| p99)),
         watch_bytes_per_event: {
             let events = received.events.load(Ordering::Relaxed);
             (events > 0).then(|| received.bytes.load(Ordering::Relaxed) as f64 / events as f64)
         },
+        watch_cost,
     })
 }
 
@@ -474,16 +747,18 @@ impl Scenario for Informers {
         let duration = opts.duration_or(Duration::from_secs(60));
         // Nodes come up over the first few seconds, as a running cluster's already have.
         let window = Duration::from_secs(5).min(duration / 4);
-        drive_nodes(
-            &env.target,
-            |c| env.progress(c),
-            pki,
-            &sizes(opts, 2_000),
+        let pid = env.proxy_pid();
+        let plan = Plan {
+            sizes: &sizes(opts, 2_000),
             duration,
-            window,
-            opts.protobuf,
-        )
-        .await
+            join_window: window,
+            protobuf: opts.protobuf,
+            meter: pid.map(|pid| Meter {
+                measured: "Bulwark",
+                pids: Box::new(move || vec![pid]),
+            }),
+        };
+        drive_nodes(&env.target, |c| env.progress(c), pki, plan).await
     }
 }
 
@@ -504,16 +779,14 @@ impl Scenario for NodeJoin {
         let duration = opts.duration_or(Duration::from_secs(30));
         // The whole wave joins within 10 seconds (less in very short runs).
         let window = Duration::from_secs(10).min(duration / 2);
-        drive_nodes(
-            &env.target,
-            |c| env.progress(c),
-            pki,
-            &sizes(opts, 1_000),
+        let plan = Plan {
+            sizes: &sizes(opts, 1_000),
             duration,
-            window,
-            opts.protobuf,
-        )
-        .await
+            join_window: window,
+            protobuf: opts.protobuf,
+            meter: None,
+        };
+        drive_nodes(&env.target, |c| env.progress(c), pki, plan).await
     }
 }
 
@@ -574,7 +847,8 @@ mod tests {
 
     #[test]
     fn delivery_is_matched_to_acknowledgements_and_clamped_at_zero() {
-        let acks = Acks::default();
+        let delivery = Delivery::new();
+        let acks = &delivery.acks;
         let t0 = Instant::now();
         let mut pending = VecDeque::from([(5, t0 + Duration::from_millis(30)), (6, t0), (7, t0)]);
         {
@@ -583,7 +857,7 @@ mod tests {
             at.insert(6, t0 + Duration::from_millis(10)); // event arrived before the ack
         }
         let mut hist = new_histogram();
-        settle(&acks, &mut pending, &mut hist);
+        settle(&delivery, &mut pending, &mut hist);
         assert_eq!(hist.len(), 2);
         assert_eq!(pending.len(), 1, "rv 7 waits for its ack");
         assert!(
@@ -591,5 +865,29 @@ mod tests {
             "{}",
             hist.max()
         );
+    }
+
+    #[test]
+    fn an_update_counts_to_all_only_once_every_watcher_has_it() {
+        let delivery = Delivery::new();
+        let t0 = Instant::now();
+        {
+            let mut at = delivery.acks.at.write().unwrap();
+            at.insert(5, t0);
+            at.insert(6, t0);
+        }
+        // Three watchers get rv 5 after 10, 20 and 40 ms; only two get rv 6.
+        for (ms, rvs) in [(10, &[5, 6][..]), (20, &[5, 6][..]), (40, &[5][..])] {
+            let mut pending = rvs
+                .iter()
+                .map(|&rv| (rv, t0 + Duration::from_millis(ms)))
+                .collect();
+            settle(&delivery, &mut pending, &mut new_histogram());
+        }
+        let (to_all, updates) = delivery.to_all_ms(3);
+        assert_eq!(updates, 1);
+        let [_, _, max] = to_all.unwrap();
+        assert!((39.0..=41.0).contains(&max), "{max}");
+        assert_eq!(delivery.to_all_ms(4), (None, 0));
     }
 }

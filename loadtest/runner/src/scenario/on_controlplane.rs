@@ -213,65 +213,85 @@ async fn one_run(
             timeline.clone(),
         )
     };
-    let (classes, event_delivery_p99_ms, watch_bytes_per_event, upstream_watches) = match work {
-        Work::ListStorm(sizes) => {
-            let loads = list_storm::loads(cp.pki(), sizes);
-            let (classes, all) = spawn_loads(&target, loads, started + duration)?;
-            let progress = timeline_progress(mode.name(), &classes);
-            all.await.context("a client loop panicked")?;
-            progress.abort();
-            (classes, None, None, 0)
-        }
-        Work::Informers(sizes) => {
-            // The replicas' own count of open watches, sampled while the informers run; the
-            // count before they start is the replicas' own informers (and Bulwark's).
-            eprintln!(
-                "  watches open on the replicas before the informers: {}",
-                cp.open_watches().await
-            );
-            let peak = Arc::new(AtomicU64::new(0));
-            let driven = {
-                let cp = &cp;
-                let peak = peak.clone();
-                let sampler = async move {
-                    loop {
-                        tokio::time::sleep(Duration::from_secs(2)).await;
-                        peak.fetch_max(cp.open_watches().await, Ordering::Relaxed);
+    let (classes, event_delivery_p99_ms, watch_bytes_per_event, watch_cost, upstream_watches) =
+        match work {
+            Work::ListStorm(sizes) => {
+                let loads = list_storm::loads(cp.pki(), sizes);
+                let (classes, all) = spawn_loads(&target, loads, started + duration)?;
+                let progress = timeline_progress(mode.name(), &classes);
+                all.await.context("a client loop panicked")?;
+                progress.abort();
+                (classes, None, None, None, 0)
+            }
+            Work::Informers(sizes) => {
+                // The replicas' own count of open watches, sampled while the informers run; the
+                // count before they start is the replicas' own informers (and Bulwark's).
+                eprintln!(
+                    "  watches open on the replicas before the informers: {}",
+                    cp.open_watches().await
+                );
+                let peak = Arc::new(AtomicU64::new(0));
+                let driven = {
+                    let cp = &cp;
+                    let peak = peak.clone();
+                    let sampler = async move {
+                        loop {
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                            peak.fetch_max(cp.open_watches().await, Ordering::Relaxed);
+                        }
+                    };
+                    let window = Duration::from_secs(5).min(duration / 4);
+                    // Direct, the replicas serve the watches; through Bulwark, Bulwark does.
+                    let meter = match mode {
+                        Mode::Bulwark => cp.bulwark_pid().map(|pid| informers::Meter {
+                            measured: "Bulwark",
+                            pids: Box::new(move || vec![pid]),
+                        }),
+                        _ => {
+                            let pids = cp.replica_pids();
+                            Some(informers::Meter {
+                                measured: "kube-apiserver",
+                                pids: Box::new(move || pids.clone()),
+                            })
+                        }
+                    };
+                    let plan = informers::Plan {
+                        sizes,
+                        duration,
+                        join_window: window,
+                        protobuf: opts.protobuf,
+                        meter,
+                    };
+                    let nodes = informers::drive_nodes(
+                        &target,
+                        |c| timeline_progress(mode.name(), c),
+                        cp.pki(),
+                        plan,
+                    );
+                    tokio::select! {
+                        d = nodes => d?,
+                        () = sampler => unreachable!("the sampler never ends"),
                     }
                 };
-                let window = Duration::from_secs(5).min(duration / 4);
-                let nodes = informers::drive_nodes(
-                    &target,
-                    |c| timeline_progress(mode.name(), c),
-                    cp.pki(),
-                    sizes,
-                    duration,
-                    window,
-                    opts.protobuf,
+                let classes = driven
+                    .classes
+                    .into_iter()
+                    .map(|(name, stats, _)| (name, stats))
+                    .collect();
+                let watches = peak.load(Ordering::Relaxed);
+                eprintln!(
+                    "  peak watches open on the replicas: {watches}; event delivery p99 {:.1} ms",
+                    driven.event_delivery_p99_ms.unwrap_or(0.0)
                 );
-                tokio::select! {
-                    d = nodes => d?,
-                    () = sampler => unreachable!("the sampler never ends"),
-                }
-            };
-            let classes = driven
-                .classes
-                .into_iter()
-                .map(|(name, stats, _)| (name, stats))
-                .collect();
-            let watches = peak.load(Ordering::Relaxed);
-            eprintln!(
-                "  peak watches open on the replicas: {watches}; event delivery p99 {:.1} ms",
-                driven.event_delivery_p99_ms.unwrap_or(0.0)
-            );
-            (
-                classes,
-                driven.event_delivery_p99_ms,
-                driven.watch_bytes_per_event,
-                watches,
-            )
-        }
-    };
+                (
+                    classes,
+                    driven.event_delivery_p99_ms,
+                    driven.watch_bytes_per_event,
+                    driven.watch_cost,
+                    watches,
+                )
+            }
+        };
     let elapsed = started.elapsed();
     drop(balancer);
     let proxy = match mode {
@@ -308,6 +328,7 @@ async fn one_run(
             .collect(),
         event_delivery_p99_ms,
         watch_bytes_per_event,
+        watch_cost,
         flood: None,
         fleet: None,
         timeline: Some(std::mem::take(

@@ -581,6 +581,7 @@ impl<'a> Bench<'a> {
             classes,
             event_delivery_p99_ms: None,
             watch_bytes_per_event: None,
+            watch_cost: None,
             flood: None,
             fleet: None,
             timeline: None,

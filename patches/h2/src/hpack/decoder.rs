@@ -149,6 +149,10 @@ struct StringMarker {
     string: Option<Bytes>,
 }
 
+/// bulwark patch: the first capacity of the buffer Huffman-decoded strings are split off
+/// (4096 upstream); it grows in chunks of at least this much when a string needs more.
+const BUFFER_CHUNK: usize = 512;
+
 // ===== impl Decoder =====
 
 impl Decoder {
@@ -158,7 +162,10 @@ impl Decoder {
             max_size_update: None,
             last_max_update: size,
             table: Table::new(size),
-            buffer: BytesMut::with_capacity(4096),
+            // bulwark patch: a small first chunk. Every Huffman-decoded string is split off
+            // this buffer, and one that stays in the dynamic table keeps its whole chunk
+            // alive for the connection's life: 4 KiB of every idle connection before.
+            buffer: BytesMut::with_capacity(BUFFER_CHUNK),
         }
     }
 
@@ -894,6 +901,61 @@ mod test {
             }
             _ => panic!(),
         }
+    }
+
+    /// A Huffman-coded string that stays in the dynamic table keeps its chunk of the
+    /// decoder's buffer alive for the connection's life: the chunk is small (bulwark patch;
+    /// 4096 bytes upstream), and a string longer than what is left of it still decodes.
+    #[test]
+    fn bulwark_patch_huffman_strings_are_split_off_a_small_chunk() {
+        // A literal with incremental indexing and a new name, both Huffman-coded.
+        fn literal(name: &[u8], value: &[u8]) -> BytesMut {
+            let mut buf = BytesMut::new();
+            buf.extend([0b01000000]);
+            for s in [name, value] {
+                let s = huff_encode(s);
+                if s.len() < 0x7f {
+                    buf.extend([0x80 | s.len() as u8]);
+                } else {
+                    buf.extend([0x80 | 0x7f]);
+                    let mut rest = s.len() - 0x7f;
+                    while rest >= 0x80 {
+                        buf.extend([0x80 | (rest & 0x7f) as u8]);
+                        rest >>= 7;
+                    }
+                    buf.extend([rest as u8]);
+                }
+                buf.extend(s);
+            }
+            buf
+        }
+        let mut de = Decoder::new(4096);
+        let mut decode = |mut buf: BytesMut| {
+            let mut res = vec![];
+            de.decode(&mut Cursor::new(&mut buf), |h| {
+                res.push(h);
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+            res
+        };
+        assert_eq!(decode(literal(b"foo", b"bar")).len(), 1);
+        let long = vec![b'a'; 1000];
+        match &decode(literal(b"big", &long))[..] {
+            [Header::Field { name, value }] => {
+                assert_eq!(name, "big");
+                assert_eq!(value.as_bytes(), &long[..]);
+            }
+            h => panic!("unexpected headers: {h:?}"),
+        }
+        assert_eq!(de.table.entries.len(), 2);
+        // What is left of the chunk the first strings were split off.
+        let mut small = Decoder::new(4096);
+        let mut buf = literal(b"foo", b"bar");
+        small
+            .decode(&mut Cursor::new(&mut buf), |_| ControlFlow::Continue(()))
+            .unwrap();
+        assert!(small.buffer.capacity() < 512, "{}", small.buffer.capacity());
     }
 
     fn huff_encode(src: &[u8]) -> BytesMut {

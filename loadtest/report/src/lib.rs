@@ -623,8 +623,20 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
     let phases = |p: &Phases, show: &dyn Fn(u64) -> String| {
         format!("{} / {} / {}", show(p.idle), show(p.peak), show(p.after))
     };
-    let latency = |l: &FloodLatency| format!("{:.1} / {:.1} / {:.1}", l.p50_ms, l.p99_ms, l.max_ms);
-    let counts = |l: &FloodLatency| format!("{} / {}", l.ok, l.failed);
+    // A run that measured no such requests (haproxy's has no admin listener or working
+    // client) shows none.
+    let latency = |l: &FloodLatency| {
+        if l.ok + l.failed == 0 {
+            return "-".to_string();
+        }
+        format!("{:.1} / {:.1} / {:.1}", l.p50_ms, l.p99_ms, l.max_ms)
+    };
+    let counts = |l: &FloodLatency| {
+        if l.ok + l.failed == 0 {
+            return "-".to_string();
+        }
+        format!("{} / {}", l.ok, l.failed)
+    };
     let reasons = |m: &BTreeMap<String, u64>| {
         if m.is_empty() {
             return "-".to_string();
@@ -656,6 +668,13 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
     add("RSS idle / peak / after", &|f| {
         phases(&f.rss_bytes, &human_bytes)
     });
+    add("RSS per accepted connection", &|f| {
+        f.rss_bytes
+            .peak
+            .saturating_sub(f.rss_bytes.idle)
+            .checked_div(f.accepted)
+            .map_or_else(|| "-".to_string(), human_bytes)
+    });
     add("GETs before: ok / failed", &|f| counts(&f.gets_before));
     add("GETs before: p50 / p99 / max ms", &|f| {
         latency(&f.gets_before)
@@ -672,6 +691,8 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
         let n = &f.new_client;
         if n.connected {
             format!("connected in {:.1} ms", n.ms)
+        } else if n.ms == 0.0 && n.error.is_none() {
+            "-".to_string()
         } else {
             format!("failed after {:.1} s", n.ms / 1000.0)
         }
@@ -1226,6 +1247,45 @@ mod tests {
         assert!((jain(&[0, 0]) - 1.0).abs() < 1e-12);
         // (1+3)^2 / (2 * (1+9)) = 16/20
         assert!((jain(&[1, 3]) - 0.8).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_flood_shows_memory_per_connection_and_dashes_for_what_a_run_did_not_measure() {
+        let flood = Flood {
+            accepted: 2000,
+            rss_bytes: Phases {
+                idle: 20 << 20,
+                peak: (20 << 20) + 2000 * 21 * 1024,
+                after: 21 << 20,
+            },
+            ..Flood::default()
+        };
+        let rows = figures(&Report::new(
+            "conn-flood",
+            1.0,
+            vec![(
+                "haproxy".into(),
+                Run {
+                    flood: Some(flood),
+                    ..Run::default()
+                },
+            )],
+        ));
+        let row = |label: &str| {
+            rows.iter()
+                .find(|(l, _)| l.trim() == label)
+                .map(|(_, c)| c[0].clone())
+        };
+        assert_eq!(
+            row("RSS per accepted connection").as_deref(),
+            Some("21.0 KiB")
+        );
+        assert_eq!(row("GETs during: ok / failed").as_deref(), Some("-"));
+        assert_eq!(
+            row("/readyz during: p50 / p99 / max ms").as_deref(),
+            Some("-")
+        );
+        assert_eq!(row("new client").as_deref(), Some("-"));
     }
 
     #[test]

@@ -138,6 +138,10 @@ struct ConnFloodArgs {
     /// idles: what an idle client's connection costs.
     #[arg(long)]
     authenticated: bool,
+    /// Also flood haproxy (one thread, TLS and HTTP/2 on both sides) in front of the same
+    /// simulator, as `haproxy`, for its memory per connection beside Bulwark's.
+    #[arg(long)]
+    haproxy: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -561,6 +565,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 legacy_config: a.legacy_config,
                 bulwark_fd_limit: a.bulwark_fd_limit,
                 authenticated: a.authenticated,
+                haproxy: a.haproxy,
             };
             (
                 scenario::conn_flood::run(&opts(&a.common), &flood).await?,

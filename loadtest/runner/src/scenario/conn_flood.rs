@@ -33,7 +33,7 @@ use tokio_rustls::TlsConnector;
 
 use super::{Options, Persona, RUN_COUNTER};
 use crate::client::{Client, Outcome, Read, Target, new_histogram};
-use crate::proxy_process::{self, ProxyProcess, Upstream};
+use crate::proxy_process::{self, ProxyProcess, Upstream, stop_child};
 use crate::report::{self, Flood, FloodLatency, NewClient, Phases, Report, Run};
 
 /// The scenario's own options.
@@ -65,6 +65,9 @@ pub struct FloodOptions {
     /// answered, so that it stays open as an idle client's would: what an idle
     /// authenticated connection costs.
     pub authenticated: bool,
+    /// Also flood haproxy in front of the same simulator, as `haproxy`: its memory and
+    /// descriptors per connection beside Bulwark's.
+    pub haproxy: bool,
 }
 
 /// The authenticated client's pace.
@@ -136,7 +139,123 @@ pub async fn run(opts: &Options, flood: &FloodOptions) -> anyhow::Result<Report>
         eprintln!("== conn-flood ({name}): done");
         runs.push((name.to_string(), run));
     }
+    let haproxy_wanted = opts
+        .only
+        .as_deref()
+        .is_none_or(|only| only.split(',').any(|o| o == "haproxy"));
+    if flood.haproxy && haproxy_wanted {
+        eprintln!("== conn-flood (haproxy): starting");
+        let run = haproxy_run(flood, pki.clone()).await?;
+        eprintln!("== conn-flood (haproxy): done");
+        runs.push(("haproxy".to_string(), run));
+    }
     Ok(Report::new("conn-flood", opts.scale, runs))
+}
+
+/// The same flood against haproxy (one thread, TLS and HTTP/2 on both sides) in front of a
+/// fresh simulator: its descriptors and memory before, with the flood open, and after.
+/// haproxy has no admin listener, metrics or authentication of its own, so the figures of
+/// Bulwark's run that come from those stay empty.
+async fn haproxy_run(flood: &FloodOptions, pki: Arc<Pki>) -> anyhow::Result<Run> {
+    let program = super::passthrough::find("haproxy").context(
+        "conn-flood --haproxy needs haproxy; on Debian or Ubuntu: apt-get install haproxy",
+    )?;
+    let fleet = Fleet::start(SimConfig {
+        seed: vec!["configmaps=10x1KiB@default".parse()?],
+        ..bulwark_testkit::fleet_config(pki.clone(), 1, super::policy())
+    })
+    .await
+    .context("starting the simulator")?;
+    let dir = std::env::temp_dir().join(format!(
+        "bulwark-loadtest-{}-{}",
+        std::process::id(),
+        RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir)?;
+    let serving = pki.server_ca.server_cert(&["127.0.0.1", "localhost"]);
+    let bundle = dir.join("serving.pem");
+    std::fs::write(&bundle, format!("{}{}", serving.cert_pem, serving.key_pem))?;
+    let ca = dir.join("upstream-ca.pem");
+    std::fs::write(&ca, pki.server_ca.cert_pem())?;
+    let addr = proxy_process::free_port()?;
+    let up = *fleet
+        .addrs()
+        .first()
+        .context("the simulator has no replica")?;
+    let config = dir.join("haproxy.cfg");
+    std::fs::write(
+        &config,
+        super::passthrough::haproxy_config(1, addr, &bundle, up, ca.display()),
+    )?;
+    let mut command = crate::child::command(program);
+    command.arg("-db").arg("-f").arg(&config);
+    let mut child = super::passthrough::spawn(command, &dir, "haproxy")?;
+    let measured = async {
+        super::passthrough::wait_listening(&mut child, addr, "haproxy", &dir).await?;
+        let pid = child.id().context("haproxy exited")?;
+        let target = Target {
+            addr,
+            ca_pem: pki.server_ca.cert_pem(),
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let idle = sample(pid).await?;
+        let flood_start = Instant::now();
+        let opened = open_flood(target, flood).await?;
+        let opened_at = Instant::now();
+        let at_open = sample(pid).await?;
+        let accepted = opened.accepted.len() as u64;
+        if let Some(per) = at_open
+            .1
+            .checked_sub(idle.1)
+            .and_then(|g| g.checked_div(accepted))
+        {
+            eprintln!(
+                "  [haproxy] {} a connection ({accepted} connections open)",
+                report::human_bytes(per)
+            );
+        }
+        tokio::time::sleep_until(opened_at + flood.hold).await;
+        let closed = opened.closed_by_bulwark.load(Ordering::Relaxed);
+        let flood_end = Instant::now();
+        opened.letting_go.store(true, Ordering::Relaxed);
+        drop(opened.accepted);
+        tokio::time::sleep(flood.settle).await;
+        let after = sample(pid).await?;
+        anyhow::Ok(Flood {
+            connections: flood.connections as u64,
+            sources: flood.sources as u64,
+            concurrency: flood.concurrency as u64,
+            accepted,
+            refused: opened.refused,
+            timed_out: opened.timed_out,
+            other: opened.other,
+            not_attempted: opened.not_attempted,
+            opened_in_s: (opened_at - flood_start).as_secs_f64(),
+            closed_by_bulwark: closed,
+            lasted_s: (flood_end - flood_start).as_secs_f64(),
+            fd_limit: fd_limit(pid)?,
+            fds: Phases {
+                idle: idle.0,
+                peak: at_open.0,
+                after: after.0,
+            },
+            rss_bytes: Phases {
+                idle: idle.1,
+                peak: at_open.1,
+                after: after.1,
+            },
+            first_error: opened.first_error,
+            ..Flood::default()
+        })
+    }
+    .await;
+    let cost = stop_child(&mut child, "haproxy", "").await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Run {
+        proxy: cost.ok(),
+        flood: Some(measured?),
+        ..Run::default()
+    })
 }
 
 /// The runner holds one descriptor per flood connection: its limit must leave room, or

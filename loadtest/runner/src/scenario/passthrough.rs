@@ -167,7 +167,7 @@ struct Tools {
 }
 
 /// Where a program is on `PATH` or in `/usr/sbin` (where Debian puts nginx and haproxy).
-fn find(program: &str) -> Option<PathBuf> {
+pub(super) fn find(program: &str) -> Option<PathBuf> {
     child::on_path(program).or_else(|| {
         [Path::new("/usr/sbin"), Path::new("/usr/local/sbin")]
             .iter()
@@ -648,24 +648,7 @@ impl<'a> Bench<'a> {
                     std::fs::read_to_string(&self.serving.0)?
                         + &std::fs::read_to_string(&self.serving.1)?,
                 )?;
-                let config = format!(
-                    r#"global
-  maxconn 8000
-  nbthread {threads}
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 60s
-  timeout server 60s
-frontend clients
-  bind {addr} ssl crt {bundle} alpn h2,http/1.1
-  default_backend upstream
-backend upstream
-  http-reuse always
-  server up {up} ssl verify required verifyhost localhost ca-file {ca} alpn h2
-"#,
-                    bundle = bundle.display(),
-                );
+                let config = haproxy_config(threads, addr, &bundle, up, ca);
                 let path = dir.join("haproxy.cfg");
                 std::fs::write(&path, config)?;
                 let haproxy = self
@@ -857,8 +840,38 @@ fn stub_status_requests(page: &str) -> Option<u64> {
     lines.next()?.split_whitespace().nth(2)?.parse().ok()
 }
 
+/// haproxy's configuration: `threads` threads, TLS and HTTP/2 from clients on `addr` with
+/// the certificate and key in `bundle`, TLS and HTTP/2 to the upstream `up` verified
+/// against the CA file `ca`.
+pub(super) fn haproxy_config(
+    threads: usize,
+    addr: SocketAddr,
+    bundle: &Path,
+    up: SocketAddr,
+    ca: impl std::fmt::Display,
+) -> String {
+    format!(
+        r#"global
+  maxconn 8000
+  nbthread {threads}
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+frontend clients
+  bind {addr} ssl crt {bundle} alpn h2,http/1.1
+  default_backend upstream
+backend upstream
+  http-reuse always
+  server up {up} ssl verify required verifyhost localhost ca-file {ca} alpn h2
+"#,
+        bundle = bundle.display(),
+    )
+}
+
 /// Starts `command` with its output in `dir/NAME.out`.
-fn spawn(mut command: Command, dir: &Path, name: &str) -> anyhow::Result<Child> {
+pub(super) fn spawn(mut command: Command, dir: &Path, name: &str) -> anyhow::Result<Child> {
     let out = std::fs::File::create(dir.join(format!("{name}.out")))?;
     command
         .stdin(Stdio::null())
@@ -869,7 +882,7 @@ fn spawn(mut command: Command, dir: &Path, name: &str) -> anyhow::Result<Child> 
 }
 
 /// Waits until something accepts connections on `addr`, or says why `child` exited.
-async fn wait_listening(
+pub(super) async fn wait_listening(
     child: &mut Child,
     addr: SocketAddr,
     name: &str,

@@ -389,9 +389,7 @@ impl Admission {
     fn check_rate(&self, m: &Matched, user: &User) -> Result<(), Refusal> {
         self.shared
             .metrics
-            .rule_requests_total
-            .with_label_values(&[&*m.rule, m.level.name.as_str()])
-            .inc();
+            .count_rule(&m.rule, m.level.name.as_str());
         let Some(rate) = m.rate.filter(|_| !m.level.exempt) else {
             return Ok(());
         };

@@ -20,11 +20,12 @@ use crate::status::Reason;
 mod expiry;
 mod families;
 mod process;
+mod shard;
 
 pub use expiry::earliest_not_after;
 
 /// Who produced a response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ServedBy {
     /// Bulwark's cache answered.
     Cache,
@@ -171,18 +172,18 @@ impl std::ops::Deref for Metrics {
 /// The metric families behind [`Metrics`].
 pub struct MetricFamilies {
     registry: Registry,
-    /// `bulwark_requests_total{verb, resource, code, served_by}`.
-    pub requests_total: IntCounterVec,
-    /// `bulwark_request_duration_seconds{verb, served_by}`.
-    pub request_duration_seconds: HistogramVec,
+    /// `bulwark_requests_total{verb, resource, code, served_by}`,
+    /// `bulwark_request_duration_seconds{verb, served_by}` and
+    /// `bulwark_rule_requests_total{rule, level}` (requests each rule matched, whatever
+    /// became of them: the denominator of a rule's rejection share), each counted by each
+    /// thread into its own
+    /// shard ([`Metrics::count_request`], [`Metrics::count_rule`]).
+    shards: Arc<shard::Shards>,
     /// `bulwark_rejected_requests_total{rule, level, reason}`.
     pub rejected_requests_total: IntCounterVec,
     /// `bulwark_identity_rejections_total{identity, reason}`: refusals of the identities
     /// refused most (`metrics.identities` of them, the rest `other`); empty when off.
     pub identity_rejections_total: IntCounterVec,
-    /// `bulwark_rule_requests_total{rule, level}`: requests each rule matched, whatever
-    /// became of them — the denominator of a rule's rejection share.
-    pub rule_requests_total: IntCounterVec,
     /// `bulwark_upstream_responses_total{replica, code_class}`.
     pub upstream_responses_total: IntCounterVec,
     /// `bulwark_upstream_retries_total{replica, reason}`: requests sent again to another
@@ -313,13 +314,16 @@ impl Metrics {
         let registry = Registry::new();
         process::register(&registry);
         let r = Register(&registry);
+        let shards = Arc::new(shard::Shards::new(
+            Register::counter_apart(&REQUESTS_TOTAL),
+            Register::histogram_apart(&REQUEST_DURATION_SECONDS, &REQUEST_DURATION_BUCKETS),
+            Register::counter_apart(&RULE_REQUESTS_TOTAL),
+        ));
+        shards.register(&r);
         let families = MetricFamilies {
-            requests_total: r.counter(&REQUESTS_TOTAL),
-            request_duration_seconds: r
-                .histogram(&REQUEST_DURATION_SECONDS, &REQUEST_DURATION_BUCKETS),
+            shards: shards.clone(),
             rejected_requests_total: r.counter(&REJECTED_REQUESTS_TOTAL),
             identity_rejections_total: r.counter(&IDENTITY_REJECTIONS_TOTAL),
-            rule_requests_total: r.counter(&RULE_REQUESTS_TOTAL),
             upstream_responses_total: r.counter(&UPSTREAM_RESPONSES_TOTAL),
             upstream_retries_total: r.counter(&UPSTREAM_RETRIES_TOTAL),
             upstream_healthy: r.gauge(&UPSTREAM_HEALTHY),
@@ -368,6 +372,25 @@ impl Metrics {
             registry,
         };
         Self(Arc::new(families))
+    }
+
+    /// Counts an answered request (`bulwark_requests_total`) and how long it took
+    /// (`bulwark_request_duration_seconds`), in this thread's shard.
+    pub fn count_request(
+        &self,
+        (verb, resource): (&'static str, &str),
+        status: StatusCode,
+        served_by: ServedBy,
+        took: std::time::Duration,
+    ) {
+        self.shards
+            .request((verb, resource), status, served_by, took);
+    }
+
+    /// Counts a request `rule` matched at `level` (`bulwark_rule_requests_total`), in this
+    /// thread's shard.
+    pub fn count_rule(&self, rule: &str, level: &str) {
+        self.shards.rule(rule, level);
     }
 
     /// Counts a request Bulwark refused.

@@ -1,9 +1,13 @@
 //! Every metric family Bulwark registers: its name, help and labels, one constant each,
 //! and the registrar [`super::Metrics::new`] builds them with.
 
+use std::sync::Arc;
+
 use prometheus::{
     GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
+
+use super::shard::{Flushing, Shards};
 
 /// A metric family: `bulwark_` + `name`, its help text and its label names.
 pub(super) struct Family {
@@ -28,9 +32,30 @@ impl Register<'_> {
     }
 
     pub(super) fn counter(&self, family: &Family) -> IntCounterVec {
-        self.add(
-            IntCounterVec::new(Self::opts(family), family.labels).expect("valid metric definition"),
-        )
+        self.add(Self::counter_apart(family))
+    }
+
+    /// A counter family not yet registered: registered by [`Register::flushing`].
+    pub(super) fn counter_apart(family: &Family) -> IntCounterVec {
+        IntCounterVec::new(Self::opts(family), family.labels).expect("valid metric definition")
+    }
+
+    /// A histogram family not yet registered: registered by [`Register::flushing`].
+    pub(super) fn histogram_apart(family: &Family, buckets: &[f64]) -> HistogramVec {
+        let opts = HistogramOpts::new(format!("bulwark_{}", family.name), family.help)
+            .buckets(buckets.to_vec());
+        HistogramVec::new(opts, family.labels).expect("valid metric definition")
+    }
+
+    /// Registers `family` so that every scrape first adds the threads' `shards` into it.
+    pub(super) fn flushing<C>(&self, family: &C, shards: &Arc<Shards>)
+    where
+        C: prometheus::core::Collector + Clone + 'static,
+    {
+        self.add(Flushing {
+            inner: family.clone(),
+            shards: shards.clone(),
+        });
     }
 
     pub(super) fn gauge(&self, family: &Family) -> IntGaugeVec {
@@ -48,9 +73,7 @@ impl Register<'_> {
     }
 
     pub(super) fn histogram(&self, family: &Family, buckets: &[f64]) -> HistogramVec {
-        let opts = HistogramOpts::new(format!("bulwark_{}", family.name), family.help)
-            .buckets(buckets.to_vec());
-        self.add(HistogramVec::new(opts, family.labels).expect("valid metric definition"))
+        self.add(Self::histogram_apart(family, buckets))
     }
 }
 

@@ -19,7 +19,7 @@ use crate::board::{Board, IdentityRejections, Refused, Seen};
 use crate::listen::ConnInfo;
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
 use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
-use crate::metrics::{Metrics, ServedBy, code_label, method_label};
+use crate::metrics::{Metrics, ServedBy, method_label};
 use crate::status::{AUDIT_ID, X_BULWARK_LEVEL, X_BULWARK_RULE};
 use crate::{Body, BoxFuture};
 
@@ -237,19 +237,12 @@ where
                 verb: method,
                 resource: Arc::from(""),
             });
-            metrics
-                .requests_total
-                .with_label_values(&[
-                    labels.verb,
-                    &labels.resource,
-                    code_label(&response.status()),
-                    served_by.as_str(),
-                ])
-                .inc();
-            metrics
-                .request_duration_seconds
-                .with_label_values(&[labels.verb, served_by.as_str()])
-                .observe(took.as_secs_f64());
+            metrics.count_request(
+                (labels.verb, &labels.resource),
+                response.status(),
+                served_by,
+                took,
+            );
             Ok(response)
         })
     }

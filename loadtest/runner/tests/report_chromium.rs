@@ -210,6 +210,23 @@ fn a_recorded_result_renders_its_charts_in_chromium() {
 }
 
 #[test]
+fn a_recorded_watch_cost_renders_beside_the_apiservers_in_chromium() {
+    let report = recorded("informers-controlplane-1000-nodes.json");
+    let html = charts::html(&report).unwrap();
+    for title in [
+        "Memory per idle connection and per watch",
+        "Update to its watchers (ms)",
+        "direct (kube-apiserver)",
+        "bulwark (Bulwark)",
+    ] {
+        assert!(html.contains(title), "{title}");
+    }
+    // memory over time ×2 runs, latency ×3 classes, the watch cost ×2, 429s over time ×2
+    // runs
+    check_html(&html, &charts::verdict(&report), 9);
+}
+
+#[test]
 fn every_recorded_result_reads_back_and_draws() {
     // Through the one pipeline every scenario's result takes: read back as the scenario
     // that wrote it, drawn, written, cut into charts.

@@ -475,6 +475,9 @@ fn list(values: &[u64]) -> String {
 /// The fleet rows: LIST bytes on each apiserver against its budget, the storm identities'
 /// rates against their rule, and the takeover of a killed Bulwark's share.
 fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    if runs.iter().all(|r| r.fleet.is_none()) {
+        return;
+    }
     let cells = |f: &dyn Fn(&FleetFigures) -> String| -> Vec<String> {
         runs.iter()
             .map(|r| r.fleet.as_ref().map_or_else(|| "-".to_string(), f))
@@ -563,7 +566,11 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
 
 /// The conn-flood rows: the flood, Bulwark's descriptors and memory, and what the other
 /// clients saw.
+/// The watch cost's rows, when a run measured it.
 fn watch_cost_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    if runs.iter().all(|r| r.watch_cost.is_none()) {
+        return;
+    }
     let cells = |f: &dyn Fn(&WatchCost) -> String| -> Vec<String> {
         runs.iter()
             .map(|r| r.watch_cost.as_ref().map_or_else(|| "-".to_string(), f))
@@ -611,6 +618,9 @@ fn watch_cost_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
 }
 
 fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    if runs.iter().all(|r| r.flood.is_none()) {
+        return;
+    }
     let cells = |f: &dyn Fn(&Flood) -> String| -> Vec<String> {
         runs.iter()
             .map(|r| r.flood.as_ref().map_or_else(|| "-".to_string(), f))
@@ -785,15 +795,9 @@ pub fn figures(report: &Report) -> Rows {
         ));
     }
 
-    if runs.iter().any(|r| r.watch_cost.is_some()) {
-        watch_cost_rows(&mut rows, &runs);
-    }
-    if runs.iter().any(|r| r.flood.is_some()) {
-        flood_rows(&mut rows, &runs);
-    }
-    if runs.iter().any(|r| r.fleet.is_some()) {
-        fleet_rows(&mut rows, &runs);
-    }
+    watch_cost_rows(&mut rows, &runs);
+    flood_rows(&mut rows, &runs);
+    fleet_rows(&mut rows, &runs);
 
     let mut classes: Vec<&String> = runs.iter().flat_map(|r| r.classes.keys()).collect();
     classes.sort();

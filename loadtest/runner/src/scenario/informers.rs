@@ -44,8 +44,11 @@ const CHURN_PER_SECOND: u64 = 20;
 /// total per second.
 const SECRET_CHURN_PER_SECOND: u64 = 10;
 /// How long after the last node's watches started the steady state begins: their lists
-/// are answered and the first bookmarks sent.
+/// are answered and the first bookmarks sent (a quarter of the run in a short one).
 const SETTLE: Duration = Duration::from_secs(10);
+/// How long every node's connections idle, open, before their watches start (an eighth of
+/// the run in a short one).
+const IDLE_BEFORE_WATCHES: Duration = Duration::from_secs(3);
 /// How long a received event waits for its write's acknowledgement to be matched.
 const MATCH_WINDOW: Duration = Duration::from_secs(5);
 const SLICES_PATH: &str = "/apis/discovery.k8s.io/v1/endpointslices";
@@ -602,7 +605,7 @@ pub(super) async fn drive_nodes(
     // With a meter, every node connects over the first window, then all idle a moment
     // before their watches start over the second.
     let watches_at = match plan.meter {
-        Some(_) => started + join_window + Duration::from_secs(3),
+        Some(_) => started + join_window + IDLE_BEFORE_WATCHES.min(plan.duration / 8),
         None => started,
     };
     let mut classes = vec![
@@ -616,7 +619,7 @@ pub(super) async fn drive_nodes(
     });
     let progress = progress(&classes);
     let readings = Arc::new(Mutex::new(Readings::default()));
-    let steady_from = watches_at + join_window + SETTLE;
+    let steady_from = watches_at + join_window + SETTLE.min(plan.duration / 4);
     let meter = plan.meter.map(|meter| {
         let measured = meter.measured;
         let task = tokio::spawn(read_meter(
@@ -695,9 +698,10 @@ pub(super) async fn drive_nodes(
         Some((measured, task)) => {
             task.abort();
             let r = std::mem::take(&mut *readings.lock().unwrap_or_else(|e| e.into_inner()));
+            // A run too short for a steady state measured none.
             let ((cpu0, events0), (cpu1, events1)) = r.steady.unwrap_or_default();
             let (slice_to_all_ms, slice_updates_to_all) = slices.to_all_ms(s.nodes);
-            Some(WatchCost {
+            (!r.watching.is_empty()).then(|| WatchCost {
                 measured: measured.to_string(),
                 connections: (s.nodes * if s.kube_proxy_apart { 2 } else { 1 }) as u64,
                 watches: (s.nodes * (s.secrets_per_node + 1)) as u64,

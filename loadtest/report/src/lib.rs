@@ -472,34 +472,60 @@ fn list(values: &[u64]) -> String {
     format!("[{}]", parts.join(", "))
 }
 
+/// The rows of one part of a run that only some scenarios record (the fleet, the flood, the
+/// watch cost): a heading, then a row per figure with a cell per run, `-` where a run has
+/// none of it.
+struct Part<'a, T> {
+    rows: &'a mut Vec<(String, Vec<String>)>,
+    runs: &'a [&'a Run],
+    get: fn(&Run) -> Option<&T>,
+}
+
+impl<'a, T> Part<'a, T> {
+    /// The part's heading row, or `None` (no rows) when no run recorded it.
+    fn start(
+        rows: &'a mut Vec<(String, Vec<String>)>,
+        runs: &'a [&'a Run],
+        title: &str,
+        get: fn(&Run) -> Option<&T>,
+    ) -> Option<Part<'a, T>> {
+        if runs.iter().all(|r| get(r).is_none()) {
+            return None;
+        }
+        rows.push((title.to_string(), vec![String::new(); runs.len()]));
+        Some(Part { rows, runs, get })
+    }
+
+    /// A row: `label`, and `f` of each run's part.
+    fn add(&mut self, label: &str, f: &dyn Fn(&T) -> String) {
+        let cells = self
+            .runs
+            .iter()
+            .map(|r| (self.get)(r).map_or_else(|| "-".to_string(), f))
+            .collect();
+        self.rows.push((format!("  {label}"), cells));
+    }
+}
+
 /// The fleet rows: LIST bytes on each apiserver against its budget, the storm identities'
 /// rates against their rule, and the takeover of a killed Bulwark's share.
 fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
-    if runs.iter().all(|r| r.fleet.is_none()) {
+    let Some(mut part) = Part::start(rows, runs, "fleet", |r| r.fleet.as_ref()) else {
         return;
-    }
-    let cells = |f: &dyn Fn(&FleetFigures) -> String| -> Vec<String> {
-        runs.iter()
-            .map(|r| r.fleet.as_ref().map_or_else(|| "-".to_string(), f))
-            .collect()
-    };
-    rows.push(("fleet".to_string(), vec![String::new(); runs.len()]));
-    let mut add = |label: &str, f: &dyn Fn(&FleetFigures) -> String| {
-        rows.push((format!("  {label}"), cells(f)));
     };
     let seconds = |s: Option<f64>| s.map_or_else(|| "never".to_string(), |s| format!("{s:.1} s"));
-    add("LIST bytes budget / apiserver", &|f| {
+    part.add("LIST bytes budget / apiserver", &|f| {
         human_bytes(f.list_bytes_budget)
     });
-    add("peak LIST bytes per apiserver", &|f| {
+    part.add("peak LIST bytes per apiserver", &|f| {
         let peaks: Vec<String> = f.peak_list_bytes.iter().map(|b| human_bytes(*b)).collect();
         peaks.join(", ")
     });
-    add("bytes one storm LIST reads", &|f| human_bytes(f.list_bytes));
-    add("samples over budget", &|f| {
+    part.add("bytes one storm LIST reads", &|f| human_bytes(f.list_bytes));
+    part.add("samples over budget", &|f| {
         format!("{} of {}", list(&f.samples_over_budget), f.samples)
     });
-    add("peak LIST bytes, steady", &|f| {
+    part.add("peak LIST bytes, steady", &|f| {
         let peaks: Vec<String> = f
             .steady_peak_list_bytes
             .iter()
@@ -507,10 +533,10 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
             .collect();
         peaks.join(", ")
     });
-    add("samples over budget, steady", &|f| {
+    part.add("samples over budget, steady", &|f| {
         list(&f.steady_samples_over_budget)
     });
-    add("storm rule (req/s)", &|f| {
+    part.add("storm rule (req/s)", &|f| {
         format!("{:.2}", f.storm_rule_qps)
     });
     let rates = |v: &[f64]| -> String {
@@ -526,17 +552,17 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
             format!("{:.2} – {:.2}", min / rule, max / rule)
         }
     };
-    add("storm rate per identity, steady", &|f| {
+    part.add("storm rate per identity, steady", &|f| {
         rates(&f.storm_steady_rates)
     });
-    add("  steady ÷ rule (min – max)", &|f| {
+    part.add("  steady ÷ rule (min – max)", &|f| {
         range(&f.storm_steady_rates, f.storm_rule_qps)
     });
-    add("storm rate, one Bulwark dead", &|f| {
+    part.add("storm rate, one Bulwark dead", &|f| {
         rates(&f.storm_outage_rates)
     });
-    add("storm rate, whole run", &|f| rates(&f.storm_rates));
-    add("storm 429s (rate) per identity", &|f| {
+    part.add("storm rate, whole run", &|f| rates(&f.storm_rates));
+    part.add("storm 429s (rate) per identity", &|f| {
         let v: Vec<String> = f
             .storm_429s
             .iter()
@@ -544,52 +570,41 @@ fn fleet_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
             .collect();
         v.join(", ")
     });
-    add(
+    part.add(
         "Bulwark killed / restarted at",
         &|f| match (f.killed_at_s, f.restarted_at_s) {
             (Some(k), Some(r)) => format!("{k:.0} s / {r:.0} s"),
             _ => "-".into(),
         },
     );
-    add("survivors took over in", &|f| match f.killed_at_s {
+    part.add("survivors took over in", &|f| match f.killed_at_s {
         Some(_) => seconds(f.takeover_s),
         None => "-".into(),
     });
-    add("survivors' share / apiserver", &|f| {
+    part.add("survivors' share / apiserver", &|f| {
         f.survivors_share.map_or_else(|| "-".into(), human_bytes)
     });
-    add("restarted one rejoined in", &|f| match f.restarted_at_s {
+    part.add("restarted one rejoined in", &|f| match f.restarted_at_s {
         Some(_) => seconds(f.rejoin_s),
         None => "-".into(),
     });
 }
 
-/// The conn-flood rows: the flood, Bulwark's descriptors and memory, and what the other
-/// clients saw.
 /// The watch cost's rows, when a run measured it.
 fn watch_cost_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
-    if runs.iter().all(|r| r.watch_cost.is_none()) {
+    let Some(mut part) = Part::start(rows, runs, "watch cost", |r| r.watch_cost.as_ref()) else {
         return;
-    }
-    let cells = |f: &dyn Fn(&WatchCost) -> String| -> Vec<String> {
-        runs.iter()
-            .map(|r| r.watch_cost.as_ref().map_or_else(|| "-".to_string(), f))
-            .collect()
-    };
-    rows.push(("watch cost".to_string(), vec![String::new(); runs.len()]));
-    let mut add = |label: &str, f: &dyn Fn(&WatchCost) -> String| {
-        rows.push((format!("  {label}"), cells(f)));
     };
     let bytes = |b: Option<u64>| b.map_or_else(|| "-".to_string(), human_bytes);
     let ms = |t: &Option<[f64; 3]>| match t {
         Some([p50, p99, max]) => format!("{p50:.1} / {p99:.1} / {max:.1}"),
         None => "-".to_string(),
     };
-    add("measured", &|w| w.measured.clone());
-    add("connections / watches", &|w| {
+    part.add("measured", &|w| w.measured.clone());
+    part.add("connections / watches", &|w| {
         format!("{} / {}", w.connections, w.watches)
     });
-    add("RSS before / connected / watching", &|w| {
+    part.add("RSS before / connected / watching", &|w| {
         format!(
             "{} / {} / {}",
             human_bytes(w.rss_before_bytes),
@@ -597,18 +612,18 @@ fn watch_cost_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
             human_bytes(w.rss_watching_bytes)
         )
     });
-    add("RSS per idle connection", &|w| {
+    part.add("RSS per idle connection", &|w| {
         bytes(w.per_connection_bytes())
     });
-    add("RSS per watch", &|w| bytes(w.per_watch_bytes()));
-    add("CPU µs per delivered event", &|w| {
+    part.add("RSS per watch", &|w| bytes(w.per_watch_bytes()));
+    part.add("CPU µs per delivered event", &|w| {
         w.cpu_us_per_event()
             .map_or_else(|| "-".to_string(), |us| format!("{us:.1}"))
     });
-    add("Secret → watcher p50/p99/max ms", &|w| {
+    part.add("Secret → watcher p50/p99/max ms", &|w| {
         ms(&w.secret_delivery_ms)
     });
-    add("EndpointSlice → every kube-proxy ms", &|w| {
+    part.add("EndpointSlice → every kube-proxy ms", &|w| {
         format!(
             "{} ({} updates)",
             ms(&w.slice_to_all_ms),
@@ -617,18 +632,11 @@ fn watch_cost_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
     });
 }
 
+/// The conn-flood rows: the flood, Bulwark's descriptors and memory, and what the other
+/// clients saw.
 fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
-    if runs.iter().all(|r| r.flood.is_none()) {
+    let Some(mut part) = Part::start(rows, runs, "flood", |r| r.flood.as_ref()) else {
         return;
-    }
-    let cells = |f: &dyn Fn(&Flood) -> String| -> Vec<String> {
-        runs.iter()
-            .map(|r| r.flood.as_ref().map_or_else(|| "-".to_string(), f))
-            .collect()
-    };
-    rows.push(("flood".to_string(), vec![String::new(); runs.len()]));
-    let mut add = |label: &str, f: &dyn Fn(&Flood) -> String| {
-        rows.push((format!("  {label}"), cells(f)));
     };
     let phases = |p: &Phases, show: &dyn Fn(u64) -> String| {
         format!("{} / {} / {}", show(p.idle), show(p.peak), show(p.after))
@@ -654,10 +662,10 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
         let parts: Vec<String> = m.iter().map(|(k, v)| format!("{k} {v}")).collect();
         parts.join(", ")
     };
-    add("connections (sources x in flight)", &|f| {
+    part.add("connections (sources x in flight)", &|f| {
         format!("{} ({} x {})", f.connections, f.sources, f.concurrency)
     });
-    add("accepted / refused / timed out / other", &|f| {
+    part.add("accepted / refused / timed out / other", &|f| {
         format!(
             "{} / {} / {} / {}",
             f.accepted,
@@ -666,38 +674,38 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
             f.other + f.not_attempted
         )
     });
-    add("opened in", &|f| format!("{:.1} s", f.opened_in_s));
-    add("closed by Bulwark", &|f| f.closed_by_bulwark.to_string());
-    add("lasted", &|f| format!("{:.1} s", f.lasted_s));
-    add("Bulwark's refusals", &|f| reasons(&f.bulwark_refused));
-    add("Bulwark's closes", &|f| reasons(&f.bulwark_closed));
-    add("fd limit", &|f| f.fd_limit.to_string());
-    add("fds idle / peak / after", &|f| {
+    part.add("opened in", &|f| format!("{:.1} s", f.opened_in_s));
+    part.add("closed by Bulwark", &|f| f.closed_by_bulwark.to_string());
+    part.add("lasted", &|f| format!("{:.1} s", f.lasted_s));
+    part.add("Bulwark's refusals", &|f| reasons(&f.bulwark_refused));
+    part.add("Bulwark's closes", &|f| reasons(&f.bulwark_closed));
+    part.add("fd limit", &|f| f.fd_limit.to_string());
+    part.add("fds idle / peak / after", &|f| {
         phases(&f.fds, &|n| n.to_string())
     });
-    add("RSS idle / peak / after", &|f| {
+    part.add("RSS idle / peak / after", &|f| {
         phases(&f.rss_bytes, &human_bytes)
     });
-    add("RSS per accepted connection", &|f| {
+    part.add("RSS per accepted connection", &|f| {
         f.rss_bytes
             .peak
             .saturating_sub(f.rss_bytes.idle)
             .checked_div(f.accepted)
             .map_or_else(|| "-".to_string(), human_bytes)
     });
-    add("GETs before: ok / failed", &|f| counts(&f.gets_before));
-    add("GETs before: p50 / p99 / max ms", &|f| {
+    part.add("GETs before: ok / failed", &|f| counts(&f.gets_before));
+    part.add("GETs before: p50 / p99 / max ms", &|f| {
         latency(&f.gets_before)
     });
-    add("GETs during: ok / failed", &|f| counts(&f.gets_during));
-    add("GETs during: p50 / p99 / max ms", &|f| {
+    part.add("GETs during: ok / failed", &|f| counts(&f.gets_during));
+    part.add("GETs during: p50 / p99 / max ms", &|f| {
         latency(&f.gets_during)
     });
-    add("/readyz during: ok / failed", &|f| counts(&f.readyz_during));
-    add("/readyz during: p50 / p99 / max ms", &|f| {
+    part.add("/readyz during: ok / failed", &|f| counts(&f.readyz_during));
+    part.add("/readyz during: p50 / p99 / max ms", &|f| {
         latency(&f.readyz_during)
     });
-    add("new client", &|f| {
+    part.add("new client", &|f| {
         let n = &f.new_client;
         if n.connected {
             format!("connected in {:.1} ms", n.ms)

@@ -320,11 +320,7 @@ impl Env {
                 .await
                 .context("starting the simulator")?,
         );
-        let dir = std::env::temp_dir().join(format!(
-            "bulwark-loadtest-{}-{}",
-            std::process::id(),
-            RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
+        let dir = run_dir();
         let (target, proxy) = match mode {
             Mode::Direct => {
                 let addr = fleet
@@ -492,6 +488,16 @@ impl Env {
 }
 
 static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A folder of this process's own for one run's files (configuration, logs), named apart
+/// from every other run's; the run removes it.
+fn run_dir() -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "bulwark-loadtest-{}-{}",
+        std::process::id(),
+        RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ))
+}
 
 /// What a scenario's drive produced.
 pub struct Driven {

@@ -31,7 +31,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 
-use super::{Options, Persona, RUN_COUNTER};
+use super::{Options, Persona};
 use crate::client::{Client, Outcome, Read, Target, new_histogram};
 use crate::proxy_process::{self, ProxyProcess, Upstream, stop_child};
 use crate::report::{self, Flood, FloodLatency, NewClient, Phases, Report, Run};
@@ -160,17 +160,8 @@ async fn haproxy_run(flood: &FloodOptions, pki: Arc<Pki>) -> anyhow::Result<Run>
     let program = super::passthrough::find("haproxy").context(
         "conn-flood --haproxy needs haproxy; on Debian or Ubuntu: apt-get install haproxy",
     )?;
-    let fleet = Fleet::start(SimConfig {
-        seed: vec!["configmaps=10x1KiB@default".parse()?],
-        ..bulwark_testkit::fleet_config(pki.clone(), 1, super::policy())
-    })
-    .await
-    .context("starting the simulator")?;
-    let dir = std::env::temp_dir().join(format!(
-        "bulwark-loadtest-{}-{}",
-        std::process::id(),
-        RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
+    let fleet = start_fleet(pki.clone()).await?;
+    let dir = super::run_dir();
     std::fs::create_dir_all(&dir)?;
     let serving = pki.server_ca.server_cert(&["127.0.0.1", "localhost"]);
     let bundle = dir.join("serving.pem");
@@ -258,6 +249,17 @@ async fn haproxy_run(flood: &FloodOptions, pki: Arc<Pki>) -> anyhow::Result<Run>
     })
 }
 
+/// The simulator every run of the flood stands in front of: one replica, the ConfigMaps
+/// its GETs read.
+async fn start_fleet(pki: Arc<Pki>) -> anyhow::Result<Fleet> {
+    Fleet::start(SimConfig {
+        seed: vec!["configmaps=10x1KiB@default".parse()?],
+        ..bulwark_testkit::fleet_config(pki, 1, super::policy())
+    })
+    .await
+    .context("starting the simulator")
+}
+
 /// The runner holds one descriptor per flood connection: its limit must leave room, or
 /// the client (not Bulwark) would be what fails.
 fn check_own_fd_limit(connections: usize) -> anyhow::Result<()> {
@@ -286,17 +288,8 @@ async fn one_run(
     flood: &FloodOptions,
     pki: Arc<Pki>,
 ) -> anyhow::Result<Run> {
-    let fleet = Fleet::start(SimConfig {
-        seed: vec!["configmaps=10x1KiB@default".parse()?],
-        ..bulwark_testkit::fleet_config(pki.clone(), 1, super::policy())
-    })
-    .await
-    .context("starting the simulator")?;
-    let dir = std::env::temp_dir().join(format!(
-        "bulwark-loadtest-{}-{}",
-        std::process::id(),
-        RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
+    let fleet = start_fleet(pki.clone()).await?;
+    let dir = super::run_dir();
     let legacy = bin.is_some() && flood.legacy_config;
     let proxy = start_bulwark(&dir, &fleet, &pki, bin, flood, legacy).await?;
     let result = measure(name, &proxy, &fleet, &pki, flood).await;

@@ -500,6 +500,14 @@ pub(super) struct Meter {
 }
 
 impl Meter {
+    /// Bulwark's process.
+    pub(super) fn bulwark(pid: u32) -> Meter {
+        Meter {
+            measured: "Bulwark",
+            pids: Box::new(move || vec![pid]),
+        }
+    }
+
     /// Resident memory and CPU seconds of its processes now, summed.
     fn now(&self) -> (u64, f64) {
         (self.pids)()
@@ -529,15 +537,12 @@ async fn read_meter(
     (watches_at, steady_from, deadline): (Instant, Instant, Instant),
     readings: Arc<Mutex<Readings>>,
 ) {
-    let read = {
+    let read = move || {
         let meter = meter.clone();
-        move || {
-            let meter = meter.clone();
-            async move {
-                tokio::task::spawn_blocking(move || meter.now())
-                    .await
-                    .unwrap_or_default()
-            }
+        async move {
+            tokio::task::spawn_blocking(move || meter.now())
+                .await
+                .unwrap_or_default()
         }
     };
     let store = |f: &dyn Fn(&mut Readings)| {
@@ -576,10 +581,10 @@ pub(super) struct Plan<'a> {
     pub(super) meter: Option<Meter>,
 }
 
-// Over 120 lines: the run's clients, its churns and its meter are set up in order and
-// share the same deliveries and counts.
 /// Runs the plan's nodes, whose informers start spread over its join window, plus the
 /// churn; `progress` reports on the classes while they run.
+// Over 120 lines: the run's clients, its churns and its meter are set up in order and
+// share the same deliveries and counts.
 pub(super) async fn drive_nodes(
     target: &Target,
     progress: impl FnOnce(&Classes) -> tokio::task::JoinHandle<()>,
@@ -757,10 +762,7 @@ impl Scenario for Informers {
             duration,
             join_window: window,
             protobuf: opts.protobuf,
-            meter: pid.map(|pid| Meter {
-                measured: "Bulwark",
-                pids: Box::new(move || vec![pid]),
-            }),
+            meter: pid.map(Meter::bulwark),
         };
         drive_nodes(&env.target, |c| env.progress(c), pki, plan).await
     }

@@ -243,10 +243,7 @@ async fn one_run(
                     let window = Duration::from_secs(5).min(duration / 4);
                     // Direct, the replicas serve the watches; through Bulwark, Bulwark does.
                     let meter = match mode {
-                        Mode::Bulwark => cp.bulwark_pid().map(|pid| informers::Meter {
-                            measured: "Bulwark",
-                            pids: Box::new(move || vec![pid]),
-                        }),
+                        Mode::Bulwark => cp.bulwark_pid().map(informers::Meter::bulwark),
                         _ => {
                             let pids = cp.replica_pids();
                             Some(informers::Meter {

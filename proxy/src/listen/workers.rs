@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use futures::FutureExt;
 use tokio::runtime::Runtime;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
@@ -274,27 +275,19 @@ async fn serve<S: RequestPath>(
                         shared.drain.clone(),
                     );
                     let open = Open(open.clone());
-                    tasks.spawn(async move {
-                        let serve = conn::serve(
-                            stream,
-                            peer,
-                            tls,
-                            settings,
-                            connections,
-                            (&guard, source),
-                            service,
-                            drain,
-                        );
-                        // An evicted connection is dropped where it stands: it has not
-                        // authenticated, so nothing of value is lost.
-                        tokio::select! {
-                            () = serve => {}
-                            () = guard.evicted() => {
-                                tracing::debug!(%peer, "evicted: a new connection needed its place");
-                            }
-                        }
-                        drop((guard, open));
-                    });
+                    let serve = conn::serve(
+                        stream,
+                        peer,
+                        tls,
+                        settings,
+                        connections,
+                        (guard, source),
+                        service,
+                        drain,
+                    );
+                    // Counted until the connection's guards are gone: `map` drops the
+                    // connection's future before it runs.
+                    tasks.spawn(serve.map(move |()| drop(open)));
                 }
                 None => break,
             },

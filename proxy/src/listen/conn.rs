@@ -904,7 +904,7 @@ mod tests {
             _: &mut Context<'_>,
             buf: &[u8],
         ) -> Poll<std::io::Result<usize>> {
-            Poll::Ready(Ok(buf.len()))
+            Poll::Ready(Ok(buf.len().min(self.0.len())))
         }
 
         fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {

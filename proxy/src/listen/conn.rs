@@ -13,7 +13,6 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::FutureExt;
 use futures::task::AtomicWaker;
 use http::{HeaderValue, Request, Response, Version};
 use http_body::{Frame, SizeHint};
@@ -145,8 +144,8 @@ impl Settings {
 }
 
 /// A connection past its first steps (first byte, PROXY header, TLS): what serves it until
-/// it closes.
-type Serving<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+/// it closes, and its client's place in the source caps, held as long.
+type Serving<'a> = (Pin<Box<dyn Future<Output = ()> + Send + 'a>>, SourceGuard);
 
 /// Serves one accepted TCP connection until it closes, is idle, does not authenticate, is
 /// evicted, or the drain closes it: the first byte, the PROXY header and the client's
@@ -186,7 +185,7 @@ pub(super) async fn serve<S>(
                 drain,
             ));
             // `.await` takes the box, which is freed when the steps end.
-            if let Some(serving) = establishing.await {
+            if let Some((serving, _source)) = establishing.await {
                 serving.await;
             }
         } => {}
@@ -293,7 +292,7 @@ where
             drain,
             Some(slot),
         );
-        return Some(holding(http, source));
+        return Some((Box::pin(http), source));
     };
     // Each handshake takes the configuration current at accept, so a reload affects new
     // connections only.
@@ -332,13 +331,7 @@ where
         drain,
         Some(slot),
     );
-    Some(holding(http, source))
-}
-
-/// `http`, holding the client's place in the source caps until it ends.
-fn holding<'a>(http: impl Future<Output = ()> + Send + 'a, source: SourceGuard) -> Serving<'a> {
-    // `map`, not an async block, which would hold `http` twice (captured, and awaited).
-    Box::pin(http.map(move |()| drop(source)))
+    Some((Box::pin(http), source))
 }
 
 /// Who is on an established connection, and since when.
@@ -884,8 +877,8 @@ impl http_body::Body for TrackedBody {
 mod tests {
     use super::*;
 
-    /// A connection's stream as large as a TLS stream can be: what serves HTTP must not
-    /// hold it beside hyper's connection, which has it already.
+    /// A connection's stream larger than a TLS stream: what serves HTTP must not hold it
+    /// beside hyper's connection, which has it already.
     struct Bulky([u8; 4096]);
 
     impl hyper::rt::Read for Bulky {

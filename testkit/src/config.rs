@@ -145,8 +145,12 @@ impl BulwarkConfig {
             shutdown: (Duration::from_millis(100), Duration::from_secs(1)),
             heap_headroom: None,
             // Every simulated client, node and load generator connects from 127.0.0.1: no
-            // per-source connection cap (a test of the cap sets one).
-            settings: vec![("listen.limits.maxConnectionsPerSource".into(), "0".into())],
+            // per-source or per-prefix connection cap (a test of the caps sets them); the
+            // prefix cap's default (8,000) would stop 7,500 nodes' 15,000 connections.
+            settings: vec![
+                ("listen.limits.maxConnectionsPerSource".into(), "0".into()),
+                ("listen.limits.maxConnectionsPerPrefix".into(), "0".into()),
+            ],
         }
     }
 

@@ -54,6 +54,17 @@ struct Common {
     /// as kube-proxy's is beside the kubelet's: two connections a node.
     #[arg(long)]
     kube_proxy_apart: bool,
+    /// informers: how long the nodes take to connect, and then to start their watches
+    /// (default 5 s, at most a quarter of the run); thousands of nodes need longer.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    join_window: Option<Duration>,
+    /// informers: EndpointSlice updates a second, each delivered to every node's kube-proxy.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    slice_churn: u64,
+    /// informers: EndpointSlices seeded, every kube-proxy listing and watching all of them
+    /// (default 500 times --scale).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    endpointslices: Option<u64>,
 }
 
 /// `list-storm`'s and `informers`' options: the common ones, and a real control plane
@@ -723,5 +734,8 @@ fn opts(c: &Common) -> Options {
         protobuf: c.protobuf,
         secrets_per_node: usize::from(c.secrets_per_node),
         kube_proxy_apart: c.kube_proxy_apart,
+        join_window: c.join_window,
+        slice_churn: c.slice_churn,
+        endpointslices: c.endpointslices.map(|n| n as usize),
     }
 }

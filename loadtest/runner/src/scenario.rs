@@ -72,6 +72,13 @@ pub struct Options {
     pub secrets_per_node: usize,
     /// `informers`, `node-join`: each node's EndpointSlice watch on a connection of its own.
     pub kube_proxy_apart: bool,
+    /// `informers`: how long the nodes take to connect, then to start their watches
+    /// (the scenario's own when absent).
+    pub join_window: Option<Duration>,
+    /// `informers`: EndpointSlice updates a second.
+    pub slice_churn: u64,
+    /// `informers`: EndpointSlices seeded (500 scaled when absent).
+    pub endpointslices: Option<usize>,
 }
 
 impl Options {

@@ -19,6 +19,9 @@ async fn a_list_storm_on_the_real_control_plane_records_memory_over_time_per_rep
         protobuf: false,
         secrets_per_node: 2,
         kube_proxy_apart: false,
+        join_window: None,
+        slice_churn: 20,
+        endpointslices: None,
     };
     let cp = ControlPlaneOptions {
         replicas: 1,

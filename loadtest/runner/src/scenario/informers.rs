@@ -38,8 +38,6 @@ pub struct Informers;
 /// The join-wave scenario.
 pub struct NodeJoin;
 
-/// EndpointSlices updated by the churn client, in total per second.
-const CHURN_PER_SECOND: u64 = 20;
 /// Secrets updated by the Secret churn client (when the run measures its watch cost), in
 /// total per second.
 const SECRET_CHURN_PER_SECOND: u64 = 10;
@@ -113,15 +111,26 @@ pub(super) struct Sizes {
     secrets_per_node: usize,
     /// Whether a node's EndpointSlice watch has a connection of its own (kube-proxy's).
     kube_proxy_apart: bool,
+    /// EndpointSlices updated by the churn client, in total per second.
+    slice_churn: u64,
 }
 
 pub(super) fn sizes(opts: &Options, nodes: usize) -> Sizes {
     Sizes {
         nodes: opts.scaled(nodes, 2),
-        slices: opts.scaled(500, 10),
+        slices: opts.endpointslices.unwrap_or_else(|| opts.scaled(500, 10)),
         secrets_per_node: opts.secrets_per_node.max(1),
         kube_proxy_apart: opts.kube_proxy_apart,
+        slice_churn: opts.slice_churn.max(1),
     }
+}
+
+/// How long the nodes take to connect, and then to start their watches: `--join-window`,
+/// else 5 s; at most a quarter of the run either way, so that a steady state is left.
+pub(super) fn join_window(opts: &Options, duration: Duration) -> Duration {
+    opts.join_window
+        .unwrap_or(Duration::from_secs(5))
+        .min(duration / 4)
 }
 
 pub(super) fn seed(s: &Sizes) -> Vec<String> {
@@ -228,15 +237,25 @@ fn list_rv(head: &[u8]) -> Option<String> {
 /// A reflector: LIST `resourceVersion=0`, then WATCH from the list's version, re-watching
 /// from the last seen version when a watch ends and relisting after an error. Events of
 /// EndpointSlices are matched against the churn's acknowledgements.
+///
+/// The informers of one node record into one `tally` (so their back-off after errors is
+/// the node's): a tally's histogram is about 180 KiB, too much to keep per watch at
+/// 100,000 watches (7,500 nodes' would take 35 GiB, with another per watch for delivery
+/// before these went straight into `delivery`'s).
 pub(super) async fn reflector(
     mut client: Client,
-    mut tally: Tally,
+    tally: &Mutex<Tally>,
     list_path: String,
     deadline: Instant,
     delivery: Option<Delivery>,
     received: Arc<Received>,
-) -> Tally {
-    let mut local = new_histogram();
+) {
+    let record = |outcome: &Outcome| {
+        tally
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(outcome)
+    };
     let mut pending: VecDeque<(u64, Instant)> = VecDeque::new();
     let sep = if list_path.contains('?') { '&' } else { '?' };
     'relist: while Instant::now() < deadline {
@@ -245,7 +264,7 @@ pub(super) async fn reflector(
             o = client.call(Method::GET, &path, None, Read::Head, Duration::from_secs(60)) => o,
             _ = tokio::time::sleep_until(deadline) => break,
         };
-        let pause = tally.record(&list);
+        let pause = record(&list);
         let Some(mut rv) = super::ok_body(&list).and_then(|b| list_rv(b)) else {
             tokio::time::sleep(pause.max(Duration::from_millis(100))).await;
             continue;
@@ -261,7 +280,7 @@ pub(super) async fn reflector(
             };
             let mut lines = match stream {
                 Ok(lines) => {
-                    tally.record(&Outcome::Ok {
+                    record(&Outcome::Ok {
                         bytes: 0,
                         latency: started.elapsed(),
                         body: None,
@@ -269,7 +288,7 @@ pub(super) async fn reflector(
                     lines
                 }
                 Err(outcome) => {
-                    let pause = tally.record(&outcome);
+                    let pause = record(&outcome);
                     tokio::time::sleep(pause).await;
                     continue 'relist;
                 }
@@ -287,7 +306,7 @@ pub(super) async fn reflector(
                     // The watch ended (timeout or the server closed it): resume from `rv`.
                     Ok(None) => break,
                     Err(e) => {
-                        tally.record(&Outcome::Error(format!("watch cut: {e}")));
+                        record(&Outcome::Error(format!("watch cut: {e}")));
                         break;
                     }
                 };
@@ -311,18 +330,14 @@ pub(super) async fn reflector(
                     rv = v;
                 }
                 if let Some(delivery) = &delivery {
-                    settle(delivery, &mut pending, &mut local);
+                    settle(delivery, &mut pending);
                 }
             }
         }
     }
     if let Some(delivery) = &delivery {
-        settle(delivery, &mut pending, &mut local);
-        if let Ok(mut h) = delivery.each.lock() {
-            let _ = h.add(&local);
-        }
+        settle(delivery, &mut pending);
     }
-    tally
 }
 
 /// Watch bytes and events received by every node, for bytes per event.
@@ -337,7 +352,7 @@ pub(super) struct Received {
 /// Records the delivery latency of every received event whose write has been acknowledged,
 /// and counts the update as reaching one more watcher; an event that arrived before its
 /// acknowledgement counts as zero.
-fn settle(delivery: &Delivery, pending: &mut VecDeque<(u64, Instant)>, hist: &mut Histogram<u64>) {
+fn settle(delivery: &Delivery, pending: &mut VecDeque<(u64, Instant)>) {
     let Ok(at) = delivery.acks.at.read() else {
         return;
     };
@@ -346,7 +361,6 @@ fn settle(delivery: &Delivery, pending: &mut VecDeque<(u64, Instant)>, hist: &mu
         Some(acked) => {
             let micros = received.saturating_duration_since(*acked).as_micros();
             let micros = u64::try_from(micros).unwrap_or(u64::MAX).max(1);
-            hist.saturating_record(micros);
             matched.push((*rv, micros));
             false
         }
@@ -355,6 +369,11 @@ fn settle(delivery: &Delivery, pending: &mut VecDeque<(u64, Instant)>, hist: &mu
     drop(at);
     if matched.is_empty() {
         return;
+    }
+    if let Ok(mut each) = delivery.each.lock() {
+        for &(_, micros) in &matched {
+            each.saturating_record(micros);
+        }
     }
     if let Ok(mut reach) = delivery.reach.lock() {
         for (rv, micros) in matched {
@@ -388,7 +407,7 @@ async fn node(
     (slices_delivery, secrets_delivery): (Delivery, Option<Delivery>),
     received: Arc<Received>,
 ) {
-    let mut all = class.tally();
+    let all = Mutex::new(class.tally());
     if let Some(at) = timing.connect {
         tokio::time::sleep_until(at).await;
         for client in std::iter::once(&mut kubelet).chain(kube_proxy.as_mut()) {
@@ -401,13 +420,15 @@ async fn node(
                     Duration::from_secs(30),
                 )
                 .await;
-            all.record(&outcome);
+            all.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(&outcome);
         }
     }
     tokio::time::sleep_until(timing.start).await;
     let slices = reflector(
         kube_proxy.unwrap_or_else(|| kubelet.clone()),
-        class.tally(),
+        &all,
         SLICES_PATH.into(),
         timing.deadline,
         Some(slices_delivery),
@@ -416,19 +437,15 @@ async fn node(
     let secrets = futures::future::join_all((0..secrets).map(|k| {
         reflector(
             kubelet.clone(),
-            class.tally(),
+            &all,
             secret_path(secrets * index + k, true),
             timing.deadline,
             secrets_delivery.clone(),
             received.clone(),
         )
     }));
-    let (slices, each) = tokio::join!(slices, secrets);
-    all.merge(slices);
-    for tally in each {
-        all.merge(tally);
-    }
-    class.done(all);
+    tokio::join!(slices, secrets);
+    class.done(all.into_inner().unwrap_or_else(|e| e.into_inner()));
 }
 
 /// Secret `n`'s path: its kubelet's watch path (a `fieldSelector` on its name in its
@@ -669,7 +686,7 @@ pub(super) async fn drive_nodes(
         tasks.push(tokio::spawn(churn(
             Client::new(target, id)?,
             churner.clone(),
-            ((0..s.slices).map(slice_path).collect(), CHURN_PER_SECOND),
+            ((0..s.slices).map(slice_path).collect(), s.slice_churn),
             slices.acks.clone(),
             deadline,
         )));
@@ -755,7 +772,7 @@ impl Scenario for Informers {
     async fn drive(&self, env: &Env, pki: &Pki, opts: &Options) -> anyhow::Result<Driven> {
         let duration = opts.duration_or(Duration::from_secs(60));
         // Nodes come up over the first few seconds, as a running cluster's already have.
-        let window = Duration::from_secs(5).min(duration / 4);
+        let window = join_window(opts, duration);
         let pid = env.proxy_pid();
         let plan = Plan {
             sizes: &sizes(opts, 2_000),
@@ -862,8 +879,8 @@ mod tests {
             at.insert(5, t0);
             at.insert(6, t0 + Duration::from_millis(10)); // event arrived before the ack
         }
-        let mut hist = new_histogram();
-        settle(&delivery, &mut pending, &mut hist);
+        settle(&delivery, &mut pending);
+        let hist = delivery.each.lock().unwrap();
         assert_eq!(hist.len(), 2);
         assert_eq!(pending.len(), 1, "rv 7 waits for its ack");
         assert!(
@@ -888,7 +905,7 @@ mod tests {
                 .iter()
                 .map(|&rv| (rv, t0 + Duration::from_millis(ms)))
                 .collect();
-            settle(&delivery, &mut pending, &mut new_histogram());
+            settle(&delivery, &mut pending);
         }
         let (to_all, updates) = delivery.to_all_ms(3);
         assert_eq!(updates, 1);

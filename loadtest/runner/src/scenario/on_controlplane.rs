@@ -240,7 +240,7 @@ async fn one_run(
                             peak.fetch_max(cp.open_watches().await, Ordering::Relaxed);
                         }
                     };
-                    let window = Duration::from_secs(5).min(duration / 4);
+                    let window = informers::join_window(opts, duration);
                     // Direct, the replicas serve the watches; through Bulwark, Bulwark does.
                     let meter = match mode {
                         Mode::Bulwark => cp.bulwark_pid().map(informers::Meter::bulwark),

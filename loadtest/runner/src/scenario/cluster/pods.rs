@@ -375,23 +375,19 @@ fn start_per_node(
             Some(tokio::spawn(async move {
                 tokio::time::sleep_until(start).await;
                 let received = Arc::new(super::super::informers::Received::default());
+                let all = std::sync::Mutex::new(stats.tally());
                 let informers = paths.into_iter().map(|path| {
                     super::super::informers::reflector(
                         client.clone(),
-                        stats.tally(),
+                        &all,
                         path,
                         until,
                         None,
                         received.clone(),
                     )
                 });
-                let mut tallies = futures::future::join_all(informers).await.into_iter();
-                if let Some(mut all) = tallies.next() {
-                    for tally in tallies {
-                        all.merge(tally);
-                    }
-                    stats.done(all);
-                }
+                futures::future::join_all(informers).await;
+                stats.done(all.into_inner().unwrap_or_else(|e| e.into_inner()));
             }))
         })
         .collect()

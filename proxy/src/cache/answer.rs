@@ -238,7 +238,9 @@ impl Cache {
         // state takes the state of now, after admission.
         let start = match planned {
             Some(start) => start,
-            None => request.store.watch_state(),
+            None => request
+                .store
+                .watch_state(request.filter.fields.pinned_name()),
         };
         // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
         // spread re-watches, a negative value ends the watch at once.

@@ -325,7 +325,7 @@ impl Cache {
             // A version the ring no longer holds (a client resuming across a Bulwark
             // restart or relist, whose cache starts later) goes to the apiserver, whose
             // own watch cache reaches further back: it streams, or answers 410 itself.
-            Some(n) => match store.watch_after(n) {
+            Some(n) => match store.watch_after(n, filter.fields.pinned_name()) {
                 Ok(start) => (0, Some(start)),
                 Err(_) => return Err(GoUpstream::Miss("a watch older than the cache's events")),
             },

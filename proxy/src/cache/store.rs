@@ -11,14 +11,21 @@
 //! Objects are keyed by their etcd key after the resource's prefix (`namespace/name`, or
 //! `name`), so that lists walk them in the apiserver's order and a page can end where the
 //! apiserver would continue it.
+//!
+//! A watch pinned to one name (`fieldSelector=metadata.name=`, a kubelet's watch of each
+//! Secret its pods mount) takes its events from one of [`NAME_SHARDS`] broadcasts, the one
+//! of its name's hash, instead of the resource's: a Secret's update wakes the watches whose
+//! names share its shard, not every Secret watch of every node (as the apiserver's cacher
+//! sends an event only to the watchers its index of them names).
 
 mod event;
 mod object;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::ops::Bound;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use apimachinery::continue_token::{Scope, object_key};
 use tokio::sync::{broadcast, watch};
@@ -90,11 +97,25 @@ pub struct Expired {
     pub oldest: u64,
 }
 
+/// The broadcasts that watches pinned to one name share, by the name's hash: 7,500 nodes'
+/// 90,000 Secret watches are about 350 a shard, each woken by its shard's events only.
+pub const NAME_SHARDS: usize = 256;
+
+/// The shard of a name's broadcast: a fixed hash, the same in every process.
+fn name_shard(name: &str) -> usize {
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(name) as usize % NAME_SHARDS
+}
+
 /// What the writer and every reader of one resource share.
 struct Shared {
     kind: Kind,
     state: RwLock<State>,
+    /// Every event, for the watches not pinned to one name.
     tx: broadcast::Sender<Arc<Event>>,
+    /// Each event again on its name's shard, for the watches pinned to one name; made by
+    /// the first such watch (each is `watcher_buffer` slots).
+    by_name: OnceLock<Box<[broadcast::Sender<Arc<Event>>]>>,
+    watcher_buffer: usize,
     generation: watch::Sender<u64>,
     encodings: AtomicU64,
 }
@@ -134,6 +155,8 @@ impl Writer {
                 disconnected_since: Some(Instant::now()),
             }),
             tx,
+            by_name: OnceLock::new(),
+            watcher_buffer: watcher_buffer.max(1),
             generation: watch::channel(0).0,
             encodings: AtomicU64::new(0),
         };
@@ -221,6 +244,9 @@ impl Writer {
         state.rv = rv;
         // Sent under the write lock, which a watch subscribes under: its snapshot and its
         // live feed neither overlap nor leave a gap. No receivers is fine: nobody watches.
+        if let Some(shards) = self.store.shared.by_name.get() {
+            let _ = shards[name_shard(&event.obj.name)].send(event.clone());
+        }
         let _ = self.store.shared.tx.send(event);
         true
     }
@@ -309,7 +335,27 @@ impl Store {
 
     /// Open watches of this resource.
     pub fn watchers(&self) -> usize {
-        self.shared.tx.receiver_count()
+        let pinned = self.shared.by_name.get().map_or(0, |shards| {
+            shards.iter().map(broadcast::Sender::receiver_count).sum()
+        });
+        self.shared.tx.receiver_count() + pinned
+    }
+
+    /// A new watch's live feed, under the read lock: every event, or, for a watch pinned to
+    /// `name`, its name's shard.
+    fn subscribe(&self, name: Option<&str>) -> broadcast::Receiver<Arc<Event>> {
+        match name {
+            None => self.shared.tx.subscribe(),
+            Some(name) => {
+                let buffer = self.shared.watcher_buffer;
+                let shards = self.shared.by_name.get_or_init(|| {
+                    (0..NAME_SHARDS)
+                        .map(|_| broadcast::channel(buffer).0)
+                        .collect()
+                });
+                shards[name_shard(name)].subscribe()
+            }
+        }
     }
 
     /// The object under `namespace/name`, with the cache's version.
@@ -365,13 +411,14 @@ impl Store {
         Some((items.into_values().collect(), at))
     }
 
-    /// Subscribes a watch that starts with the current objects (synthetic ADDED).
-    pub fn watch_state(&self) -> WatchStart {
+    /// Subscribes a watch that starts with the current objects (synthetic ADDED); `name`
+    /// where its field selector pins one: it is fed only its name's shard's events.
+    pub fn watch_state(&self, name: Option<&str>) -> WatchStart {
         let state = self.read();
         WatchStart {
             initial: state.objects.values().cloned().collect(),
             backlog: Vec::new(),
-            rx: self.shared.tx.subscribe(),
+            rx: self.subscribe(name),
             rv: state.rv,
             generation: self.shared.generation.subscribe(),
         }
@@ -379,8 +426,8 @@ impl Store {
 
     /// Subscribes a watch that starts with the ring's events after `n`, or [`Expired`]
     /// when they are gone (`n` is older than the ring). The caller has made sure the cache
-    /// reached `n`.
-    pub fn watch_after(&self, n: u64) -> Result<WatchStart, Expired> {
+    /// reached `n`. `name` as for [`Store::watch_state`].
+    pub fn watch_after(&self, n: u64, name: Option<&str>) -> Result<WatchStart, Expired> {
         let state = self.read();
         if n < state.floor {
             return Err(Expired {
@@ -395,7 +442,7 @@ impl Store {
                 .skip_while(|e| e.rv <= n)
                 .cloned()
                 .collect(),
-            rx: self.shared.tx.subscribe(),
+            rx: self.subscribe(name),
             rv: state.rv,
             generation: self.shared.generation.subscribe(),
         })
@@ -448,8 +495,8 @@ mod tests {
         }
         assert_eq!(s.rv(), 9);
         assert_eq!(s.floor(), 6);
-        assert!(s.watch_after(5).is_err());
-        let start = s.watch_after(6).ok().unwrap();
+        assert!(s.watch_after(5, None).is_err());
+        let start = s.watch_after(6, None).ok().unwrap();
         let rvs: Vec<u64> = start.backlog.iter().map(|e| e.rv).collect();
         assert_eq!(rvs, [7, 8, 9]);
     }
@@ -480,13 +527,39 @@ mod tests {
         let mut s = store();
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
         s.apply(EventType::Modified, secret("ns", "a", 6, "db"));
-        let start = s.watch_after(5).ok().unwrap();
+        let start = s.watch_after(5, None).ok().unwrap();
         let counter = AtomicU64::new(0);
         let line = start.backlog[0].left_line(s.kind(), Encoding::Json, &counter);
         let value: serde_json::Value = serde_json::from_slice(&line).unwrap();
         assert_eq!(value["type"], "DELETED");
         assert_eq!(value["object"]["metadata"]["labels"]["app"], "web");
         assert_eq!(value["object"]["metadata"]["resourceVersion"], "6");
+    }
+
+    #[test]
+    fn a_watch_pinned_to_a_name_is_fed_its_names_shard_only() {
+        let mut s = store();
+        s.replace(vec![secret("ns", "a", 5, "web")], 5);
+        // A name on another shard than "a"'s.
+        let other = (0..)
+            .map(|i| format!("b{i}"))
+            .find(|n| name_shard(n) != name_shard("a"))
+            .unwrap();
+        let mut all = s.watch_after(5, None).ok().unwrap().rx;
+        let mut a = s.watch_state(Some("a")).rx;
+        let mut b = s.watch_after(5, Some(&other)).ok().unwrap().rx;
+        assert_eq!(s.watchers(), 3);
+        s.apply(EventType::Modified, secret("ns", "a", 6, "db"));
+        s.apply(EventType::Added, secret("ns", &other, 7, "web"));
+        s.apply(EventType::Deleted, secret("ns", "a", 8, "db"));
+        let rvs = |rx: &mut broadcast::Receiver<Arc<Event>>| {
+            std::iter::from_fn(|| rx.try_recv().ok().map(|e| e.rv)).collect::<Vec<_>>()
+        };
+        assert_eq!(rvs(&mut all), [6, 7, 8]);
+        assert_eq!(rvs(&mut a), [6, 8], "a's update and delete, not {other}'s");
+        assert_eq!(rvs(&mut b), [7]);
+        drop((all, a));
+        assert_eq!(s.watchers(), 1);
     }
 
     #[test]

@@ -704,6 +704,70 @@ async fn many_watchers_share_one_upstream_watch_per_resource() {
     assert!(cluster.upstream_requests_of("alice").is_empty());
 }
 
+/// Kubelets' watches of one Secret each (`fieldSelector=metadata.name=`), from the state
+/// and from a version, read their Secret's events live from the cache (each from its
+/// name's shard of the store's broadcast), as an unpinned watch reads them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_of_one_secret_by_name_gets_its_updates_live() {
+    let cluster = seeded("secrets=5x256B@team").await;
+    let (status, list) = get(&cluster, "alice", "/api/v1/namespaces/team/secrets").await;
+    assert_eq!(status, 200);
+    let rv = list["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut sender = cluster.client("alice", &[]).await.sender();
+    let mut watch = async |query: String| {
+        let path = format!("/api/v1/namespaces/team/secrets?watch=1&{query}");
+        sender.ready().await.unwrap();
+        let response = sender
+            .send_request(bulwark_testkit::get(&path))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200, "{path}");
+        response.into_body()
+    };
+    let mut pinned = Vec::new();
+    for i in 0..8 {
+        let from = if i % 2 == 0 {
+            "0".to_owned()
+        } else {
+            rv.clone()
+        };
+        let query = format!("fieldSelector=metadata.name%3Dmine-{i}&resourceVersion={from}");
+        pinned.push((format!("mine-{i}"), watch(query).await));
+    }
+    let mut all = watch(format!("resourceVersion={rv}")).await;
+    for i in 0..8 {
+        create(&cluster, "team", &format!("mine-{i}"), "djE=");
+    }
+    let read_until = async |body: &mut hyper::body::Incoming, last: &str| {
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains(&format!("\"name\":\"{last}\"")) {
+            let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+                .await
+                .unwrap_or_else(|_| panic!("{last}'s event arrives"))
+                .expect("the stream is open")
+                .unwrap();
+            if let Ok(data) = frame.into_data() {
+                seen.extend_from_slice(&data);
+            }
+        }
+        events(&seen)
+    };
+    for (name, body) in &mut pinned {
+        let got = read_until(body, name).await;
+        assert_eq!(got, [("ADDED".to_owned(), name.clone())], "{name}'s watch");
+    }
+    let got = read_until(&mut all, "mine-7").await;
+    let names: Vec<&str> = got.iter().map(|(_, n)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        (0..8).map(|i| format!("mine-{i}")).collect::<Vec<_>>(),
+        "the unpinned watch gets every Secret's event"
+    );
+}
+
 /// The events of a watch body that ended: `(type, name)` of each line.
 fn events(body: &[u8]) -> Vec<(String, String)> {
     String::from_utf8_lossy(body)

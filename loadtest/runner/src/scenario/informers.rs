@@ -121,7 +121,7 @@ pub(super) fn sizes(opts: &Options, nodes: usize) -> Sizes {
         slices: opts.endpointslices.unwrap_or_else(|| opts.scaled(500, 10)),
         secrets_per_node: opts.secrets_per_node.max(1),
         kube_proxy_apart: opts.kube_proxy_apart,
-        slice_churn: opts.slice_churn.max(1),
+        slice_churn: opts.slice_churn,
     }
 }
 
@@ -250,12 +250,6 @@ pub(super) async fn reflector(
     delivery: Option<Delivery>,
     received: Arc<Received>,
 ) {
-    let record = |outcome: &Outcome| {
-        tally
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .record(outcome)
-    };
     let mut pending: VecDeque<(u64, Instant)> = VecDeque::new();
     let sep = if list_path.contains('?') { '&' } else { '?' };
     'relist: while Instant::now() < deadline {
@@ -264,7 +258,7 @@ pub(super) async fn reflector(
             o = client.call(Method::GET, &path, None, Read::Head, Duration::from_secs(60)) => o,
             _ = tokio::time::sleep_until(deadline) => break,
         };
-        let pause = record(&list);
+        let pause = record(tally, &list);
         let Some(mut rv) = super::ok_body(&list).and_then(|b| list_rv(b)) else {
             tokio::time::sleep(pause.max(Duration::from_millis(100))).await;
             continue;
@@ -280,15 +274,18 @@ pub(super) async fn reflector(
             };
             let mut lines = match stream {
                 Ok(lines) => {
-                    record(&Outcome::Ok {
-                        bytes: 0,
-                        latency: started.elapsed(),
-                        body: None,
-                    });
+                    record(
+                        tally,
+                        &Outcome::Ok {
+                            bytes: 0,
+                            latency: started.elapsed(),
+                            body: None,
+                        },
+                    );
                     lines
                 }
                 Err(outcome) => {
-                    let pause = record(&outcome);
+                    let pause = record(tally, &outcome);
                     tokio::time::sleep(pause).await;
                     continue 'relist;
                 }
@@ -306,7 +303,7 @@ pub(super) async fn reflector(
                     // The watch ended (timeout or the server closed it): resume from `rv`.
                     Ok(None) => break,
                     Err(e) => {
-                        record(&Outcome::Error(format!("watch cut: {e}")));
+                        record(tally, &Outcome::Error(format!("watch cut: {e}")));
                         break;
                     }
                 };
@@ -338,6 +335,14 @@ pub(super) async fn reflector(
     if let Some(delivery) = &delivery {
         settle(delivery, &mut pending);
     }
+}
+
+/// Counts one outcome in a node's shared tally; the pause it asks for (`Tally::record`).
+fn record(tally: &Mutex<Tally>, outcome: &Outcome) -> Duration {
+    tally
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .record(outcome)
 }
 
 /// Watch bytes and events received by every node, for bytes per event.
@@ -420,9 +425,7 @@ async fn node(
                     Duration::from_secs(30),
                 )
                 .await;
-            all.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .record(&outcome);
+            record(&all, &outcome);
         }
     }
     tokio::time::sleep_until(timing.start).await;

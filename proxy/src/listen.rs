@@ -6,7 +6,8 @@
 //! each through TLS and HTTP/1.1 or HTTP/2 into the caller's tower service with a
 //! [`ConnInfo`] in every request's extensions, and
 //! [`Listener::spawn_reload`] swaps in new certificate files for new handshakes. The caller's
-//! SIGTERM handler moves a [`DrainPhase`] watch from `Serving` to `GoAway` to `Close`.
+//! SIGTERM handler moves a [`DrainPhase`] watch from `Serving` to `GoAway`, `EndWatches` and
+//! `Close`.
 //! [`AdminListener`] serves the admin endpoints on the same accept loop and connection
 //! handling, with caps and timeouts of its own.
 
@@ -193,9 +194,19 @@ pub enum DrainPhase {
     /// Stop accepting; every connection is shut down gracefully (GOAWAY for HTTP/2,
     /// `Connection: close` for HTTP/1.1) and in-flight requests and streams finish.
     GoAway,
-    /// Drop every remaining connection, open watches included.
+    /// Every watch still open ends cleanly after its last whole event, as the apiserver
+    /// ends its watches when it shuts down: clients watch again from the last version they
+    /// saw, where a stream cut at [`DrainPhase::Close`] could end mid-event, which client-go
+    /// takes for a broken stream and answers with a relist.
+    EndWatches,
+    /// Drop every remaining connection.
     Close,
 }
+
+/// Marks a response that streams a watch (set by the request path, which classified the
+/// request): its body ends cleanly at [`DrainPhase::EndWatches`].
+#[derive(Debug, Clone, Copy)]
+pub struct Watching;
 
 /// A serving certificate and key without client certificates (the admin listener's),
 /// re-read on demand; [`AdminListener::bind`] takes it.

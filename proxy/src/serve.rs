@@ -15,6 +15,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -22,7 +23,7 @@ use tokio::task::JoinHandle;
 use crate::config::{self, Config};
 use crate::fleet as fleet_leases;
 use crate::identity::forward::Forwarding;
-use crate::listen::{DrainPhase, Handoff, HandoffIo, ListenError};
+use crate::listen::{Connections, DrainPhase, Handoff, HandoffIo, ListenError};
 use crate::logs::rotate::LineFile;
 use crate::metrics::Metrics;
 use crate::own;
@@ -62,6 +63,10 @@ pub enum StartError {
     Rules(Vec<RuleProblem>),
 }
 
+/// How long the drain waits, once the watches ended, for their connections to flush the
+/// ends and close before it drops whatever is left.
+pub const WATCHES_END: Duration = Duration::from_secs(1);
+
 /// A running Bulwark: its addresses and the handle that drains it.
 pub struct Running {
     /// The client-facing address.
@@ -71,6 +76,7 @@ pub struct Running {
     /// Shared state of the admin endpoints.
     pub admin: Arc<crate::admin::State>,
     drain: watch::Sender<DrainPhase>,
+    connections: Connections,
     handoff: Handoff,
     shutdown: config::Shutdown,
     tasks: Vec<JoinHandle<()>>,
@@ -135,6 +141,7 @@ impl Running {
             admin_addr: admin.addr,
             admin: admin.state,
             drain: serving.drain,
+            connections: serving.connections,
             handoff: serving.handoff,
             shutdown: config.listen.shutdown.clone(),
             tasks: [serving.task, admin.task]
@@ -168,7 +175,9 @@ impl Running {
     }
 
     /// The SIGTERM sequence of DESIGN.md step 9: `/readyz` fails, a pause lets balancers
-    /// notice, GOAWAY, in-flight requests get the grace period, then everything ends.
+    /// notice, GOAWAY, in-flight requests get the grace period, then the watches still open
+    /// end cleanly, and once their connections have closed (or [`WATCHES_END`] later)
+    /// everything ends.
     pub async fn drain(self) {
         self.admin.draining.store(true, Ordering::SeqCst);
         tracing::info!(pause = ?self.shutdown.pause, "draining: readyz fails");
@@ -176,6 +185,14 @@ impl Running {
         let _ = self.drain.send(DrainPhase::GoAway);
         tracing::info!(grace = ?self.shutdown.grace, "draining: GOAWAY sent");
         tokio::time::sleep(self.shutdown.grace).await;
+        let _ = self.drain.send(DrainPhase::EndWatches);
+        let open = self.connections.open();
+        tracing::info!(open, "draining: watches ended");
+        let until = tokio::time::Instant::now() + WATCHES_END;
+        // Told to go away with nothing left open, a connection closes itself.
+        while self.connections.open() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let _ = self.drain.send(DrainPhase::Close);
         for task in self.tasks {
             task.abort();

@@ -28,7 +28,7 @@ use tower::ServiceExt;
 use super::caps::{ConnectionGuard, Connections, SourceGuard};
 use super::proxy_header::{self, Refused, Trust};
 use super::tls::TlsState;
-use super::{ConnAuth, ConnInfo, DrainPhase, RequestPath};
+use super::{ConnAuth, ConnInfo, DrainPhase, RequestPath, Watching};
 use crate::metrics::Metrics;
 use crate::{Body, BoxError, config};
 use prometheus::IntCounterVec;
@@ -369,7 +369,7 @@ where
         client_chain,
         started,
     } = peer;
-    let requests = Requests::new(started);
+    let requests = Requests::new(started, drain.clone());
     let goaway = Arc::new(Notify::new());
     let auth = Arc::new(ConnAuth::new(settings.max_unauthenticated_requests));
     if let Some(slot) = slot {
@@ -412,7 +412,7 @@ where
         // from here on.
         match *control.drain.borrow_and_update() {
             DrainPhase::Serving => {}
-            DrainPhase::GoAway => {
+            DrainPhase::GoAway | DrainPhase::EndWatches => {
                 conn.as_mut().graceful_shutdown();
                 control.shutting_down = true;
             }
@@ -563,7 +563,7 @@ impl Control<'_> {
                     let phase = *self.drain.borrow_and_update();
                     match phase {
                         DrainPhase::Serving => {}
-                        DrainPhase::GoAway => if !self.shutting_down {
+                        DrainPhase::GoAway | DrainPhase::EndWatches => if !self.shutting_down {
                             return self.shut_down();
                         },
                         DrainPhase::Close => return Action::Close,
@@ -657,6 +657,8 @@ struct Requests {
     /// while a request is open or its end is being written, [`NEVER`] before the first.
     idle_since: AtomicU64,
     base: tokio::time::Instant,
+    /// The drain, for the bodies of watches, which end at [`DrainPhase::EndWatches`].
+    drain: watch::Receiver<DrainPhase>,
 }
 
 const UNKNOWN: u64 = 0;
@@ -674,11 +676,12 @@ enum Activity {
 }
 
 impl Requests {
-    fn new(base: tokio::time::Instant) -> Arc<Requests> {
+    fn new(base: tokio::time::Instant, drain: watch::Receiver<DrainPhase>) -> Arc<Requests> {
         Arc::new(Requests {
             open: AtomicUsize::new(0),
             idle_since: AtomicU64::new(NEVER),
             base,
+            drain,
         })
     }
 
@@ -838,14 +841,39 @@ impl<S: RequestPath> Future for TrackedAnswer<S> {
             goaway.notify_one();
         }
         let guard = this.guard.take();
-        Poll::Ready(Ok(response.map(|inner| TrackedBody { inner, guard })))
+        let ending = match (&guard, response.extensions().get::<Watching>()) {
+            (Some(guard), Some(Watching)) => Some(watch_end(guard.0.drain.clone())),
+            _ => None,
+        };
+        Poll::Ready(Ok(response.map(|inner| TrackedBody {
+            inner,
+            guard,
+            ending,
+        })))
     }
 }
 
-/// A response body that keeps its request counted as open until it ends or is dropped.
+/// Ready once the drain reaches [`DrainPhase::EndWatches`] (or its sender is gone, at which
+/// point nothing drains any more and it never is).
+fn watch_end(mut drain: watch::Receiver<DrainPhase>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    Box::pin(async move {
+        if drain
+            .wait_for(|phase| *phase >= DrainPhase::EndWatches)
+            .await
+            .is_err()
+        {
+            std::future::pending::<()>().await;
+        }
+    })
+}
+
+/// A response body that keeps its request counted as open until it ends or is dropped; a
+/// watch's ends cleanly, between two of its frames (each whole events), at
+/// [`DrainPhase::EndWatches`].
 pub(super) struct TrackedBody {
     inner: Body,
     guard: Option<OpenGuard>,
+    ending: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl http_body::Body for TrackedBody {
@@ -857,6 +885,16 @@ impl http_body::Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if let Some(ending) = &mut this.ending
+            && ending.as_mut().poll(cx).is_ready()
+        {
+            this.ending = None;
+            this.guard = None;
+            // The stream ends here; the inner body (a cached watch, or the relay of an
+            // apiserver's, whose upstream stream is reset) goes when hyper drops this.
+            this.inner = crate::empty();
+            return Poll::Ready(None);
+        }
         let frame = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
         if !matches!(frame, Some(Ok(_))) {
             this.guard = None;
@@ -966,7 +1004,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn idle_counts_only_time_with_nothing_open() {
         let start = tokio::time::Instant::now();
-        let tx = Requests::new(start);
+        let tx = Requests::new(start, watch::channel(DrainPhase::Serving).1);
         let first = Duration::from_secs(1);
         let limit = Duration::from_secs(10);
 
@@ -1003,7 +1041,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn activity_restarts_the_idle_clock() {
         let start = tokio::time::Instant::now();
-        let tx = Requests::new(start);
+        let tx = Requests::new(start, watch::channel(DrainPhase::Serving).1);
         let limit = Duration::from_secs(10);
         drop(OpenGuard::new(tx.clone()));
         let tx2 = tx.clone();
@@ -1028,7 +1066,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn requests_do_not_wake_the_idle_timer() {
         let start = tokio::time::Instant::now();
-        let tx = Requests::new(start);
+        let tx = Requests::new(start, watch::channel(DrainPhase::Serving).1);
         let limit = Duration::from_secs(10);
         let wakes = Arc::new(Wakes::default());
         let waker = Waker::from(wakes.clone());
@@ -1085,11 +1123,15 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn the_body_releases_its_request_when_it_ends_or_is_dropped() {
         use http_body_util::BodyExt;
-        let tx = Requests::new(tokio::time::Instant::now());
+        let tx = Requests::new(
+            tokio::time::Instant::now(),
+            watch::channel(DrainPhase::Serving).1,
+        );
 
         let mut body = TrackedBody {
             inner: crate::full("done"),
             guard: Some(OpenGuard::new(tx.clone())),
+            ending: None,
         };
         assert_eq!(tx.activity(), Activity::Busy);
         while body.frame().await.is_some() {}
@@ -1102,9 +1144,47 @@ mod tests {
         let body = TrackedBody {
             inner: crate::full("never read"),
             guard: Some(OpenGuard::new(tx.clone())),
+            ending: None,
         };
         assert_eq!(tx.activity(), Activity::Busy);
         drop(body);
         assert_ne!(tx.activity(), Activity::Busy);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_watchs_body_ends_cleanly_between_frames_when_the_drain_ends_the_watches() {
+        use http_body_util::BodyExt;
+        let (drain, rx) = watch::channel(DrainPhase::Serving);
+        let tx = Requests::new(tokio::time::Instant::now(), rx.clone());
+        // A watch that sent one event and waits for the next.
+        let (events, frames) = futures::channel::mpsc::unbounded::<Bytes>();
+        events
+            .unbounded_send(Bytes::from_static(b"{\"type\":\"ADDED\"}\n"))
+            .unwrap();
+        let inner = http_body_util::StreamBody::new(futures::StreamExt::map(frames, |b| {
+            Ok::<_, BoxError>(Frame::data(b))
+        }))
+        .boxed_unsync();
+        let mut body = TrackedBody {
+            inner,
+            guard: Some(OpenGuard::new(tx.clone())),
+            ending: Some(watch_end(rx)),
+        };
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(&first[..], b"{\"type\":\"ADDED\"}\n");
+        drain.send(DrainPhase::GoAway).unwrap();
+        let waiting = tokio::time::timeout(Duration::from_secs(1), body.frame()).await;
+        assert!(waiting.is_err(), "GOAWAY lets the watch go on");
+        drain.send(DrainPhase::EndWatches).unwrap();
+        assert!(body.frame().await.is_none(), "ended cleanly, no error");
+        assert!(http_body::Body::is_end_stream(&body));
+        assert_ne!(
+            tx.activity(),
+            Activity::Busy,
+            "its request is no longer open"
+        );
+        // The watch itself is let go at once (a relayed one resets its upstream stream).
+        assert!(events.is_closed(), "the ended watch's body was kept");
+        assert!(body.frame().await.is_none());
     }
 }

@@ -8,7 +8,7 @@ use tokio::task::JoinHandle;
 use super::StartError;
 use super::path::Stages;
 use crate::config;
-use crate::listen::{DrainPhase, Handoff, Listener, Worker};
+use crate::listen::{Connections, DrainPhase, Handoff, Listener, Worker};
 use crate::metrics::Metrics;
 use crate::stages::forward::Forward;
 
@@ -20,6 +20,8 @@ pub(super) struct Serving {
     pub(super) handoff: Handoff,
     /// Moves the listener through the drain.
     pub(super) drain: watch::Sender<DrainPhase>,
+    /// Its client connections, counted: the drain closes them once they are gone.
+    pub(super) connections: Connections,
     /// The accept loop.
     pub(super) task: JoinHandle<()>,
 }
@@ -40,6 +42,7 @@ pub(super) async fn serve(
     let service = stages.path(forward);
     let listener = Listener::bind(listen, metrics).await?;
     let addr = listener.local_addr();
+    let connections = listener.connections();
     listener.spawn_reload();
     let (drain, drain_rx) = watch::channel(DrainPhase::Serving);
     let handoff = listener.handoff(service.clone(), drain_rx.clone());
@@ -57,6 +60,7 @@ pub(super) async fn serve(
         addr,
         handoff,
         drain,
+        connections,
         task,
     })
 }

@@ -16,7 +16,7 @@ use tower::{Layer, Service};
 
 use super::call::{Call, Labels, Next, Report};
 use crate::board::{Board, IdentityRejections, Refused, Seen};
-use crate::listen::ConnInfo;
+use crate::listen::{ConnInfo, Watching};
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
 use crate::logs::{Rejection, RejectionLog, USER_AGENT_MAX};
 use crate::metrics::{Metrics, ServedBy, method_label};
@@ -132,7 +132,16 @@ where
             let ended = Instant::now();
             let took = ended.duration_since(started);
             let (mut response, served_by, reason) = match answered {
-                Ok(response) => {
+                Ok(mut response) => {
+                    if response.status().is_success()
+                        && report
+                            .info
+                            .get()
+                            .is_some_and(|i| i.verb == crate::classify::Verb::Watch)
+                    {
+                        // Its stream ends cleanly when the drain ends the watches.
+                        response.extensions_mut().insert(Watching);
+                    }
                     let served_by = served_by(&response).unwrap_or(ServedBy::Upstream);
                     board.seen(
                         Seen {

@@ -457,3 +457,89 @@ async fn an_upstream_list_of_a_cached_resource_is_costed_by_the_caches_count() {
     );
     drop(unread);
 }
+
+/// Reads a watch until it ends: its bytes, and whether it ended cleanly (END_STREAM) rather
+/// than with an error (a reset stream, a dropped connection).
+async fn until_the_end(mut body: hyper::body::Incoming) -> (Vec<u8>, Result<(), String>) {
+    let mut bytes = Vec::new();
+    loop {
+        match body.frame().await {
+            None => return (bytes, Ok(())),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    bytes.extend_from_slice(&data);
+                }
+            }
+            Some(Err(e)) => return (bytes, Err(e.to_string())),
+        }
+    }
+}
+
+/// The drain ends every watch cleanly after its last whole event before it drops the
+/// connections, as the apiserver ends its own when it shuts down: a watch from the cache and
+/// one relayed from an apiserver both end with END_STREAM on a line's end, so client-go
+/// watches again from its last version. Cut at Close instead, mid-event or not, a stream
+/// ends with an error, which client-go answers with a relist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_ends_every_watch_cleanly_before_it_drops_the_connections() {
+    let cluster = Cluster::start(Setup {
+        replicas: 1,
+        seed: vec!["secrets=3x1KiB@team"],
+        cache: true,
+        rules: bulwark_testkit::UNLIMITED_RULES,
+        tweak: |c| {
+            c.listen.shutdown.pause = Duration::from_millis(10);
+            c.listen.shutdown.grace = Duration::from_millis(200);
+        },
+        ..super::setup()
+    })
+    .await
+    .ready()
+    .await;
+    let mut alice = cluster.client("alice", &[]).await;
+    let cached = alice
+        .start(bulwark_testkit::get(
+            "/api/v1/namespaces/team/secrets?watch=true&resourceVersion=0",
+        ))
+        .await;
+    assert_eq!(cached.status(), 200);
+    let rv = cluster.fleet.store().resource_version();
+    let relayed = alice
+        .start(bulwark_testkit::get(&format!(
+            "/api/v1/namespaces/team/configmaps?watch=true&resourceVersion={rv}"
+        )))
+        .await;
+    assert_eq!(relayed.status(), 200);
+    let cached = tokio::spawn(until_the_end(cached.into_body()));
+    let relayed = tokio::spawn(until_the_end(relayed.into_body()));
+    cluster
+        .fleet
+        .store()
+        .create(
+            "configmaps",
+            "team",
+            serde_json::json!({"metadata": {"name": "during"}, "data": {"v": "1"}}),
+        )
+        .expect("create");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let Cluster { bulwark, fleet, .. } = cluster;
+    let drained = tokio::time::timeout(Duration::from_secs(10), bulwark.drain());
+    drained.await.expect("the drain ends");
+    for (what, watch, events) in [("cached", cached, 3), ("relayed", relayed, 1)] {
+        let (bytes, end) = watch.await.unwrap();
+        assert_eq!(end, Ok(()), "the {what} watch ended with an error");
+        assert!(bytes.ends_with(b"\n"), "the {what} watch ended mid-event");
+        let lines: Vec<serde_json::Value> = bytes
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), events, "{what}: {lines:?}");
+        assert!(
+            lines.iter().all(|l| l["type"] == "ADDED"),
+            "{what}: {lines:?}"
+        );
+    }
+    drop(fleet);
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"sync"
@@ -37,6 +38,9 @@ type resumeResult struct {
 	ViaWatches int64 `json:"via_watches"`
 	// Churned is the number of writes made.
 	Churned int `json:"churned"`
+	// ViaRequests is the informer under test's LIST and WATCH requests in order,
+	// each with how it ended ("LIST rv=0: 200", "WATCH rv=1234: 200, body: EOF").
+	ViaRequests []string `json:"via_requests"`
 }
 
 // recorder keeps the events an informer's handler is told, as
@@ -85,23 +89,76 @@ func (r *recorder) handlers() cache.ResourceEventHandlerFuncs {
 	}
 }
 
-// requestCounter counts the LIST and WATCH requests a client sends.
+// requestCounter counts the LIST and WATCH requests a client sends, and keeps
+// how each ended: a relist's cause is the request before it.
 type requestCounter struct {
 	next    http.RoundTripper
 	lists   atomic.Int64
 	watches atomic.Int64
+	mu      sync.Mutex
+	log     []string
 }
 
 func (c *requestCounter) RoundTrip(req *http.Request) (*http.Response, error) {
-	if req.Method == http.MethodGet {
-		switch watch := req.URL.Query().Get("watch"); watch {
-		case "1", "true":
-			c.watches.Add(1)
-		default:
-			c.lists.Add(1)
-		}
+	if req.Method != http.MethodGet {
+		return c.next.RoundTrip(req)
 	}
-	return c.next.RoundTrip(req)
+	verb := "LIST"
+	switch req.URL.Query().Get("watch") {
+	case "1", "true":
+		verb = "WATCH"
+		c.watches.Add(1)
+	default:
+		c.lists.Add(1)
+	}
+	at := c.record(fmt.Sprintf("%s rv=%s", verb, req.URL.Query().Get("resourceVersion")))
+	resp, err := c.next.RoundTrip(req)
+	if err != nil {
+		c.amend(at, fmt.Sprintf(": %v", err))
+		return resp, err
+	}
+	c.amend(at, fmt.Sprintf(": %d", resp.StatusCode))
+	if verb == "WATCH" {
+		resp.Body = &endRecorder{ReadCloser: resp.Body, end: func(err error) {
+			c.amend(at, fmt.Sprintf(", body: %v", err))
+		}}
+	}
+	return resp, nil
+}
+
+func (c *requestCounter) record(line string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.log = append(c.log, line)
+	return len(c.log) - 1
+}
+
+func (c *requestCounter) amend(at int, more string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.log[at] += more
+}
+
+func (c *requestCounter) requests() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]string(nil), c.log...)
+}
+
+// endRecorder tells end the first error its body's reads return (io.EOF for a
+// clean end), once.
+type endRecorder struct {
+	io.ReadCloser
+	once sync.Once
+	end  func(error)
+}
+
+func (r *endRecorder) Read(p []byte) (int, error) {
+	n, err := r.ReadCloser.Read(p)
+	if err != nil {
+		r.once.Do(func() { r.end(err) })
+	}
+	return n, err
 }
 
 // informerResume runs one informer through --via and one straight at
@@ -198,6 +255,7 @@ func informerResume(args []string) (any, error) {
 		res.Events, res.ViaEvents = len(d), len(v)
 		res.FirstDifference, res.ViaEvent, res.DirectEvent = firstDifference(v, d)
 		res.ViaLists, res.ViaWatches = counter.lists.Load(), counter.watches.Load()
+		res.ViaRequests = counter.requests()
 		res.Equal = res.FirstDifference < 0
 		if res.Equal && len(d) == written {
 			return res, nil

@@ -238,9 +238,11 @@ impl Cache {
         // state takes the state of now, after admission.
         let start = match planned {
             Some(start) => start,
-            None => request
-                .store
-                .watch_state(request.filter.fields.pinned_name()),
+            None => request.store.watch_state(
+                request.filter.namespace.as_deref(),
+                request.filter.fields.pinned_name(),
+                |o| request.filter.matches(o),
+            ),
         };
         // As the apiserver: 0 or none is a random time in [min-request-timeout, 2x) to
         // spread re-watches, a negative value ends the watch at once.

@@ -411,12 +411,33 @@ impl Store {
         Some((items.into_values().collect(), at))
     }
 
-    /// Subscribes a watch that starts with the current objects (synthetic ADDED); `name`
-    /// where its field selector pins one: it is fed only its name's shard's events.
-    pub fn watch_state(&self, name: Option<&str>) -> WatchStart {
+    /// Subscribes a watch that starts with the current objects in scope (all namespaces
+    /// when `None`) that `keep` accepts (synthetic ADDED); `name` where its field selector
+    /// pins one: in a namespace, its object is looked up rather than searched for, and it
+    /// is fed only its name's shard's events. A kubelet's WatchList of one Secret took a
+    /// reference to every Secret in the cache before, to keep one.
+    pub fn watch_state(
+        &self,
+        namespace: Option<&str>,
+        name: Option<&str>,
+        keep: impl Fn(&Obj) -> bool,
+    ) -> WatchStart {
         let state = self.read();
+        let initial = match (namespace, name) {
+            (Some(namespace), Some(name)) => state
+                .objects
+                .get(&object_key(namespace, name))
+                .filter(|o| keep(o))
+                .cloned()
+                .into_iter()
+                .collect(),
+            _ => scope(&state.objects, namespace, "")
+                .filter(|o| keep(o))
+                .cloned()
+                .collect(),
+        };
         WatchStart {
-            initial: state.objects.values().cloned().collect(),
+            initial,
             backlog: Vec::new(),
             rx: self.subscribe(name),
             rv: state.rv,
@@ -537,6 +558,36 @@ mod tests {
     }
 
     #[test]
+    fn a_watch_from_the_state_starts_with_the_objects_in_its_scope_only() {
+        let mut s = store();
+        s.replace(
+            vec![
+                secret("a", "x", 1, "web"),
+                secret("a", "y", 2, "db"),
+                secret("b", "x", 3, "web"),
+            ],
+            3,
+        );
+        let keys = |start: WatchStart| start.initial.iter().map(|o| o.key()).collect::<Vec<_>>();
+        assert_eq!(keys(s.watch_state(Some("a"), Some("x"), |_| true)), ["a/x"]);
+        assert!(keys(s.watch_state(Some("a"), Some("z"), |_| true)).is_empty());
+        assert_eq!(
+            keys(s.watch_state(Some("a"), None, |_| true)),
+            ["a/x", "a/y"]
+        );
+        assert_eq!(
+            keys(s.watch_state(None, Some("x"), |o| o.name == "x")),
+            ["a/x", "b/x"]
+        );
+        assert_eq!(
+            keys(s.watch_state(None, None, |o| {
+                o.labels.get("app").is_some_and(|a| a == "web")
+            })),
+            ["a/x", "b/x"]
+        );
+    }
+
+    #[test]
     fn a_watch_pinned_to_a_name_is_fed_its_names_shard_only() {
         let mut s = store();
         s.replace(vec![secret("ns", "a", 5, "web")], 5);
@@ -546,7 +597,7 @@ mod tests {
             .find(|n| name_shard(n) != name_shard("a"))
             .unwrap();
         let mut all = s.watch_after(5, None).ok().unwrap().rx;
-        let mut a = s.watch_state(Some("a")).rx;
+        let mut a = s.watch_state(Some("ns"), Some("a"), |_| true).rx;
         let mut b = s.watch_after(5, Some(&other)).ok().unwrap().rx;
         assert_eq!(s.watchers(), 3);
         s.apply(EventType::Modified, secret("ns", "a", 6, "db"));

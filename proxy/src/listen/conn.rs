@@ -885,6 +885,14 @@ impl http_body::Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            if !matches!(frame, Some(Ok(_))) {
+                this.guard = None;
+            }
+            return Poll::Ready(frame);
+        }
+        // A watch waits for its next event: the drain is asked only then (a lock, where a
+        // frame ready costs nothing more), and an event ready is always sent first.
         if let Some(ending) = &mut this.ending
             && ending.as_mut().poll(cx).is_ready()
         {
@@ -895,11 +903,7 @@ impl http_body::Body for TrackedBody {
             this.inner = crate::empty();
             return Poll::Ready(None);
         }
-        let frame = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-        if !matches!(frame, Some(Ok(_))) {
-            this.guard = None;
-        }
-        Poll::Ready(frame)
+        Poll::Pending
     }
 
     fn is_end_stream(&self) -> bool {

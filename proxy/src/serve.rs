@@ -63,8 +63,9 @@ pub enum StartError {
     Rules(Vec<RuleProblem>),
 }
 
-/// How long the drain waits, once the watches ended, for their connections to flush the
-/// ends and close before it drops whatever is left.
+/// How long the drain waits, once the watches ended, for the listener's connections to
+/// flush the ends and close before it drops whatever is left (connections handed over with
+/// [`Running::serve_connection`] are not counted: they end at Close).
 pub const WATCHES_END: Duration = Duration::from_secs(1);
 
 /// A running Bulwark: its addresses and the handle that drains it.

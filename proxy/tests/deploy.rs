@@ -477,11 +477,12 @@ fn the_pod_runs_beside_each_apiserver(d: &Deployed<'_>) {
     assert!(selects(&anti["labelSelector"], pod_labels));
 
     // Graceful termination outlasts the drain.
-    let drain = config.listen.shutdown.pause + config.listen.shutdown.grace;
+    let drain =
+        config.listen.shutdown.pause + config.listen.shutdown.grace + bulwark::serve::WATCHES_END;
     let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
     assert!(
         Duration::from_secs(grace) > drain,
-        "terminationGracePeriodSeconds {grace} must exceed pause + grace {drain:?}"
+        "terminationGracePeriodSeconds {grace} must exceed pause + grace + the watches' end {drain:?}"
     );
 
     // Ports: the container declares the configured listen and admin ports.

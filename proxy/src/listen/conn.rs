@@ -868,8 +868,10 @@ fn watch_end(mut drain: watch::Receiver<DrainPhase>) -> Pin<Box<dyn Future<Outpu
 }
 
 /// A response body that keeps its request counted as open until it ends or is dropped; a
-/// watch's ends cleanly, between two of its frames (each whole events), at
-/// [`DrainPhase::EndWatches`].
+/// watch's ends cleanly at [`DrainPhase::EndWatches`], between two of its frames while it
+/// waits for the next (whole events in JSON and protobuf; a relayed watch in a framing
+/// Bulwark does not read, CBOR say, passes raw chunks, and its end can cut one as Close
+/// would).
 pub(super) struct TrackedBody {
     inner: Body,
     guard: Option<OpenGuard>,
@@ -898,8 +900,8 @@ impl http_body::Body for TrackedBody {
         {
             this.ending = None;
             this.guard = None;
-            // The stream ends here; the inner body (a cached watch, or the relay of an
-            // apiserver's, whose upstream stream is reset) goes when hyper drops this.
+            // The stream ends here, and the inner body (a cached watch, or the relay of an
+            // apiserver's, whose upstream stream is reset) is dropped now.
             this.inner = crate::empty();
             return Poll::Ready(None);
         }

@@ -222,12 +222,8 @@ where
                         .get()
                         .map(|at| ended.saturating_duration_since(*at)),
                 });
-                let watching = reason.is_none()
-                    && response.status().is_success()
-                    && report
-                        .info
-                        .get()
-                        .is_some_and(|i| i.verb == crate::classify::Verb::Watch);
+                // Marked above: an answered watch.
+                let watching = response.extensions().get::<Watching>().is_some();
                 if written && watching {
                     // The watch's second line is written when its body is dropped: at its
                     // end, whoever ends it.

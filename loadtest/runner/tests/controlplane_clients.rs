@@ -246,40 +246,28 @@ async fn cache_authorization(cp: &ControlPlane, admin: &Client, direct: &Client)
         .await
         .unwrap();
     let revoked = Instant::now();
-    loop {
-        match call(&nobody, get(x)).await {
+    let until_refused = async |path: &str, what: &str| loop {
+        match call(&nobody, get(path)).await {
             Err(403) => break,
             Ok(_) => {
                 assert!(
                     revoked.elapsed() < ttl + Duration::from_secs(3),
-                    "nobody still reads team/x {:?} after the RoleBinding went (TTL {ttl:?})",
+                    "nobody still {what} team/x {:?} after the RoleBinding went (TTL {ttl:?})",
                     revoked.elapsed()
                 );
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
             Err(code) => panic!("{code}"),
         }
-    }
+    };
+    until_refused(x, "reads").await;
     eprintln!(
         "the RoleBinding's deletion took effect in {:.1} s (accessReviewTtl {ttl:?})",
         revoked.elapsed().as_secs_f64()
     );
     // The watch's own review (verb watch) was allowed after the GET's: it may outlive the
     // GET's by that gap, never the TTL.
-    loop {
-        match call(&nobody, get(&watch("x"))).await {
-            Err(403) => break,
-            Ok(_) => {
-                assert!(
-                    revoked.elapsed() < ttl + Duration::from_secs(3),
-                    "nobody still watches team/x {:?} after the RoleBinding went (TTL {ttl:?})",
-                    revoked.elapsed()
-                );
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            Err(code) => panic!("{code}"),
-        }
-    }
+    until_refused(&watch("x"), "watches").await;
 }
 
 /// Section 3: pages through Bulwark continued straight at the replica, and the other way.

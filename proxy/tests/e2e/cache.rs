@@ -459,15 +459,26 @@ async fn an_upstream_list_of_a_cached_resource_is_costed_by_the_caches_count() {
 }
 
 /// Reads a watch until it ends: its bytes, and whether it ended cleanly (END_STREAM) rather
-/// than with an error (a reset stream, a dropped connection).
-async fn until_the_end(mut body: hyper::body::Incoming) -> (Vec<u8>, Result<(), String>) {
+/// than with an error (a reset stream, a dropped connection). `arrived` is told once the
+/// first `events` lines are in.
+async fn until_the_end(
+    mut body: hyper::body::Incoming,
+    events: usize,
+    arrived: tokio::sync::oneshot::Sender<()>,
+) -> (Vec<u8>, Result<(), String>) {
     let mut bytes = Vec::new();
+    let mut arrived = Some(arrived);
     loop {
         match body.frame().await {
             None => return (bytes, Ok(())),
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     bytes.extend_from_slice(&data);
+                }
+                if bytes.iter().filter(|b| **b == b'\n').count() >= events
+                    && let Some(arrived) = arrived.take()
+                {
+                    let _ = arrived.send(());
                 }
             }
             Some(Err(e)) => return (bytes, Err(e.to_string())),
@@ -510,8 +521,10 @@ async fn the_drain_ends_every_watch_cleanly_before_it_drops_the_connections() {
         )))
         .await;
     assert_eq!(relayed.status(), 200);
-    let cached = tokio::spawn(until_the_end(cached.into_body()));
-    let relayed = tokio::spawn(until_the_end(relayed.into_body()));
+    let (cached_in, cached_arrived) = tokio::sync::oneshot::channel();
+    let (relayed_in, relayed_arrived) = tokio::sync::oneshot::channel();
+    let cached = tokio::spawn(until_the_end(cached.into_body(), 3, cached_in));
+    let relayed = tokio::spawn(until_the_end(relayed.into_body(), 1, relayed_in));
     cluster
         .fleet
         .store()
@@ -521,7 +534,11 @@ async fn the_drain_ends_every_watch_cleanly_before_it_drops_the_connections() {
             serde_json::json!({"metadata": {"name": "during"}, "data": {"v": "1"}}),
         )
         .expect("create");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let both = async { (cached_arrived.await, relayed_arrived.await) };
+    let (cached_arrived, relayed_arrived) = tokio::time::timeout(Duration::from_secs(10), both)
+        .await
+        .expect("the watches' events arrive");
+    assert!(cached_arrived.is_ok() && relayed_arrived.is_ok());
 
     let Cluster { bulwark, fleet, .. } = cluster;
     let drained = tokio::time::timeout(Duration::from_secs(10), bulwark.drain());

@@ -32,7 +32,7 @@ mod queue;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt as _};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::task::{Context, Poll};
@@ -234,7 +234,7 @@ pub struct Seats {
 /// A would-be refusal, before it is turned into a [`Refusal`] or counted in shadow mode.
 struct Verdict {
     reason: Reason,
-    message: String,
+    message: Arc<str>,
     /// A lower bound for `Retry-After` (the token bucket's own wait).
     at_least: Duration,
 }
@@ -458,7 +458,8 @@ impl Admission {
                     "flow {} has {} open watches, as many as its rule allows",
                     m.flow,
                     m.watches.unwrap_or(0)
-                ),
+                )
+                .into(),
                 at_least: Duration::ZERO,
             },
         )?;
@@ -534,7 +535,8 @@ impl Admission {
                         message: format!(
                             "waited {:?} in level {} without a free seat",
                             level.spec.max_wait, level.spec.name
-                        ),
+                        )
+                        .into(),
                         at_least: Duration::ZERO,
                     },
                     WaitEnd::Bytes => Verdict {
@@ -542,7 +544,8 @@ impl Admission {
                         message: format!(
                             "waited {:?} for {bytes} bytes of LIST budget on an apiserver replica",
                             level.spec.max_wait
-                        ),
+                        )
+                        .into(),
                         at_least: Duration::ZERO,
                     },
                 };
@@ -609,8 +612,8 @@ impl Admission {
             "refused"
         );
         let mut refusal = Refusal::new(verdict.reason, verdict.message).retry_after(retry_after);
-        refusal.rule = Some(m.rule.to_string());
-        refusal.level = Some(level_name.to_owned());
+        refusal.rule = Some(m.rule.clone());
+        refusal.level = Some(level.name.clone());
         Err(refusal)
     }
 
@@ -740,7 +743,7 @@ impl Admission {
 const OVER_RATE_MEMO: usize = 256;
 
 /// A flow, its rate and the share held (as bits), and their message.
-type OverRate = (Arc<str>, [u64; 4], String);
+type OverRate = (Arc<str>, [u64; 4], Arc<str>);
 
 thread_local! {
     /// Per flow (by its hash): see [`OverRate`].
@@ -754,7 +757,7 @@ thread_local! {
 /// which this replica holds `held`. A storm's flow is refused in these words many times a
 /// second: they are written once per thread while the rate and the share stay, not at each
 /// refusal (about 1,400 instructions a refusal).
-fn over_rate(flow: &Arc<str>, hash: u64, rate: Rate, held: Rate) -> String {
+fn over_rate(flow: &Arc<str>, hash: u64, rate: Rate, held: Rate) -> Arc<str> {
     let numbers = [
         rate.qps.to_bits(),
         u64::from(rate.burst),
@@ -769,7 +772,7 @@ fn over_rate(flow: &Arc<str>, hash: u64, rate: Rate, held: Rate) -> String {
     if let Some(message) = recalled {
         return message;
     }
-    let message = if held == rate {
+    let message: Arc<str> = if held == rate {
         format!(
             "flow {flow} is over its rate of {} requests per second (burst {})",
             rate.qps, rate.burst
@@ -781,7 +784,8 @@ fn over_rate(flow: &Arc<str>, hash: u64, rate: Rate, held: Rate) -> String {
              it sees",
             rate.qps, rate.burst, held.qps, held.burst
         )
-    };
+    }
+    .into();
     OVER_RATE.with_borrow_mut(|memo| memo.put(hash, (flow.clone(), numbers, message.clone())));
     message
 }
@@ -792,7 +796,8 @@ fn queue_full(m: &Matched, level: &Level) -> Verdict {
         message: format!(
             "the queue of flow {} in level {} holds {} requests already",
             m.flow, level.spec.name, level.spec.queue_length
-        ),
+        )
+        .into(),
         at_least: Duration::ZERO,
     }
 }

@@ -6,7 +6,8 @@
 //! (more are counted, not named), and the metric names at most `metrics.identities`
 //! identities (the rest are `other`).
 
-use std::collections::{HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt as _};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,7 +51,7 @@ pub struct Refused<'a> {
     /// Why.
     pub reason: Reason,
     /// What the request asked for, when it was classified.
-    pub info: Option<&'a RequestInfo>,
+    pub info: Option<&'a Arc<RequestInfo>>,
     /// Its `Audit-Id`.
     pub audit_id: &'a str,
 }
@@ -101,10 +102,9 @@ struct Tally2<T> {
 struct LastRefusal {
     at: Instant,
     reason: Reason,
-    verb: String,
-    resource: String,
-    namespace: Option<String>,
-    name: Option<String>,
+    /// What it asked for (shared with the request: a storm's refusals copy no strings of
+    /// it; the view writes them).
+    info: Option<Arc<RequestInfo>>,
     audit_id: String,
 }
 
@@ -206,8 +206,8 @@ impl Board {
     }
 
     fn shard(&self, identity: &str) -> &Mutex<Shard> {
-        use std::hash::{BuildHasher, BuildHasherDefault};
-        let hash = BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(identity);
+        use std::hash::BuildHasher as _;
+        let hash = foldhash::fast::FixedState::default().hash_one(identity);
         &self.shards[(hash as usize) % self.shards.len()]
     }
 
@@ -258,16 +258,25 @@ impl Board {
         entry.now.waited += seen.waited;
         if let Some(refused) = seen.refused {
             entry.now.refused += 1;
-            let info = refused.info;
-            entry.last_refusal = Some(LastRefusal {
-                at: now,
-                reason: refused.reason,
-                verb: info.map_or_else(String::new, |i| verb_label(&i.verb).to_owned()),
-                resource: info.map_or_else(String::new, resource_of),
-                namespace: info.and_then(|i| i.namespace.as_deref().map(str::to_owned)),
-                name: info.and_then(|i| i.name.as_deref().map(str::to_owned)),
-                audit_id: refused.audit_id.to_owned(),
-            });
+            let info = refused.info.cloned();
+            match &mut entry.last_refusal {
+                // The same flow refused again: its last refusal's room is reused.
+                Some(last) => {
+                    last.at = now;
+                    last.reason = refused.reason;
+                    last.info = info;
+                    last.audit_id.clear();
+                    last.audit_id.push_str(refused.audit_id);
+                }
+                None => {
+                    entry.last_refusal = Some(LastRefusal {
+                        at: now,
+                        reason: refused.reason,
+                        info,
+                        audit_id: refused.audit_id.to_owned(),
+                    })
+                }
+            }
         }
     }
 
@@ -309,14 +318,19 @@ impl Board {
                         } else {
                             waited.as_secs_f64() * 1e3 / requests as f64
                         },
-                        last_refusal: entry.last_refusal.as_ref().map(|r| LastRefusalView {
-                            seconds_ago: now.saturating_duration_since(r.at).as_secs_f64(),
-                            reason: r.reason.as_str(),
-                            verb: r.verb.clone(),
-                            resource: r.resource.clone(),
-                            namespace: r.namespace.clone(),
-                            name: r.name.clone(),
-                            audit_id: r.audit_id.clone(),
+                        last_refusal: entry.last_refusal.as_ref().map(|r| {
+                            let info = r.info.as_deref();
+                            LastRefusalView {
+                                seconds_ago: now.saturating_duration_since(r.at).as_secs_f64(),
+                                reason: r.reason.as_str(),
+                                verb: info
+                                    .map_or_else(String::new, |i| verb_label(&i.verb).to_owned()),
+                                resource: info.map_or_else(String::new, resource_of),
+                                namespace: info
+                                    .and_then(|i| i.namespace.as_deref().map(str::to_owned)),
+                                name: info.and_then(|i| i.name.as_deref().map(str::to_owned)),
+                                audit_id: r.audit_id.clone(),
+                            }
                         }),
                     });
                 }

@@ -12,7 +12,7 @@
 pub mod access;
 pub mod rotate;
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt as _};
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -29,6 +29,9 @@ pub struct RejectionLog {
     interval: Duration,
     max_lines: u32,
     state: Mutex<State>,
+    /// Hashes an identity, rule and reason into their key in `State::seen` (seeded at
+    /// random: an identity cannot choose to share another's key).
+    keys: foldhash::fast::RandomState,
 }
 
 #[derive(Debug)]
@@ -86,6 +89,7 @@ impl RejectionLog {
                 seen: HashMap::new(),
                 carried: 0,
             }),
+            keys: foldhash::fast::RandomState::default(),
         }
     }
 
@@ -136,10 +140,9 @@ impl RejectionLog {
             state.window_start = now;
         }
         let key = {
-            use std::hash::{Hash, Hasher};
-            let mut hasher = std::hash::DefaultHasher::new();
-            (rejection.identity, rejection.rule, rejection.reason).hash(&mut hasher);
-            hasher.finish()
+            use std::hash::BuildHasher as _;
+            self.keys
+                .hash_one((rejection.identity, rejection.rule, rejection.reason))
         };
         if let Some(unlogged) = state.seen.get_mut(&key) {
             *unlogged += 1;

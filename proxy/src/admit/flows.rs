@@ -3,7 +3,7 @@
 //! number of flows without an open watch, so that memory stays bounded however many
 //! identities, nodes, pods and addresses come and go.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt as _};
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -35,6 +35,8 @@ const SERVICE_EWMA: f64 = 0.1;
 /// One priority level.
 pub(crate) struct Level {
     pub(crate) spec: Arc<LevelSpec>,
+    /// The spec's name, shared by the refusals that name it.
+    pub(crate) name: Arc<str>,
     state: Mutex<State>,
     budget: Arc<dyn ByteBudget>,
     shared: Weak<Shared>,
@@ -238,6 +240,7 @@ impl Level {
             executing_gauge: metrics.level_executing_seats.with_label_values(&label),
             limit_gauge: metrics.level_seats_limit.with_label_values(&label),
             wait_seconds: metrics.queue_wait_seconds.with_label_values(&label),
+            name: spec.name.as_str().into(),
             spec,
         });
         level.limit_gauge.set(i64::from(level.seats_limit()));

@@ -1058,7 +1058,7 @@ fn a_remembered_over_rate_message_follows_its_flow_rate_and_share() {
     let (a, b): (Arc<str>, Arc<str>) = (Arc::from("team-a"), Arc::from("team-b"));
     let alone = over_rate(&a, 7, rate, rate);
     assert_eq!(
-        alone,
+        &*alone,
         "flow team-a is over its rate of 5 requests per second (burst 10)"
     );
     assert_eq!(over_rate(&a, 7, rate, rate), alone);

@@ -22,7 +22,7 @@ mod event;
 mod object;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::hash::BuildHasher as _;
 use std::ops::Bound;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -103,7 +103,7 @@ pub const NAME_SHARDS: usize = 256;
 
 /// The shard of a name's broadcast: a fixed hash, the same in every process.
 fn name_shard(name: &str) -> usize {
-    BuildHasherDefault::<DefaultHasher>::default().hash_one(name) as usize % NAME_SHARDS
+    foldhash::fast::FixedState::default().hash_one(name) as usize % NAME_SHARDS
 }
 
 /// What the writer and every reader of one resource share.

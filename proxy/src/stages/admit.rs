@@ -126,7 +126,7 @@ where
                 Ok(None) => None,
                 Err(error) => {
                     return Err(ProxyError::from(error)
-                        .admitted(matched.rule.clone(), matched.level.name.clone()));
+                        .admitted(matched.rule.clone(), matched.level.name.as_str().into()));
                 }
             }
         } else {
@@ -192,7 +192,7 @@ where
         // answer is to.
         let mut response = match next.run(call.learn(admitted)).await {
             Ok(response) => response,
-            Err(error) => return Err(error.admitted(rule, level.name.clone())),
+            Err(error) => return Err(error.admitted(rule, level.name.as_str().into())),
         };
         if *name_every_answer {
             name_rule(&mut response, headers);

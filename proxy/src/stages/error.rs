@@ -13,7 +13,7 @@ use crate::classify::ClassifyError;
 use crate::identity::IdentityError;
 use crate::identity::forward::ForwardError;
 use crate::metrics::ServedBy;
-use crate::status::{Reason, Refusal};
+use crate::status::{Reason, Refusal, X_BULWARK_LEVEL, X_BULWARK_REASON, X_BULWARK_RULE};
 use crate::upstream::UpstreamError;
 
 /// Why a request was answered by Bulwark itself.
@@ -50,7 +50,7 @@ pub enum ProxyError {
         /// The request's rule.
         rule: Arc<str>,
         /// The rule's priority level.
-        level: String,
+        level: Arc<str>,
     },
 }
 
@@ -59,22 +59,24 @@ impl ProxyError {
     /// credential failed (a 401 says only `Unauthorized`, as the apiserver's does): the
     /// rejection log has the whole error.
     pub fn refusal(&self) -> Refusal {
-        let message = self.to_string();
+        // Written only where the refusal says it: a refusal from admission, a storm's
+        // every answer, carries its own words.
+        let message = || self.to_string();
         match self {
-            ProxyError::Classify(_) => Refusal::new(Reason::BadRequest, message),
+            ProxyError::Classify(_) => Refusal::new(Reason::BadRequest, message()),
             ProxyError::Identity(IdentityError::ReviewFailed(_)) => {
                 Refusal::new(Reason::UpstreamError, "the token could not be reviewed")
                     .retry_after(Duration::from_secs(1))
             }
             ProxyError::Identity(IdentityError::ReviewLimited(limited)) => {
-                Refusal::new(Reason::ReviewLimited, message).retry_after(limited.retry_after)
+                Refusal::new(Reason::ReviewLimited, message()).retry_after(limited.retry_after)
             }
             ProxyError::Identity(_) => Refusal::new(Reason::Unauthenticated, "Unauthorized"),
             ProxyError::Forward(ForwardError::ClientImpersonation) => {
-                Refusal::new(Reason::Forbidden, message)
+                Refusal::new(Reason::Forbidden, message())
             }
             ProxyError::Forward(ForwardError::Unrepresentable(_)) => {
-                Refusal::new(Reason::BadRequest, message)
+                Refusal::new(Reason::BadRequest, message())
             }
             ProxyError::Upstream(error) => upstream_refusal(error),
             ProxyError::Refused(refusal) => refusal.clone(),
@@ -85,7 +87,7 @@ impl ProxyError {
                         504 => Reason::UpstreamTimeout,
                         _ => Reason::BadRequest,
                     };
-                    Refusal::new(reason, message)
+                    Refusal::new(reason, message())
                 }
                 CacheError::ReviewFailed(_) => {
                     Refusal::new(Reason::UpstreamError, "the access review could not be made")
@@ -93,7 +95,7 @@ impl ProxyError {
                 }
             },
             ProxyError::Admitted { error, rule, level } => Refusal {
-                rule: Some(rule.to_string()),
+                rule: Some(rule.clone()),
                 level: Some(level.clone()),
                 ..error.refusal()
             },
@@ -101,7 +103,7 @@ impl ProxyError {
     }
 
     /// This error as a failure after admission by `rule` at `level`.
-    pub fn admitted(self, rule: Arc<str>, level: String) -> ProxyError {
+    pub fn admitted(self, rule: Arc<str>, level: Arc<str>) -> ProxyError {
         ProxyError::Admitted {
             error: Box::new(self),
             rule,
@@ -125,12 +127,12 @@ impl ProxyError {
         };
         let headers = response.headers_mut();
         headers.insert(
-            "x-bulwark-reason",
+            X_BULWARK_REASON,
             HeaderValue::from_static(refusal.reason.as_str()),
         );
         for (name, value) in [
-            ("x-bulwark-rule", refusal.rule),
-            ("x-bulwark-level", refusal.level),
+            (X_BULWARK_RULE, refusal.rule),
+            (X_BULWARK_LEVEL, refusal.level),
         ] {
             if let Some(value) = value.and_then(|v| HeaderValue::from_str(&v).ok()) {
                 headers.insert(name, value);

@@ -185,7 +185,7 @@ where
                             waited: report.waited.get().copied().unwrap_or_default(),
                             refused: Some(Refused {
                                 reason: refusal.reason,
-                                info,
+                                info: report.info.get(),
                                 audit_id: audit_id.to_str().unwrap_or(""),
                             }),
                         },

@@ -429,7 +429,9 @@ fn split_path(path: &str) -> Result<Segments<'_>, ClassifyError> {
     let Some(body) = path.strip_prefix('/') else {
         return err(|path| ClassifyError::NotAbsolute { path });
     };
-    if has_encoded_separator(path) {
+    // Most paths have no escape at all: one look for `%` spares every segment its own.
+    let escaped = path.as_bytes().contains(&b'%');
+    if escaped && has_encoded_separator(path) {
         return err(|path| ClassifyError::EncodedSeparator { path });
     }
     if body.is_empty() {
@@ -437,13 +439,23 @@ fn split_path(path: &str) -> Result<Segments<'_>, ClassifyError> {
     }
     let body = body.strip_suffix('/').unwrap_or(body);
     let mut segments = Segments::new();
-    for raw in body.split('/') {
+    // Split on `/` byte by byte: segments are a few bytes long, shorter than a searcher
+    // takes to start.
+    let mut start = 0;
+    let ends = body
+        .bytes()
+        .enumerate()
+        .filter_map(|(i, b)| (b == b'/').then_some(i))
+        .chain([body.len()]);
+    for end in ends {
+        let raw = &body[start..end];
+        start = end + 1;
         match raw {
             "" => return err(|path| ClassifyError::EmptySegment { path }),
             "." | ".." => return err(|path| ClassifyError::DotSegment { path }),
             _ => {}
         }
-        if !raw.contains('%') {
+        if !escaped || !raw.contains('%') {
             segments.push(Cow::Borrowed(raw));
             continue;
         }

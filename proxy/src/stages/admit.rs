@@ -9,7 +9,9 @@ use std::task::Poll;
 
 use http::Response;
 
-use super::call::{Admitted, Answered, Cached, Call, Identified, Next, Source, Stage};
+use super::call::{
+    Admitted, AdmittedReport, Answered, Cached, Call, Identified, Next, Source, Stage,
+};
 use super::error::ProxyError;
 use crate::Body;
 use crate::admit::{Admission, Answer, Learn, SendProgress, hold};
@@ -146,9 +148,11 @@ where
             }
         };
         let mut permit = admitted.map_err(ProxyError::Refused)?;
-        let _ = call.report.expected_bytes.set(permit.expected_bytes());
-        let _ = call.report.admitted_at.set(tokio::time::Instant::now());
-        let _ = call.report.named.set(matched.headers.clone());
+        let _ = call.report.admitted.set(AdmittedReport {
+            expected_bytes: permit.expected_bytes(),
+            at: tokio::time::Instant::now(),
+            named: matched.headers.clone(),
+        });
         let source = match (plan, cached) {
             (Some(plan), Some((cache, reader))) => Source::Cache(Box::new(Cached {
                 cache: cache.clone(),

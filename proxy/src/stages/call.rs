@@ -102,25 +102,45 @@ impl<B, F> std::ops::DerefMut for Call<B, F> {
 /// stage that learns it.
 #[derive(Debug, Default)]
 pub struct Report {
-    /// The verb and resource labels (classification).
-    pub labels: OnceLock<Labels>,
+    /// What the request asks for and its metric labels (classification).
+    pub classified: OnceLock<ClassifiedReport>,
     /// The client's user, `None` for an anonymous request (identity); see [`Report::who`].
     pub user: OnceLock<Option<Arc<User>>>,
-    /// What the request asks for (classification).
-    pub info: OnceLock<Arc<RequestInfo>>,
     /// How long the request waited for admission (admission).
     pub waited: OnceLock<std::time::Duration>,
     /// The flow the request was admitted in, or refused for (admission).
     pub flow: OnceLock<Arc<str>>,
-    /// The bytes admission expected the answer to cost (admission; a LIST's, by what it
-    /// reads).
-    pub expected_bytes: OnceLock<u64>,
-    /// When admission let it in (admission): from there to the answer's head it held its
-    /// seats.
-    pub admitted_at: OnceLock<tokio::time::Instant>,
-    /// The rule and level that admitted it (admission), whether or not its answer names
-    /// them (`rules.answerHeaders`).
-    pub named: OnceLock<crate::rules::RuleHeaders>,
+    /// What admission said when it let the request in (one cell, set once: each cell
+    /// set costs a request about 85 instructions).
+    pub admitted: OnceLock<AdmittedReport>,
+}
+
+/// What the report keeps of a classified request.
+#[derive(Debug)]
+pub struct ClassifiedReport {
+    /// The verb and resource labels.
+    pub labels: Labels,
+    /// What the request asks for.
+    pub info: Arc<RequestInfo>,
+}
+
+impl Report {
+    /// What the request asks for, once classified.
+    pub fn info(&self) -> Option<&Arc<RequestInfo>> {
+        self.classified.get().map(|c| &c.info)
+    }
+}
+
+/// What the report keeps of an admitted request's admission.
+#[derive(Debug)]
+pub struct AdmittedReport {
+    /// The bytes admission expected the answer to cost (a LIST's, by what it reads).
+    pub expected_bytes: u64,
+    /// When admission let it in: from there to the answer's head it held its seats.
+    pub at: tokio::time::Instant,
+    /// The rule and level that admitted it, whether or not its answer names them
+    /// (`rules.answerHeaders`).
+    pub named: crate::rules::RuleHeaders,
 }
 
 impl Report {

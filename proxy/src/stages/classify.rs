@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use futures::future::{self, Either};
 
-use super::call::{Answered, Call, Classified, Labels, Next, Stage};
+use super::call::{Answered, Call, Classified, ClassifiedReport, Labels, Next, Stage};
 use crate::metrics::{ResourceLabels, verb_label};
 
 /// Classifies the request (400 for malformed paths) and records its labels.
@@ -35,12 +35,15 @@ impl<B: Send + 'static> Stage<B> for Classify {
     ) -> impl Future<Output = Answered> + Send {
         match crate::classify::classify(call.request.method(), call.request.uri()) {
             Ok(info) => {
-                let _ = call.report.labels.set(Labels {
+                let labels = Labels {
                     verb: verb_label(&info.verb),
                     resource: self.resources.label(&info),
-                });
+                };
                 let info = Arc::new(info);
-                let _ = call.report.info.set(info.clone());
+                let _ = call.report.classified.set(ClassifiedReport {
+                    labels,
+                    info: info.clone(),
+                });
                 Either::Left(next.run(call.learn(Classified { info })))
             }
             Err(error) => Either::Right(future::ready(Err(error.into()))),

@@ -14,7 +14,7 @@ use http_body_util::BodyExt as _;
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::call::{Call, Labels, Next, Report};
+use super::call::{Call, Next, Report};
 use crate::board::{Board, IdentityRejections, Refused, Seen};
 use crate::listen::{ConnInfo, Watching};
 use crate::logs::access::{AccessLog, Entry as AccessEntry};
@@ -135,8 +135,7 @@ where
                 Ok(mut response) => {
                     if response.status().is_success()
                         && report
-                            .info
-                            .get()
+                            .info()
                             .is_some_and(|i| i.verb == crate::classify::Verb::Watch)
                     {
                         // Its stream ends cleanly when the drain ends the watches.
@@ -157,7 +156,7 @@ where
                 }
                 Err(error) => {
                     let who = report.who();
-                    let info = report.info.get().map(|i| &**i);
+                    let info = report.info().map(|i| &**i);
                     let refusal = error.refusal();
                     let detail = crate::report::Chain(&error);
                     let rule = refusal.rule.as_deref().unwrap_or("");
@@ -185,7 +184,7 @@ where
                             waited: report.waited.get().copied().unwrap_or_default(),
                             refused: Some(Refused {
                                 reason: refusal.reason,
-                                info: report.info.get(),
+                                info: report.info(),
                                 audit_id: audit_id.to_str().unwrap_or(""),
                             }),
                         },
@@ -205,11 +204,11 @@ where
                     user: report.who(),
                     identity: report.user.get().and_then(Option::as_deref),
                     flow: report.flow.get().map(|f| &**f),
-                    expected_bytes: report.expected_bytes.get().copied(),
+                    expected_bytes: report.admitted.get().map(|a| a.expected_bytes),
                     source,
                     user_agent: &user_agent,
                     method,
-                    request: report.info.get().map(|i| &**i),
+                    request: report.info().map(|i| &**i),
                     code: response.status().as_u16(),
                     served_by: served_by.as_str(),
                     rule: named(&report, &response, X_BULWARK_RULE),
@@ -218,9 +217,9 @@ where
                     took,
                     waited: report.waited.get().copied(),
                     held: report
-                        .admitted_at
+                        .admitted
                         .get()
-                        .map(|at| ended.saturating_duration_since(*at)),
+                        .map(|a| ended.saturating_duration_since(a.at)),
                 });
                 // Marked above: an answered watch.
                 let watching = response.extensions().get::<Watching>().is_some();
@@ -238,16 +237,11 @@ where
                 }
             }
             answer_audit_id(response.headers_mut(), audit_id);
-            let labels = report.labels.get().cloned().unwrap_or(Labels {
-                verb: method,
-                resource: Arc::from(""),
-            });
-            metrics.count_request(
-                (labels.verb, &labels.resource),
-                response.status(),
-                served_by,
-                took,
-            );
+            let labels = match report.classified.get() {
+                Some(classified) => (classified.labels.verb, &*classified.labels.resource),
+                None => (method, ""),
+            };
+            metrics.count_request(labels, response.status(), served_by, took);
             Ok(response)
         })
     }
@@ -318,11 +312,11 @@ fn cut(text: &str, max: usize) -> &str {
 /// The rule (`X_BULWARK_RULE`) or level that admitted the request, as admission reported
 /// it, else as the answer names it (a refusal's); "" for neither.
 fn named<'a>(report: &'a Report, response: &'a Response<Body>, name: HeaderName) -> &'a str {
-    let admitted = report.named.get().and_then(|named| {
+    let admitted = report.admitted.get().and_then(|admitted| {
         if name == X_BULWARK_RULE {
-            named.rule.as_ref()
+            admitted.named.rule.as_ref()
         } else {
-            named.level.as_ref()
+            admitted.named.level.as_ref()
         }
     });
     admitted

@@ -573,6 +573,61 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_flows_last_refusal_is_its_latest_with_what_that_request_asked_for() {
+        let board = Board::new(Duration::from_secs(10));
+        let list = Arc::new(
+            crate::classify::classify(
+                &http::Method::GET,
+                &"/api/v1/namespaces/team/secrets".parse().unwrap(),
+            )
+            .unwrap(),
+        );
+        let get = Arc::new(
+            crate::classify::classify(
+                &http::Method::GET,
+                &"/apis/apps/v1/namespaces/ops/deployments/web"
+                    .parse()
+                    .unwrap(),
+            )
+            .unwrap(),
+        );
+        for (info, audit_id, reason) in [
+            (&list, "a-long-first-audit-id-0000", Reason::QueueFull),
+            (&get, "id-2", Reason::RateLimited),
+        ] {
+            let refused = Refused {
+                reason,
+                info: Some(info),
+                audit_id,
+            };
+            board.seen(seen("storm", "lists", Some(refused)), Instant::now());
+        }
+        let view = board.view();
+        let last = view.most_refused[0]
+            .last_refusal
+            .as_ref()
+            .expect("a refusal");
+        assert_eq!(
+            (
+                last.reason,
+                last.verb.as_str(),
+                last.resource.as_str(),
+                last.namespace.as_deref(),
+                last.name.as_deref(),
+                last.audit_id.as_str(),
+            ),
+            (
+                "rate_limited",
+                "get",
+                "deployments.apps",
+                Some("ops"),
+                Some("web"),
+                "id-2"
+            )
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn the_metric_names_the_identities_refused_most_and_the_rest_are_other() {
         let metric = counter();
         let named = IdentityRejections::new(2, Duration::from_secs(60), metric.clone());

@@ -425,6 +425,41 @@ mod tests {
         assert_eq!(response.headers()["x-bulwark-reason"], "unauthenticated");
     }
 
+    /// A refusal answered from the memo gets headers of its own: what the request path
+    /// adds to one answer (its `Audit-Id`) is not in the next.
+    #[test]
+    fn a_remembered_refusals_headers_are_its_own() {
+        let refusal = || {
+            let mut refusal = Refusal::new(Reason::RateLimited, "flow f is over its rate")
+                .retry_after(Duration::from_secs(1));
+            refusal.rule = Some("r".into());
+            refusal.level = Some("l".into());
+            refusal
+        };
+        let mut first = refusal().into_response();
+        first
+            .headers_mut()
+            .insert(AUDIT_ID, HeaderValue::from_static("first"));
+        let second = refusal().into_response();
+        assert_eq!(second.headers().get(AUDIT_ID), None);
+        let names = |r: &http::Response<crate::Body>| {
+            let mut names: Vec<_> = r.headers().keys().map(|n| n.as_str().to_owned()).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(
+            names(&second),
+            [
+                "content-type",
+                "retry-after",
+                "x-bulwark-level",
+                "x-bulwark-reason",
+                "x-bulwark-rule"
+            ]
+        );
+        assert_eq!(names(&first).len(), 6);
+    }
+
     /// Answers read from the thread's memo say what a refusal written afresh says, and a
     /// refusal that differs in any word (its `Retry-After`, its flow's message, its rule) is
     /// not answered with another's.

@@ -60,6 +60,9 @@ const PATH: &str = "/api/v1/namespaces/ns-0/configmaps/configmap-0";
 const OBJECT: &str = r#"{"kind":"ConfigMap","apiVersion":"v1","metadata":{"name":"configmap-0","namespace":"ns-0","resourceVersion":"1"},"data":{"k":"v"}}"#;
 /// What the upstream answers to every TokenReview.
 const REVIEW: &str = r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{"authenticated":true,"user":{"username":"stack","groups":["system:authenticated"]}}}"#;
+/// The TokenReview answer with `STACK_USER=serviceaccount`: a pod's bound ServiceAccount
+/// token as the apiserver reviews it, three groups and five extras.
+const SA_REVIEW: &str = r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{"authenticated":true,"user":{"username":"system:serviceaccount:kube-system:node-agent","uid":"5f0c6b8e-2d7a-4e8b-9a51-1f9e2c3d4b6a","groups":["system:serviceaccounts","system:serviceaccounts:kube-system","system:authenticated"],"extra":{"authentication.kubernetes.io/credential-id":["JTI=9c1d2e3f-4a5b-6c7d-8e9f-0a1b2c3d4e5f"],"authentication.kubernetes.io/node-name":["node-0042"],"authentication.kubernetes.io/node-uid":["1a2b3c4d-5e6f-7a8b-9c0d-1e2f3a4b5c6d"],"authentication.kubernetes.io/pod-name":["node-agent-x7k2p"],"authentication.kubernetes.io/pod-uid":["7e8f9a0b-1c2d-3e4f-5a6b-7c8d9e0f1a2b"]}}}}"#;
 /// The client's bearer token.
 const TOKEN: &str = "stack-bench-token";
 /// Each direction's buffer of the in-memory pair.
@@ -193,7 +196,10 @@ async fn upstream(pki: &Pki, dir: &Path) -> SocketAddr {
 async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
     let path = request.uri().path();
     let body = if path.ends_with("/tokenreviews") {
-        REVIEW
+        match std::env::var("STACK_USER").as_deref() {
+            Ok("serviceaccount") => SA_REVIEW,
+            _ => REVIEW,
+        }
     } else if path == PATH {
         OBJECT
     } else {
@@ -303,7 +309,9 @@ criterion_group!(benches, bench);
 /// `STACK_SUBJECT=direct|floor|bulwark|refused` set, `N` requests through one subject after as many to warm it, for an instruction count:
 /// `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='stack::counted'`
 /// counts only the `N` (README "Benchmarks"). Instructions do not swing with the machine
-/// as times do, so a change worth a fraction of a microsecond shows.
+/// as times do, so a change worth a fraction of a microsecond shows. `STACK_USER=
+/// serviceaccount` makes the client a pod's ServiceAccount (three groups, five extras)
+/// rather than a user with one group.
 fn main() {
     // Warnings only, as the `bulwark` binary runs by default: without a subscriber, every
     // span hyper and h2 make would fall back to the `log` crate.

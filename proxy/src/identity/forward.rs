@@ -8,6 +8,9 @@
 //! passthrough modes (the apiserver authorizes them against the real user) and are refused
 //! in impersonate mode, where they would be read as Bulwark's own.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use http::HeaderMap;
 use http::header::{AUTHORIZATION, CONNECTION, HeaderName, HeaderValue, UPGRADE};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
@@ -44,6 +47,8 @@ pub enum ForwardError {
 
 /// The identity-forwarding policy built from config.
 pub struct Forwarding {
+    /// Tells this policy's headers from another's in the memo of [`Written`].
+    id: u64,
     mode: IdentityMode,
     names: Names,
     front_proxy: bool,
@@ -89,7 +94,9 @@ impl Forwarding {
         if !strip_prefixes.contains(&default_prefix) {
             strip_prefixes.push(default_prefix);
         }
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             mode,
             names: Names {
                 user: names.user.clone(),
@@ -142,20 +149,48 @@ impl Forwarding {
         }
         // Certificate clients in passthrough mode have nothing to pass through: they go as
         // front-proxy when it is configured, else by impersonation.
-        if self.mode == IdentityMode::FrontProxy
-            || (self.mode == IdentityMode::Passthrough && self.front_proxy)
-        {
-            self.front_proxy_headers(user, headers)?;
-            Ok(upstream::UpstreamCredential::FrontProxy)
+        let front_proxy = self.mode == IdentityMode::FrontProxy
+            || (self.mode == IdentityMode::Passthrough && self.front_proxy);
+        if !front_proxy && client_impersonates {
+            return Err(ForwardError::ClientImpersonation);
+        }
+        // Appended, not inserted: a client's own headers of these names were stripped
+        // (front-proxy) or refused (impersonation) above.
+        for (name, value) in self.identity_headers(user, front_proxy)?.iter() {
+            headers.append(name.clone(), value.clone());
+        }
+        Ok(if front_proxy {
+            upstream::UpstreamCredential::FrontProxy
         } else {
-            if client_impersonates {
-                return Err(ForwardError::ClientImpersonation);
-            }
-            impersonation_headers(user, headers)?;
             // The pool adds Bulwark's own bearer token, when it has one, to every request
             // that travels with the own credential.
-            Ok(upstream::UpstreamCredential::Own)
+            upstream::UpstreamCredential::Own
+        })
+    }
+
+    /// `user`'s identity headers, from this thread's memo when this user (this very
+    /// `Arc`, which the memo holds, so that no other user can take its address) went
+    /// through this policy lately: a ServiceAccount's five extras cost about 1,000
+    /// instructions each to write (README, Benchmarks).
+    fn identity_headers(
+        &self,
+        user: &Arc<User>,
+        front_proxy: bool,
+    ) -> Result<Written, ForwardError> {
+        let key = (self.id, Arc::as_ptr(user) as usize);
+        let recalled = WRITTEN.with_borrow_mut(|memo| memo.get(&key).map(|(_, w)| w.clone()));
+        if let Some(written) = recalled {
+            return Ok(written);
         }
+        let mut written = Vec::new();
+        if front_proxy {
+            self.front_proxy_headers(user, &mut written)?;
+        } else {
+            impersonation_headers(user, &mut written)?;
+        }
+        let written: Written = written.into();
+        WRITTEN.with_borrow_mut(|memo| memo.put(key, (user.clone(), written.clone())));
+        Ok(written)
     }
 
     fn strip_request_headers(&self, headers: &mut HeaderMap) {
@@ -190,37 +225,58 @@ impl Forwarding {
     fn front_proxy_headers(
         &self,
         user: &User,
-        headers: &mut HeaderMap,
+        headers: &mut Vec<(HeaderName, HeaderValue)>,
     ) -> Result<(), ForwardError> {
-        headers.insert(self.names.user.clone(), value(&user.username)?);
+        headers.push((self.names.user.clone(), value(&user.username)?));
         if let (Some(name), Some(uid)) = (&self.names.uid, &user.uid) {
-            headers.insert(name.clone(), value(uid)?);
+            headers.push((name.clone(), value(uid)?));
         }
         for group in &user.groups {
-            headers.append(self.names.group.clone(), value(group)?);
+            headers.push((self.names.group.clone(), value(group)?));
         }
         for (key, values) in &user.extra {
             let name = extra_header(&self.names.extra_prefix, key)?;
             for v in values {
-                headers.append(name.clone(), value(v)?);
+                headers.push((name.clone(), value(v)?));
             }
         }
         Ok(())
     }
 }
 
-fn impersonation_headers(user: &User, headers: &mut HeaderMap) -> Result<(), ForwardError> {
-    headers.insert("impersonate-user", value(&user.username)?);
+/// One user's identity headers as one [`Forwarding`] writes them, in order.
+type Written = Arc<[(HeaderName, HeaderValue)]>;
+
+/// How many users' headers each thread keeps (see [`Forwarding::identity_headers`]).
+const WRITTEN_MEMO: usize = 1024;
+
+thread_local! {
+    /// By policy and user (the `Arc`'s address, held alive by the entry).
+    static WRITTEN: std::cell::RefCell<lru::LruCache<(u64, usize), (Arc<User>, Written)>> =
+        std::cell::RefCell::new(lru::LruCache::new(
+            std::num::NonZeroUsize::new(WRITTEN_MEMO).expect("not zero"),
+        ));
+}
+
+const IMPERSONATE_USER: HeaderName = HeaderName::from_static("impersonate-user");
+const IMPERSONATE_UID: HeaderName = HeaderName::from_static("impersonate-uid");
+const IMPERSONATE_GROUP: HeaderName = HeaderName::from_static("impersonate-group");
+
+fn impersonation_headers(
+    user: &User,
+    headers: &mut Vec<(HeaderName, HeaderValue)>,
+) -> Result<(), ForwardError> {
+    headers.push((IMPERSONATE_USER, value(&user.username)?));
     if let Some(uid) = &user.uid {
-        headers.insert("impersonate-uid", value(uid)?);
+        headers.push((IMPERSONATE_UID, value(uid)?));
     }
     for group in &user.groups {
-        headers.append("impersonate-group", value(group)?);
+        headers.push((IMPERSONATE_GROUP, value(group)?));
     }
     for (key, values) in &user.extra {
         let name = extra_header("impersonate-extra-", key)?;
         for v in values {
-            headers.append(name.clone(), value(v)?);
+            headers.push((name.clone(), value(v)?));
         }
     }
     Ok(())
@@ -306,6 +362,46 @@ mod tests {
             headers: config::HeaderNames::default(),
         };
         Forwarding::new(mode, Some(&front))
+    }
+
+    /// A user's headers are written once per policy and thread: the next request of the
+    /// same user shares their bytes, another policy writes its own, and a second user
+    /// between them is not answered with the first's.
+    #[test]
+    fn a_users_identity_headers_are_written_once_per_policy() {
+        let bob = Identity::User {
+            user: Arc::new(User {
+                username: "bob".into(),
+                groups: vec!["system:authenticated".into()],
+                ..User::default()
+            }),
+            credential: Credential::Token("bob-token".into()),
+        };
+        let alice = alice();
+        let front = forwarding(IdentityMode::FrontProxy);
+        let impersonate = forwarding(IdentityMode::Impersonate);
+        let prepare = |forwarding: &Forwarding, identity: &Identity| {
+            let mut headers = HeaderMap::new();
+            forwarding.prepare(identity, &mut headers, false).unwrap();
+            headers
+        };
+        let first = prepare(&front, &alice);
+        let between = prepare(&front, &bob);
+        let again = prepare(&front, &alice);
+        assert_eq!(between["x-remote-user"], "bob");
+        assert_eq!(first, again);
+        assert_eq!(
+            first["x-remote-user"].as_bytes().as_ptr(),
+            again["x-remote-user"].as_bytes().as_ptr(),
+            "the second request shares the first's written value"
+        );
+        let other = prepare(&impersonate, &alice);
+        assert_eq!(other["impersonate-user"], "alice");
+        assert_eq!(
+            other["impersonate-extra-authentication.kubernetes.io%2fpod-name"],
+            "web-0"
+        );
+        assert!(other.get("x-remote-user").is_none());
     }
 
     #[test]

@@ -250,12 +250,14 @@ type Written = Arc<[(HeaderName, HeaderValue)]>;
 /// How many users' headers each thread keeps (see [`Forwarding::identity_headers`]).
 const WRITTEN_MEMO: usize = 1024;
 
+/// The memo of [`Written`], by policy and user (the `Arc`'s address, held alive by the
+/// entry).
+type WrittenMemo = lru::LruCache<(u64, usize), (Arc<User>, Written)>;
+
 thread_local! {
-    /// By policy and user (the `Arc`'s address, held alive by the entry).
-    static WRITTEN: std::cell::RefCell<lru::LruCache<(u64, usize), (Arc<User>, Written)>> =
-        std::cell::RefCell::new(lru::LruCache::new(
-            std::num::NonZeroUsize::new(WRITTEN_MEMO).expect("not zero"),
-        ));
+    static WRITTEN: std::cell::RefCell<WrittenMemo> = std::cell::RefCell::new(
+        lru::LruCache::new(std::num::NonZeroUsize::new(WRITTEN_MEMO).expect("not zero")),
+    );
 }
 
 const IMPERSONATE_USER: HeaderName = HeaderName::from_static("impersonate-user");

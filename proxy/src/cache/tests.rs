@@ -1037,6 +1037,65 @@ async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
     assert_eq!(started.elapsed(), Duration::from_secs(2));
 }
 
+/// The watch's one timer is set to the earliest of its bookmark, its re-authorization and
+/// its deadline: events delivered meanwhile move none of them.
+#[tokio::test(start_paused = true)]
+async fn a_bookmark_and_the_end_come_on_time_while_events_keep_coming() {
+    let mut s = setup_with(
+        config::Cache {
+            bookmark_interval: Duration::from_secs(5),
+            reauthorize_interval: Duration::from_secs(3),
+            ..config()
+        },
+        None,
+    );
+    s.store.replace(Vec::new(), 10);
+    let mut body = ask(
+        &s,
+        "alice",
+        "/api/v1/secrets?watch=1&resourceVersion=10&allowWatchBookmarks=true&timeoutSeconds=12",
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .into_body();
+    let started = Instant::now();
+    // Each line with when it arrived, read as it comes.
+    let reader = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        loop {
+            let got = lines(&mut body, 1).await;
+            let Some(line) = got.first() else {
+                return (seen, started.elapsed());
+            };
+            let kind = line["type"].as_str().unwrap_or_default().to_owned();
+            seen.push((started.elapsed(), kind));
+        }
+    });
+    // An event every second, between the timer's ends (0.7 s, 1.7 s, ...).
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for (i, rv) in (11..22).enumerate() {
+        s.store.apply(
+            EventType::Added,
+            secret("ns-a", &format!("s-{i}"), rv, "web"),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let (seen, ended) = reader.await.unwrap();
+    let at = |kind: &str| -> Vec<Duration> {
+        seen.iter()
+            .filter(|(_, k)| k == kind)
+            .map(|(at, _)| *at)
+            .collect()
+    };
+    assert_eq!(
+        at("BOOKMARK"),
+        [Duration::from_secs(5), Duration::from_secs(10)]
+    );
+    assert_eq!(at("ADDED").len(), 11);
+    assert_eq!(ended, Duration::from_secs(12));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_zero_watch_timeout_is_unset_and_a_negative_one_ends_the_watch_at_once() {
     let mut s = seeded();

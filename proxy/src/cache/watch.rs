@@ -6,6 +6,7 @@
 //! further behind than its buffer, or when a periodic re-authorization says no.
 
 use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -96,6 +97,10 @@ struct Watcher {
     reauth: Option<Reauthorize>,
     next_reauth: Option<Instant>,
     review: Option<JoinHandle<Result<Decision, Arc<ReviewError>>>>,
+    /// One timer for the bookmark, the re-authorization and the deadline, set to the
+    /// earliest ([`Watcher::next_wake`]) and moved only when that moves: a delivered event
+    /// makes and drops no timer.
+    timer: Pin<Box<tokio::time::Sleep>>,
     metrics: Metrics,
     done: bool,
 }
@@ -148,6 +153,18 @@ impl Watcher {
         None
     }
 
+    /// The earliest of the next bookmark, the next re-authorization (while none runs) and
+    /// the deadline.
+    fn next_wake(&self) -> Option<Instant> {
+        let reauth = self.next_reauth.filter(|_| self.review.is_none());
+        [self.next_bookmark, reauth, self.deadline]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    // Over 120 lines: the events, the relist, the one timer's three ends and the review,
+    // in one `select!`.
     async fn next_chunk(&mut self) -> Option<Bytes> {
         if self.done {
             return None;
@@ -170,8 +187,12 @@ impl Watcher {
             return Some(out.freeze());
         }
         loop {
-            let bookmark = self.next_bookmark;
-            let reauth_at = self.next_reauth;
+            let wake = self.next_wake();
+            if let Some(at) = wake
+                && self.timer.deadline() != at
+            {
+                self.timer.as_mut().reset(at);
+            }
             tokio::select! {
                 received = self.rx.recv() => match received {
                     Ok(event) => {
@@ -205,30 +226,37 @@ impl Watcher {
                     self.done = true;
                     return None;
                 }
-                _ = sleep_until(bookmark) => {
-                    let rv = self.store.rv();
-                    // Deliver every event up to that version before vouching for it.
-                    loop {
-                        match self.rx.try_recv() {
-                            Ok(event) => self.convert(&mut out, &event),
-                            Err(TryRecvError::Empty) => break,
-                            Err(TryRecvError::Lagged(_)) => return self.slow(),
-                            Err(TryRecvError::Closed) => break,
+                _ = self.timer.as_mut(), if wake.is_some() => {
+                    let now = Instant::now();
+                    if self.deadline.is_some_and(|at| at <= now) {
+                        self.done = true;
+                        return None;
+                    }
+                    if self.review.is_none() && self.next_reauth.is_some_and(|at| at <= now) {
+                        if let Some(reauth) = &self.reauth {
+                            let access = reauth.access.clone();
+                            let user = reauth.user.clone();
+                            let attrs = reauth.attrs.clone();
+                            self.review = Some(tokio::spawn(async move { access.check(&user, &attrs).await }));
                         }
+                        self.next_reauth = None;
                     }
-                    self.last_rv = self.last_rv.max(rv);
-                    out.extend_from_slice(&bookmark_line(&kind, self.last_rv, false, self.options.encoding));
-                    self.next_bookmark = self.options.bookmarks.map(|every| Instant::now() + every);
-                    return Some(out.freeze());
-                }
-                _ = sleep_until(reauth_at), if self.review.is_none() => {
-                    if let Some(reauth) = &self.reauth {
-                        let access = reauth.access.clone();
-                        let user = reauth.user.clone();
-                        let attrs = reauth.attrs.clone();
-                        self.review = Some(tokio::spawn(async move { access.check(&user, &attrs).await }));
+                    if self.next_bookmark.is_some_and(|at| at <= now) {
+                        let rv = self.store.rv();
+                        // Deliver every event up to that version before vouching for it.
+                        loop {
+                            match self.rx.try_recv() {
+                                Ok(event) => self.convert(&mut out, &event),
+                                Err(TryRecvError::Empty) => break,
+                                Err(TryRecvError::Lagged(_)) => return self.slow(),
+                                Err(TryRecvError::Closed) => break,
+                            }
+                        }
+                        self.last_rv = self.last_rv.max(rv);
+                        out.extend_from_slice(&bookmark_line(&kind, self.last_rv, false, self.options.encoding));
+                        self.next_bookmark = self.options.bookmarks.map(|every| now + every);
+                        return Some(out.freeze());
                     }
-                    self.next_reauth = None;
                 }
                 decided = async { self.review.as_mut().expect("guarded").await }, if self.review.is_some() => {
                     self.review = None;
@@ -240,19 +268,8 @@ impl Watcher {
                     }
                     self.next_reauth = self.reauth.as_ref().map(|r| Instant::now() + jittered(r.every));
                 }
-                _ = sleep_until(self.deadline) => {
-                    self.done = true;
-                    return None;
-                }
             }
         }
-    }
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 
@@ -307,6 +324,8 @@ pub fn body(
         next_reauth: reauth.as_ref().map(|r| now + jittered(r.every)),
         reauth,
         review: None,
+        // Set to its first end in `next_chunk`, before it is first polled.
+        timer: Box::pin(tokio::time::sleep_until(now)),
         store,
         options,
         metrics,

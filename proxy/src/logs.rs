@@ -30,7 +30,8 @@ pub struct RejectionLog {
     max_lines: u32,
     state: Mutex<State>,
     /// Hashes an identity, rule and reason into their key in `State::seen` (seeded at
-    /// random: an identity cannot choose to share another's key).
+    /// random, so that an identity cannot easily share another's key; if two did, their
+    /// lines would be counted as one).
     keys: foldhash::fast::RandomState,
 }
 

@@ -402,6 +402,10 @@ pub struct Class {
     pub ok: u64,
     /// Answers with 429.
     pub rejected: u64,
+    /// The 429s by the reason each gave (`X-Bulwark-Reason`; `-` for one without, such as
+    /// the apiserver's own).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub rejected_by: BTreeMap<String, u64>,
     /// Every other failure: other statuses, resets, timeouts, connection errors.
     pub errors: u64,
     /// Mean latency of successful requests, milliseconds.
@@ -818,6 +822,18 @@ pub fn figures(report: &Report) -> Rows {
             let c = get(r);
             format!("{} / {} / {}", c.ok, c.rejected, c.errors)
         }));
+        if runs.iter().any(|r| !get(r).rejected_by.is_empty()) {
+            rows.push(row("429 by reason", &|r| {
+                let c = get(r);
+                if c.rejected_by.is_empty() {
+                    return "-".into();
+                }
+                (c.rejected_by.iter())
+                    .map(|(reason, n)| format!("{reason} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }));
+        }
         rows.push(row("ok per second", &|r| format!("{:.1}", get(r).rps)));
         rows.push(row("mean ms", &|r| format!("{:.3}", get(r).mean_ms)));
         rows.push(row("p50 / p99 / p99.9 ms", &|r| {
@@ -1413,5 +1429,25 @@ mod tests {
         assert!(text.contains("class storm"));
         // per_identity_ok [9, 0]: Jain = 81 / (2 * 81) = 0.5
         assert!(text.contains("0.500"));
+    }
+
+    /// A class whose 429s gave reasons has a row of them; a run without any shows `-`.
+    #[test]
+    fn a_class_with_refusals_shows_them_by_reason() {
+        let mut report = sample();
+        let (_, bulwark) = (report.runs.iter_mut())
+            .find(|(name, _)| name == "bulwark")
+            .unwrap();
+        let storm = bulwark.classes.get_mut("storm").unwrap();
+        storm.rejected_by =
+            BTreeMap::from([("queue_full".to_owned(), 2), ("rate_limited".to_owned(), 7)]);
+        let text = table(&report);
+        let row = text
+            .lines()
+            .find(|l| l.contains("429 by reason"))
+            .unwrap_or_else(|| panic!("a row of reasons:\n{text}"));
+        assert!(row.contains("queue_full 2, rate_limited 7"), "{row}");
+        assert!(row.split_whitespace().any(|cell| cell == "-"), "{row}");
+        assert!(!table(&sample()).contains("429 by reason"));
     }
 }

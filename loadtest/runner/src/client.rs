@@ -4,6 +4,7 @@
 //! The same code talks to every target; only the address and the CA differ, so nothing here
 //! can special-case Bulwark.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -508,6 +509,8 @@ pub struct Tally {
     requests: u64,
     ok: u64,
     rejected: u64,
+    /// The 429s by reason (see [`REASONS_KEPT`]).
+    rejected_by: BTreeMap<String, u64>,
     errors: u64,
     last_error: Option<String>,
     /// Failures in a row, for the back-off.
@@ -533,8 +536,12 @@ impl Tally {
                 self.failures = 0;
                 Duration::ZERO
             }
-            Outcome::Rejected { retry_after, .. } => {
+            Outcome::Rejected {
+                retry_after,
+                reason,
+            } => {
                 self.rejected += 1;
+                count_reason(&mut self.rejected_by, reason.as_deref().unwrap_or("-"), 1);
                 self.live.rejected.fetch_add(1, Ordering::Relaxed);
                 *retry_after
             }
@@ -556,11 +563,28 @@ impl Tally {
         self.requests += other.requests;
         self.ok += other.ok;
         self.rejected += other.rejected;
+        for (reason, n) in other.rejected_by {
+            count_reason(&mut self.rejected_by, &reason, n);
+        }
         self.errors += other.errors;
         if self.last_error.is_none() {
             self.last_error = other.last_error;
         }
     }
+}
+
+/// The most distinct reasons a tally keeps apart; any further one counts as `other` (a
+/// server could name its 429s any way it likes).
+const REASONS_KEPT: usize = 16;
+
+/// Adds `n` 429s of `reason` to `by`, keeping at most [`REASONS_KEPT`] reasons apart.
+fn count_reason(by: &mut BTreeMap<String, u64>, reason: &str, n: u64) {
+    let reason = if by.contains_key(reason) || by.len() < REASONS_KEPT {
+        reason
+    } else {
+        "other"
+    };
+    *by.entry(reason.to_owned()).or_default() += n;
 }
 
 /// All identities of one class: live counters and, once they stop, their tallies.
@@ -593,6 +617,7 @@ impl ClassStats {
             requests: 0,
             ok: 0,
             rejected: 0,
+            rejected_by: BTreeMap::new(),
             errors: 0,
             last_error: None,
             failures: 0,
@@ -626,6 +651,9 @@ impl ClassStats {
             class.requests += t.requests;
             class.ok += t.ok;
             class.rejected += t.rejected;
+            for (reason, n) in &t.rejected_by {
+                count_reason(&mut class.rejected_by, reason, *n);
+            }
             class.errors += t.errors;
             class.per_identity_ok.push(t.ok);
         }
@@ -838,6 +866,43 @@ mod tests {
         };
         assert_eq!(t.record(&ok), Duration::ZERO);
         assert_eq!(t.record(&fail), Duration::from_millis(100));
+    }
+
+    /// The class keeps its 429s apart by the reason each gave, and at most
+    /// `REASONS_KEPT` reasons apart whatever a server names them.
+    #[test]
+    fn a_class_counts_its_429s_by_reason() {
+        let class = ClassStats::new();
+        let refused = |reason: Option<&str>| Outcome::Rejected {
+            retry_after: Duration::from_secs(1),
+            reason: reason.map(str::to_owned),
+        };
+        let mut a = class.tally();
+        let mut b = class.tally();
+        for _ in 0..3 {
+            a.record(&refused(Some("rate_limited")));
+        }
+        a.record(&refused(Some("queue_full")));
+        b.record(&refused(Some("rate_limited")));
+        b.record(&refused(None));
+        class.done(a);
+        class.done(b);
+        let summary = class.summary(Duration::from_secs(1));
+        assert_eq!(summary.rejected, 6);
+        assert_eq!(
+            summary.rejected_by,
+            BTreeMap::from([
+                ("-".to_owned(), 1),
+                ("queue_full".to_owned(), 1),
+                ("rate_limited".to_owned(), 4)
+            ])
+        );
+        let mut many = class.tally();
+        for i in 0..40 {
+            many.record(&refused(Some(&format!("made-up-{i}"))));
+        }
+        assert_eq!(many.rejected_by.len(), REASONS_KEPT + 1);
+        assert_eq!(many.rejected_by["other"], 40 - REASONS_KEPT as u64);
     }
 
     #[test]

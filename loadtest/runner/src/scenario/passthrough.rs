@@ -975,6 +975,8 @@ impl Summary {
             requests,
             ok,
             rejected,
+            // h2load logs statuses, not headers.
+            rejected_by: Default::default(),
             errors: requests - ok - rejected,
             mean_ms: if hist.is_empty() {
                 0.0

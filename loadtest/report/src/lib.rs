@@ -811,11 +811,22 @@ pub fn figures(report: &Report) -> Rows {
     flood_rows(&mut rows, &runs);
     fleet_rows(&mut rows, &runs);
 
+    class_rows(&mut rows, &runs);
+
+    rows
+}
+
+/// Each class's rows: its counts, its 429s by reason (when any gave one), its rate,
+/// latency, fairness and, for a bench, the proxy's CPU a request.
+fn class_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
+    let row = |label: &str, f: &dyn Fn(&Run) -> String| -> (String, Vec<String>) {
+        (format!("  {label}"), runs.iter().map(|r| f(r)).collect())
+    };
     let mut classes: Vec<&String> = runs.iter().flat_map(|r| r.classes.keys()).collect();
     classes.sort();
     classes.dedup();
     for class in classes {
-        section(&mut rows, &format!("class {class}"));
+        rows.push((format!("class {class}"), vec![String::new(); runs.len()]));
         let get = |r: &Run| r.classes.get(class).cloned().unwrap_or_default();
         rows.push(row("requests", &|r| get(r).requests.to_string()));
         rows.push(row("ok / 429 / errors", &|r| {
@@ -851,8 +862,6 @@ pub fn figures(report: &Report) -> Rows {
             }));
         }
     }
-
-    rows
 }
 
 /// A bench's figures per target (`passthrough`), one row each in the order they ran:

@@ -1009,25 +1009,27 @@ async fn a_watch_list_ends_its_initial_state_with_the_annotated_bookmark() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
+/// Alice's watch of every Secret from version 10 of an empty store, with bookmarks every
+/// 5 s (over `cfg`'s interval) and a timeout of `timeout_seconds`.
+async fn bookmarked_watch(cfg: config::Cache, timeout_seconds: u64) -> (Setup, Body) {
     let mut s = setup_with(
         config::Cache {
             bookmark_interval: Duration::from_secs(5),
-            ..config()
+            ..cfg
         },
         None,
     );
     s.store.replace(Vec::new(), 10);
-    let mut body = ask(
-        &s,
-        "alice",
-        "/api/v1/secrets?watch=1&resourceVersion=10&allowWatchBookmarks=true&timeoutSeconds=7",
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_body();
+    let path = format!(
+        "/api/v1/secrets?watch=1&resourceVersion=10&allowWatchBookmarks=true&timeoutSeconds={timeout_seconds}"
+    );
+    let body = ask(&s, "alice", &path).await.unwrap().unwrap().into_body();
+    (s, body)
+}
+
+#[tokio::test(start_paused = true)]
+async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
+    let (mut s, mut body) = bookmarked_watch(config(), 7).await;
     s.store.advance(15);
     let got = lines(&mut body, 1).await;
     assert_eq!(got[0]["type"], "BOOKMARK");
@@ -1041,24 +1043,11 @@ async fn bookmarks_come_when_allowed_and_the_stream_ends_at_its_timeout() {
 /// its deadline: events delivered meanwhile move none of them.
 #[tokio::test(start_paused = true)]
 async fn a_bookmark_and_the_end_come_on_time_while_events_keep_coming() {
-    let mut s = setup_with(
-        config::Cache {
-            bookmark_interval: Duration::from_secs(5),
-            reauthorize_interval: Duration::from_secs(3),
-            ..config()
-        },
-        None,
-    );
-    s.store.replace(Vec::new(), 10);
-    let mut body = ask(
-        &s,
-        "alice",
-        "/api/v1/secrets?watch=1&resourceVersion=10&allowWatchBookmarks=true&timeoutSeconds=12",
-    )
-    .await
-    .unwrap()
-    .unwrap()
-    .into_body();
+    let cfg = config::Cache {
+        reauthorize_interval: Duration::from_secs(3),
+        ..config()
+    };
+    let (mut s, mut body) = bookmarked_watch(cfg, 12).await;
     let started = Instant::now();
     // Each line with when it arrived, read as it comes.
     let reader = tokio::spawn(async move {

@@ -326,18 +326,19 @@ impl Parts {
 
 /// A refusal's body as HTTP/2 sends it cheapest: in DATA frames under [`PIECE`] bytes.
 ///
-/// h2 copies a DATA frame shorter than 256 bytes into its write buffer, where the frames
-/// of other answers join it; a longer one it keeps aside and writes on its own, so that the
-/// next frame of the connection waits for a flush: a TLS record and a `writev` for each
-/// answer. A storm's 429s all go to the same few connections; in frames of 255 bytes, the
-/// answers to one read of requests leave in one write (`passthrough`'s `bulwark-refused`
-/// measured one `writev` for each refusal before, README Sizing).
+/// h2 copies a DATA frame shorter than 1,024 bytes (256 as published; `patches/README.md`)
+/// into its write buffer, where the frames of other answers join it; a longer one it keeps
+/// aside and writes on its own, so that the next frame of the connection waits for a flush:
+/// a TLS record and a `writev` for each answer. A storm's 429s all go to the same few
+/// connections; in frames under the threshold, the answers to one read of requests leave in
+/// one write (`passthrough`'s `bulwark-refused` measured one `writev` for each refusal
+/// before, README Sizing). A refusal's body is one such frame unless its message is long.
 struct Pieces {
     rest: Bytes,
 }
 
 /// See [`Pieces`]: one byte under h2's threshold.
-const PIECE: usize = 255;
+const PIECE: usize = 1_023;
 
 impl Pieces {
     fn body(bytes: Bytes) -> crate::Body {
@@ -500,12 +501,12 @@ mod tests {
         }
     }
 
-    /// A refusal's body goes in DATA frames h2 copies into its write buffer (under 256
+    /// A refusal's body goes in DATA frames h2 copies into its write buffer (under 1,024
     /// bytes), all of it, with its length announced.
     #[tokio::test]
     async fn a_refusal_is_sent_in_pieces_under_h2s_threshold() {
-        let mut refusal =
-            Refusal::new(Reason::RateLimited, "x".repeat(600)).retry_after(Duration::from_secs(1));
+        let mut refusal = Refusal::new(Reason::RateLimited, "x".repeat(2_500))
+            .retry_after(Duration::from_secs(1));
         refusal.rule = Some("r".into());
         let whole = refusal.body();
         let mut body = refusal.into_response().into_body();
@@ -519,9 +520,29 @@ mod tests {
             "{} pieces",
             pieces.len()
         );
-        assert!(pieces.iter().all(|p| !p.is_empty() && p.len() < 256));
+        assert!(pieces.iter().all(|p| !p.is_empty() && p.len() < 1_024));
         assert_eq!(pieces.concat(), whole);
         assert!(body.is_end_stream());
+    }
+
+    /// A storm's refusal, its rule, level and flow named, is one DATA frame.
+    #[tokio::test]
+    async fn a_rate_limited_refusal_is_one_frame() {
+        let flow = "system:serviceaccount:kube-system:daemon-set-controller";
+        let mut refusal = Refusal::new(
+            Reason::RateLimited,
+            format!(
+                "flow {flow} is over its rate of 20 requests per second (burst 40) across the fleet"
+            ),
+        )
+        .retry_after(Duration::from_secs(1));
+        refusal.rule = Some("kube-controller-manager".into());
+        refusal.level = Some("workload-high".into());
+        let whole = refusal.body();
+        let mut body = refusal.into_response().into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, whole, "{} bytes in one frame", whole.len());
+        assert!(body.frame().await.is_none());
     }
 
     #[test]

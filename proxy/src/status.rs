@@ -326,7 +326,7 @@ impl Parts {
 
 /// A refusal's body as HTTP/2 sends it cheapest: in DATA frames under [`PIECE`] bytes.
 ///
-/// h2 copies a DATA frame shorter than 1,024 bytes (256 as published; `patches/README.md`)
+/// h2 copies a DATA frame shorter than 4,096 bytes (256 as published; `patches/README.md`)
 /// into its write buffer, where the frames of other answers join it; a longer one it keeps
 /// aside and writes on its own, so that the next frame of the connection waits for a flush:
 /// a TLS record and a `writev` for each answer. A storm's 429s all go to the same few
@@ -338,7 +338,7 @@ struct Pieces {
 }
 
 /// See [`Pieces`]: one byte under h2's threshold.
-const PIECE: usize = 1_023;
+const PIECE: usize = 4_095;
 
 impl Pieces {
     fn body(bytes: Bytes) -> crate::Body {
@@ -501,11 +501,11 @@ mod tests {
         }
     }
 
-    /// A refusal's body goes in DATA frames h2 copies into its write buffer (under 1,024
+    /// A refusal's body goes in DATA frames h2 copies into its write buffer (under 4,096
     /// bytes), all of it, with its length announced.
     #[tokio::test]
     async fn a_refusal_is_sent_in_pieces_under_h2s_threshold() {
-        let mut refusal = Refusal::new(Reason::RateLimited, "x".repeat(2_500))
+        let mut refusal = Refusal::new(Reason::RateLimited, "x".repeat(10_000))
             .retry_after(Duration::from_secs(1));
         refusal.rule = Some("r".into());
         let whole = refusal.body();
@@ -520,7 +520,7 @@ mod tests {
             "{} pieces",
             pieces.len()
         );
-        assert!(pieces.iter().all(|p| !p.is_empty() && p.len() < 1_024));
+        assert!(pieces.iter().all(|p| !p.is_empty() && p.len() < 4_096));
         assert_eq!(pieces.concat(), whole);
         assert!(body.is_end_stream());
     }

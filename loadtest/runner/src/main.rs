@@ -96,6 +96,11 @@ struct PassthroughArgs {
     /// h2load each get cores of their own.
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=256))]
     workers: Vec<u16>,
+    /// The size in bytes of the object every GET reads: the ConfigMap with its one value
+    /// padded to it. Default: the bare ConfigMap (140 bytes); most Kubernetes objects
+    /// are 1 to 10 KiB.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_048_576))]
+    object_bytes: Option<u32>,
 }
 
 /// `fleet`'s options: a real control plane always.
@@ -560,7 +565,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Passthrough(a) => {
             let workers: Vec<usize> = a.workers.iter().map(|&n| usize::from(n)).collect();
             (
-                passthrough::run(&opts(&a.common), &workers).await?,
+                passthrough::run(&opts(&a.common), &workers, a.object_bytes).await?,
                 a.common,
             )
         }

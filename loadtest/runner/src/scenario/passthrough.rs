@@ -51,6 +51,13 @@ use crate::report::{self, Class, ProxyCost, Report, Run};
 const PATH: &str = "/api/v1/namespaces/ns-0/configmaps/configmap-0";
 /// What the upstream answers to it.
 const OBJECT: &str = r#"{"kind":"ConfigMap","apiVersion":"v1","metadata":{"name":"configmap-0","namespace":"ns-0","resourceVersion":"1"},"data":{"k":"v"}}"#;
+/// [`OBJECT`] with its one value padded so that it is `bytes` long (never shorter than
+/// [`OBJECT`]): the object every GET reads (`--object-bytes`).
+fn object(bytes: Option<u32>) -> String {
+    let bare = OBJECT.len();
+    let pad = bytes.map_or(0, |b| (b as usize).saturating_sub(bare));
+    OBJECT.replacen(r#""k":"v""#, &format!(r#""k":"v{}""#, "v".repeat(pad)), 1)
+}
 /// What the upstream answers to every TokenReview.
 const REVIEW: &str = r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{"authenticated":true,"user":{"username":"passthrough","groups":["system:authenticated"]}}}"#;
 /// The bearer token h2load sends.
@@ -319,7 +326,11 @@ fn pinned(tools: &Tools, cores: Option<String>, program: &Path) -> Command {
 
 /// Runs the scenario against every subject that is installed, the floor and Bulwark (and
 /// haproxy, when they are given) with each of `workers` (default [`DEFAULT_WORKERS`]).
-pub async fn run(opts: &Options, workers: &[usize]) -> anyhow::Result<Report> {
+pub async fn run(
+    opts: &Options,
+    workers: &[usize],
+    object_bytes: Option<u32>,
+) -> anyhow::Result<Report> {
     let tools = Tools::find()?;
     let explicit = !workers.is_empty();
     let workers = if explicit {
@@ -339,7 +350,8 @@ pub async fn run(opts: &Options, workers: &[usize]) -> anyhow::Result<Report> {
         .prefix("bulwark-passthrough-")
         .tempdir()
         .context("creating the run's folder")?;
-    let bench = Bench::start(dir.path(), &tools, pinning.clone(), connections).await?;
+    let object = object(object_bytes);
+    let bench = Bench::start(dir.path(), &tools, pinning.clone(), connections, &object).await?;
     let mut runs = Vec::new();
     for &subject in &subjects {
         if opts
@@ -374,9 +386,11 @@ pub async fn run(opts: &Options, workers: &[usize]) -> anyhow::Result<Report> {
     report.bench = Some(report::BenchSetup {
         load_generator: format!(
             "{}, {connections} connections × {STREAMS} streams on {} threads, one bearer \
-             token; fixed rates {} requests/s, then saturation; {} s each",
+             token, a GET of a {}-byte object; fixed rates {} requests/s, then saturation; \
+             {} s each",
             bench.h2load_version,
             bench.threads(),
+            object.len(),
             rates.join(" and "),
             phase.as_secs().max(1)
         ),
@@ -464,6 +478,7 @@ impl<'a> Bench<'a> {
         tools: &'a Tools,
         pinning: Option<Pinning>,
         connections: u32,
+        object: &str,
     ) -> anyhow::Result<Bench<'a>> {
         let pki = Pki::new();
         let (crt, key) = pki
@@ -485,7 +500,7 @@ impl<'a> Bench<'a> {
     keepalive_requests 100000000;
     location = /readyz {{ return 200 'ok'; }}
     location = /apis/authentication.k8s.io/v1/tokenreviews {{ return 201 '{REVIEW}'; }}
-    location / {{ return 200 '{OBJECT}'; }}
+    location / {{ return 200 '{object}'; }}
   }}
   server {{
     listen {status_addr};
@@ -1005,6 +1020,23 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_object_is_padded_to_the_size_asked_and_stays_a_configmap() {
+        assert_eq!(object(None), OBJECT);
+        assert_eq!(
+            object(Some(10)),
+            OBJECT,
+            "never shorter than the bare object"
+        );
+        for bytes in [141, 700, 3_000] {
+            let padded = object(Some(bytes));
+            assert_eq!(padded.len(), bytes as usize);
+            let parsed: serde_json::Value = serde_json::from_str(&padded).unwrap();
+            assert_eq!(parsed["kind"], "ConfigMap");
+            assert_eq!(parsed["metadata"]["name"], "configmap-0");
+        }
+    }
 
     const H2LOAD_OUTPUT: &str = "starting benchmark...
 spawning thread #0: 20 total client(s). Timing-based test with 0s of warm-up time and 2s of main duration for measurements.

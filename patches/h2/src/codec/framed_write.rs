@@ -74,14 +74,15 @@ const DEFAULT_BUFFER_CAPACITY: usize = 16 * 1_024;
 /// will never advertise a max frame size less than this (well, the spec says
 /// the max frame size can't be less than 16kb, so not even close).
 ///
-/// (bulwark patch: 1,024 as without vectored I/O, not 256.) A chained frame is
-/// written on its own: no other frame of the connection is buffered until a flush
-/// has written it, so every answer of 256 bytes or more costs a write (and over TLS,
-/// which copies what it encrypts whether the write is vectored or not, a record) of
-/// its own. Copied, the answers a connection's streams give in one pass leave in one
-/// write. hyperium/h2#902 describes the cost; #903 proposes queueing many chained
-/// frames instead.
-const CHAIN_THRESHOLD: usize = 1_024;
+/// (bulwark patch: 4,096, not 256.) A chained frame is written on its own: no other
+/// frame of the connection is buffered until a flush has written it, so every answer of
+/// 256 bytes or more cost a write (and over TLS, which copies what it encrypts whether
+/// the write is vectored or not, a record) of its own. Copied, the answers a
+/// connection's streams give in one pass leave in one write; a copy of 4 KiB costs far
+/// less than a write. Kept under `DEFAULT_BUFFER_CAPACITY`, which must hold one such
+/// frame and its head. hyperium/h2#902 describes the cost; #903 proposes queueing many
+/// chained frames instead.
+const CHAIN_THRESHOLD: usize = 4_096;
 
 /// Chain payloads bigger than this when vectored I/O is **not** enabled.
 /// A larger value in this scenario will reduce the number of small and
@@ -464,23 +465,23 @@ mod bulwark_patch_tests {
         }
     }
 
-    /// DATA frames under 1,024 bytes are copied into the write buffer, so that the
+    /// DATA frames under 4,096 bytes are copied into the write buffer, so that the
     /// answers of many streams leave in one write; a longer one is still chained and
     /// written before the next frame is buffered (bulwark patch).
     #[tokio::test]
-    async fn data_frames_under_a_kilobyte_wait_together_for_one_write() {
+    async fn data_frames_under_4_kib_wait_together_for_one_write() {
         let (client, _server) = tokio::io::duplex(1 << 20);
         let mut write: FramedWrite<_, bytes::Bytes> = FramedWrite::new(Vectored(client));
-        for stream in [1, 3, 5] {
+        for stream in [1, 3] {
             assert!(write.has_capacity(), "stream {stream}: room without a flush");
-            let payload = bytes::Bytes::from(vec![b'x'; 1_023]);
+            let payload = bytes::Bytes::from(vec![b'x'; 4_095]);
             write
                 .buffer(Frame::from(frame::Data::new(stream.into(), payload)))
                 .unwrap();
         }
-        let payload = bytes::Bytes::from(vec![b'y'; 1_024]);
+        let payload = bytes::Bytes::from(vec![b'y'; 4_096]);
         write
-            .buffer(Frame::from(frame::Data::new(7.into(), payload)))
+            .buffer(Frame::from(frame::Data::new(5.into(), payload)))
             .unwrap();
         assert!(!write.has_capacity(), "a chained frame is written first");
         poll_fn(|cx| write.flush(cx)).await.unwrap();

@@ -869,8 +869,8 @@ fn watch_end(mut drain: watch::Receiver<DrainPhase>) -> Pin<Box<dyn Future<Outpu
 
 /// A response body that keeps its request counted as open until it ends or is dropped; a
 /// watch's ends cleanly at [`DrainPhase::EndWatches`], between two of its frames while it
-/// waits for the next (whole events in JSON and protobuf; a relayed watch in a framing
-/// Bulwark does not read, CBOR say, passes raw chunks, and its end can cut one as Close
+/// waits for the next (whole events in JSON, protobuf and CBOR; a relayed watch in a
+/// framing Bulwark does not read passes raw chunks, and its end can cut one as Close
 /// would).
 pub(super) struct TrackedBody {
     inner: Body,

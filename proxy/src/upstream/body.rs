@@ -54,6 +54,9 @@ pub(crate) enum Framing {
     Lines,
     /// Protobuf: each event preceded by its length as 4 big-endian bytes.
     LengthPrefixed,
+    /// CBOR (`application/cbor-seq`, RFC 8742): each event one CBOR data item, nothing
+    /// between them; where one ends is read from the item itself.
+    CborSequence,
     /// Unknown: bytes pass as they come.
     Unframed,
 }
@@ -67,6 +70,8 @@ impl Framing {
             .to_ascii_lowercase();
         if content_type.contains("protobuf") {
             Framing::LengthPrefixed
+        } else if content_type.contains("cbor") {
+            Framing::CborSequence
         } else if content_type.contains("json") {
             Framing::Lines
         } else {
@@ -120,6 +125,31 @@ impl Framer {
                 }
                 self.tail.split_to(end).freeze()
             }
+            Framing::CborSequence => {
+                if self.tail.is_empty() {
+                    // The common case: whole events only, nothing held back, nothing copied.
+                    match whole_cbor_items(&data) {
+                        Some(end) if end == data.len() => return data,
+                        Some(end) => {
+                            self.tail.extend_from_slice(&data[end..]);
+                            return data.slice(..end);
+                        }
+                        None => self.tail.extend_from_slice(&data),
+                    }
+                } else {
+                    self.tail.extend_from_slice(&data);
+                    if let Some(end) = whole_cbor_items(&self.tail) {
+                        return self.tail.split_to(end).freeze();
+                    }
+                }
+                // Not CBOR after all: from here on the bytes pass as they come, what was
+                // held back first.
+                tracing::debug!(
+                    "a CBOR watch stream holds something that is not CBOR; passed on unframed"
+                );
+                self.framing = Framing::Unframed;
+                self.tail.split().freeze()
+            }
         }
     }
 
@@ -127,6 +157,21 @@ impl Framer {
     fn finish(&mut self) -> Bytes {
         self.tail.split().freeze()
     }
+}
+
+/// Where the last whole CBOR data item of `bytes` ends (0 when the first is not whole);
+/// `None` when they are not CBOR.
+fn whole_cbor_items(bytes: &[u8]) -> Option<usize> {
+    let mut items = minicbor::Decoder::new(bytes);
+    let mut end = 0;
+    while end < bytes.len() {
+        match items.skip() {
+            Ok(()) => end = items.position(),
+            Err(e) if e.is_end_of_input() => break,
+            Err(_) => return None,
+        }
+    }
+    Some(end)
 }
 
 /// How a body notices that its replica stopped answering: the replica's ejection as
@@ -530,6 +575,56 @@ mod tests {
         assert_eq!(f.finish(), "");
     }
 
+    /// A watch event as the apiserver sends it in CBOR: a map of `type` and `object`, the
+    /// object's fields a map again (its data as a byte string, as a Secret's is).
+    fn cbor_event(kind: &str, name: &str, data: &[u8]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        let mut e = minicbor::Encoder::new(&mut bytes);
+        e.map(2).unwrap().str("type").unwrap().str(kind).unwrap();
+        e.str("object").unwrap().map(3).unwrap();
+        e.str("kind").unwrap().str("Secret").unwrap();
+        e.str("metadata").unwrap().map(1).unwrap();
+        e.str("name").unwrap().str(name).unwrap();
+        e.str("data").unwrap().bytes(data).unwrap();
+        bytes
+    }
+
+    #[test]
+    fn cbor_watch_events_are_released_whole() {
+        let one = cbor_event("ADDED", "a", b"first");
+        let two = cbor_event("MODIFIED", "b", &[7; 300]);
+        let stream = [one.clone(), two.clone()].concat();
+        // Cut everywhere: an event is released once its last byte has come, never before.
+        for cut in 1..stream.len() {
+            let mut f = Framer::new(Framing::CborSequence);
+            let first = f.push(Bytes::copy_from_slice(&stream[..cut]));
+            let expected = if cut >= one.len() { &one[..] } else { &[][..] };
+            assert_eq!(first, expected, "cut at {cut}");
+            let rest = f.push(Bytes::copy_from_slice(&stream[cut..]));
+            assert_eq!([first, rest].concat(), stream, "cut at {cut}");
+            assert_eq!(f.finish(), "");
+        }
+        // Whole events in one frame pass as they came.
+        let mut f = Framer::new(Framing::CborSequence);
+        let whole = Bytes::from(stream.clone());
+        let out = f.push(whole.clone());
+        assert_eq!(out.as_ptr(), whole.as_ptr(), "not copied");
+        // A normal end passes on what was held back.
+        f.push(Bytes::copy_from_slice(&one[..3]));
+        assert_eq!(f.finish(), &one[..3]);
+    }
+
+    #[test]
+    fn a_cbor_stream_that_is_not_cbor_passes_on_unframed() {
+        let mut f = Framer::new(Framing::CborSequence);
+        let one = cbor_event("ADDED", "a", b"x");
+        assert_eq!(f.push(Bytes::copy_from_slice(&one[..4])), "");
+        // 0xff where an item begins is a break with nothing to end: not CBOR.
+        let out = f.push(Bytes::from_static(&[0xff, 1, 2]));
+        assert_eq!(out, [&one[..4], &[0xff, 1, 2][..]].concat());
+        assert_eq!(f.push(Bytes::from_static(b"more")), "more");
+    }
+
     #[test]
     fn framing_follows_the_content_type() {
         let of = |v: &'static str| Framing::of(Some(&http::HeaderValue::from_static(v)));
@@ -538,7 +633,8 @@ mod tests {
             of("application/vnd.kubernetes.protobuf;stream=watch"),
             Framing::LengthPrefixed
         );
-        assert_eq!(of("application/cbor-seq"), Framing::Unframed);
+        assert_eq!(of("application/cbor-seq"), Framing::CborSequence);
+        assert_eq!(of("text/plain"), Framing::Unframed);
         assert_eq!(Framing::of(None), Framing::Unframed);
     }
 

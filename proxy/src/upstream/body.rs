@@ -80,6 +80,10 @@ impl Framing {
     }
 }
 
+/// The most of one event a watch stream's framer holds back: four times the largest
+/// object etcd stores by default (1.5 MiB), an event's envelope and encoding included.
+const MAX_HELD: usize = 6 << 20;
+
 /// Holds back the incomplete last event of a watch stream until the rest arrives.
 struct Framer {
     framing: Framing,
@@ -94,8 +98,26 @@ impl Framer {
         }
     }
 
-    /// The whole events that `data` completes, possibly empty.
+    /// The whole events that `data` completes, possibly empty. An event held back past
+    /// [`MAX_HELD`] bytes is no event of a stream in this framing (a mislabelled one, a
+    /// length no object has): from there the bytes pass as they come.
     fn push(&mut self, data: Bytes) -> Bytes {
+        let whole = self.push_framed(data);
+        if self.tail.len() <= MAX_HELD {
+            return whole;
+        }
+        tracing::debug!(
+            held = self.tail.len(),
+            "a watch event held back past its bound; the stream passes on unframed"
+        );
+        self.framing = Framing::Unframed;
+        let mut out = BytesMut::with_capacity(whole.len() + self.tail.len());
+        out.extend_from_slice(&whole);
+        out.extend_from_slice(&self.tail.split());
+        out.freeze()
+    }
+
+    fn push_framed(&mut self, data: Bytes) -> Bytes {
         match self.framing {
             Framing::Unframed => data,
             Framing::Lines => match data.iter().rposition(|&b| b == b'\n') {
@@ -616,13 +638,45 @@ mod tests {
 
     #[test]
     fn a_cbor_stream_that_is_not_cbor_passes_on_unframed() {
-        let mut f = Framer::new(Framing::CborSequence);
         let one = cbor_event("ADDED", "a", b"x");
+        // 0x1c (an unsigned integer with a reserved length) is no CBOR item.
+        let mut f = Framer::new(Framing::CborSequence);
+        let bad = [&one[..], &[0x1c, 1, 2][..]].concat();
+        assert_eq!(f.push(Bytes::from(bad.clone())), bad);
+        assert_eq!(f.push(Bytes::from_static(b"more")), "more");
+        // Held back, then found not to be CBOR: 0xff inside the `type` key's text is no
+        // UTF-8. What was held back goes first.
+        let mut f = Framer::new(Framing::CborSequence);
         assert_eq!(f.push(Bytes::copy_from_slice(&one[..4])), "");
-        // 0xff where an item begins is a break with nothing to end: not CBOR.
         let out = f.push(Bytes::from_static(&[0xff, 1, 2]));
         assert_eq!(out, [&one[..4], &[0xff, 1, 2][..]].concat());
         assert_eq!(f.push(Bytes::from_static(b"more")), "more");
+    }
+
+    /// JSON sent as CBOR reads as the start of a text string longer than any object (`{` is
+    /// a text string with an 8-byte length): never whole, and so held back only up to the
+    /// bound, then passed on, as is a protobuf length no object has.
+    #[test]
+    fn an_event_that_never_ends_is_held_back_only_up_to_the_bound() {
+        for framing in [
+            Framing::CborSequence,
+            Framing::LengthPrefixed,
+            Framing::Lines,
+        ] {
+            let mut f = Framer::new(framing);
+            let start = Bytes::from_static(b"{\"type\":\"ADDED\"");
+            let chunk = Bytes::from(vec![b'a'; 1 << 20]);
+            let mut out = f.push(start.clone());
+            let mut sent = start.len();
+            while out.is_empty() {
+                assert!(sent <= MAX_HELD + chunk.len(), "{framing:?} held {sent}");
+                out = f.push(chunk.clone());
+                sent += chunk.len();
+            }
+            assert_eq!(out.len(), sent, "{framing:?}: all of it, once");
+            assert!(out.starts_with(&start));
+            assert_eq!(f.push(Bytes::from_static(b"more")), "more");
+        }
     }
 
     #[test]

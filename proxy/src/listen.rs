@@ -195,10 +195,10 @@ pub enum DrainPhase {
     /// `Connection: close` for HTTP/1.1) and in-flight requests and streams finish.
     GoAway,
     /// Every watch still open ends cleanly after its last whole event (in the framings
-    /// Bulwark reads: JSON lines, protobuf, CBOR sequences), as the apiserver ends its watches when it shuts
-    /// down: clients watch again from the last version they saw, where a stream cut at
-    /// [`DrainPhase::Close`] could end mid-event, which client-go takes for a broken stream
-    /// and answers with a relist.
+    /// Bulwark reads: JSON lines, protobuf, CBOR sequences), as the apiserver ends its
+    /// watches when it shuts down: clients watch again from the last version they saw,
+    /// where a stream cut at [`DrainPhase::Close`] could end mid-event, which client-go
+    /// takes for a broken stream and answers with a relist.
     EndWatches,
     /// Drop every remaining connection.
     Close,

@@ -110,11 +110,18 @@ impl Framer {
             held = self.tail.len(),
             "a watch event held back past its bound; the stream passes on unframed"
         );
-        self.framing = Framing::Unframed;
-        let mut out = BytesMut::with_capacity(whole.len() + self.tail.len());
+        let held = self.unframe();
+        let mut out = BytesMut::with_capacity(whole.len() + held.len());
         out.extend_from_slice(&whole);
-        out.extend_from_slice(&self.tail.split());
+        out.extend_from_slice(&held);
         out.freeze()
+    }
+
+    /// Gives up framing: from here on the bytes pass as they come; what was held back is
+    /// returned, to go first.
+    fn unframe(&mut self) -> Bytes {
+        self.framing = Framing::Unframed;
+        self.tail.split().freeze()
     }
 
     fn push_framed(&mut self, data: Bytes) -> Bytes {
@@ -164,13 +171,10 @@ impl Framer {
                         return self.tail.split_to(end).freeze();
                     }
                 }
-                // Not CBOR after all: from here on the bytes pass as they come, what was
-                // held back first.
                 tracing::debug!(
                     "a CBOR watch stream holds something that is not CBOR; passed on unframed"
                 );
-                self.framing = Framing::Unframed;
-                self.tail.split().freeze()
+                self.unframe()
             }
         }
     }

@@ -725,34 +725,39 @@ fn flood_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
 /// rows whose cells are empty (apiserver, proxy process, each class).
 pub type Rows = Vec<(String, Vec<String>)>;
 
+/// A section's title row: no cells.
+fn section(rows: &mut Rows, runs: &[&Run], title: &str) {
+    rows.push((title.to_string(), vec![String::new(); runs.len()]));
+}
+
+/// A row of the table: `label`, indented under its section, and `f` of each run.
+fn row(runs: &[&Run], label: &str, f: &dyn Fn(&Run) -> String) -> (String, Vec<String>) {
+    (format!("  {label}"), runs.iter().map(|r| f(r)).collect())
+}
+
 /// The comparison table's rows, one cell per run in the order they ran.
 pub fn figures(report: &Report) -> Rows {
     let runs: Vec<&Run> = report.runs.iter().map(|(_, r)| r).collect();
+    let runs = &runs[..];
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
-    let section = |rows: &mut Vec<(String, Vec<String>)>, title: &str| {
-        rows.push((title.to_string(), vec![String::new(); runs.len()]));
-    };
-    let row = |label: &str, f: &dyn Fn(&Run) -> String| -> (String, Vec<String>) {
-        (format!("  {label}"), runs.iter().map(|r| f(r)).collect())
-    };
 
-    section(&mut rows, "apiserver");
-    rows.push(row("heap limit / replica", &|r| {
+    section(&mut rows, runs, "apiserver");
+    rows.push(row(runs, "heap limit / replica", &|r| {
         if r.apiserver.heap_limit_bytes == 0 {
             "none".into()
         } else {
             human_bytes(r.apiserver.heap_limit_bytes)
         }
     }));
-    rows.push(row("peak heap", &|r| {
+    rows.push(row(runs, "peak heap", &|r| {
         human_bytes(r.apiserver.peak_heap_bytes)
     }));
-    rows.push(row("OOM kills", &|r| r.apiserver.ooms.to_string()));
+    rows.push(row(runs, "OOM kills", &|r| r.apiserver.ooms.to_string()));
     if runs
         .iter()
         .any(|r| !r.apiserver.replica_peak_memory_bytes.is_empty())
     {
-        rows.push(row("peak memory per replica", &|r| {
+        rows.push(row(runs, "peak memory per replica", &|r| {
             let peaks: Vec<String> = r
                 .apiserver
                 .replica_peak_memory_bytes
@@ -761,35 +766,36 @@ pub fn figures(report: &Report) -> Rows {
                 .collect();
             peaks.join(", ")
         }));
-        rows.push(row("OOM kills per replica", &|r| {
+        rows.push(row(runs, "OOM kills per replica", &|r| {
             list(&r.apiserver.replica_oom_kills)
         }));
     }
-    rows.push(row("requests per replica", &|r| {
+    rows.push(row(runs, "requests per replica", &|r| {
         list(&r.apiserver.replica_requests)
     }));
-    rows.push(row("peak in-flight per replica", &|r| {
+    rows.push(row(runs, "peak in-flight per replica", &|r| {
         list(&r.apiserver.replica_peak_inflight)
     }));
-    rows.push(row("requests upstream", &|r| {
+    rows.push(row(runs, "requests upstream", &|r| {
         r.apiserver.upstream_requests.to_string()
     }));
-    rows.push(row("peak open watches", &|r| {
+    rows.push(row(runs, "peak open watches", &|r| {
         r.apiserver.upstream_watches.to_string()
     }));
     if runs.iter().any(|r| r.proxy.is_some()) {
-        section(&mut rows, "proxy process");
-        rows.push(row("peak RSS", &|r| match r.proxy {
+        section(&mut rows, runs, "proxy process");
+        rows.push(row(runs, "peak RSS", &|r| match r.proxy {
             Some(p) => human_bytes(p.peak_rss_bytes),
             None => "-".into(),
         }));
-        rows.push(row("CPU seconds", &|r| match r.proxy {
+        rows.push(row(runs, "CPU seconds", &|r| match r.proxy {
             Some(p) => format!("{:.2}", p.cpu_seconds),
             None => "-".into(),
         }));
     }
     if runs.iter().any(|r| r.watch_bytes_per_event.is_some()) {
         rows.push(row(
+            runs,
             "watch bytes per event",
             &|r| match r.watch_bytes_per_event {
                 Some(b) => format!("{b:.0}"),
@@ -799,6 +805,7 @@ pub fn figures(report: &Report) -> Rows {
     }
     if runs.iter().any(|r| r.event_delivery_p99_ms.is_some()) {
         rows.push(row(
+            runs,
             "event delivery p99",
             &|r| match r.event_delivery_p99_ms {
                 Some(ms) => format!("{ms:.1} ms"),
@@ -807,11 +814,11 @@ pub fn figures(report: &Report) -> Rows {
         ));
     }
 
-    watch_cost_rows(&mut rows, &runs);
-    flood_rows(&mut rows, &runs);
-    fleet_rows(&mut rows, &runs);
+    watch_cost_rows(&mut rows, runs);
+    flood_rows(&mut rows, runs);
+    fleet_rows(&mut rows, runs);
 
-    class_rows(&mut rows, &runs);
+    class_rows(&mut rows, runs);
 
     rows
 }
@@ -819,22 +826,19 @@ pub fn figures(report: &Report) -> Rows {
 /// Each class's rows: its counts, its 429s by reason (when any gave one), its rate,
 /// latency, fairness and, for a bench, the proxy's CPU a request.
 fn class_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
-    let row = |label: &str, f: &dyn Fn(&Run) -> String| -> (String, Vec<String>) {
-        (format!("  {label}"), runs.iter().map(|r| f(r)).collect())
-    };
     let mut classes: Vec<&String> = runs.iter().flat_map(|r| r.classes.keys()).collect();
     classes.sort();
     classes.dedup();
     for class in classes {
-        rows.push((format!("class {class}"), vec![String::new(); runs.len()]));
+        section(rows, runs, &format!("class {class}"));
         let get = |r: &Run| r.classes.get(class).cloned().unwrap_or_default();
-        rows.push(row("requests", &|r| get(r).requests.to_string()));
-        rows.push(row("ok / 429 / errors", &|r| {
+        rows.push(row(runs, "requests", &|r| get(r).requests.to_string()));
+        rows.push(row(runs, "ok / 429 / errors", &|r| {
             let c = get(r);
             format!("{} / {} / {}", c.ok, c.rejected, c.errors)
         }));
         if runs.iter().any(|r| !get(r).rejected_by.is_empty()) {
-            rows.push(row("429 by reason", &|r| {
+            rows.push(row(runs, "429 by reason", &|r| {
                 let c = get(r);
                 if c.rejected_by.is_empty() {
                     return "-".into();
@@ -845,17 +849,19 @@ fn class_rows(rows: &mut Vec<(String, Vec<String>)>, runs: &[&Run]) {
                     .join(", ")
             }));
         }
-        rows.push(row("ok per second", &|r| format!("{:.1}", get(r).rps)));
-        rows.push(row("mean ms", &|r| format!("{:.3}", get(r).mean_ms)));
-        rows.push(row("p50 / p99 / p99.9 ms", &|r| {
+        rows.push(row(runs, "ok per second", &|r| {
+            format!("{:.1}", get(r).rps)
+        }));
+        rows.push(row(runs, "mean ms", &|r| format!("{:.3}", get(r).mean_ms)));
+        rows.push(row(runs, "p50 / p99 / p99.9 ms", &|r| {
             let c = get(r);
             format!("{:.1} / {:.1} / {:.1}", c.p50_ms, c.p99_ms, c.p999_ms)
         }));
-        rows.push(row("fairness (Jain)", &|r| {
+        rows.push(row(runs, "fairness (Jain)", &|r| {
             format!("{:.3}", jain(&get(r).per_identity_ok))
         }));
         if runs.iter().any(|r| get(r).proxy_cpu_seconds.is_some()) {
-            rows.push(row("proxy CPU µs / request", &|r| {
+            rows.push(row(runs, "proxy CPU µs / request", &|r| {
                 get(r)
                     .cpu_us_per_request()
                     .map_or_else(|| "-".into(), |us| format!("{us:.1}"))
